@@ -1,0 +1,330 @@
+"""Local rewiring: one peer plans one edge move on its own view of the graph.
+
+Each peer periodically calls `plan_move`; the result is only a plan, which the
+daemon carries out with propose -> accept -> commit so the other endpoint(s) can
+refuse (their view may differ). Moves, in priority order:
+
+  * drop  -- my degree is above `max_degree`: drop my slowest droppable edge;
+  * add   -- my degree is below `target_degree`: link to the best candidate;
+  * swap  -- otherwise replace one edge by an edge to a better candidate, either
+             for speed (the replaced link gets >= `min_improvement` faster) or for
+             mixing (the spectral gap grows by >= `min_improvement`, relative, and
+             the new link is no slower than the old one).
+
+Why speed is judged on the replaced link and not on the global round time: the
+round time is the *maximum* edge time, a plateau. With k equally slow links, the
+first k - 1 swaps leave it unchanged, so a rule that looks only at the maximum
+never starts. Judging the replaced link makes every swap progress, never raises
+the global round time (the new link is faster than one that was counted in the
+maximum), and gives a potential -- (sum of edge times, -gap) lexicographically --
+that strictly decreases with every swap, so rewiring on a fixed view terminates
+instead of oscillating.
+
+The gap rule (`gap_acceptable`): a move never takes the gap below
+min(gap_floor, current gap), i.e. never below the floor and never makes an already
+poor graph worse; and it may lower the gap by more than a factor `gap_keep_ratio`
+only when the replaced link gets >= `big_improvement` faster. Marginal speed-ups
+therefore cannot erode mixing, while real stragglers can always be removed as long
+as the floor holds.
+
+Invariants of every planned move: the number of connected components does not
+grow, no endpoint of a dropped edge falls below `min_degree`, and no added peer
+goes above `max_degree`. Candidate order is shuffled with the caller's rng before a
+stable sort, so peers with identical views break ties differently and do not all
+chase the same candidate in lockstep.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import numpy as np
+
+from peer.topology.graph import GraphView, LinkEstimate
+from peer.topology.mixing import graph_spectral_gap, predicted_round_time
+
+MoveKind = Literal["add", "drop", "swap"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewireConfig:
+    """Knobs for `plan_move`. `shard_bytes` is what one exchange sends each way."""
+
+    shard_bytes: int
+    target_degree: int = 4
+    min_degree: int = 2
+    max_degree: int = 8
+    gap_floor: float = 0.05
+    gap_keep_ratio: float = 0.9
+    big_improvement: float = 0.2
+    min_improvement: float = 0.05
+    default_bandwidth_bps: float = 100e6
+    default_rtt_s: float = 0.005
+    max_evaluations: int = 64
+    """Cap on hypothetical graphs scored per call (each costs an eigensolve)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_degree <= self.target_degree <= self.max_degree:
+            raise ValueError(
+                "need 1 <= min_degree <= target_degree <= max_degree, got "
+                f"{self.min_degree}, {self.target_degree}, {self.max_degree}"
+            )
+        if self.shard_bytes < 0:
+            raise ValueError(f"shard_bytes must be >= 0, got {self.shard_bytes}")
+        if not 0.0 <= self.gap_floor < 1.0:
+            raise ValueError(f"gap_floor must be in [0, 1), got {self.gap_floor}")
+        if not 0.0 < self.gap_keep_ratio <= 1.0:
+            raise ValueError(f"gap_keep_ratio must be in (0, 1], got {self.gap_keep_ratio}")
+        if not 0.0 < self.min_improvement <= self.big_improvement < 1.0:
+            raise ValueError(
+                "need 0 < min_improvement <= big_improvement < 1, got "
+                f"{self.min_improvement}, {self.big_improvement}"
+            )
+        if not (self.default_bandwidth_bps > 0 and self.default_rtt_s >= 0):
+            raise ValueError("default bandwidth must be > 0 and default rtt >= 0")
+        if self.max_evaluations < 1:
+            raise ValueError(f"max_evaluations must be >= 1, got {self.max_evaluations}")
+
+
+@dataclass(frozen=True)
+class Move:
+    """A planned edge change for peer `me` (who is implicit: the planner)."""
+
+    kind: MoveKind
+    drop: str | None
+    add: str | None
+    predicted_round_time_before: float
+    predicted_round_time_after: float
+    gap_before: float
+    gap_after: float
+    reason: str
+    add_link: LinkEstimate | None = None
+    """The estimate the plan assumed for the new link (attach it when applying)."""
+
+
+def gap_acceptable(gap_before: float, gap_after: float, link_gain: float, cfg: RewireConfig) -> bool:
+    """The floor/keep-ratio rule described in the module docstring.
+
+    `link_gain` is the fractional speed-up of the replaced link (0 for none).
+    """
+    if gap_after < min(cfg.gap_floor, gap_before):
+        return False
+    if gap_after >= cfg.gap_keep_ratio * gap_before:
+        return True
+    return link_gain >= cfg.big_improvement
+
+
+def apply_move(view: GraphView, me: str, move: Move) -> GraphView:
+    """The view after `move` commits (what both endpoints will do)."""
+    out = view
+    if move.drop is not None:
+        out = out.without_edge(me, move.drop)
+    if move.add is not None:
+        out = out.with_edge(me, move.add, move.add_link)
+    return out
+
+
+@dataclass(frozen=True)
+class _Scene:
+    """Everything about the current view that every candidate evaluation reuses."""
+
+    view: GraphView
+    me: str
+    cfg: RewireConfig
+    round_time: float
+    gap: float
+    components: int
+
+    def time(self, link: LinkEstimate) -> float:
+        c = self.cfg
+        return link.transfer_time(c.shard_bytes, c.default_bandwidth_bps, c.default_rtt_s)
+
+    def score(self, after: GraphView) -> tuple[float, float] | None:
+        """(round time, gap) of a hypothetical view, or None if it splits the graph."""
+        if after.component_count() > self.components:
+            return None
+        c = self.cfg
+        rt = predicted_round_time(after, c.shard_bytes, c.default_bandwidth_bps, c.default_rtt_s)
+        return rt, graph_spectral_gap(after)
+
+    def move(self, kind: MoveKind, drop: str | None, add: str | None,
+             scored: tuple[float, float], reason: str, link: LinkEstimate | None = None) -> Move:
+        return Move(kind, drop, add, self.round_time, scored[0], self.gap, scored[1], reason, link)
+
+
+class _Candidate(NamedTuple):
+    node: str
+    link: LinkEstimate
+    time: float
+    hops: int
+
+
+def _bucket(t: float, step: float) -> float:
+    """Log-scale bucket: link times within about `step` (relative) count as ties."""
+    return -math.inf if t <= 0 else math.floor(math.log(t) / math.log1p(step))
+
+
+def _shuffled(items: list, rng: np.random.Generator) -> list:
+    return [items[i] for i in rng.permutation(len(items))]
+
+
+def _candidates(
+    s: _Scene, candidates_measured: Mapping[str, LinkEstimate] | None
+) -> list[_Candidate]:
+    """Peers I could link to, with the estimate, link time and hop distance.
+
+    With `candidates_measured` (my fresh probes), only those peers are candidates:
+    a peer I have not reached may well be unreachable. Without it, every
+    non-neighbour in the view is, with the view's estimate or the defaults. Peers
+    unknown to the view or already at `max_degree` are skipped.
+    """
+    view, me = s.view, s.me
+    mine = view.neighbours(me)
+    if candidates_measured is None:
+        pool = {n: view.link(me, n) for n in view.nodes if n != me}
+    else:
+        pool = {n: est for n, est in candidates_measured.items() if n in view.nodes}
+    dist = view.hop_distances(me)
+    far = len(view.nodes) + 1  # unreachable: linking there merges components
+    out: list[_Candidate] = []
+    for n in sorted(pool):
+        if n == me or n in mine or view.degree(n) >= s.cfg.max_degree:
+            continue
+        out.append(_Candidate(n, pool[n], s.time(pool[n]), dist.get(n, far)))
+    return out
+
+
+def _by_speed_then_far(
+    s: _Scene, cands: list[_Candidate], rng: np.random.Generator
+) -> list[_Candidate]:
+    """Fastest first; among similar speeds the farthest, then the least connected.
+
+    Far peers shorten paths (raising the gap); low-degree peers keep degrees
+    balanced, since every swap moves one edge end from the dropped peer to them.
+    """
+    step = s.cfg.min_improvement
+    return sorted(
+        _shuffled(cands, rng),
+        key=lambda c: (_bucket(c.time, step), -c.hops, s.view.degree(c.node)),
+    )
+
+
+def _my_edges_slowest_first(s: _Scene, rng: np.random.Generator) -> list[tuple[str, float]]:
+    edges = [(m, s.time(s.view.link(s.me, m))) for m in sorted(s.view.neighbours(s.me))]
+    return sorted(_shuffled(edges, rng), key=lambda e: -e[1])
+
+
+def _plan_drop(s: _Scene, rng: np.random.Generator) -> Move | None:
+    view, cfg = s.view, s.cfg
+    for other, t in _my_edges_slowest_first(s, rng):
+        if view.degree(other) - 1 < cfg.min_degree:
+            continue
+        scored = s.score(view.without_edge(s.me, other))
+        if scored is None or scored[1] < min(cfg.gap_floor, s.gap):
+            continue
+        return s.move("drop", other, None, scored,
+                      f"degree {view.degree(s.me)} > max {cfg.max_degree}: drop {other} ({t:.3g} s)")
+    return None
+
+
+def _plan_add(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> Move | None:
+    """Add the fastest (then farthest) candidate.
+
+    Below `min_degree` robustness comes first and any candidate will do. Between
+    min and target, an add must not create a new straggler (link time above the
+    current round time) nor take the gap below min(floor, current gap).
+    """
+    view, cfg = s.view, s.cfg
+    urgent = view.degree(s.me) < cfg.min_degree
+    for n, est, t, _ in _by_speed_then_far(s, cands, rng)[: cfg.max_evaluations]:
+        if not urgent and s.round_time > 0 and t > s.round_time:
+            continue
+        scored = s.score(view.with_edge(s.me, n, est))
+        if scored is None:
+            continue
+        if not urgent and scored[1] < min(cfg.gap_floor, s.gap):
+            continue
+        why = "below min" if urgent else "below target"
+        return s.move("add", None, n, scored,
+                      f"degree {view.degree(s.me)} {why}: add {n} ({t:.3g} s)", est)
+    return None
+
+
+def _plan_swap(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> Move | None:
+    view, cfg, me = s.view, s.cfg, s.me
+    mine = _my_edges_slowest_first(s, rng)
+    droppable = [(m, t) for m, t in mine if view.degree(m) - 1 >= cfg.min_degree]
+    budget = cfg.max_evaluations
+    if not droppable or not cands:
+        return None
+
+    # Speed: replace one of my slowest links (within min_improvement of my slowest).
+    slowest = mine[0][1]
+    fast_first = _by_speed_then_far(s, cands, rng)
+    for other, t_old in droppable:
+        if t_old < (1 - cfg.min_improvement) * slowest:
+            break
+        for n, est, t_new, _ in fast_first:
+            if t_new > (1 - cfg.min_improvement) * t_old:
+                continue
+            if budget <= 0:
+                return None
+            budget -= 1
+            scored = s.score(view.without_edge(me, other).with_edge(me, n, est))
+            gain = 1.0 - t_new / t_old if t_old > 0 else 0.0
+            if scored is None or not gap_acceptable(s.gap, scored[1], gain, cfg):
+                continue
+            return s.move("swap", other, n, scored,
+                          f"speed: {other} ({t_old:.3g} s) -> {n} ({t_new:.3g} s), {gain:.0%} faster", est)
+
+    # Mixing: a link no slower than the one it replaces, to a far peer, raising the gap.
+    far_first = sorted(_shuffled(cands, rng), key=lambda c: (-c.hops, view.degree(c.node)))
+    for other, t_old in droppable:
+        for n, est, t_new, _ in far_first:
+            if t_new > t_old:
+                continue
+            if budget <= 0:
+                return None
+            budget -= 1
+            scored = s.score(view.without_edge(me, other).with_edge(me, n, est))
+            if scored is None:
+                continue
+            g1 = scored[1]
+            if g1 >= (1 + cfg.min_improvement) * s.gap and g1 > s.gap + 1e-12:
+                return s.move("swap", other, n, scored,
+                              f"mixing: {other} -> {n}, gap {s.gap:.3f} -> {g1:.3f}", est)
+    return None
+
+
+def plan_move(
+    view: GraphView,
+    me: str,
+    cfg: RewireConfig,
+    rng: np.random.Generator,
+    candidates_measured: dict[str, LinkEstimate] | None = None,
+) -> Move | None:
+    """Plan at most one move for `me`, or None when nothing helps.
+
+    `candidates_measured` holds my own fresh probes of non-neighbours (they win
+    over the view's older estimates); see `_candidates` for who is a candidate.
+    """
+    if me not in view.nodes:
+        raise ValueError(f"planner {me!r} is not in the view")
+    s = _Scene(
+        view=view,
+        me=me,
+        cfg=cfg,
+        round_time=predicted_round_time(view, cfg.shard_bytes, cfg.default_bandwidth_bps, cfg.default_rtt_s),
+        gap=graph_spectral_gap(view),
+        components=view.component_count(),
+    )
+    degree = view.degree(me)
+    if degree > cfg.max_degree and (m := _plan_drop(s, rng)) is not None:
+        return m
+    cands = _candidates(s, candidates_measured)
+    if degree < cfg.target_degree and (m := _plan_add(s, cands, rng)) is not None:
+        return m
+    return _plan_swap(s, cands, rng)

@@ -1,0 +1,450 @@
+"""Topology math: mixing weights, spectral gaps, fixed graphs and local rewiring.
+
+The simulations print their numbers (run with `-s` to see them) so that changes to
+the rewiring rules show their effect, not just pass/fail.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from peer.topology.fixed import (
+    FIXED_KINDS,
+    build_fixed,
+    build_fixed_view,
+    exponential,
+    full,
+    random_regular,
+    ring,
+)
+from peer.topology.graph import GraphView, LinkEstimate, edge_key
+from peer.topology.mixing import (
+    check_doubly_stochastic,
+    graph_spectral_gap,
+    local_weights,
+    metropolis_weight,
+    mixing_matrix,
+    node_round_time,
+    predicted_round_time,
+    spectral_gap,
+)
+from peer.topology.rewire import Move, RewireConfig, apply_move, gap_acceptable, plan_move
+
+
+def names(n: int) -> list[str]:
+    return [f"p{i:03d}" for i in range(n)]
+
+
+def random_view(rng: np.random.Generator, n: int, p: float) -> GraphView:
+    ids = names(n)
+    edges = [(a, b) for i, a in enumerate(ids) for b in ids[i + 1 :] if rng.random() < p]
+    return GraphView.from_edges(ids, edges)
+
+
+def random_links(rng: np.random.Generator, ids: list[str], measured: float = 1.0) -> dict:
+    """Per-pair estimates with bandwidths spread over three decades; some missing."""
+    links = {}
+    for i, a in enumerate(ids):
+        for b in ids[i + 1 :]:
+            if rng.random() < measured:
+                bw = float(10 ** rng.uniform(6, 9)) if rng.random() < 0.8 else None
+                rtt = float(rng.uniform(0.001, 0.05)) if rng.random() < 0.8 else None
+                links[edge_key(a, b)] = LinkEstimate(bw, rtt)
+    return links
+
+
+# -- graph view -----------------------------------------------------------------
+
+
+def test_link_reports_merge_pessimistically():
+    reports = {
+        "a": {"b": LinkEstimate(bandwidth_bps=50e6, rtt_s=0.010)},
+        "b": {"a": LinkEstimate(bandwidth_bps=80e6, rtt_s=0.020), "c": LinkEstimate(rtt_s=0.003)},
+    }
+    v = GraphView.from_reports("abc", [("a", "b"), ("b", "c")], reports)
+    assert v.link("b", "a") == LinkEstimate(50e6, 0.020)
+    assert v.link("c", "b") == LinkEstimate(None, 0.003)  # one side, one field measured
+    assert v.link("a", "c") == LinkEstimate()
+    assert LinkEstimate(None, 0.01).combine(LinkEstimate(7.0, None)) == LinkEstimate(7.0, 0.01)
+
+
+def test_view_helpers_and_immutability():
+    v = GraphView.from_edges("abcd", [("a", "b"), ("b", "c"), ("c", "d")])
+    assert v.neighbours("b") == {"a", "c"} and v.degree("d") == 1
+    assert v.is_connected() and not v.connected_without("b", "c")
+    w = v.with_edge("a", "d", LinkEstimate(1e6, 0.1))
+    assert w.connected_without("b", "c") and w.degree("a") == 2
+    assert v.degree("a") == 1 and not v.has_edge("a", "d")  # original untouched
+    u = w.without_edge("a", "d")
+    assert u.edges == v.edges and u.link("a", "d") == LinkEstimate(1e6, 0.1)
+    ids, a = v.adjacency()
+    assert ids == ("a", "b", "c", "d") and (a == a.T).all() and a.sum() == 6
+    assert v.hop_distances("a") == {"a": 0, "b": 1, "c": 2, "d": 3}
+    assert GraphView.from_edges("abc", [("a", "b")]).component_count() == 2
+    with pytest.raises(ValueError):
+        GraphView.from_edges("ab", [("a", "z")])
+    with pytest.raises(ValueError):
+        v.with_edge("a", "a")
+    with pytest.raises(ValueError):
+        v.degree("zz")
+
+
+def test_predicted_round_time_uses_slowest_edge_and_defaults():
+    links = {("a", "b"): LinkEstimate(10e6, 0.01), ("b", "c"): LinkEstimate(rtt_s=0.002)}
+    v = GraphView.from_edges("abc", [("a", "b"), ("b", "c")], links)
+    # a-b: 1e6/10e6 + 0.01 = 0.11 s; b-c: 1e6/100e6 (default) + 0.002 = 0.012 s
+    assert predicted_round_time(v, 1e6, 100e6, 0.005) == pytest.approx(0.11)
+    assert node_round_time(v, "c", 1e6, 100e6, 0.005) == pytest.approx(0.012)
+    v2 = GraphView.from_edges("abc", [("b", "c")], links)
+    assert predicted_round_time(v2, 1e6, 100e6, 0.005) == pytest.approx(0.012)
+    assert predicted_round_time(GraphView.from_edges("ab", []), 1e6, 1e8, 0.005) == 0.0
+
+
+# -- mixing matrix ----------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 24), p=st.floats(0.0, 1.0), seed=st.integers(0, 2**32 - 1))
+def test_metropolis_matrix_is_symmetric_doubly_stochastic(n, p, seed):
+    v = random_view(np.random.default_rng(seed), n, p)
+    w = mixing_matrix(v)
+    assert np.array_equal(w, w.T)
+    assert w.min() >= 0.0
+    np.testing.assert_allclose(w.sum(axis=0), 1.0, atol=1e-12)
+    np.testing.assert_allclose(w.sum(axis=1), 1.0, atol=1e-12)
+    check_doubly_stochastic(w, tol=1e-12)
+    ids = v.ids()
+    for i, node in enumerate(ids):  # each peer's local row matches the global matrix
+        if v.degree(node) == 0:
+            continue
+        self_w, row = local_weights({m: v.degree(m) for m in v.neighbours(node)})
+        assert self_w == pytest.approx(w[i, i], abs=1e-12)
+        assert self_w >= 1.0 / (1 + v.degree(node)) - 1e-12
+        for m, wm in row.items():
+            assert wm == pytest.approx(w[i, ids.index(m)], abs=1e-15)
+    assert mixing_matrix(v.adjacency()[1]).tolist() == w.tolist()
+
+
+def test_local_row_never_exceeds_one_with_stale_degrees():
+    # Neighbours' degrees may be gossiped late; my own degree is exact, which bounds the row.
+    for stale in ([1, 1, 1], [1, 9, 2], [100, 100, 100]):
+        self_w, row = local_weights(dict(zip("xyz", stale)))
+        assert self_w >= 1 / 4 and sum(row.values()) <= 3 / 4
+
+
+def test_check_doubly_stochastic_reports_problems():
+    with pytest.raises(ValueError, match="square"):
+        check_doubly_stochastic(np.ones((2, 3)) / 3)
+    with pytest.raises(ValueError, match="negative"):
+        check_doubly_stochastic(np.array([[1.5, -0.5], [-0.5, 1.5]]))
+    with pytest.raises(ValueError, match="row"):
+        check_doubly_stochastic(np.array([[0.5, 0.6], [0.5, 0.4]]))
+    with pytest.raises(ValueError, match="column"):
+        check_doubly_stochastic(np.array([[0.5, 0.5], [0.6, 0.4]]))
+    with pytest.raises(ValueError):
+        metropolis_weight(0, 3)
+
+
+# -- spectral gap -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 8, 15, 16, 33])
+def test_ring_gap_matches_closed_form(n):
+    # MH on a cycle: W = I/3 + (shift + shift^T)/3, eigenvalues 1/3 + 2/3 cos(2 pi k / n).
+    lam = [1 / 3 + 2 / 3 * math.cos(2 * math.pi * k / n) for k in range(1, n)]
+    expected = 1 - max(abs(x) for x in lam)
+    assert graph_spectral_gap(GraphView.from_edges(names(n), ring(names(n)))) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("n", [5, 8, 12, 16, 32, 64])
+def test_exponential_gap_matches_circulant_closed_form(n):
+    edges = exponential(names(n))
+    v = GraphView.from_edges(names(n), edges)
+    offsets = {(s * sign) % n for k in range(n.bit_length()) if (s := 2**k) < n for sign in (1, -1)}
+    d = len(offsets)
+    assert all(v.degree(x) == d for x in v.nodes)
+    if n & (n - 1) == 0:
+        assert d == 2 * int(math.log2(n)) - 1
+    lam = [(1 + sum(math.cos(2 * math.pi * k * s / n) for s in offsets)) / (d + 1) for k in range(1, n)]
+    assert graph_spectral_gap(v) == pytest.approx(1 - max(abs(x) for x in lam), abs=1e-12)
+
+
+def test_full_graph_and_degenerate_gaps():
+    for n in (2, 3, 10):
+        assert graph_spectral_gap(GraphView.from_edges(names(n), full(names(n)))) == pytest.approx(1.0)
+    assert spectral_gap(np.ones((1, 1))) == 0.0
+    assert spectral_gap(np.zeros((0, 0))) == 0.0
+    two_islands = GraphView.from_edges("abcd", [("a", "b"), ("c", "d")])
+    assert graph_spectral_gap(two_islands) == 0.0
+    with pytest.raises(ValueError, match="symmetric"):
+        spectral_gap(np.array([[0.5, 0.5], [0.25, 0.75]]))
+
+
+def test_random_4_regular_gaps_match_reference():
+    reference = {16: 0.27, 32: 0.17, 64: 0.14}
+    measured = {}
+    for n, want in reference.items():
+        gaps = [graph_spectral_gap(GraphView.from_edges(names(n), random_regular(names(n), 4, s))) for s in range(8)]
+        measured[n] = float(np.mean(gaps))
+        assert abs(measured[n] - want) <= 0.05
+    print(f"\nrandom 4-regular MH gap (mean of 8 seeds): {measured}")
+
+
+def test_metropolis_beats_lazy_and_max_degree_weights():
+    """Evidence for the weight rule (see mixing.py): the local alternatives lose."""
+    rng = np.random.default_rng(7)
+    mh, lazy, maxdeg = [], [], []
+    for _ in range(20):
+        v = random_view(rng, 24, 0.17)
+        if not v.is_connected():
+            continue
+        a = v.adjacency()[1]
+        w = mixing_matrix(a)
+        mh.append(spectral_gap(w))
+        lazy.append(spectral_gap((w + np.eye(len(a))) / 2))
+        wm = a / (1 + a.sum(axis=1).max())
+        wm[np.diag_indices(len(a))] = 1 - wm.sum(axis=1)
+        maxdeg.append(spectral_gap(wm))
+    assert len(mh) >= 5
+    assert np.mean(mh) > np.mean(lazy) and np.mean(mh) > np.mean(maxdeg)
+    print(f"\nER n=24 mean gap: MH {np.mean(mh):.3f}, lazy MH {np.mean(lazy):.3f}, max-degree {np.mean(maxdeg):.3f}")
+
+
+# -- fixed topologies ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,d", [(8, 3), (10, 4), (16, 4), (17, 4), (33, 6), (64, 4), (100, 3)])
+def test_random_regular_is_connected_and_regular(n, d):
+    for seed in range(3):
+        edges = random_regular(names(n), d, seed)
+        v = GraphView.from_edges(names(n), edges)
+        assert v.is_connected()
+        assert sorted(v.degree(x) for x in v.nodes) == [d] * n
+        assert edges == random_regular(list(reversed(names(n))), d, seed)  # order-independent
+    assert random_regular(names(n), d, 0) != random_regular(names(n), d, 1)
+
+
+def test_random_regular_fallbacks():
+    odd = GraphView.from_edges(names(9), random_regular(names(9), 3, 0))
+    assert odd.is_connected() and sorted(odd.degree(x) for x in odd.nodes) == [2] + [3] * 8
+    assert random_regular(names(5), 4, 0) == full(names(5))
+    assert random_regular(names(5), 10, 0) == full(names(5))
+    low = GraphView.from_edges(names(10), random_regular(names(10), 1, 0))
+    assert low.is_connected() and {low.degree(x) for x in low.nodes} == {2}
+    assert random_regular(names(2), 4, 0) == {edge_key("p000", "p001")}
+    assert random_regular(names(1), 4, 0) == frozenset()
+
+
+def test_build_fixed_dispatch_and_small_cases():
+    ids = names(6)
+    for kind in FIXED_KINDS:
+        v = build_fixed_view(kind, ids, degree=3, seed=4)
+        assert v.is_connected() and v.nodes == set(ids)
+    assert build_fixed("ring", ids) == ring(ids)
+    assert ring(["a"]) == frozenset() and ring(["b", "a"]) == {edge_key("a", "b")}
+    assert exponential(["a", "b"]) == {edge_key("a", "b")}
+    with pytest.raises(ValueError, match="unknown fixed topology 'star'"):
+        build_fixed("star", ids)
+    with pytest.raises(ValueError, match="duplicate"):
+        ring(["a", "b", "a"])
+
+
+# -- rewiring -------------------------------------------------------------------------
+
+
+def test_rewire_config_validation_and_gap_rule():
+    with pytest.raises(ValueError):
+        RewireConfig(shard_bytes=1, min_degree=5, target_degree=4)
+    with pytest.raises(ValueError):
+        RewireConfig(shard_bytes=1, min_improvement=0.3, big_improvement=0.2)
+    cfg = RewireConfig(shard_bytes=1)
+    assert gap_acceptable(0.30, 0.28, 0.06, cfg)  # small loss, small gain: fine
+    assert not gap_acceptable(0.30, 0.20, 0.10, cfg)  # big loss needs a big gain
+    assert gap_acceptable(0.30, 0.20, 0.25, cfg)
+    assert not gap_acceptable(0.30, 0.04, 0.90, cfg)  # never below the floor
+    assert gap_acceptable(0.03, 0.035, 0.0, cfg) and not gap_acceptable(0.03, 0.02, 0.9, cfg)
+
+
+def test_plan_move_adds_fast_far_peer_and_drops_when_over_max():
+    ids = names(8)
+    line = GraphView.from_edges(ids, [(ids[i], ids[i + 1]) for i in range(7)])
+    cfg = RewireConfig(shard_bytes=1_000_000, target_degree=2, min_degree=1, max_degree=3)
+    # p000 has degree 1 < target: equal (unmeasured) links, so the farthest peer wins.
+    m = plan_move(line, "p000", cfg, np.random.default_rng(0))
+    assert m is not None and m.kind == "add" and m.add == "p007" and m.drop is None
+    assert m.gap_after > m.gap_before
+    # ...unless a measured candidate is clearly faster.
+    fast = {"p002": LinkEstimate(1e9, 0.001), "p007": LinkEstimate(50e6, 0.005)}
+    m = plan_move(line, "p000", cfg, np.random.default_rng(0), candidates_measured=fast)
+    assert m is not None and m.add == "p002" and m.add_link == fast["p002"]
+    hub = GraphView.from_edges("habcde", [("h", x) for x in "abcde"] + [(x, y) for x, y in zip("abcde", "bcdea")])
+    m = plan_move(hub, "h", cfg, np.random.default_rng(0))
+    assert m is not None and m.kind == "drop" and apply_move(hub, "h", m).degree("h") == 4
+
+
+def test_plan_move_swaps_slow_link_and_returns_none_when_nothing_helps():
+    ids = names(12)
+    base = GraphView.from_edges(ids, random_regular(ids, 4, 3))
+    links = {edge_key(a, b): LinkEstimate(100e6, 0.005) for i, a in enumerate(ids) for b in ids[i + 1 :]}
+    cfg = RewireConfig(shard_bytes=10_000_000)
+    even = GraphView(base.nodes, base.edges, links)
+    rng = np.random.default_rng(1)
+    for _ in range(100):  # equal links: only mixing swaps apply, and they run out
+        planned = [(me, plan_move(even, me, cfg, rng)) for me in ids]
+        planned = [(me, m) for me, m in planned if m is not None]
+        if not planned:
+            break
+        me, m = planned[0]
+        assert m.predicted_round_time_after == m.predicted_round_time_before
+        if m.kind == "swap":
+            assert m.reason.startswith("mixing") and m.gap_after >= 1.05 * m.gap_before
+        else:  # the peer that lost an edge to a swap refills up to the target degree
+            assert m.kind == "add" and even.degree(me) < cfg.target_degree
+        even = apply_move(even, me, m)
+    assert not planned
+    base = even
+    slow_edge = sorted(sorted(e) for e in base.edges)[0]
+    links[edge_key(*slow_edge)] = LinkEstimate(5e6, 0.005)
+    slow = GraphView(base.nodes, base.edges, links)
+    m = plan_move(slow, slow_edge[0], cfg, np.random.default_rng(1))
+    assert m is not None and m.kind == "swap" and m.drop == slow_edge[1]
+    assert m.predicted_round_time_after < 0.2 * m.predicted_round_time_before
+    assert m.gap_after >= min(cfg.gap_floor, m.gap_before)
+
+
+def test_plan_move_never_disconnects_or_breaks_degree_bounds():
+    rng = np.random.default_rng(2024)
+    kinds: dict[str, int] = {}
+    for trial in range(300):
+        n = int(rng.integers(3, 15))
+        view = random_view(rng, n, float(rng.uniform(0.1, 0.9)))
+        ids = sorted(view.nodes)
+        view = GraphView(view.nodes, view.edges, random_links(rng, ids, measured=float(rng.uniform(0, 1))))
+        lo = int(rng.integers(1, 4))
+        tgt = lo + int(rng.integers(0, 3))
+        cfg = RewireConfig(
+            shard_bytes=int(rng.integers(0, 50_000_000)),
+            min_degree=lo,
+            target_degree=tgt,
+            max_degree=tgt + int(rng.integers(0, 3)),
+            gap_floor=float(rng.uniform(0, 0.3)),
+            max_evaluations=int(rng.integers(1, 40)),
+        )
+        me = ids[int(rng.integers(n))]
+        probes = None
+        if trial % 2:
+            probes = {x: LinkEstimate(float(10 ** rng.uniform(6, 9)), 0.01) for x in ids if rng.random() < 0.5}
+            probes["stranger"] = LinkEstimate(1e9, 0.0)  # not in the view: ignored
+        move = plan_move(view, me, cfg, rng, probes)
+        if move is None:
+            continue
+        kinds[move.kind] = kinds.get(move.kind, 0) + 1
+        after = apply_move(view, me, move)
+        assert after.component_count() <= view.component_count()
+        assert len(after.edges) - len(view.edges) == {"add": 1, "drop": -1, "swap": 0}[move.kind]
+        for x in ids:
+            assert after.degree(x) >= min(view.degree(x), cfg.min_degree)
+        if move.add is not None:
+            assert after.degree(move.add) <= cfg.max_degree and move.add != me
+            if probes is not None:
+                assert move.add in probes
+        if move.kind != "add" or view.degree(me) >= cfg.min_degree:
+            assert move.gap_after >= min(cfg.gap_floor, move.gap_before) - 1e-12
+        assert move.gap_after == pytest.approx(graph_spectral_gap(after))
+        assert move.gap_before == pytest.approx(graph_spectral_gap(view))
+    assert set(kinds) == {"add", "drop", "swap"}, kinds
+
+
+def exchange(x: np.ndarray, i: int, j: int, w: float) -> None:
+    """One symmetric pairwise gossip step, as both daemons perform it."""
+    xi, xj = x[i].copy(), x[j].copy()
+    x[i] += w * (xj - xi)
+    x[j] += w * (xi - xj)
+
+
+def test_gossip_with_rewiring_preserves_sum_and_reaches_consensus():
+    rng = np.random.default_rng(11)
+    ids = names(8)
+    index = {p: k for k, p in enumerate(ids)}
+    view = GraphView.from_edges(ids, ring(ids))
+    cfg = RewireConfig(shard_bytes=4_000_000, target_degree=3, min_degree=2, max_degree=5)
+    x = rng.normal(size=(8, 32)) * 10
+    total0, scale = x.sum(axis=0), np.abs(x).sum()
+    err = [float(np.linalg.norm(x - x.mean(axis=0)))]
+    edge_sets, moves = {view.edges}, 0
+    for step in range(2000):
+        if step % 5 == 0:  # links fluctuate; a random peer re-plans against fresh numbers
+            view = GraphView(view.nodes, view.edges, random_links(rng, ids))
+            me = ids[int(rng.integers(8))]
+            move = plan_move(view, me, cfg, rng)
+            if move is not None:
+                view, moves = apply_move(view, me, move), moves + 1
+                edge_sets.add(view.edges)
+        a, b = sorted(sorted(e) for e in view.edges)[int(rng.integers(len(view.edges)))]
+        exchange(x, index[a], index[b], metropolis_weight(view.degree(a), view.degree(b)))
+        if step % 250 == 249:
+            err.append(float(np.linalg.norm(x - x.mean(axis=0))))
+    drift = float(np.abs(x.sum(axis=0) - total0).max()) / scale
+    print(f"\ngossip n=8, 2000 exchanges, {moves} rewires ({len(edge_sets)} distinct graphs): "
+          f"relative sum drift {drift:.1e}, consensus error {err[0]:.3g} -> {err[-1]:.3g} "
+          f"(checkpoints {[f'{e:.2g}' for e in err]})")
+    assert drift <= 1e-9
+    assert moves >= 20 and len(edge_sets) >= 10
+    assert all(b <= a + 1e-12 * err[0] for a, b in zip(err, err[1:]))  # averaging never adds error
+    assert err[-1] < 1e-8 * err[0]
+
+
+def test_rewiring_removes_slow_links_and_keeps_gap_above_floor():
+    rng = np.random.default_rng(5)
+    n = 32
+    ids = names(n)
+    edges = random_regular(ids, 4, 1)
+    links = {edge_key(a, b): LinkEstimate(float(rng.uniform(80e6, 120e6)), 0.005)
+             for i, a in enumerate(ids) for b in ids[i + 1 :]}
+    ordered = sorted(sorted(e) for e in edges)
+    slow = {edge_key(*ordered[k]) for k in rng.choice(len(ordered), 6, replace=False)}
+    slow |= {k for k in links if k not in edges and rng.random() < 0.1}  # slow candidates too
+    for k in slow:
+        links[k] = LinkEstimate(10e6, 0.005)  # 10x slower
+    view = GraphView(frozenset(ids), edges, links)
+    cfg = RewireConfig(shard_bytes=10_000_000)
+
+    def stats(v: GraphView) -> tuple[float, float, float]:
+        share = sum(e in slow for e in v.edges) / len(v.edges)
+        rt = predicted_round_time(v, cfg.shard_bytes, cfg.default_bandwidth_bps, cfg.default_rtt_s)
+        return share, rt, graph_spectral_gap(v)
+
+    history = [stats(view)]
+    min_gap, moves = history[0][2], 0
+    for _ in range(30):
+        round_moves = 0
+        for me in rng.permutation(ids):
+            me = str(me)
+            probes = {p: links[edge_key(me, p)] for p in ids if p != me} if rng.random() < 0.5 else None
+            move: Move | None = plan_move(view, me, cfg, rng, probes)
+            if move is None:
+                continue
+            view = apply_move(view, me, move)
+            round_moves += 1
+            assert view.is_connected() and min(view.degree(p) for p in ids) >= cfg.min_degree
+            min_gap = min(min_gap, graph_spectral_gap(view))
+        moves += round_moves
+        history.append(stats(view))
+        if round_moves == 0:
+            break
+    (s0, rt0, g0), (s1, rt1, g1) = history[0], history[-1]
+    degrees = np.bincount([view.degree(p) for p in ids])
+    print(f"\nslow links n=32: share {s0:.1%} -> {s1:.1%}, round time {rt0:.3f} s -> {rt1:.3f} s, "
+          f"gap {g0:.3f} -> {g1:.3f} (min {min_gap:.3f}, floor {cfg.gap_floor}), "
+          f"{moves} moves in {len(history) - 1} rounds, edges {len(edges)} -> {len(view.edges)}, "
+          f"degree histogram {degrees.tolist()}")
+    assert round_moves == 0, "rewiring did not settle"
+    assert s1 < s0 and s1 == 0.0
+    assert rt1 < 0.2 * rt0
+    assert min_gap >= cfg.gap_floor
+    assert max(view.degree(p) for p in ids) <= cfg.max_degree
