@@ -1,0 +1,140 @@
+"""`peer bench transport`: how close the encrypted channel gets to the cipher's own speed.
+
+One child process listens on two ports over 127.0.0.1: one with normal sealed sessions, one whose
+sessions (after the same authenticated handshake) send frames unencrypted — the `plain_tcp_gbps`
+baseline of the same code path. The parent streams a float32 tensor of `--size` bytes through the real
+`Session.send_tensor` and waits for the child's acknowledgement (a reply sent after the tensor was
+fully received and decoded), for several rounds after a warm-up; it also measures one core sealing
+the same bytes in memory. `ratio_to_aead = encrypted_gbps / aead_seal_gbps`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--size", default="64MiB", help="tensor size (e.g. 64MiB, 1GiB); default 64MiB")
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up (default 5)")
+    p.add_argument("--cipher", choices=["auto", "aes-256-gcm", "chacha20-poly1305"], default="auto")
+    p.add_argument("--chunk", default="1MiB", help="frame size for tensor chunks (default 1MiB)")
+    p.add_argument("--json", action="store_true", help="print only the JSON object")
+    p.add_argument("--serve", action="store_true", help=argparse_suppress())
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+def _transport_config(cipher: str, chunk: int, plain: bool):
+    from peer.transport import TransportConfig
+    from protocol.identity import generate_identity
+    from protocol.limits import WireLimits
+
+    return TransportConfig(identity=generate_identity(), swarm="bench", ciphers=(cipher,),
+                           limits=WireLimits(max_frame_bytes=max(chunk, 1 << 16) + 64),
+                           chunk_bytes=chunk, insecure_plaintext_for_benchmark=plain)
+
+
+async def _serve(cipher: str, chunk: int) -> None:
+    import trio
+
+    from peer.transport import SessionClosed, open_listeners, serve
+    from protocol.schema import Ping, Pong
+
+    async def on_session(session):
+        async with trio.open_nursery() as n:
+            n.start_soon(session.run)
+            expected = 1
+            async for env in session.incoming:
+                if isinstance(env.message, Ping):
+                    try:
+                        await session.receive_tensor(expected, timeout=120)
+                        expected += 1
+                        await session.reply(env, Pong(echo=env.message.sent))
+                    except SessionClosed:
+                        break
+            n.cancel_scope.cancel()
+
+    sealed, sealed_addr = await open_listeners("127.0.0.1", 0)
+    plain, plain_addr = await open_listeners("127.0.0.1", 0)
+    async with trio.open_nursery() as n:
+        n.start_soon(serve, sealed, _transport_config(cipher, chunk, False), on_session)
+        n.start_soon(serve, plain, _transport_config(cipher, chunk, True), on_session)
+        print(json.dumps({"sealed": sealed_addr[1], "plain": plain_addr[1]}), flush=True)
+        # exit when the parent closes our stdin
+        await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
+        n.cancel_scope.cancel()
+
+
+async def _client(port: int, cipher: str, chunk: int, plain: bool, tensor, rounds: int) -> list[float]:
+    import trio
+
+    from peer.transport import dial
+    from protocol.schema import Ping
+
+    session = await dial("127.0.0.1", port, _transport_config(cipher, chunk, plain))
+    times = []
+    async with trio.open_nursery() as n:
+        n.start_soon(session.run)
+        for i in range(rounds + 1):
+            t0 = time.perf_counter()
+            await session.send_tensor("bench", tensor)
+            await session.request(Ping(sent=0.0), timeout=120)
+            if i > 0:  # the first round is the warm-up
+                times.append(time.perf_counter() - t0)
+        await session.aclose("done")
+        n.cancel_scope.cancel()
+    return times
+
+
+def run(args) -> int:
+    if args.serve:
+        import trio
+
+        from peer.bench import parse_size
+
+        trio.run(_serve, args.cipher, parse_size(args.chunk))
+        return 0
+    import numpy as np
+    import trio
+
+    from peer.bench import parse_size
+    from peer.cipher_choice import resolve_ciphers, seal_gbps
+
+    size = parse_size(args.size)
+    chunk = parse_size(args.chunk)
+    cipher = resolve_ciphers([args.cipher])[0]
+    tensor = np.random.default_rng(0).standard_normal(size // 4, dtype=np.float32)
+    child = subprocess.Popen([sys.executable, "-m", "peer", "bench", "transport", "--serve", "--cipher", cipher,
+                              "--chunk", str(chunk)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        ports = json.loads(child.stdout.readline())
+        enc = trio.run(_client, ports["sealed"], cipher, chunk, False, tensor, args.rounds)
+        pln = trio.run(_client, ports["plain"], cipher, chunk, True, tensor, args.rounds)
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    nbytes = tensor.nbytes
+    seconds = statistics.median(enc)
+    encrypted = nbytes / seconds / 1e9
+    plain = nbytes / statistics.median(pln) / 1e9
+    aead = seal_gbps(cipher, chunk, min_seconds=0.5)
+    result = {
+        "payload_bytes": nbytes, "seconds": round(seconds, 4), "rounds": args.rounds, "chunk_bytes": chunk,
+        "encrypted_gbps": round(encrypted, 3), "plain_tcp_gbps": round(plain, 3),
+        "aead_seal_gbps": round(aead, 3), "ratio_to_aead": round(encrypted / aead, 3), "cipher": cipher,
+    }
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0

@@ -1,0 +1,256 @@
+"""`peer`: the command line of peertrain.
+
+Each subcommand is a small function; the daemon itself lives in peer/daemon.py. Heavy imports (trio,
+torch, zeroconf) happen inside the subcommands that need them so `peer status` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from peer import __version__
+
+EPILOG = """\
+examples:
+  peer start --config configs/lan.toml              run a daemon on this machine (foreground)
+  peer start --home /tmp/a --listen 127.0.0.1:0 --join 10.0.0.5:7100 --no-mdns
+  peer status --watch                               live view of this daemon and its peers
+  peer local --n 4 --config configs/local.toml      a whole swarm on one host (Ctrl-C stops all)
+  peer bench transport --size 64MiB --json          measure the encrypted channel
+
+The home directory (--home, default $PEERTRAIN_HOME or ~/.peertrain) holds the identity key,
+config snapshot, peer cache, checkpoints, metrics and the control socket.
+"""
+
+
+def _home(args) -> Path:
+    from peer.home import default_home
+
+    return Path(args.home).expanduser() if getattr(args, "home", None) else default_home()
+
+
+def _add_home(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--home", metavar="DIR", help="daemon home directory (default: $PEERTRAIN_HOME or ~/.peertrain)")
+
+
+def _add_config_overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config file (see configs/ and `peer config docs`)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="address to accept peers on; port 0 picks a free one")
+    p.add_argument("--join", metavar="HOST:PORT", action="append", default=[], help="bootstrap peer to dial (repeatable)")
+    p.add_argument("--swarm", metavar="NAME", help="swarm name; only daemons of the same swarm connect")
+    p.add_argument("--no-mdns", action="store_true", help="do not announce or browse with mDNS")
+    p.add_argument("--log-format", choices=["text", "json"], help="log line format")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log verbosity")
+
+
+def effective_config(args):
+    """Defaults < config file < command-line flags."""
+    from peer import config as c
+
+    cfg = c.load(args.config)
+    daemon: dict = {}
+    if args.listen:
+        daemon["listen"] = args.listen
+    if args.join:
+        daemon["join"] = list(cfg.daemon.join) + list(args.join)
+    if args.swarm:
+        daemon["swarm"] = args.swarm
+    if args.log_format:
+        daemon["log_format"] = args.log_format
+    if args.log_level:
+        daemon["log_level"] = args.log_level
+    changes: dict = {}
+    if daemon:
+        changes["daemon"] = daemon
+    if args.no_mdns:
+        changes["discovery"] = {"mdns": False}
+    return cfg.replace(**changes) if changes else cfg
+
+
+def cmd_start(args) -> int:
+    import trio
+
+    from peer.daemon import Daemon
+    from peer.home import Home
+    from peer.logs import setup_logging
+    from protocol import identity as ident
+
+    cfg = effective_config(args)
+    home = Home(_home(args))
+    key = home.ensure().load_or_create_identity()
+    peer_id = ident.peer_id_from_public_bytes(ident.public_key_bytes(key))
+    setup_logging(fmt=cfg.daemon.log_format, level=cfg.daemon.log_level, peer=ident.short_id(peer_id))
+    daemon = Daemon(cfg, home)
+    trio.run(daemon.run)
+    return 0
+
+
+def cmd_stop(args) -> int:
+    from peer.control import call
+
+    home = _home(args)
+    reply = call(home, "stop")
+    pid = reply.get("pid")
+    # Wait (bounded) for the socket to disappear, so scripts can rely on "stopped" meaning stopped.
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline and (home / "control.sock").exists():
+        time.sleep(0.1)
+    if (home / "control.sock").exists():
+        print(f"daemon (pid {pid}) asked to stop but is still shutting down after {args.timeout:.0f}s", file=sys.stderr)
+        return 1
+    print(f"daemon (pid {pid}) stopped")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from peer.control import call
+
+    home = _home(args)
+    if args.json:
+        st = call(home, "topology" if args.topology else "status")
+        print(json.dumps(st, indent=2, sort_keys=True))
+        return 0
+    from rich.console import Console
+    from rich.live import Live
+
+    from peer.status_view import render_status
+
+    console = Console(width=None if sys.stdout.isatty() else 120)
+
+    def render():
+        if args.topology:
+            from peer.status_view_topology import render_topology
+
+            return render_topology(call(home, "topology"))
+        return render_status(call(home, "status"))
+
+    if not args.watch:
+        console.print(render())
+        return 0
+    with Live(render(), console=console, refresh_per_second=2, screen=False) as live:
+        try:
+            while True:
+                time.sleep(args.interval)
+                live.update(render())
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def cmd_id(args) -> int:
+    from peer.home import Home
+    from protocol import identity as ident
+
+    key = Home(_home(args)).ensure().load_or_create_identity()
+    print(ident.peer_id_from_public_bytes(ident.public_key_bytes(key)))
+    return 0
+
+
+def cmd_config(args) -> int:
+    from peer import config as c
+
+    if args.action == "docs":
+        print(c.docs_markdown())
+        return 0
+    print(c.to_toml(effective_config(args)), end="")
+    return 0
+
+
+def cmd_local(args) -> int:
+    from peer import local
+
+    return local.main(args)
+
+
+def cmd_bench(args) -> int:
+    return args.bench_run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="peer", description="peertrain: asynchronous peer-to-peer decentralized training for PyTorch.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"peertrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("start", help="run a daemon in the foreground (Ctrl-C or `peer stop` stops it)",
+                       description="Run a peertrain daemon in the foreground. It finds peers (mDNS and --join), "
+                                   "keeps encrypted sessions to them, and hosts the trainer named in the config.")
+    _add_home(p)
+    _add_config_overrides(p)
+    p.set_defaults(fn=cmd_start)
+
+    p = sub.add_parser("stop", help="ask the daemon of a home directory to stop gracefully")
+    _add_home(p)
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it to exit (default 30)")
+    p.set_defaults(fn=cmd_stop)
+
+    p = sub.add_parser("status", help="show a daemon, its peers, topology and training")
+    _add_home(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output (stable keys)")
+    p.add_argument("--watch", action="store_true", help="refresh continuously until Ctrl-C")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
+    p.add_argument("--topology", action="store_true", help="show the whole known gossip graph")
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("id", help="print this home's peer ID (creating the identity key if needed)")
+    _add_home(p)
+    p.set_defaults(fn=cmd_id)
+
+    p = sub.add_parser("config", help="show the effective config, or the reference of every key")
+    p.add_argument("action", choices=["show", "docs"], help="show: effective config as TOML; docs: key reference")
+    _add_config_overrides(p)
+    p.set_defaults(fn=cmd_config)
+
+    p = sub.add_parser("local", help="run N daemons on this host (each with its own home and port)",
+                       description="Start N daemons as subprocesses with homes under --root, stream their logs "
+                                   "with a prefix, and stop them all on Ctrl-C. `peer local status` summarizes them.")
+    p.add_argument("action", nargs="?", choices=["run", "status", "stop"], default="run")
+    p.add_argument("--n", type=int, default=4, help="number of daemons (default 4)")
+    p.add_argument("--config", metavar="FILE", default=None, help="config for every daemon (default configs/local.toml)")
+    p.add_argument("--root", metavar="DIR", default="runs/local", help="folder holding node homes (default runs/local)")
+    p.add_argument("--demo", action="store_true", help="show a live summary table instead of raw logs; exit when training reaches its target")
+    p.add_argument("--json", action="store_true", help="with status: machine-readable output")
+    p.add_argument("--timeout", type=float, default=0, help="stop everything after this many seconds (0 = never)")
+    p.set_defaults(fn=cmd_local)
+
+    p = sub.add_parser("bench", help="benchmarks that print JSON (transport, discovery, average, gossip, train)")
+    bsub = p.add_subparsers(dest="bench", metavar="BENCH")
+    bsub.required = True
+    from peer.bench import register_all
+
+    register_all(bsub)
+    p.set_defaults(fn=cmd_bench)
+
+    from peer import extra_commands
+
+    extra_commands.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from peer.config import ConfigError
+    from peer.control import ControlError
+    from peer.home import HomeError
+
+    try:
+        return args.fn(args) or 0
+    except (ConfigError, ControlError, HomeError, ValueError) as exc:
+        print(f"peer {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"peer {args.command}: error: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

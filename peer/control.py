@@ -1,0 +1,157 @@
+"""The control socket: a Unix socket (mode 0600) in the home directory speaking length-prefixed msgpack.
+
+`peer status`, `peer stop` and friends are clients. The socket file doubles as the "is a daemon running
+here?" probe: a connect that is refused means a crashed daemon left it behind (stale), and it is removed.
+Requests are tiny and local, so the client side is plain blocking sockets (no trio needed in the CLI).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import msgpack
+import trio
+
+log = logging.getLogger("peertrain.control")
+
+MAX_REQUEST = 1 << 20
+MAX_RESPONSE = 64 << 20
+
+Command = Callable[[dict], Awaitable[Any]]
+
+
+class ControlError(Exception):
+    """No daemon answered at this home, or it answered with an error."""
+
+
+class DaemonAlreadyRunning(ControlError):
+    pass
+
+
+def _pack(obj: Any) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+def claim_socket_path(path: Path) -> None:
+    """Remove a stale socket left by a crashed daemon; refuse if a live daemon answers on it."""
+    if not path.exists() and not path.is_symlink():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except OSError as exc:
+        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTSOCK):
+            log.info("removing stale control socket %s (left by a daemon that did not shut down)", path)
+            path.unlink(missing_ok=True)
+            return
+        raise
+    else:
+        raise DaemonAlreadyRunning(
+            f"a daemon is already running with this home ({path.parent}); stop it with `peer stop --home {path.parent}` "
+            "or choose another --home")
+    finally:
+        probe.close()
+
+
+async def serve_control(path: Path, commands: dict[str, Command], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `commands` on the Unix socket at `path` until cancelled; removes the socket on exit."""
+    claim_socket_path(path)
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    try:
+        await sock.bind(str(path))
+        os.chmod(path, 0o600)
+        sock.listen(16)
+        listener = trio.SocketListener(sock)
+        task_status.started()
+
+        async def handle(stream: trio.SocketStream) -> None:
+            async with stream:
+                try:
+                    with trio.fail_after(10):
+                        request = await _recv_obj(stream, MAX_REQUEST)
+                except (trio.TooSlowError, ValueError, trio.BrokenResourceError, OSError) as exc:
+                    log.debug("bad control request: %s", exc)
+                    return
+                cmd = request.get("cmd") if isinstance(request, dict) else None
+                fn = commands.get(cmd) if isinstance(cmd, str) else None
+                if fn is None:
+                    reply = {"ok": False, "error": f"unknown command {cmd!r}; known: {', '.join(sorted(commands))}"}
+                else:
+                    try:
+                        args = request.get("args") or {}
+                        reply = {"ok": True, "result": await fn(args if isinstance(args, dict) else {})}
+                    except Exception as exc:
+                        log.exception("control command %s failed", cmd)
+                        reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                try:
+                    await stream.send_all(_pack(reply))
+                except (trio.BrokenResourceError, OSError):
+                    pass
+
+        await trio.serve_listeners(handle, [listener])
+    finally:
+        sock.close()
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+async def _recv_exact(stream: trio.SocketStream, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await stream.receive_some(n - len(buf))
+        if not chunk:
+            raise ValueError("connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+async def _recv_obj(stream: trio.SocketStream, limit: int) -> Any:
+    (n,) = struct.unpack(">I", await _recv_exact(stream, 4))
+    if n > limit:
+        raise ValueError(f"request of {n} bytes exceeds {limit}")
+    return msgpack.unpackb(await _recv_exact(stream, n), raw=False)
+
+
+def call(home: Path, cmd: str, args: dict | None = None, *, timeout: float = 10.0) -> Any:
+    """Blocking client: send one command to the daemon at `home` and return its result."""
+    path = Path(home) / "control.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        try:
+            s.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise ControlError(f"no daemon is running with home {home} (start one with `peer start --home {home}`)") from None
+        s.sendall(_pack({"cmd": cmd, "args": args or {}}))
+        header = _recv_exact_blocking(s, 4)
+        (n,) = struct.unpack(">I", header)
+        if n > MAX_RESPONSE:
+            raise ControlError(f"daemon reply of {n} bytes is too large")
+        reply = msgpack.unpackb(_recv_exact_blocking(s, n), raw=False)
+    except socket.timeout:
+        raise ControlError(f"the daemon at {home} did not answer within {timeout:.0f}s") from None
+    finally:
+        s.close()
+    if not reply.get("ok"):
+        raise ControlError(reply.get("error", "unknown error"))
+    return reply.get("result")
+
+
+def _recv_exact_blocking(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ControlError("the daemon closed the control connection early")
+        buf += chunk
+    return bytes(buf)

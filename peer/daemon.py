@@ -1,0 +1,257 @@
+"""The daemon: one trio nursery that owns every service of one peer.
+
+    Daemon.run
+    ├── control socket     (peer status / stop / ...)
+    ├── TCP listener       (handshake under deadline → membership.own_session)
+    ├── membership         (dialer, sessions, heartbeats, peer exchange)
+    ├── mDNS discovery     (zeroconf thread bridged into trio)
+    ├── extra services     (topology, gossip, trainer host: see peer/services.py)
+    └── signal watcher     (SIGINT/SIGTERM → graceful stop)
+
+Stopping is one path for every trigger (signal, `peer stop`, a test): set `_stop`, say goodbye to peers,
+let services save state (checkpoints, peer cache), then cancel the nursery.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import trio
+
+from peer import __version__
+from peer.cipher_choice import resolve_ciphers
+from peer.config import Config, parse_hostport
+from peer.control import serve_control
+from peer.home import Home, atomic_write
+from peer.membership import Membership, parse_address
+from peer.router import Router
+from peer.services import load_services
+from peer.transport import ListenerStats, TransportConfig, open_listeners, serve
+from protocol import PROTOCOL_VERSION
+from protocol import identity as ident
+from protocol.limits import WireLimits
+
+log = logging.getLogger("peertrain.daemon")
+
+
+def wire_limits(cfg: Config) -> WireLimits:
+    lim = cfg.limits
+    return WireLimits(
+        max_frame_bytes=lim.max_frame_kib * 1024,
+        max_message_bytes=lim.max_message_kib * 1024,
+        max_tensor_bytes=lim.max_tensor_mib * (1 << 20),
+        max_inflight_tensor_bytes=lim.max_inflight_tensor_mib * (1 << 20),
+        max_queued_messages=lim.max_queued_messages,
+    )
+
+
+def read_swarm_key(cfg: Config) -> bytes | None:
+    path = cfg.security.swarm_key_file
+    if not path:
+        return None
+    p = Path(path)
+    if not p.is_absolute() and cfg.source:
+        p = Path(cfg.source).parent / p
+    try:
+        key = p.read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"[security] swarm_key_file: cannot read {p}: {exc.strerror}") from None
+    if len(key) < 16:
+        raise ValueError(f"[security] swarm_key_file: {p} holds {len(key)} bytes; use at least 16 random bytes "
+                         "(e.g. `head -c 32 /dev/urandom | base64 > swarm.key`)")
+    return key
+
+
+@dataclass
+class DaemonInfo:
+    peer_id: str
+    listen: tuple[str, int]
+    started: float
+
+
+class Daemon:
+    def __init__(self, config: Config, home: Home):
+        self.config = config
+        self.home = home.ensure()
+        self.identity = home.load_or_create_identity()
+        self.peer_id = ident.peer_id_from_public_bytes(ident.public_key_bytes(self.identity))
+        self.psk = read_swarm_key(config)
+        self.ciphers = resolve_ciphers(config.security.ciphers)
+        self.router = Router()
+        self.listener_stats = ListenerStats()
+        self.listen_addr: tuple[str, int] = ("", 0)
+        self.started = time.time()
+        self._stop = trio.Event()
+        self.stop_reason = ""
+        self.membership: Membership | None = None
+        self.services: list = []
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    def request_stop(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self.stop_reason = reason
+            self._stop.set()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        host, port = parse_hostport(cfg.daemon.listen, what="[daemon] listen")
+        listeners, self.listen_addr = await open_listeners(host, port)
+        transport = TransportConfig(
+            identity=self.identity, swarm=cfg.daemon.swarm, psk=self.psk, ciphers=self.ciphers,
+            allowed_peer_ids=frozenset(cfg.security.allow_peers) or None, limits=wire_limits(cfg),
+            handshake_timeout=cfg.membership.handshake_timeout,
+            app_payload={"port": self.listen_addr[1], "ver": __version__},
+            chunk_bytes=cfg.gossip.chunk_kib * 1024)
+        self.transport = transport
+        self.membership = m = Membership(config=cfg, transport=transport, peer_id=self.peer_id,
+                                         router=self.router, listen_port=lambda: self.listen_addr[1])
+        if host not in ("0.0.0.0", "::", ""):
+            m.advertise_hosts.insert(0, host)
+        self.services = load_services(self)
+        atomic_write(self.home.config_snapshot, _snapshot(cfg).encode(), mode=0o600)
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_control, self.home.control_socket, self._control_commands())
+            nursery.start_soon(self._watch_signals)
+            nursery.start_soon(lambda: serve(listeners, transport, m.own_session,
+                                             max_connections=cfg.membership.max_connections,
+                                             max_connections_per_ip=cfg.membership.max_connections_per_ip,
+                                             stats=self.listener_stats))
+            await nursery.start(m.run)
+            for peer_id, addrs in self._load_peer_cache():
+                m.learn(peer_id, addrs, source="cache")
+            if cfg.discovery.mdns:
+                nursery.start_soon(self._run_mdns)
+            for svc in self.services:
+                await nursery.start(svc.run)
+            nursery.start_soon(self._save_peer_cache_periodically)
+            log.info("peer %s (swarm %s) listening on %s:%d, mDNS %s, home %s, cipher preference %s",
+                     self.peer_id, cfg.daemon.swarm, *self.listen_addr,
+                     "on" if cfg.discovery.mdns else "off", self.home.root, "/".join(self.ciphers))
+            task_status.started(DaemonInfo(self.peer_id, self.listen_addr, self.started))
+            await self._stop.wait()
+            log.info("stopping (%s)", self.stop_reason)
+            with trio.move_on_after(30) as cs:
+                cs.shield = True
+                for svc in reversed(self.services):
+                    stop = getattr(svc, "shutdown", None)
+                    if stop is not None:
+                        await stop()
+                await m.say_goodbye(self.stop_reason or "shutting down")
+                self._save_peer_cache()
+            nursery.cancel_scope.cancel()
+        log.info("stopped")
+
+    async def _watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                if self._stop.is_set():
+                    log.warning("second %s: exiting now", signal.Signals(signum).name)
+                    os._exit(130)
+                self.request_stop(f"received {signal.Signals(signum).name}")
+
+    async def _run_mdns(self) -> None:
+        from peer.discovery.mdns import MdnsDiscovery  # zeroconf is only imported when mDNS is on
+
+        cfg = self.config.discovery
+        disc = MdnsDiscovery(peer_id=self.peer_id, swarm=self.config.daemon.swarm, port=self.listen_addr[1],
+                             protocol_version=PROTOCOL_VERSION, interfaces=list(cfg.interfaces) or None,
+                             advertise_addresses=list(cfg.advertise) or None)
+        send, receive = trio.open_memory_channel(256)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(disc.run, send)
+                async for ann in receive:
+                    self.membership.learn(ann.peer_id, list(ann.addresses), source="mdns")
+        except Exception as exc:  # e.g. port 5353 unusable, or our name already announced by another daemon
+            log.error("mDNS discovery stopped: %s: %s (peers can still join with --join)", type(exc).__name__, exc)
+
+    # ---- peer cache ---------------------------------------------------------------------------------
+    def _load_peer_cache(self) -> list[tuple[str, list[tuple[str, int]]]]:
+        try:
+            data = msgpack.unpackb(self.home.peer_cache.read_bytes(), raw=False)
+            out = []
+            for entry in data[:256]:
+                addrs = [a for a in (parse_address(x) for x in entry["addresses"][:8]) if a]
+                if isinstance(entry["peer_id"], str) and addrs:
+                    out.append((entry["peer_id"], addrs))
+            return out
+        except FileNotFoundError:
+            return []
+        except Exception as exc:  # a corrupt cache is only a lost hint, never fatal
+            log.warning("ignoring unreadable peer cache %s: %s", self.home.peer_cache, exc)
+            return []
+
+    def _save_peer_cache(self) -> None:
+        entries = [{"peer_id": p.peer_id, "addresses": [f"{h}:{pt}" for h, pt in p.addresses]}
+                   for p in self.membership.peers.values() if p.addresses and p.last_seen]
+        try:
+            atomic_write(self.home.peer_cache, msgpack.packb(entries[:256]), mode=0o600)
+        except OSError as exc:
+            log.warning("cannot save peer cache: %s", exc)
+
+    async def _save_peer_cache_periodically(self) -> None:
+        while True:
+            await trio.sleep(30)
+            self._save_peer_cache()
+
+    # ---- control ------------------------------------------------------------------------------------
+    def _control_commands(self):
+        async def status(args: dict) -> dict:
+            return self.status()
+
+        async def stop(args: dict) -> dict:
+            self.request_stop("`peer stop`")
+            return {"stopping": True, "pid": os.getpid()}
+
+        commands = {"status": status, "stop": stop}
+        for svc in self.services_for_commands():
+            commands.update(svc.commands())
+        return commands
+
+    def services_for_commands(self):
+        return [s for s in self.services if hasattr(s, "commands")]
+
+    def status(self) -> dict:
+        now = time.time()
+        peers = []
+        for p in sorted(self.membership.peers.values(), key=lambda p: p.peer_id):
+            s = p.session
+            peers.append({
+                "peer_id": p.peer_id, "state": p.state, "source": p.source,
+                "address": (f"{s.remote_addr[0]}:{s.remote_addr[1]}" if s else
+                            (f"{p.addresses[0][0]}:{p.addresses[0][1]}" if p.addresses else "")),
+                "direction": ("out" if s.initiator else "in") if s else "",
+                "cipher": s.cipher if s else "",
+                "rtt_ms": round(p.rtt * 1000, 3) if p.rtt is not None else None,
+                "bytes_in": p.bytes_in_closed + (s.stats.bytes_in if s else 0),
+                "bytes_out": p.bytes_out_closed + (s.stats.bytes_out if s else 0),
+                "last_seen_s": round(now - p.last_seen, 1) if p.last_seen else None,
+                "reason": p.dead_reason,
+            })
+        out = {
+            "peer_id": self.peer_id, "swarm": self.config.daemon.swarm, "version": __version__,
+            "protocol_version": PROTOCOL_VERSION, "pid": os.getpid(), "home": str(self.home.root),
+            "listen": f"{self.listen_addr[0]}:{self.listen_addr[1]}", "uptime_s": round(now - self.started, 1),
+            "mdns": self.config.discovery.mdns, "ciphers": list(self.ciphers),
+            "connected": sum(1 for p in peers if p["state"] == "connected"), "peers": peers,
+            "listener": {"accepted": self.listener_stats.accepted, "refused": self.listener_stats.refused,
+                         "handshake_failures": self.listener_stats.handshake_failures},
+        }
+        for svc in self.services:
+            st = getattr(svc, "status", None)
+            if st is not None:
+                out[svc.name] = st()
+        return out
+
+
+def _snapshot(cfg: Config) -> str:
+    from peer.config import to_toml
+
+    return f"# effective config of this daemon, written at start\n{to_toml(cfg)}"

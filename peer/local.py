@@ -1,0 +1,176 @@
+"""`peer local`: a whole swarm on one host, for trying peertrain out and for tests.
+
+Each daemon is a real `peer start` subprocess with its own home (`ROOT/nodeK`) and a free port on
+127.0.0.1; they find each other through mDNS bound to loopback (configs/local.toml). Their logs stream
+here with a `[nodeK]` prefix (or go to `ROOT/nodeK/daemon.log` with --demo, which shows a live table).
+Ctrl-C stops them all: SIGTERM, a bounded wait, then SIGKILL for any that hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.toml"
+
+
+def node_homes(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("node")),
+                  key=lambda p: int(p.name[4:]) if p.name[4:].isdigit() else 0)
+
+
+def _pump(proc: subprocess.Popen, prefix: str, sink) -> None:
+    for line in iter(proc.stdout.readline, b""):
+        try:
+            sink(prefix + line.decode(errors="replace").rstrip("\n"))
+        except (ValueError, OSError):
+            return
+
+
+def start_daemons(n: int, root: Path, config: Path, *, extra_args: list[str] | None = None,
+                  to_files: bool = False) -> list[subprocess.Popen]:
+    root.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i in range(1, n + 1):
+        home = root / f"node{i}"
+        home.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "peer", "start", "--home", str(home), "--config", str(config),
+                "--listen", "127.0.0.1:0", *(extra_args or [])]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PEERTRAIN_NODE_INDEX=str(i - 1), PEERTRAIN_NODE_COUNT=str(n))
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        if to_files:
+            log = open(home / "daemon.log", "a", buffering=1)
+            threading.Thread(target=_pump, args=(proc, "", lambda s, f=log: f.write(s + "\n")), daemon=True).start()
+        else:
+            threading.Thread(target=_pump, args=(proc, f"[node{i}] ", print), daemon=True).start()
+        procs.append(proc)
+    return procs
+
+
+def stop_daemons(procs: list[subprocess.Popen], *, timeout: float = 20.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def collect(root: Path) -> list[dict]:
+    from peer.control import ControlError, call
+
+    rows = []
+    for home in node_homes(root):
+        try:
+            rows.append({"node": home.name, "home": str(home), "status": call(home, "status", timeout=3)})
+        except (ControlError, OSError) as exc:
+            rows.append({"node": home.name, "home": str(home), "status": None, "error": str(exc).split(";")[0][:40]})
+    return rows
+
+
+def _training_finished(rows: list[dict]) -> bool:
+    live = [r["status"] for r in rows if r["status"]]
+    trainers = [s.get("trainer") for s in live if s.get("trainer")]
+    return bool(trainers) and all(t.get("state") == "done" for t in trainers)
+
+
+def _print_result(rows: list[dict]) -> None:
+    from rich.console import Console
+
+    console = Console()
+    live = [r for r in rows if r["status"] and r["status"].get("trainer")]
+    if not live:
+        return
+    accs = [r["status"]["trainer"].get("accuracy") or 0.0 for r in live]
+    t = live[0]["status"]["trainer"]
+    console.print(f"[bold green]training finished[/]: {len(live)} peers, held-out accuracy "
+                  f"min {min(accs) * 100:.2f}% / mean {sum(accs) / len(accs) * 100:.2f}% "
+                  f"(target {t.get('target_accuracy', 0) * 100:.0f}%), step {t.get('step')}, "
+                  f"{t.get('elapsed_s', 0):.1f}s")
+    console.print(f"export a model with: peer export --home {live[0]['home']} model.pt")
+
+
+def main(args) -> int:
+    root = Path(args.root)
+    if args.action == "status":
+        rows = collect(root)
+        if not rows:
+            print(f"no nodes under {root} (start some with `peer local --n 4`)", file=sys.stderr)
+            return 1
+        if args.json:
+            print(json.dumps(rows, indent=2, sort_keys=True))
+        else:
+            from rich.console import Console
+
+            from peer.status_view import render_local_summary
+
+            Console(width=None if sys.stdout.isatty() else 120).print(render_local_summary(rows))
+        return 0
+    if args.action == "stop":
+        from peer.control import ControlError, call
+
+        for home in node_homes(root):
+            try:
+                call(home, "stop", timeout=3)
+                print(f"{home.name}: stopping")
+            except ControlError:
+                pass
+        return 0
+
+    if args.n < 1:
+        raise ValueError("--n must be at least 1")
+    config = Path(args.config) if args.config else DEFAULT_CONFIG
+    if not config.exists():
+        raise ValueError(f"config file {config} does not exist")
+    procs = start_daemons(args.n, root, config, to_files=args.demo)
+    print(f"started {args.n} daemons under {root} (config {config}); Ctrl-C stops them all.\n"
+          f"  watch one:   peer status --home {root}/node1 --watch\n"
+          f"  summary:     peer local status --root {root}", flush=True)
+    deadline = time.monotonic() + args.timeout if args.timeout else None
+    finished = False
+    try:
+        if args.demo:
+            from rich.console import Console
+            from rich.live import Live
+
+            from peer.status_view import render_local_summary
+
+            with Live(render_local_summary(collect(root)), console=Console(), refresh_per_second=2) as live:
+                while deadline is None or time.monotonic() < deadline:
+                    time.sleep(1.0)
+                    rows = collect(root)
+                    live.update(render_local_summary(rows))
+                    if _training_finished(rows):
+                        finished = True
+                        break
+                    if all(p.poll() is not None for p in procs):
+                        break
+            if finished:
+                _print_result(rows)
+        else:
+            while deadline is None or time.monotonic() < deadline:
+                time.sleep(0.5)
+                if all(p.poll() is not None for p in procs):
+                    break
+    except KeyboardInterrupt:
+        print("\nstopping all daemons ...", flush=True)
+    finally:
+        stop_daemons(procs)
+    codes = [p.returncode for p in procs]
+    bad = [c for c in codes if c not in (0, -signal.SIGTERM)]
+    if bad:
+        print(f"daemon exit codes: {codes} (logs under {root}/node*/)", file=sys.stderr)
+    return 0 if not bad else 1

@@ -1,0 +1,372 @@
+"""Who is in the swarm, and a live session to each peer we can reach.
+
+Peers are learned from mDNS, `--join` addresses, peer exchange (signed records that others forward)
+and inbound connections. Membership dials them with exponential backoff and jitter, keeps exactly one
+session per pair (when both sides dial at once, both keep the session *initiated by the smaller peer
+ID* and close the other, so they always agree), pings every session, and marks a peer dead when its
+session ends or it stays silent past `dead_after`.
+
+Ownership: `run()` owns the dialer, the peer-exchange loop and (through `own_session`) every session's
+reader, heartbeat and dispatcher tasks. Cancelling `run()` closes them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import trio
+
+from peer.config import Config
+from peer.router import Router
+from peer.transport import Session, SessionClosed, TransportConfig, dial
+from protocol import identity as ident
+from protocol.errors import HandshakeError, ProtocolError
+from protocol.schema import Goodbye, PeerExchange, PeerRecord, Ping, Pong, peer_record_signing_bytes
+
+log = logging.getLogger("peertrain.membership")
+
+MAX_ADDRESSES = 8
+MAX_PEERS = 4096  # learned from peer exchange; bounds what remote peers can make us remember
+
+
+@dataclass
+class PeerInfo:
+    """What we know of one peer; `state` is discovered, connecting, connected or dead."""
+
+    peer_id: str
+    addresses: list[tuple[str, int]] = field(default_factory=list)
+    state: str = "discovered"
+    source: str = ""
+    session: Session | None = None
+    rtt: float | None = None
+    last_seen: float = 0.0  # wall clock, for display
+    failures: int = 0
+    next_attempt: float = 0.0  # trio clock
+    dialing: bool = False
+    record: PeerRecord | None = None
+    dead_reason: str = ""
+    bytes_in_closed: int = 0  # from sessions that ended
+    bytes_out_closed: int = 0
+
+    def add_addresses(self, addrs) -> bool:
+        changed = False
+        for a in addrs:
+            a = (str(a[0]), int(a[1]))
+            if a not in self.addresses:
+                self.addresses.insert(0, a)
+                changed = True
+        del self.addresses[MAX_ADDRESSES:]
+        return changed
+
+
+@dataclass
+class BootstrapTarget:
+    host: str
+    port: int
+    peer_id: str | None = None
+    failures: int = 0
+    next_attempt: float = 0.0
+    dialing: bool = False
+
+
+def parse_address(text: str) -> tuple[str, int] | None:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host.strip("[]"), int(port)
+
+
+class Membership:
+    def __init__(self, *, config: Config, transport: TransportConfig, peer_id: str, router: Router,
+                 listen_port: Callable[[], int]):
+        self.cfg = config.membership
+        self.swarm = config.daemon.swarm
+        self.transport = transport
+        self.peer_id = peer_id
+        self.router = router
+        self._listen_port = listen_port
+        self.peers: dict[str, PeerInfo] = {}
+        self.bootstrap = [BootstrapTarget(*parse_address(a)) for a in config.daemon.join]
+        self.advertise_hosts: list[str] = list(config.discovery.advertise)
+        self.observed_hosts: list[str] = []
+        self._nursery: trio.Nursery | None = None
+        self._wake = trio.Event()
+        self._watchers: list[Callable[[str, Session | None], None]] = []
+        router.register(Ping, self._on_ping)
+        router.register(PeerExchange, self._on_pex)
+        router.register(Goodbye, self._on_goodbye)
+
+    # ---- queries ------------------------------------------------------------------------------------
+    def connected(self) -> dict[str, Session]:
+        return {pid: p.session for pid, p in self.peers.items() if p.state == "connected" and p.session is not None}
+
+    def watch(self, callback: Callable[[str, Session | None], None]) -> None:
+        """`callback(peer_id, session_or_None)` whenever a peer connects (session) or disconnects (None)."""
+        self._watchers.append(callback)
+
+    def _notify(self, peer_id: str, session: Session | None) -> None:
+        for cb in self._watchers:
+            try:
+                cb(peer_id, session)
+            except Exception:
+                log.exception("membership watcher failed")
+
+    # ---- learning of peers --------------------------------------------------------------------------
+    def learn(self, peer_id: str, addresses, *, source: str) -> None:
+        """A peer was announced (mDNS, pex, ...). New or changed addresses make it dialable now."""
+        if peer_id == self.peer_id:
+            return
+        info = self.peers.get(peer_id)
+        if info is None:
+            if len(self.peers) >= MAX_PEERS:
+                log.debug("peer table full; ignoring %s", ident.short_id(peer_id))
+                return
+            info = self.peers[peer_id] = PeerInfo(peer_id=peer_id, source=source)
+            log.info("discovered %s via %s at %s", ident.short_id(peer_id), source,
+                     ", ".join(f"{h}:{p}" for h, p in addresses) or "?")
+        if info.add_addresses(addresses) and info.state != "connected":
+            info.failures = 0
+            info.next_attempt = 0.0
+        self._wake.set()
+
+    def own_record(self) -> PeerRecord:
+        """Our signed, expiring peer record, as peer exchange forwards it."""
+        port = self._listen_port()
+        hosts = list(dict.fromkeys(self.advertise_hosts + self.observed_hosts))
+        now = time.time()
+        rec = PeerRecord(peer_id=self.peer_id, public_key=ident.public_key_bytes(self.transport.identity),
+                         swarm=self.swarm, addresses=[f"{h}:{port}" for h in hosts][:MAX_ADDRESSES],
+                         issued=now, expires=now + self.cfg.peer_record_ttl, signature=b"")
+        sig = ident.sign(self.transport.identity, peer_record_signing_bytes(rec))
+        return PeerRecord(**{**{f: getattr(rec, f) for f in rec.__dataclass_fields__}, "signature": sig})
+
+    def _valid_record(self, rec: PeerRecord) -> str | None:
+        """None if the record is authentic, current and ours; else why not."""
+        if ident.peer_id_from_public_bytes(rec.public_key) != rec.peer_id:
+            return "peer ID does not match its public key"
+        if not ident.verify(rec.public_key, rec.signature, peer_record_signing_bytes(rec)):
+            return "bad signature"
+        now = time.time()
+        if rec.expires < now or rec.issued > now + 300:
+            return "expired or from the future"
+        if rec.swarm != self.swarm:
+            return f"other swarm {rec.swarm!r}"
+        return None
+
+    # ---- the loops ----------------------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._pex_loop)
+            task_status.started()
+            await self._dial_loop(nursery)
+
+    async def _dial_loop(self, nursery: trio.Nursery) -> None:
+        while True:
+            now = trio.current_time()
+            n_sessions = sum(1 for p in self.peers.values() if p.session is not None)
+            for target in self.bootstrap:
+                if target.dialing or target.next_attempt > now:
+                    continue
+                if target.peer_id and self.peers.get(target.peer_id) and self.peers[target.peer_id].session:
+                    continue
+                target.dialing = True
+                nursery.start_soon(self._dial_bootstrap, target)
+            for info in list(self.peers.values()):
+                if (info.session is None and not info.dialing and info.addresses and info.next_attempt <= now
+                        and n_sessions < self.cfg.max_connections):
+                    info.dialing = True
+                    n_sessions += 1
+                    nursery.start_soon(self._dial_peer, info)
+            self._wake = trio.Event()
+            with trio.move_on_after(0.25):
+                await self._wake.wait()
+
+    def _backoff(self, failures: int) -> float:
+        delay = min(self.cfg.reconnect_max, self.cfg.reconnect_min * (2 ** min(failures, 16)))
+        return delay * random.uniform(0.5, 1.5)
+
+    async def _dial_peer(self, info: PeerInfo) -> None:
+        try:
+            # The larger ID waits a moment so that simultaneous discovery rarely makes two sessions.
+            if info.failures == 0 and self.peer_id > info.peer_id:
+                await trio.sleep(random.uniform(0.2, 0.6))
+            if info.session is not None:  # an inbound session arrived meanwhile
+                return
+            if info.state != "dead":
+                info.state = "connecting"
+            for host, port in list(info.addresses):
+                try:
+                    session = await dial(host, port, self.transport, expected_peer_id=info.peer_id,
+                                         connect_timeout=self.cfg.handshake_timeout)
+                except (OSError, trio.TooSlowError, ProtocolError) as exc:
+                    log.debug("dial %s at %s:%d failed: %s", info.short if hasattr(info, "short") else ident.short_id(info.peer_id), host, port, exc)
+                    if isinstance(exc, HandshakeError):
+                        log.warning("handshake with %s at %s:%d failed: %s", ident.short_id(info.peer_id), host, port, exc)
+                    continue
+                self._start_session(session)
+                return
+            info.failures += 1
+            info.next_attempt = trio.current_time() + self._backoff(info.failures)
+            if info.state == "connecting" and info.session is None:
+                info.state = "discovered" if not info.last_seen else "dead"
+        finally:
+            info.dialing = False
+
+    async def _dial_bootstrap(self, target: BootstrapTarget) -> None:
+        try:
+            session = await dial(target.host, target.port, self.transport,
+                                 connect_timeout=self.cfg.handshake_timeout)
+        except (OSError, trio.TooSlowError, ProtocolError) as exc:
+            target.failures += 1
+            target.next_attempt = trio.current_time() + self._backoff(target.failures)
+            level = logging.WARNING if isinstance(exc, HandshakeError) or target.failures == 1 else logging.DEBUG
+            log.log(level, "cannot reach bootstrap peer %s:%d: %s (retrying with backoff)", target.host, target.port, exc or type(exc).__name__)
+            return
+        finally:
+            target.dialing = False
+        target.failures = 0
+        target.peer_id = session.peer_id
+        self._start_session(session)
+
+    def _start_session(self, session: Session) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(self.own_session, session)
+
+    # ---- owning a session ---------------------------------------------------------------------------
+    def _preferred(self, a: Session, b: Session) -> Session:
+        """Of two sessions with one peer, the one both ends keep: initiated by the smaller peer ID."""
+        smaller = min(self.peer_id, a.peer_id)
+
+        def initiator_id(s: Session) -> str:
+            return self.peer_id if s.initiator else s.peer_id
+
+        return a if initiator_id(a) == smaller else b
+
+    async def own_session(self, session: Session) -> None:
+        """Run one session to its end: reader, heartbeat, dispatcher. Returns when it is closed."""
+        pid = session.peer_id
+        if pid == self.peer_id:
+            await session.aclose("connected to ourselves")
+            return
+        info = self.peers.get(pid)
+        if info is None:
+            info = self.peers[pid] = PeerInfo(peer_id=pid, source="inbound" if not session.initiator else "join")
+        self._learn_from_handshake(info, session)
+        if info.session is not None and not info.session.closed.is_set():
+            keep = self._preferred(info.session, session)
+            if keep is info.session:
+                await session.aclose("duplicate session")
+                return
+            await info.session.aclose("duplicate session")
+        info.session = session
+        info.state = "connected"
+        info.failures = 0
+        info.dead_reason = ""
+        info.last_seen = time.time()
+        log.info("connected to %s at %s:%d (%s, %s)", session.short, session.remote_addr[0], session.remote_addr[1],
+                 "outbound" if session.initiator else "inbound", session.cipher)
+        self._notify(pid, session)
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(self._heartbeat, session, info)
+                n.start_soon(self._dispatch, session)
+                n.start_soon(self._send_pex, session)
+                await session.run()
+                n.cancel_scope.cancel()
+        finally:
+            if info.session is session:
+                info.session = None
+                info.bytes_in_closed += session.stats.bytes_in
+                info.bytes_out_closed += session.stats.bytes_out
+                info.state = "dead"
+                info.dead_reason = session.close_reason
+                info.next_attempt = trio.current_time() + self._backoff(0)
+                log.info("peer %s is dead: %s", session.short, session.close_reason)
+                self._notify(pid, None)
+                self._wake.set()
+
+    def _learn_from_handshake(self, info: PeerInfo, session: Session) -> None:
+        app = session.remote_app if isinstance(session.remote_app, dict) else {}
+        port = app.get("port")
+        if isinstance(port, int) and 0 < port < 65536:
+            info.add_addresses([(session.remote_addr[0], port)])
+        observed = app.get("observed")
+        if session.initiator and isinstance(observed, str) and observed and observed not in self.observed_hosts:
+            self.observed_hosts = (self.observed_hosts + [observed])[-4:]
+
+    async def _dispatch(self, session: Session) -> None:
+        async for env in session.incoming:
+            await self.router.dispatch(session, env)
+
+    async def _heartbeat(self, session: Session, info: PeerInfo) -> None:
+        """Ping on a fixed interval; silence past `dead_after` closes the session (the peer is dead)."""
+        while True:
+            await trio.sleep(self.cfg.heartbeat_interval)
+            t0 = trio.current_time()
+            try:
+                await session.request(Ping(sent=time.time()), timeout=self.cfg.dead_after)
+            except trio.TooSlowError:
+                pass
+            except SessionClosed:
+                return
+            else:
+                rtt = trio.current_time() - t0
+                info.rtt = rtt if info.rtt is None else 0.8 * info.rtt + 0.2 * rtt
+            if session.idle_for > self.cfg.dead_after:
+                await session.aclose(f"silent for {session.idle_for:.1f}s (dead_after={self.cfg.dead_after}s)")
+                return
+            info.last_seen = time.time() - session.idle_for
+
+    async def _on_ping(self, session: Session, env) -> None:
+        await session.reply(env, Pong(echo=env.message.sent))
+
+    async def _on_goodbye(self, session: Session, env) -> None:
+        await session.aclose(f"peer said goodbye: {env.message.reason}")
+
+    # ---- peer exchange ------------------------------------------------------------------------------
+    def _pex_records(self) -> list[PeerRecord]:
+        recs = [self.own_record()]
+        for p in self.peers.values():
+            if p.record is not None and p.state == "connected":
+                recs.append(p.record)
+        return recs[:256]
+
+    async def _send_pex(self, session: Session) -> None:
+        try:
+            await session.send_message(PeerExchange(peers=self._pex_records()))
+        except SessionClosed:
+            pass
+
+    async def _pex_loop(self) -> None:
+        while True:
+            await trio.sleep(self.cfg.pex_interval * random.uniform(0.8, 1.2))
+            for s in list(self.connected().values()):
+                await self._send_pex(s)
+
+    async def _on_pex(self, session: Session, env) -> None:
+        for rec in env.message.peers:
+            why = self._valid_record(rec)
+            if why is not None:
+                log.debug("ignoring peer record for %s from %s: %s", ident.short_id(rec.peer_id), session.short, why)
+                continue
+            addrs = [a for a in (parse_address(x) for x in rec.addresses) if a is not None]
+            if rec.peer_id == self.peer_id:
+                continue
+            self.learn(rec.peer_id, addrs, source="pex" if rec.peer_id != session.peer_id else self.peers.get(rec.peer_id, PeerInfo(rec.peer_id)).source or "pex")
+            info = self.peers.get(rec.peer_id)
+            if info is not None and (info.record is None or info.record.issued < rec.issued):
+                info.record = rec
+
+    async def say_goodbye(self, reason: str) -> None:
+        """Tell every peer we are leaving (best effort, bounded), so they don't wait for a timeout."""
+        with trio.move_on_after(1.0):
+            for s in list(self.connected().values()):
+                try:
+                    await s.send_message(Goodbye(reason=reason))
+                except SessionClosed:
+                    pass

@@ -1,0 +1,41 @@
+"""Routes incoming messages to the service that handles their type.
+
+Services register a handler per message class once, while the daemon is built; after that the table is
+only read. A handler gets the session and the envelope (to reply), and runs in the session's dispatch
+task: a handler that needs long work starts it in its own service's nursery instead of blocking.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Awaitable, Callable
+
+from protocol.errors import ProtocolError
+
+log = logging.getLogger("peertrain.router")
+
+Handler = Callable[[Any, Any], Awaitable[None]]
+
+
+class Router:
+    def __init__(self) -> None:
+        self._handlers: dict[type, Handler] = {}
+
+    def register(self, message_type: type, handler: Handler) -> None:
+        if message_type in self._handlers:
+            raise ValueError(f"{message_type.__name__} already has a handler")
+        self._handlers[message_type] = handler
+
+    async def dispatch(self, session, envelope) -> None:
+        """Run the handler; a ProtocolError closes the session, any other bug is logged, never fatal."""
+        handler = self._handlers.get(type(envelope.message))
+        if handler is None:
+            log.debug("no handler for %s from %s; ignored", type(envelope.message).__name__, session.short)
+            return
+        try:
+            await handler(session, envelope)
+        except ProtocolError as exc:
+            log.warning("closing session with %s: %s", session.short, exc)
+            await session.aclose(f"protocol error: {exc}")
+        except Exception:  # a bug in a handler must not take the daemon down with it
+            log.exception("handler for %s failed (session with %s kept)", type(envelope.message).__name__, session.short)

@@ -1,0 +1,25 @@
+"""Optional services a daemon hosts beside membership (topology, gossip, a trainer).
+
+The daemon knows services only through this small interface, and learns which trainer to load from the
+config: `peer/` never imports a specific trainer. A service has `name`, `async run(task_status=...)`, and
+may have `status() -> dict` (merged into `peer status --json` under its name), `commands() -> dict`
+(extra control-socket commands) and `async shutdown()` (save state before the daemon stops).
+"""
+
+from __future__ import annotations
+
+
+def load_services(daemon) -> list:
+    """The services this daemon's config asks for, in start order."""
+    from peer.gossip import GossipEngine
+    from peer.topology.service import TopologyService
+
+    topology = TopologyService(daemon)
+    gossip = GossipEngine(daemon, topology)
+    daemon.topology, daemon.gossip = topology, gossip
+    services = [topology, gossip]
+    if daemon.config.trainer.name:
+        from peer.trainer_host import TrainerHost
+
+        services.append(TrainerHost(daemon, gossip))
+    return services

@@ -1,0 +1,117 @@
+"""Rendering `peer status` for people (rich tables); `--json` bypasses all of this."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+STATE_STYLE = {"connected": "green", "connecting": "yellow", "discovered": "cyan", "dead": "red"}
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def human_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1000
+    return str(n)
+
+
+def human_duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = float(s)
+    if s < 60:
+        return f"{s:.0f}s"
+    if s < 3600:
+        return f"{s // 60:.0f}m{s % 60:02.0f}s"
+    return f"{s // 3600:.0f}h{(s % 3600) // 60:02.0f}m"
+
+
+def sparkline(values: list[float], width: int = 24) -> str:
+    vals = [v for v in values if v is not None][-width:]
+    if not vals:
+        return ""
+    lo, hi = min(vals), max(vals)
+    span = (hi - lo) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * (len(SPARK) - 1)))] for v in vals)
+
+
+def render_status(st: dict):
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("peer", st["peer_id"])
+    head.add_row("swarm", f"{st['swarm']}   (protocol v{st['protocol_version']}, peertrain {st['version']})")
+    head.add_row("listen", f"{st['listen']}   mDNS {'on' if st['mdns'] else 'off'}   cipher {'/'.join(st['ciphers'])}")
+    head.add_row("uptime", f"{human_duration(st['uptime_s'])}   pid {st['pid']}   home {st['home']}")
+    head.add_row("peers", f"{st['connected']} connected of {len(st['peers'])} known")
+    parts = [Panel(head, title="peertrain daemon", box=box.ROUNDED, expand=False)]
+
+    topo = st.get("topology") or {}
+    nbrs = {n["peer_id"]: n for n in topo.get("neighbours", [])}
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col in ("peer", "address", "state", "RTT", "in", "out", "seen"):
+        table.add_column(col, justify="right" if col in ("RTT", "in", "out", "seen") else "left", no_wrap=True)
+    if nbrs:
+        table.add_column("weight", justify="right", no_wrap=True)
+        table.add_column("Mbit/s", justify="right", no_wrap=True)
+    for p in st["peers"]:
+        state = Text(p["state"], style=STATE_STYLE.get(p["state"], ""))
+        rtt = f"{p['rtt_ms']:.1f} ms" if p.get("rtt_ms") is not None else "-"
+        seen = human_duration(p.get("last_seen_s")) if p.get("last_seen_s") is not None else "-"
+        row = [p["peer_id"][:8], p["address"], state, rtt, human_bytes(p["bytes_in"]), human_bytes(p["bytes_out"]), seen]
+        if nbrs:
+            n = nbrs.get(p["peer_id"])
+            row += [f"{n['weight']:.3f}" if n else "", f"{n['bandwidth_bps'] / 1e6:.0f}" if n and n.get("bandwidth_bps") else ""]
+        table.add_row(*row)
+    parts.append(table)
+
+    if topo:
+        t = Table.grid(padding=(0, 2))
+        t.add_column(style="bold")
+        t.add_column()
+        t.add_row("topology", f"{topo.get('kind')}   degree {topo.get('degree')}   view {topo.get('view_nodes')} peers / {topo.get('view_edges')} edges")
+        t.add_row("spectral gap", f"{topo.get('spectral_gap', 0):.3f}")
+        if topo.get("last_move"):
+            t.add_row("last move", topo["last_move"])
+        parts.append(Panel(t, title="topology", box=box.ROUNDED, expand=False))
+
+    tr = st.get("trainer")
+    if tr:
+        t = Table.grid(padding=(0, 2))
+        t.add_column(style="bold")
+        t.add_column()
+        t.add_row("job", f"{tr.get('trainer')}  mode {tr.get('mode')}  model {tr.get('model')}  device {tr.get('device')}")
+        t.add_row("progress", f"step {tr.get('step')}   epoch {tr.get('epoch', 0):.2f}   {tr.get('samples_per_s', 0):.0f} samples/s   {tr.get('state', '')}")
+        loss = tr.get("loss")
+        t.add_row("loss", (f"{loss:.4f}  " if loss is not None else "-  ") + sparkline(tr.get("loss_history", [])))
+        acc = tr.get("accuracy")
+        t.add_row("held-out acc", f"{acc * 100:.2f}%" if acc is not None else "-")
+        cd = tr.get("consensus_distance")
+        t.add_row("consensus dist", f"{cd:.3e}" if cd is not None else "-")
+        parts.append(Panel(t, title="training", box=box.ROUNDED, expand=False))
+    return Group(*parts)
+
+
+def render_local_summary(rows: list[dict]):
+    table = Table(title="local swarm", box=box.SIMPLE_HEAD)
+    for col in ("node", "peer", "listen", "state", "connected", "uptime", "step", "loss", "acc"):
+        table.add_column(col)
+    for r in rows:
+        st = r.get("status")
+        if st is None:
+            table.add_row(r["node"], "-", "-", Text(r.get("error", "down"), style="red"), "-", "-", "-", "-", "-")
+            continue
+        tr = st.get("trainer") or {}
+        table.add_row(r["node"], st["peer_id"][:12], st["listen"], Text("running", style="green"),
+                      f"{st['connected']}/{len(st['peers'])}", human_duration(st["uptime_s"]),
+                      str(tr.get("step", "-")),
+                      f"{tr['loss']:.3f}" if tr.get("loss") is not None else "-",
+                      f"{tr['accuracy'] * 100:.1f}%" if tr.get("accuracy") is not None else "-")
+    return table

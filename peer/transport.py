@@ -1,0 +1,487 @@
+"""Authenticated, encrypted sessions over TCP, on trio.
+
+`dial` and `serve` run the sans-I/O handshake from `protocol.handshake` under a deadline, then wrap the
+socket in a `Session`: one reader task turns sealed frames into messages and tensors, and any task may
+send messages, make requests (replies are matched by request id) or stream tensors.
+
+Why raw sockets and reused buffers: the reader `recv_into`s a buffer owned by `protocol.frames`, and a
+tensor chunk is decrypted straight into the destination array, so a 1 GiB shard costs one cipher pass and
+no extra allocations. The sender seals each chunk into one reused buffer. A send lock is held per frame,
+not per tensor, so heartbeats and small messages interleave with bulk transfers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import trio
+
+from protocol import PROTOCOL_VERSION
+from protocol.cipher import NullCipher
+from protocol.errors import HandshakeError, LimitExceeded, ProtocolError
+from protocol.frames import KIND_CHUNK, KIND_MESSAGE, FrameReader, FrameWriter
+from protocol.handshake import Handshake
+from protocol.identity import short_id
+from protocol.limits import WireLimits
+from protocol.messages import Envelope, Registry
+from protocol.schema import DEFAULT_REGISTRY, TensorHeader
+from protocol.tensor_codec import DecodedTensor, TensorDecoder, TensorEncoder
+
+log = logging.getLogger("peertrain.transport")
+
+
+class SessionClosed(Exception):
+    """The session ended (remote closed, protocol error, or we closed it) while we waited on it."""
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """What every session of one daemon shares: who we are, which swarm, which limits."""
+
+    identity: Any  # Ed25519PrivateKey
+    swarm: str
+    psk: bytes | None = None
+    ciphers: tuple[str, ...] = ("aes-256-gcm", "chacha20-poly1305")
+    allowed_peer_ids: frozenset[str] | None = None
+    limits: WireLimits = field(default_factory=WireLimits)
+    handshake_timeout: float = 5.0
+    app_payload: dict = field(default_factory=dict)
+    chunk_bytes: int = 1 << 20
+    registry: Registry = DEFAULT_REGISTRY
+    # Benchmark baseline only: after a normal authenticated handshake, send frames unencrypted.
+    # Never set by the daemon; both ends must set it. See protocol.cipher.NullCipher.
+    insecure_plaintext_for_benchmark: bool = False
+
+
+@dataclass
+class SessionStats:
+    bytes_in: int = 0
+    bytes_out: int = 0
+    messages_in: int = 0
+    messages_out: int = 0
+    tensors_in: int = 0
+    tensors_out: int = 0
+    last_recv: float = 0.0  # trio.current_time() of the last byte received
+
+
+class _Pending:
+    """A request awaiting its reply, or a tensor stream awaiting completion."""
+
+    __slots__ = ("event", "value", "error")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def set(self, value: Any) -> None:
+        self.value = value
+        self.event.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.event.is_set():
+            self.error = error
+            self.event.set()
+
+    async def wait(self) -> Any:
+        await self.event.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class _Stream:
+    """A tensor being received: the decoder, whoever waits for it, and whether nobody wants it anymore."""
+
+    __slots__ = ("decoder", "pending", "nbytes", "discard")
+
+    def __init__(self) -> None:
+        self.decoder: TensorDecoder | None = None
+        self.pending = _Pending()
+        self.nbytes = 0
+        self.discard = False  # the waiter gave up: absorb the remaining chunks, then forget the stream
+
+
+async def _send_all(sock: trio.socket.SocketType, data: memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = await sock.send(view)
+        view = view[n:]
+
+
+class Session:
+    """One authenticated, encrypted connection to one peer.
+
+    The owner must run `run()` in a nursery; it reads frames until the connection ends and then fails
+    every waiter with `SessionClosed`. Non-reply messages arrive on `incoming` (bounded: a slow consumer
+    pauses reading, which backpressures the remote over TCP).
+    """
+
+    def __init__(self, stream: trio.SocketStream, *, result, cfg: TransportConfig, initiator: bool, remote_addr: tuple[str, int]):
+        self.stream = stream
+        self.sock = stream.socket
+        self.cfg = cfg
+        self.peer_id: str = result.peer_id
+        self.remote_public_key: bytes = result.remote_public_key
+        self.remote_app: dict = result.remote_app_payload
+        self.cipher: str = "none (benchmark)" if cfg.insecure_plaintext_for_benchmark else result.cipher
+        self.initiator = initiator
+        self.remote_addr = remote_addr
+        self.stats = SessionStats(last_recv=trio.current_time())
+        self.opened_at = trio.current_time()
+        limits = cfg.limits
+        send_cipher, recv_cipher = result.send, result.recv
+        if cfg.insecure_plaintext_for_benchmark:
+            send_cipher, recv_cipher = NullCipher(), NullCipher()
+        max_body = limits.max_frame_bytes + send_cipher.overhead
+        self._writer = FrameWriter(send_cipher, max_body)
+        self._reader = FrameReader(recv_cipher, limits.max_frame_bytes + recv_cipher.overhead)
+        if result.leftover:
+            self._reader.feed(result.leftover)
+        self._send_lock = trio.Lock()
+        self._rids = itertools.count(1)
+        self._streams_out = itertools.count(1)
+        self._requests: dict[int, _Pending] = {}
+        self._streams: dict[int, _Stream] = {}
+        self._inflight_bytes = 0
+        self._incoming_send, self.incoming = trio.open_memory_channel[Envelope](limits.max_queued_messages)
+        self.closed = trio.Event()
+        self.close_reason: str = ""
+
+    # ---- identity ---------------------------------------------------------------------------------
+    @property
+    def short(self) -> str:
+        return short_id(self.peer_id)
+
+    def __repr__(self) -> str:
+        return f"<Session {self.short} {self.remote_addr[0]}:{self.remote_addr[1]} {'out' if self.initiator else 'in'}>"
+
+    # ---- sending ----------------------------------------------------------------------------------
+    async def _send_frame(self, kind: int, stream: int, payload) -> None:
+        if self.closed.is_set():
+            raise SessionClosed(self.close_reason or "session closed")
+        async with self._send_lock:
+            view = self._writer.seal(kind, stream, payload)
+            try:
+                await _send_all(self.sock, view)
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                self._mark_closed(f"send failed: {exc}")
+                raise SessionClosed(self.close_reason) from exc
+            self.stats.bytes_out += len(view)
+
+    async def send_message(self, message: Any, *, rid: int = 0, reply_to: int = 0) -> None:
+        data = self.cfg.registry.encode(message, rid=rid, reply_to=reply_to)
+        await self._send_frame(KIND_MESSAGE, 0, data)
+        self.stats.messages_out += 1
+
+    async def request(self, message: Any, *, timeout: float) -> Envelope:
+        """Send `message` and wait for the reply that names its request id (TooSlowError on timeout)."""
+        rid = next(self._rids)
+        pending = self._requests[rid] = _Pending()
+        try:
+            with trio.fail_after(timeout):
+                await self.send_message(message, rid=rid)
+                return await pending.wait()
+        finally:
+            self._requests.pop(rid, None)
+
+    async def reply(self, to: Envelope, message: Any) -> None:
+        await self.send_message(message, reply_to=to.rid)
+
+    def new_stream_id(self) -> int:
+        return next(self._streams_out)
+
+    async def send_tensor(self, name: str, tensor: Any, *, codec: str = "raw", stream: int | None = None) -> int:
+        """Stream one tensor (numpy or torch, CPU or CUDA) as a header message plus chunk frames."""
+        stream = self.new_stream_id() if stream is None else stream
+        encoder = TensorEncoder(name, tensor, codec=codec, chunk_size=self.cfg.chunk_bytes)
+        await self.send_message(encoder.header(stream))
+        for chunk in encoder.chunks():
+            await self._send_frame(KIND_CHUNK, stream, chunk)
+        self.stats.tensors_out += 1
+        return stream
+
+    async def receive_tensor(self, stream: int, *, timeout: float) -> DecodedTensor:
+        """Wait for the tensor the remote sends on `stream` (it may already have arrived).
+
+        On timeout or cancellation the stream is discarded: chunks still on their way are absorbed and
+        dropped, so a late sender never breaks the session.
+        """
+        slot = self._streams.get(stream)
+        if slot is None:
+            slot = self._streams[stream] = _Stream()
+        done = False
+        try:
+            with trio.fail_after(timeout):
+                value = await slot.pending.wait()
+            done = True
+            return value
+        finally:
+            if done or slot.pending.event.is_set():
+                self._release_stream(stream)
+            else:
+                slot.discard = True
+
+    def discard(self, streams) -> None:
+        """Nobody will read these streams (a refused or failed exchange): drop them as they complete."""
+        for stream in streams:
+            slot = self._streams.get(stream)
+            if slot is None:
+                slot = self._streams[stream] = _Stream()
+            if slot.pending.event.is_set():
+                self._release_stream(stream)
+            else:
+                slot.discard = True
+
+    def _release_stream(self, stream: int) -> None:
+        slot = self._streams.pop(stream, None)
+        if slot is not None:
+            self._inflight_bytes -= slot.nbytes
+
+    # ---- receiving --------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Read frames until EOF or error, then close. Never raises for anything the remote did."""
+        reason = "remote closed the connection"
+        try:
+            await self._read_loop()
+        except ProtocolError as exc:
+            reason = f"protocol error: {exc}"
+            log.warning("closing session with %s: %s", self.short, reason)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            reason = f"connection lost: {exc}"
+        except SessionClosed as exc:
+            reason = str(exc) or self.close_reason
+        finally:
+            self._mark_closed(self.close_reason or reason)
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+
+    async def _read_loop(self) -> None:
+        reader, sock, stats = self._reader, self.sock, self.stats
+        while not self.closed.is_set():
+            view = reader.want()
+            n = await sock.recv_into(view)
+            reader.got(n)
+            if n == 0:
+                return
+            stats.bytes_in += n
+            stats.last_recv = trio.current_time()
+            while (frame := reader.next_frame()) is not None:
+                if frame.kind == KIND_MESSAGE:
+                    await self._on_message(frame.open())
+                elif frame.kind == KIND_CHUNK:
+                    self._on_chunk(frame)
+                else:  # the reader already rejects unknown kinds; keep the invariant explicit
+                    raise ProtocolError(f"unexpected frame kind {frame.kind}")
+
+    async def _on_message(self, data) -> None:
+        env = self.cfg.registry.decode(data, self.cfg.limits)
+        self.stats.messages_in += 1
+        msg = env.message
+        if isinstance(msg, TensorHeader):
+            self._on_tensor_header(msg)
+            return
+        if env.reply_to:
+            pending = self._requests.get(env.reply_to)
+            if pending is not None:
+                pending.set(env)
+            else:
+                log.debug("late reply %d from %s ignored", env.reply_to, self.short)
+            return
+        try:
+            self._incoming_send.send_nowait(env)
+        except trio.WouldBlock:
+            await self._incoming_send.send(env)  # backpressure: stop reading until the consumer catches up
+
+    def _on_tensor_header(self, header: TensorHeader) -> None:
+        slot = self._streams.get(header.stream)
+        if slot is None:
+            if len(self._streams) >= self.cfg.limits.max_queued_messages:
+                raise LimitExceeded(f"too many tensor streams open ({len(self._streams)})")
+            slot = self._streams[header.stream] = _Stream()
+        if slot.decoder is not None or slot.pending.event.is_set():
+            raise ProtocolError(f"tensor stream {header.stream} reused")
+        decoder = TensorDecoder(header, self.cfg.limits)  # validates the header before allocating
+        if self._inflight_bytes + header.nbytes > self.cfg.limits.max_inflight_tensor_bytes:
+            raise LimitExceeded(
+                f"tensor '{header.name}' would put {self._inflight_bytes + header.nbytes} bytes in flight "
+                f"(limit {self.cfg.limits.max_inflight_tensor_bytes})")
+        slot.decoder = decoder
+        slot.nbytes = header.nbytes
+        self._inflight_bytes += header.nbytes
+        if decoder.done:  # zero-size tensor
+            self._complete(header.stream, slot)
+
+    def _on_chunk(self, frame) -> None:
+        slot = self._streams.get(frame.stream)
+        if slot is None or slot.decoder is None:
+            raise ProtocolError(f"chunk for unknown tensor stream {frame.stream}")
+        n = frame.open_into(slot.decoder.slot(frame.size))
+        slot.decoder.advance(n)
+        if slot.decoder.done:
+            self._complete(frame.stream, slot)
+
+    def _complete(self, stream: int, slot: _Stream) -> None:
+        if slot.discard:
+            self._release_stream(stream)
+            return
+        try:
+            slot.pending.set(slot.decoder.finish())
+            self.stats.tensors_in += 1
+        except ProtocolError as exc:
+            # A bad tensor (NaN/Inf, ...) is the sender's fault for this one tensor; the frame stream is
+            # intact, so fail the waiter and keep the session.
+            log.warning("rejected tensor from %s: %s", self.short, exc)
+            slot.pending.fail(exc)
+
+    # ---- closing ----------------------------------------------------------------------------------
+    def _mark_closed(self, reason: str) -> None:
+        if self.closed.is_set():
+            return
+        self.close_reason = reason
+        self.closed.set()
+        err = SessionClosed(reason)
+        for p in self._requests.values():
+            p.fail(err)
+        for s in self._streams.values():
+            s.pending.fail(err)
+        self._incoming_send.close()
+
+    async def aclose(self, reason: str = "closed locally") -> None:
+        """Close now; the reader task ends and every waiter sees SessionClosed(reason)."""
+        self._mark_closed(reason)
+        with trio.CancelScope(shield=True):
+            await self.stream.aclose()
+
+    @property
+    def idle_for(self) -> float:
+        return trio.current_time() - self.stats.last_recv
+
+
+# ---- establishing sessions ----------------------------------------------------------------------------
+
+async def _run_handshake(stream: trio.SocketStream, hs: Handshake, timeout: float):
+    sock = stream.socket
+    with trio.fail_after(timeout):
+        out = hs.data_to_send()
+        if out:
+            await _send_all(sock, memoryview(out))
+        while not hs.complete:
+            data = await sock.recv(65536)
+            if not data:
+                raise HandshakeError("connection closed during the handshake")
+            hs.receive_data(data)
+            out = hs.data_to_send()
+            if out:
+                await _send_all(sock, memoryview(out))
+    return hs.result()
+
+
+def _handshake_for(cfg: TransportConfig, *, initiator: bool, expected_peer_id: str | None,
+                   observed: str | None = None) -> Handshake:
+    # A responder tells the initiator which IP it sees it from (like libp2p's identify), so a daemon
+    # listening on 0.0.0.0 learns an address it can put in its own signed peer record.
+    payload = dict(cfg.app_payload, observed=observed) if observed else cfg.app_payload
+    return Handshake(
+        initiator=initiator, identity=cfg.identity, swarm=cfg.swarm, psk=cfg.psk, ciphers=cfg.ciphers,
+        app_payload=payload, expected_peer_id=expected_peer_id, allowed_peer_ids=cfg.allowed_peer_ids)
+
+
+async def dial(host: str, port: int, cfg: TransportConfig, *, expected_peer_id: str | None = None,
+               connect_timeout: float = 5.0) -> Session:
+    """Connect and handshake as initiator. Raises OSError, trio.TooSlowError or HandshakeError."""
+    with trio.fail_after(connect_timeout):
+        stream = await trio.open_tcp_stream(host, port)
+    try:
+        result = await _run_handshake(stream, _handshake_for(cfg, initiator=True, expected_peer_id=expected_peer_id),
+                                      cfg.handshake_timeout)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+        raise
+    return Session(stream, result=result, cfg=cfg, initiator=True, remote_addr=(host, port))
+
+
+@dataclass
+class ListenerStats:
+    accepted: int = 0
+    refused: int = 0
+    handshake_failures: int = 0
+    per_ip: dict[str, int] = field(default_factory=dict)
+
+
+async def open_listeners(host: str, port: int) -> tuple[list[trio.SocketListener], tuple[str, int]]:
+    """Bind the TCP listener first, so the daemon knows its real port (port 0 = pick one) before serving."""
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}"
+                      + ("; another program (or daemon) uses that port: pick another with --listen HOST:PORT or use port 0"
+                         if exc.errno == 98 else "")) from None
+    bound = listeners[0].socket.getsockname()[:2]
+    return listeners, (bound[0], bound[1])
+
+
+async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_session: Callable[[Session], Any], *,
+                max_connections: int = 64, max_connections_per_ip: int = 16,
+                stats: ListenerStats | None = None,
+                task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Accept connections, handshake each under a deadline, hand sessions to `on_session`.
+
+    `on_session(session)` is awaited in the connection's own task and owns the session until it
+    returns (then the session is closed). One misbehaving connection never affects the listener or
+    other connections: limits are checked before the handshake, and the handshake has a deadline.
+    """
+    stats = stats if stats is not None else ListenerStats()
+    active = 0
+
+    async def handle(stream: trio.SocketStream) -> None:
+        nonlocal active
+        try:
+            remote = stream.socket.getpeername()[:2]
+        except OSError:
+            await stream.aclose()
+            return
+        ip = remote[0]
+        if active >= max_connections or stats.per_ip.get(ip, 0) >= max_connections_per_ip:
+            stats.refused += 1
+            log.warning("refusing connection from %s: connection limit reached (%d total, %d from this IP)",
+                        ip, active, stats.per_ip.get(ip, 0))
+            await stream.aclose()
+            return
+        active += 1
+        stats.per_ip[ip] = stats.per_ip.get(ip, 0) + 1
+        try:
+            try:
+                result = await _run_handshake(stream, _handshake_for(cfg, initiator=False, expected_peer_id=None, observed=ip),
+                                              cfg.handshake_timeout)
+            except trio.TooSlowError:
+                stats.handshake_failures += 1
+                log.warning("handshake from %s:%d timed out after %.1fs; dropped", remote[0], remote[1], cfg.handshake_timeout)
+                return
+            except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
+                stats.handshake_failures += 1
+                log.warning("handshake from %s:%d failed: %s", remote[0], remote[1], exc)
+                return
+            stats.accepted += 1
+            session = Session(stream, result=result, cfg=cfg, initiator=False, remote_addr=remote)
+            await on_session(session)
+        finally:
+            active -= 1
+            stats.per_ip[ip] -= 1
+            if not stats.per_ip[ip]:
+                del stats.per_ip[ip]
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        task_status.started()
+        await trio.serve_listeners(handle, listeners, handler_nursery=nursery)
+
+
+def format_gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 and math.isfinite(seconds) else 0.0
