@@ -1,0 +1,380 @@
+"""The averaging engine: symmetric pairwise gossip exchanges of a trainer's tensors with neighbours.
+
+An exchange between initiator i and neighbour j (messages in protocol/schema/gossip.py):
+
+    i: snapshot a = x_i            j: (on offer) w = 1/(1+max(d_i, d_j)), snapshot b = x_j
+    i → j  offer + a               j → i  accept(w) + b
+    i: got b → commit, x_i += w (b - a)      j: got a and commit → x_j += w (a - b)
+
+Both sides add `w * (other snapshot - own snapshot)`, so the swarm-wide sum is unchanged by averaging
+however the trainers' own updates interleave (DESIGN.md invariant 1). A side that does not reach the
+commit applies nothing. Every exchange has a deadline; a slow or dead neighbour is skipped.
+
+Convexity under concurrency: a peer runs at most one exchange per neighbour at a time (when both
+initiate at once, the smaller peer ID's offer wins) and never lets the weights of exchanges in flight add
+up to 1 or more, so each update stays a convex combination even with many exchanges at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from peer.topology.mixing import metropolis_weight
+from peer.transport import SessionClosed
+from protocol.errors import ProtocolError
+from protocol.schema.gossip import (
+    AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsReply, ParamsRequest, TensorSpec)
+
+log = logging.getLogger("peertrain.gossip")
+
+
+def _dtype_name(t: Any) -> str:
+    if isinstance(t, np.ndarray):
+        return str(t.dtype)
+    return str(t.dtype).removeprefix("torch.")
+
+
+class SharedTensors:
+    """A named group of tensors a trainer shares for averaging, guarded by one lock.
+
+    Holds numpy arrays or torch tensors (CPU or CUDA). The trainer takes `lock` while it changes them
+    (an optimizer step); the engine takes it to snapshot them and to add an exchange's update.
+    """
+
+    def __init__(self, name: str, tensors: dict[str, Any], *, lock: threading.Lock | None = None):
+        self.name = name
+        self.tensors = dict(tensors)
+        self.lock = lock or threading.Lock()
+        self.step = 0  # the trainer's step, shared in offers so late joiners can tell who is ahead
+        self.is_torch = not all(isinstance(t, np.ndarray) for t in self.tensors.values())
+        self.specs = [TensorSpec(name=k, dtype=_dtype_name(t), shape=list(t.shape)) for k, t in self.tensors.items()]
+        self.nbytes = sum(int(np.prod(s.shape)) * _itemsize(s.dtype) for s in self.specs)
+
+    def snapshot(self) -> list[Any]:
+        """Copies of every tensor, on the CPU (a consistent cut: taken under the lock)."""
+        with self.lock:
+            if self.is_torch:
+                return [t.detach().to("cpu", copy=True) for t in self.tensors.values()]
+            return [t.copy() for t in self.tensors.values()]
+
+    def apply(self, weight: float, others: list[Any], own: list[Any]) -> None:
+        """x += weight * (other - own) for every tensor, in place (the exchange's whole effect)."""
+        deltas = []
+        for o, a in zip(others, own):
+            if self.is_torch:
+                import torch
+
+                d = o.to(a.dtype) if isinstance(o, torch.Tensor) else torch.from_numpy(np.asarray(o)).to(a.dtype)
+                d.sub_(a).mul_(weight)
+            else:
+                d = np.asarray(o)
+                np.subtract(d, a, out=d)
+                d *= weight
+            deltas.append(d)
+        with self.lock:
+            for t, d in zip(self.tensors.values(), deltas):
+                if self.is_torch:
+                    t.data.add_(d.to(t.device, non_blocking=False))
+                else:
+                    t += d
+
+    def load(self, values: list[Any]) -> None:
+        """Replace every tensor's value (a joining peer adopting a neighbour's parameters)."""
+        with self.lock:
+            for t, v in zip(self.tensors.values(), values):
+                if self.is_torch:
+                    t.data.copy_(v.to(t.device))
+                else:
+                    t[...] = v
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1}.get(dtype, 4)
+
+
+@dataclass
+class ExchangeResult:
+    peer_id: str
+    ok: bool
+    reason: str = ""
+    weight: float = 0.0
+    seconds: float = 0.0
+    bytes_sent: int = 0
+
+
+@dataclass
+class GossipStats:
+    exchanges: int = 0
+    served: int = 0
+    failed: int = 0
+    rejected: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    last_seconds: float = 0.0
+    last_error: str = ""
+    recent: list = field(default_factory=list)  # seconds of the last exchanges
+
+
+class GossipEngine:
+    name = "gossip"
+
+    def __init__(self, daemon, topology):
+        self.daemon = daemon
+        self.cfg = daemon.config.gossip
+        self.me = daemon.peer_id
+        self.topology = topology
+        self.membership = daemon.membership
+        self.groups: dict[str, SharedTensors] = {}
+        self.inflight: dict[str, float] = {}  # peer -> weight of the exchange in flight with it
+        self.initiating: set[str] = set()
+        self.commits: dict[tuple[str, int], trio.Event] = {}
+        self.stats = GossipStats()
+        self._nursery: trio.Nursery | None = None
+        self._serving = 0
+        r = daemon.router
+        r.register(AverageOffer, self._on_offer)
+        r.register(AverageCommit, self._on_commit)
+        r.register(ParamsRequest, self._on_params_request)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as n:
+            self._nursery = n
+            task_status.started()
+            await trio.sleep_forever()
+
+    def register(self, group: SharedTensors) -> None:
+        self.groups[group.name] = group
+        self.topology.shard_bytes = max((g.nbytes for g in self.groups.values()), default=self.topology.shard_bytes)
+
+    # ---- the trainer-facing calls -------------------------------------------------------------------
+    async def average(self, group: str, *, mode: str = "one") -> list[ExchangeResult]:
+        """`one`: with one random neighbour (AD-PSGD); `all`: with every neighbour at once (D-PSGD)."""
+        nbrs = [p for p in self.topology.neighbours if p not in self.initiating]
+        if not nbrs:
+            return []
+        targets = [random.choice(nbrs)] if mode == "one" else nbrs
+        results: list[ExchangeResult] = []
+        async with trio.open_nursery() as n:
+            for p in targets:
+                n.start_soon(self._collect, results, p, group)
+        return results
+
+    async def _collect(self, out: list, peer_id: str, group: str) -> None:
+        out.append(await self.exchange(peer_id, group))
+
+    def _budget_ok(self, weight: float) -> bool:
+        return sum(self.inflight.values()) + weight < 1.0 - 1e-9
+
+    async def exchange(self, peer_id: str, group_name: str) -> ExchangeResult:
+        """One symmetric exchange with `peer_id`, initiated by us, bounded by the configured deadline."""
+        group = self.groups[group_name]
+        session = self.membership.connected().get(peer_id)
+        if session is None or not self.topology.is_neighbour(peer_id):
+            return ExchangeResult(peer_id, False, "not a connected neighbour")
+        if peer_id in self.inflight or peer_id in self.initiating:
+            return ExchangeResult(peer_id, False, "exchange with this peer already in flight")
+        self.initiating.add(peer_id)
+        t0 = trio.current_time()
+        degree = self.topology.degree
+        own = await trio.to_thread.run_sync(group.snapshot)
+        streams = [session.new_stream_id() for _ in own]
+        offer = AverageOffer(group=group_name, degree=degree, tensors=group.specs, streams=streams,
+                             codec=self.cfg.codec, step=group.step)
+        reply_streams: list[int] = []
+        committed = False
+        try:
+            with trio.fail_after(self.cfg.exchange_timeout):
+                replies: list = []
+
+                async def ask() -> None:
+                    replies.append(await session.request(offer, timeout=self.cfg.exchange_timeout))
+
+                async with trio.open_nursery() as n:
+                    n.start_soon(ask)
+                    for spec, arr, sid in zip(group.specs, own, streams):
+                        await session.send_tensor(spec.name, arr, codec=self.cfg.codec, stream=sid)
+                env = replies[0]
+                reply = env.message
+                if isinstance(reply, AverageReject):
+                    self.stats.rejected += 1
+                    return ExchangeResult(peer_id, False, f"refused: {reply.reason}")
+                if not isinstance(reply, AverageAccept):
+                    raise ProtocolError(f"expected avg_accept, got {type(reply).__name__}")
+                reply_streams = list(reply.streams)
+                w = metropolis_weight(degree, reply.degree)
+                if len(reply.streams) != len(own) or abs(reply.weight - w) > 1e-9:
+                    raise ProtocolError(f"inconsistent accept (weight {reply.weight} for degrees {degree}/{reply.degree})")
+                if not self._budget_ok(w):
+                    return ExchangeResult(peer_id, False, "too much weight in flight")
+                self.inflight[peer_id] = w
+                others = []
+                for spec, sid in zip(group.specs, reply.streams):
+                    dec = await session.receive_tensor(sid, timeout=self.cfg.exchange_timeout)
+                    _check_spec(spec, dec)
+                    others.append(dec.to_torch() if group.is_torch else dec.array)
+                await session.send_message(AverageCommit(exchange=env.reply_to))
+                committed = True
+            await trio.to_thread.run_sync(group.apply, w, others, own)
+        except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
+            reason = "deadline passed" if isinstance(exc, trio.TooSlowError) else str(exc)
+            if isinstance(exc, ProtocolError):
+                log.warning("exchange with %s failed: %s", session.short, exc)
+            self.stats.failed += 1
+            self.stats.last_error = f"{session.short}: {reason}"
+            return ExchangeResult(peer_id, False, reason)
+        finally:
+            self.initiating.discard(peer_id)
+            self.inflight.pop(peer_id, None)
+            if not committed:
+                session.discard(reply_streams)
+        seconds = trio.current_time() - t0
+        self.topology.record_transfer(peer_id, group.nbytes, seconds)
+        self._count(seconds, group.nbytes)
+        return ExchangeResult(peer_id, True, weight=w, seconds=seconds, bytes_sent=group.nbytes)
+
+    def _count(self, seconds: float, nbytes: int) -> None:
+        self.stats.exchanges += 1
+        self.stats.bytes_sent += nbytes
+        self.stats.bytes_received += nbytes
+        self.stats.last_seconds = seconds
+        self.stats.recent = (self.stats.recent + [round(seconds, 4)])[-20:]
+
+    # ---- serving exchanges --------------------------------------------------------------------------
+    async def _on_offer(self, session, env) -> None:
+        offer: AverageOffer = env.message
+        peer_id = session.peer_id
+        reason = None
+        group = self.groups.get(offer.group)
+        if group is None:
+            reason = f"no group {offer.group!r} here"
+        elif [(s.name, s.dtype, list(s.shape)) for s in offer.tensors] != [(s.name, s.dtype, list(s.shape)) for s in group.specs]:
+            reason = "tensor specs differ from ours"
+        elif len(offer.streams) != len(group.specs):
+            reason = "wrong number of streams"
+        elif not self.topology.is_neighbour(peer_id):
+            reason = "not neighbours"
+        elif peer_id in self.inflight or (peer_id in self.initiating and peer_id > self.me):
+            reason = "exchange already in flight"  # on collision the smaller peer ID's offer wins
+        elif self._serving >= self.cfg.max_concurrent_exchanges:
+            reason = "busy"
+        if reason is None:
+            w = metropolis_weight(self.topology.degree, offer.degree)
+            if not self._budget_ok(w):
+                reason = "too much weight in flight"
+        if reason is not None:
+            session.discard(offer.streams)
+            self.stats.rejected += 1
+            await session.reply(env, AverageReject(reason=reason))
+            return
+        self.inflight[peer_id] = w
+        self._serving += 1
+        key = (peer_id, env.rid)
+        self.commits[key] = trio.Event()
+        self._nursery.start_soon(self._serve_exchange, session, env, group, w, key)
+
+    async def _serve_exchange(self, session, env, group: SharedTensors, w: float, key) -> None:
+        offer: AverageOffer = env.message
+        t0 = trio.current_time()
+        got_all = False
+        try:
+            with trio.fail_after(self.cfg.exchange_timeout + 5.0):
+                own = await trio.to_thread.run_sync(group.snapshot)
+                streams = [session.new_stream_id() for _ in own]
+                await session.reply(env, AverageAccept(degree=self.topology.degree, weight=w, streams=streams,
+                                                       step=group.step))
+                others: list = []
+
+                async def receive() -> None:
+                    for spec, sid in zip(group.specs, offer.streams):
+                        dec = await session.receive_tensor(sid, timeout=self.cfg.exchange_timeout)
+                        _check_spec(spec, dec)
+                        others.append(dec.to_torch() if group.is_torch else dec.array)
+
+                async with trio.open_nursery() as n:
+                    n.start_soon(receive)
+                    for spec, arr, sid in zip(group.specs, own, streams):
+                        await session.send_tensor(spec.name, arr, codec=self.cfg.codec, stream=sid)
+                got_all = True
+                await self.commits[key].wait()
+            await trio.to_thread.run_sync(group.apply, w, others, own)
+            seconds = trio.current_time() - t0
+            self.stats.served += 1
+            self.topology.record_transfer(session.peer_id, group.nbytes, seconds)
+            self._count(seconds, group.nbytes)
+        except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
+            self.stats.failed += 1
+            self.stats.last_error = f"{session.short}: {'no commit before the deadline' if got_all else exc or 'deadline passed'}"
+            if isinstance(exc, ProtocolError):
+                log.warning("exchange served to %s failed: %s", session.short, exc)
+            if not got_all:
+                session.discard(offer.streams)
+        finally:
+            self.commits.pop(key, None)
+            self.inflight.pop(session.peer_id, None)
+            self._serving -= 1
+
+    async def _on_commit(self, session, env) -> None:
+        ev = self.commits.get((session.peer_id, env.message.exchange))
+        if ev is not None:
+            ev.set()
+
+    # ---- joining: download a neighbour's parameters -------------------------------------------------
+    async def _on_params_request(self, session, env) -> None:
+        group = self.groups.get(env.message.group)
+        if group is None:
+            await session.reply(env, ParamsReply(tensors=[], streams=[], available=False))
+            return
+        own = await trio.to_thread.run_sync(group.snapshot)
+        streams = [session.new_stream_id() for _ in own]
+        await session.reply(env, ParamsReply(tensors=group.specs, streams=streams, step=group.step))
+        for spec, arr, sid in zip(group.specs, own, streams):
+            await session.send_tensor(spec.name, arr, stream=sid)
+
+    async def fetch_params(self, group_name: str, peer_id: str) -> tuple[list[Any], int] | None:
+        """Download `peer_id`'s current tensors of a group (None if it has none or the deadline passes)."""
+        group = self.groups[group_name]
+        session = self.membership.connected().get(peer_id)
+        if session is None:
+            return None
+        streams: list[int] = []
+        try:
+            with trio.fail_after(self.cfg.exchange_timeout * 2):
+                env = await session.request(ParamsRequest(group=group_name), timeout=self.cfg.exchange_timeout)
+                reply = env.message
+                if not isinstance(reply, ParamsReply) or not reply.available:
+                    return None
+                streams = list(reply.streams)
+                if len(streams) != len(group.specs):
+                    raise ProtocolError("params reply has the wrong number of tensors")
+                values = []
+                for spec, sid in zip(group.specs, streams):
+                    dec = await session.receive_tensor(sid, timeout=self.cfg.exchange_timeout)
+                    _check_spec(spec, dec)
+                    values.append(dec.to_torch() if group.is_torch else dec.array)
+                return values, reply.step
+        except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
+            log.warning("could not download parameters from %s: %s", session.short, exc)
+            session.discard(streams)
+            return None
+
+    def status(self) -> dict:
+        s = self.stats
+        return {"groups": {g.name: {"tensors": len(g.specs), "bytes": g.nbytes} for g in self.groups.values()},
+                "exchanges": s.exchanges, "served": s.served, "failed": s.failed, "rejected": s.rejected,
+                "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
+                "last_exchange_s": round(s.last_seconds, 4), "recent_s": s.recent, "last_error": s.last_error,
+                "inflight": len(self.inflight)}
+
+
+def _check_spec(spec: TensorSpec, dec) -> None:
+    if dec.name != spec.name or list(dec.array.shape) != list(spec.shape) or dec.dtype != spec.dtype:
+        raise ProtocolError(f"tensor {dec.name!r} {dec.dtype}{list(dec.array.shape)} does not match "
+                            f"{spec.name!r} {spec.dtype}{list(spec.shape)}")

@@ -1,0 +1,410 @@
+"""The topology service: which peers are my gossip neighbours, and how the graph improves over time.
+
+Edges are agreed by both endpoints with propose → accept → commit (a proposer adds the edge only after
+an accept, the acceptor only on commit; a commit that cannot be honoured is answered with a drop, so the
+two ends converge). Every peer floods a signed `TopologyRecord` (neighbours + measured links); the
+latest records form the local `GraphView` from which mixing weights, the spectral gap and rewiring
+moves are computed. Fixed kinds (ring, exponential, random_regular, full) derive the wanted edges from
+the sorted IDs of known peers; `rewired` asks `plan_move` for one randomized, rate-limited move at a time.
+
+Link figures come from real averaging transfers (`record_transfer`) and, for candidates we are not yet
+neighbours with, small probes within a byte budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import trio
+
+from peer.topology.fixed import build_fixed
+from peer.topology.graph import GraphView, LinkEstimate, edge_key
+from peer.topology.links import LinkStats
+from peer.topology.mixing import graph_spectral_gap, metropolis_weight
+from peer.topology.rewire import RewireConfig, plan_move
+from peer.transport import SessionClosed
+from protocol import identity as ident
+from protocol.schema.topology import (
+    EdgeAccept, EdgeCommit, EdgeDrop, EdgePropose, EdgeReject, LinkReport, ProbeReply, ProbeRequest,
+    TopologyRecord, TopologyRecords, topology_record_signing_bytes)
+
+log = logging.getLogger("peertrain.topology")
+
+PROBE_BYTES = 256 * 1024
+PROBE_EVERY = 30.0  # seconds between probes of one candidate
+RESERVATION_S = 15.0
+RECORD_TTL = 60.0  # a record not refreshed for this long leaves the view
+
+
+@dataclass
+class Neighbour:
+    peer_id: str
+    since: float
+    degree: int = 0  # last degree the neighbour told us (records / exchanges)
+
+
+class TopologyService:
+    name = "topology"
+
+    def __init__(self, daemon, *, shard_bytes: int = 16 << 20):
+        self.daemon = daemon
+        self.cfg = daemon.config.topology
+        self.me = daemon.peer_id
+        self.identity = daemon.identity
+        self.membership = daemon.membership
+        self.neighbours: dict[str, Neighbour] = {}
+        self.reserved: dict[str, float] = {}  # peers we accepted but that have not committed: deadline
+        self.pending_out: set[str] = set()
+        self.records: dict[str, TopologyRecord] = {}
+        self.record_seen: dict[str, float] = {}
+        self.links: dict[str, LinkStats] = {}
+        self.version = 0
+        self.shard_bytes = shard_bytes
+        self.last_move = ""
+        self.moves = 0
+        self.rng = np.random.default_rng(int.from_bytes(self.me.encode()[:8], "little") ^ (time.time_ns() & 0xFFFF))
+        self._changed = trio.Event()
+        r = daemon.router
+        r.register(EdgePropose, self._on_propose)
+        r.register(EdgeCommit, self._on_commit)
+        r.register(EdgeDrop, self._on_drop)
+        r.register(TopologyRecords, self._on_records)
+        r.register(ProbeRequest, self._on_probe)
+        self.membership.watch(self._on_peer)
+
+    # ---- queries used by the gossip engine and status -----------------------------------------------
+    @property
+    def degree(self) -> int:
+        return len(self.neighbours)
+
+    def is_neighbour(self, peer_id: str) -> bool:
+        return peer_id in self.neighbours
+
+    def weight_with(self, peer_degree: int) -> float:
+        return metropolis_weight(self.degree, peer_degree)
+
+    def link(self, peer_id: str) -> LinkStats:
+        st = self.links.get(peer_id)
+        if st is None:
+            st = self.links[peer_id] = LinkStats()
+        return st
+
+    def record_transfer(self, peer_id: str, nbytes: int, seconds: float) -> None:
+        self.link(peer_id).add_transfer(nbytes, seconds, trio.current_time())
+
+    def view(self) -> GraphView:
+        """The graph as far as I know it: my edges for sure, others' from their fresh records."""
+        now = trio.current_time()
+        live = set(self.membership.connected()) | {self.me}
+        nodes = set(live)
+        claims: dict[str, set[str]] = {self.me: set(self.neighbours)}
+        for pid, rec in self.records.items():
+            if now - self.record_seen.get(pid, -1e9) > RECORD_TTL and pid not in live:
+                continue
+            nodes.add(pid)
+            claims[pid] = set(rec.neighbours)
+        edges = set()
+        for a, nbrs in claims.items():
+            for b in nbrs:
+                if b == a or b not in nodes:
+                    continue
+                # an edge counts if both ends claim it, or the other end's record is unknown
+                if b in claims and a not in claims[b]:
+                    continue
+                edges.add(edge_key(a, b))
+        reports: dict[str, dict[str, LinkEstimate]] = {}
+        for pid, rec in self.records.items():
+            if pid in nodes:
+                reports[pid] = {lr.peer: LinkEstimate(lr.bandwidth_bps, lr.rtt_s) for lr in rec.links if lr.peer in nodes and lr.peer != pid}
+        reports[self.me] = {p: s.estimate() for p, s in self.links.items() if p in nodes and p != self.me}
+        return GraphView.from_reports(nodes, edges, reports)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(self._record_loop)
+            n.start_soon(self._maintain_loop)
+            n.start_soon(self._probe_loop)
+            task_status.started()
+
+    def _on_peer(self, peer_id: str, session) -> None:
+        if session is None:
+            if self.neighbours.pop(peer_id, None) is not None:
+                log.info("neighbour %s lost (session ended); degree %d", ident.short_id(peer_id), self.degree)
+                self._bump()
+            self.reserved.pop(peer_id, None)
+        else:
+            self.link(peer_id)
+            self._changed.set()
+
+    def _bump(self) -> None:
+        self.version += 1
+        self._changed.set()
+
+    # ---- records ------------------------------------------------------------------------------------
+    def own_record(self) -> TopologyRecord:
+        links = [LinkReport(peer=p, bandwidth_bps=s.bandwidth_bps, rtt_s=s.rtt_s)
+                 for p, s in sorted(self.links.items()) if s.bandwidth_bps is not None or s.rtt_s is not None][:256]
+        rec = TopologyRecord(peer_id=self.me, public_key=ident.public_key_bytes(self.identity), version=self.version,
+                             issued=time.time(), neighbours=sorted(self.neighbours), links=links, signature=b"")
+        sig = ident.sign(self.identity, topology_record_signing_bytes(rec))
+        return TopologyRecord(rec.peer_id, rec.public_key, rec.version, rec.issued, rec.neighbours, rec.links, sig)
+
+    async def _record_loop(self) -> None:
+        while True:
+            # refresh RTTs from membership's heartbeats
+            for pid, info in self.membership.peers.items():
+                if info.rtt is not None and info.state == "connected":
+                    self.link(pid).rtt_s = info.rtt
+            recs = [self.own_record()] + [r for pid, r in self.records.items()
+                                          if trio.current_time() - self.record_seen.get(pid, -1e9) < RECORD_TTL][:511]
+            msg = TopologyRecords(records=recs)
+            self._changed = trio.Event()  # changes from here on trigger the next broadcast early
+            for s in list(self.membership.connected().values()):
+                try:
+                    await s.send_message(msg)
+                except SessionClosed:
+                    pass
+            with trio.move_on_after(self.cfg.record_interval * random.uniform(0.8, 1.2)):
+                await self._changed.wait()
+                await trio.sleep(0.05)  # coalesce bursts of changes
+
+    async def _on_records(self, session, env) -> None:
+        for rec in env.message.records[:512]:
+            if rec.peer_id == self.me:
+                continue
+            old = self.records.get(rec.peer_id)
+            if old is not None and (old.version, old.issued) >= (rec.version, rec.issued):
+                continue
+            if ident.peer_id_from_public_bytes(rec.public_key) != rec.peer_id or not ident.verify(
+                    rec.public_key, rec.signature, topology_record_signing_bytes(rec)):
+                log.debug("dropping topology record for %s relayed by %s: bad signature", ident.short_id(rec.peer_id), session.short)
+                continue
+            if len(rec.neighbours) > 1024:
+                continue
+            self.records[rec.peer_id] = rec
+            self.record_seen[rec.peer_id] = trio.current_time()
+            if rec.peer_id in self.neighbours:
+                self.neighbours[rec.peer_id].degree = len(rec.neighbours)
+        if len(self.records) > 4096:  # bound memory: forget the stalest
+            for pid in sorted(self.records, key=lambda p: self.record_seen.get(p, 0))[:len(self.records) - 4096]:
+                self.records.pop(pid, None)
+                self.record_seen.pop(pid, None)
+
+    # ---- two-phase edge changes ---------------------------------------------------------------------
+    def _effective_degree(self) -> int:
+        return len(self.neighbours) + len(self.reserved) + len(self.pending_out)
+
+    async def add_edge(self, peer_id: str, reason: str) -> bool:
+        """Propose an edge; add it only if the peer accepts. A refusal or timeout changes nothing."""
+        session = self.membership.connected().get(peer_id)
+        if session is None or peer_id in self.neighbours or peer_id in self.pending_out:
+            return False
+        if self._effective_degree() >= self.cfg.max_degree:
+            return False
+        self.pending_out.add(peer_id)
+        try:
+            env = await session.request(EdgePropose(degree=self.degree, reason=reason), timeout=5.0)
+            reply = env.message
+            if not isinstance(reply, EdgeAccept):
+                log.debug("edge to %s refused: %s", ident.short_id(peer_id), getattr(reply, "reason", reply))
+                return False
+            self.neighbours[peer_id] = Neighbour(peer_id, since=time.time(), degree=reply.degree + 1)
+            self.reserved.pop(peer_id, None)
+            await session.send_message(EdgeCommit(proposal=env.reply_to))
+        except (trio.TooSlowError, SessionClosed):
+            if peer_id in self.neighbours and session.closed.is_set():
+                self.neighbours.pop(peer_id, None)
+            return peer_id in self.neighbours
+        finally:
+            self.pending_out.discard(peer_id)
+        log.info("edge to %s added (%s); degree %d", ident.short_id(peer_id), reason, self.degree)
+        self._bump()
+        return True
+
+    async def drop_edge(self, peer_id: str, reason: str) -> None:
+        if self.neighbours.pop(peer_id, None) is None:
+            return
+        log.info("edge to %s dropped (%s); degree %d", ident.short_id(peer_id), reason, self.degree)
+        self._bump()
+        session = self.membership.connected().get(peer_id)
+        if session is not None:
+            try:
+                await session.send_message(EdgeDrop(reason=reason))
+            except SessionClosed:
+                pass
+
+    async def _on_propose(self, session, env) -> None:
+        peer_id = session.peer_id
+        if peer_id in self.neighbours:
+            await session.reply(env, EdgeAccept(degree=self.degree))
+            return
+        if not self._accepts(peer_id):
+            await session.reply(env, EdgeReject(reason=f"degree limit ({self._effective_degree()}/{self.cfg.max_degree})"
+                                                if self._effective_degree() >= self.cfg.max_degree else "not wanted by this topology"))
+            return
+        self.reserved[peer_id] = trio.current_time() + RESERVATION_S
+        await session.reply(env, EdgeAccept(degree=self.degree))
+
+    def _accepts(self, peer_id: str) -> bool:
+        if self._effective_degree() >= self.cfg.max_degree:
+            return False
+        if self.cfg.kind != "rewired":
+            return peer_id in self._wanted_fixed()
+        return True
+
+    async def _on_commit(self, session, env) -> None:
+        peer_id = session.peer_id
+        had = self.reserved.pop(peer_id, None) is not None
+        if peer_id in self.neighbours:
+            return
+        if had or len(self.neighbours) < self.cfg.max_degree:
+            self.neighbours[peer_id] = Neighbour(peer_id, since=time.time())
+            log.info("edge to %s added (accepted their proposal); degree %d", session.short, self.degree)
+            self._bump()
+        else:  # we can no longer honour it: tell them, so both ends agree there is no edge
+            await session.send_message(EdgeDrop(reason="commit arrived after the reservation expired"))
+
+    async def _on_drop(self, session, env) -> None:
+        if self.neighbours.pop(session.peer_id, None) is not None:
+            log.info("edge to %s dropped by them (%s); degree %d", session.short, env.message.reason, self.degree)
+            self._bump()
+
+    # ---- keeping the graph good ---------------------------------------------------------------------
+    def _wanted_fixed(self) -> set[str]:
+        ids = sorted(set(self.membership.connected()) | {self.me})
+        edges = build_fixed(self.cfg.kind, ids, degree=self.cfg.target_degree, seed=self.cfg.seed)
+        return {next(iter(e - {self.me})) for e in edges if self.me in e}
+
+    def rewire_config(self) -> RewireConfig:
+        return RewireConfig(shard_bytes=self.shard_bytes, target_degree=self.cfg.target_degree,
+                            min_degree=self.cfg.min_degree, max_degree=self.cfg.max_degree,
+                            gap_floor=self.cfg.gap_floor)
+
+    async def _maintain_loop(self) -> None:
+        while True:
+            now = trio.current_time()
+            for pid, deadline in list(self.reserved.items()):
+                if deadline < now:
+                    self.reserved.pop(pid, None)
+            try:
+                if self.cfg.kind == "rewired":
+                    await self._rewire_once()
+                else:
+                    await self._reconcile_fixed()
+                await self._reconcile_with_records()
+            except Exception:
+                log.exception("topology maintenance failed; retrying next round")
+            fast = self.degree < self.cfg.min_degree
+            await trio.sleep((0.3 if fast else self.cfg.rewire_interval) * random.uniform(0.5, 1.5))
+
+    async def _reconcile_fixed(self) -> None:
+        wanted = self._wanted_fixed()
+        for pid in list(self.neighbours):
+            if pid not in wanted:
+                await self.drop_edge(pid, f"not in the {self.cfg.kind} topology")
+        for pid in sorted(wanted - set(self.neighbours)):
+            if self.me < pid:  # one side proposes, so fixed edges are not proposed twice
+                await self.add_edge(pid, f"{self.cfg.kind} topology")
+
+    async def _rewire_once(self) -> None:
+        view = self.view()
+        if len(view.nodes) < 2:
+            return
+        cands = {p: s.estimate() for p, s in self.links.items()
+                 if p not in self.neighbours and p in self.membership.connected()}
+        move = plan_move(view, self.me, self.rewire_config(), self.rng, candidates_measured=cands or None)
+        if move is None:
+            return
+        ok = True
+        if move.add is not None:
+            ok = await self.add_edge(move.add, move.reason)
+        if ok and move.drop is not None:
+            # never drop an edge that would leave the neighbour below min degree as far as we know
+            nd = self.neighbours.get(move.drop)
+            if nd is None or view.degree(move.drop) > self.cfg.min_degree:
+                await self.drop_edge(move.drop, move.reason)
+        if ok:
+            self.moves += 1
+            self.last_move = (f"{move.kind}: " + (f"+{ident.short_id(move.add)} " if move.add else "")
+                              + (f"-{ident.short_id(move.drop)} " if move.drop else "")
+                              + f"({move.reason}; gap {move.gap_before:.3f}→{move.gap_after:.3f}, "
+                              f"round {move.predicted_round_time_before * 1000:.0f}→{move.predicted_round_time_after * 1000:.0f} ms)")
+            log.info("rewired %s", self.last_move)
+
+    async def _reconcile_with_records(self) -> None:
+        """An edge the other end's fresh record does not list (and we did not just add) is dropped."""
+        now = time.time()
+        for pid, nb in list(self.neighbours.items()):
+            rec = self.records.get(pid)
+            if rec is None or rec.issued < nb.since + 2 * self.cfg.record_interval or now - nb.since < 3 * self.cfg.record_interval:
+                continue
+            if self.me not in rec.neighbours:
+                self.neighbours.pop(pid, None)
+                log.info("edge to %s removed: their record does not list it", ident.short_id(pid))
+                self._bump()
+
+    # ---- probes -------------------------------------------------------------------------------------
+    async def _probe_loop(self) -> None:
+        """Measure throughput to candidates we have no figure for, one small probe at a time."""
+        if self.cfg.kind != "rewired":
+            return
+        while True:
+            await trio.sleep(random.uniform(0.5, 1.5))
+            now = trio.current_time()
+            conn = self.membership.connected()
+            todo = [p for p in conn if p not in self.neighbours
+                    and (self.link(p).bandwidth_bps is None or now - self.link(p).updated > 120)
+                    and now - self.link(p).probed > PROBE_EVERY]
+            if not todo:
+                continue
+            pid = random.choice(todo)
+            st = self.link(pid)
+            st.probed = now
+            t0 = trio.current_time()
+            try:
+                env = await conn[pid].request(ProbeRequest(nbytes=PROBE_BYTES), timeout=20.0)
+            except (trio.TooSlowError, SessionClosed):
+                continue
+            if isinstance(env.message, ProbeReply):
+                st.add_transfer(len(env.message.payload), trio.current_time() - t0, trio.current_time())
+
+    async def _on_probe(self, session, env) -> None:
+        n = max(0, min(env.message.nbytes, PROBE_BYTES))
+        await session.reply(env, ProbeReply(payload=bytes(n)))
+
+    # ---- status -------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        view = self.view()
+        try:
+            gap = graph_spectral_gap(view)
+        except ValueError:
+            gap = 0.0
+        nbrs = []
+        for pid in sorted(self.neighbours):
+            d = view.degree(pid) if pid in view.nodes else self.neighbours[pid].degree
+            st = self.link(pid)
+            nbrs.append({"peer_id": pid, "weight": round(metropolis_weight(self.degree, d), 4), "degree": d,
+                         "bandwidth_bps": st.bandwidth_bps, "rtt_s": st.rtt_s})
+        return {"kind": self.cfg.kind, "degree": self.degree, "neighbours": nbrs,
+                "self_weight": round(1 - sum(n["weight"] for n in nbrs), 4),
+                "view_nodes": len(view.nodes), "view_edges": len(view.edges), "spectral_gap": round(gap, 4),
+                "connected_view": view.is_connected(), "moves": self.moves, "last_move": self.last_move,
+                "version": self.version}
+
+    def topology(self) -> dict:
+        view = self.view()
+        return {"me": self.me, "nodes": sorted(view.nodes),
+                "edges": sorted(sorted(e) for e in view.edges),
+                "links": [{"a": min(e), "b": max(e), "bandwidth_bps": v.bandwidth_bps, "rtt_s": v.rtt_s}
+                          for e, v in view.links.items() if e in view.edges],
+                "spectral_gap": round(graph_spectral_gap(view), 4), "status": self.status()}
+
+    def commands(self) -> dict:
+        async def topology(args):
+            return self.topology()
+        return {"topology": topology}

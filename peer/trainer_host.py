@@ -1,0 +1,226 @@
+"""Hosting a training job inside the daemon.
+
+The config names a trainer module (`[trainer] name = "trainers.gossip_sgd"`); the module defines
+`run(swarm: Swarm, options: dict) -> dict | None`. It runs in a worker thread (torch releases the GIL
+for its kernels) while trio keeps heartbeats and exchanges going. `Swarm` is the one narrow interface a
+trainer sees: averaging with neighbours, parameter download, metrics, checkpoints and membership news.
+`peer/` never imports a specific trainer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from peer.gossip import ExchangeResult, SharedTensors
+from peer.home import atomic_write
+
+log = logging.getLogger("peertrain.trainer")
+
+
+class TrainerStopped(Exception):
+    """Raised inside the trainer thread when the daemon is stopping."""
+
+
+class Swarm:
+    """What a trainer may ask of the daemon. Every method is safe to call from the trainer's thread."""
+
+    def __init__(self, host: "TrainerHost"):
+        self._host = host
+        self.peer_id: str = host.daemon.peer_id
+        self.home: Path = host.daemon.home.root
+        self.checkpoint_dir: Path = host.daemon.home.checkpoints
+
+    # -- averaging ------------------------------------------------------------------------------------
+    def share(self, name: str, tensors: dict[str, Any], *, lock: threading.Lock | None = None) -> SharedTensors:
+        """Offer these tensors (e.g. model parameters) for averaging under a group name."""
+        group = SharedTensors(name, tensors, lock=lock)
+        self._host.gossip.register(group)
+        return group
+
+    def average(self, group: str, *, mode: str = "one") -> list[ExchangeResult]:
+        """Average now (blocking this thread): with one random neighbour, or with all of them."""
+        return self._call(self._host.gossip.average, group, mode=mode)
+
+    def average_in_background(self, group: str, *, mode: str = "one") -> bool:
+        """Start an averaging round without waiting (AD-PSGD). False if the previous one still runs."""
+        return self._host.start_background_average(group, mode)
+
+    def fetch_params(self, group: str) -> tuple[list[Any], int] | None:
+        """Download the current tensors of `group` from the most advanced neighbour (joining peers)."""
+        return self._call(self._host.fetch_from_best, group)
+
+    # -- who is around --------------------------------------------------------------------------------
+    def neighbours(self) -> list[str]:
+        return sorted(self._host.daemon.topology.neighbours)
+
+    def peers(self) -> list[str]:
+        return sorted(self._host.daemon.membership.connected())
+
+    def membership_events(self) -> list[tuple[str, str]]:
+        """(peer_id, 'joined'|'left') since the last call."""
+        out = []
+        while self._host.events:
+            out.append(self._host.events.popleft())
+        return out
+
+    def rank_and_world(self, world: int | None = None) -> tuple[int, int]:
+        """A data-shard index: PEERTRAIN_RANK/PEERTRAIN_WORLD if set (peer local sets them), else my
+        position among the sorted IDs of the peers I see (waiting up to 10 s to see `world` of them)."""
+        env_rank, env_world = os.environ.get("PEERTRAIN_RANK"), os.environ.get("PEERTRAIN_WORLD")
+        if env_rank is not None and env_world is not None:
+            return int(env_rank), int(env_world)
+        deadline = time.monotonic() + 10
+        while world and len(self.peers()) + 1 < world and time.monotonic() < deadline and not self.should_stop():
+            time.sleep(0.1)
+        ids = sorted(set(self.peers()) | {self.peer_id})
+        w = world or len(ids)
+        return ids.index(self.peer_id) % w, w
+
+    # -- reporting and state --------------------------------------------------------------------------
+    def publish(self, metrics: dict[str, Any]) -> None:
+        """Metrics for `peer status` and one JSON line in HOME/metrics.jsonl."""
+        self._host.publish(metrics)
+
+    def save_checkpoint(self, state: dict[str, Any], name: str = "latest.pt") -> Path:
+        """torch.save to HOME/checkpoints/<name> atomically (a crash never leaves a torn file)."""
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        path = self.checkpoint_dir / name
+        atomic_write(path, buf.getvalue(), mode=0o600)
+        return path
+
+    def load_checkpoint(self, name: str = "latest.pt", map_location: Any = "cpu") -> dict[str, Any] | None:
+        import torch
+
+        path = self.checkpoint_dir / name
+        if not path.exists():
+            return None
+        try:
+            return torch.load(path, map_location=map_location, weights_only=False)
+        except Exception as exc:
+            log.warning("ignoring unreadable checkpoint %s: %s", path, exc)
+            return None
+
+    def should_stop(self) -> bool:
+        return self._host.stopping.is_set()
+
+    def log(self, msg: str, *args: Any) -> None:
+        log.info(msg, *args)
+
+    def _call(self, fn, *args, **kw):
+        if self.should_stop():
+            raise TrainerStopped()
+        try:
+            return trio.from_thread.run(lambda: fn(*args, **kw), trio_token=self._host.token)
+        except trio.RunFinishedError:
+            raise TrainerStopped() from None
+
+
+class TrainerHost:
+    name = "trainer"
+
+    def __init__(self, daemon, gossip):
+        self.daemon = daemon
+        self.gossip = gossip
+        self.cfg = daemon.config.trainer
+        self.metrics: dict[str, Any] = {"trainer": self.cfg.name, "state": "starting"}
+        self.loss_history: deque[float] = deque(maxlen=60)
+        self.events: deque[tuple[str, str]] = deque(maxlen=1000)
+        self.stopping = threading.Event()
+        self.token: trio.lowlevel.TrioToken | None = None
+        self._bg_running: set[str] = set()
+        self._nursery: trio.Nursery | None = None
+        self._done = trio.Event()
+        daemon.membership.watch(lambda pid, s: self.events.append((pid, "joined" if s else "left")))
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            module = importlib.import_module(self.cfg.name)
+        except ImportError as exc:
+            raise ValueError(f"[trainer] name: cannot import {self.cfg.name!r}: {exc}") from None
+        if not callable(getattr(module, "run", None)):
+            raise ValueError(f"[trainer] name: {self.cfg.name!r} has no run(swarm, options) function")
+        self.token = trio.lowlevel.current_trio_token()
+        swarm = Swarm(self)
+        async with trio.open_nursery() as n:
+            self._nursery = n
+            task_status.started()
+            try:
+                result = await trio.to_thread.run_sync(self._run_thread, module, swarm, abandon_on_cancel=True)
+                self.metrics["state"] = "done"
+                if isinstance(result, dict):
+                    self.metrics.update(result)
+                log.info("trainer finished: %s", json.dumps({k: v for k, v in self.metrics.items() if k != "loss_history"}, default=str)[:500])
+            except TrainerStopped:
+                self.metrics["state"] = "stopped"
+            except Exception as exc:
+                self.metrics["state"] = f"failed: {type(exc).__name__}: {exc}"
+                log.exception("trainer failed (the daemon keeps serving peers)")
+            finally:
+                self._done.set()
+            await trio.sleep_forever()  # keep serving exchanges for the others
+
+    def _run_thread(self, module, swarm: Swarm):
+        return module.run(swarm, dict(self.cfg.options))
+
+    async def shutdown(self) -> None:
+        """Ask the trainer to stop and give it a bounded time to save its checkpoint."""
+        self.stopping.set()
+        with trio.move_on_after(20):
+            await self._done.wait()
+
+    def start_background_average(self, group: str, mode: str) -> bool:
+        if group in self._bg_running or self.token is None:
+            return False
+        self._bg_running.add(group)
+
+        async def go() -> None:
+            try:
+                await self.gossip.average(group, mode=mode)
+            finally:
+                self._bg_running.discard(group)
+
+        try:
+            trio.from_thread.run_sync(lambda: self._nursery.start_soon(go), trio_token=self.token)
+        except trio.RunFinishedError:
+            self._bg_running.discard(group)
+            return False
+        return True
+
+    async def fetch_from_best(self, group: str):
+        nbrs = list(self.daemon.topology.neighbours) or list(self.daemon.membership.connected())
+        random.shuffle(nbrs)
+        for pid in nbrs[:3]:
+            got = await self.gossip.fetch_params(group, pid)
+            if got is not None:
+                return got
+        return None
+
+    def publish(self, metrics: dict[str, Any]) -> None:
+        metrics = dict(metrics)
+        if metrics.get("loss") is not None:
+            self.loss_history.append(float(metrics["loss"]))
+        self.metrics.update(metrics)
+        line = dict(metrics, ts=round(time.time(), 3), peer=self.daemon.peer_id)
+        try:
+            with open(self.daemon.home.metrics_file, "a") as f:
+                f.write(json.dumps(line, default=float) + "\n")
+        except OSError as exc:
+            log.warning("cannot append metrics: %s", exc)
+
+    def status(self) -> dict:
+        return dict(self.metrics, loss_history=list(self.loss_history))

@@ -1,0 +1,73 @@
+"""Gossip-averaging messages: the symmetric pairwise exchange and parameter download.
+
+An exchange between i (initiator) and j:
+  i → j  AverageOffer (request; i's tensors follow on `streams`)
+  j → i  AverageAccept (reply; the weight both will use, j's tensors follow) | AverageReject
+  i → j  AverageCommit (i received everything and applied; j applies on receipt)
+Both apply x += w * (x_other_snapshot - x_own_snapshot) with the same w, so the swarm sum is unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.messages import Message
+
+__all__ = ["TensorSpec", "AverageOffer", "AverageAccept", "AverageReject", "AverageCommit",
+           "ParamsRequest", "ParamsReply"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class AverageOffer(Message):
+    TYPE = "avg_offer"
+    group: str
+    degree: int
+    tensors: list[TensorSpec]
+    streams: list[int]
+    codec: str = "raw"
+    step: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AverageAccept(Message):
+    TYPE = "avg_accept"
+    degree: int
+    weight: float
+    streams: list[int]
+    step: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AverageReject(Message):
+    TYPE = "avg_reject"
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AverageCommit(Message):
+    TYPE = "avg_commit"
+    exchange: int
+
+
+@dataclass(frozen=True, slots=True)
+class ParamsRequest(Message):
+    """A joining peer asks a neighbour for its current parameters of `group`."""
+
+    TYPE = "params_request"
+    group: str
+
+
+@dataclass(frozen=True, slots=True)
+class ParamsReply(Message):
+    TYPE = "params_reply"
+    tensors: list[TensorSpec]
+    streams: list[int]
+    step: int = 0
+    available: bool = True
