@@ -241,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     from peer.home import HomeError
 
     try:
-        return args.fn(args) or 0
+        try:
+            return args.fn(args) or 0
+        except BaseExceptionGroup as group:  # trio nurseries wrap errors; show the one that matters
+            raise _single_error(group) from None
     except (ConfigError, ControlError, HomeError, ValueError) as exc:
         print(f"peer {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -250,6 +253,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _single_error(group: BaseExceptionGroup) -> BaseException:
+    """The lone leaf error of a (nested) exception group, or the group itself if there are several."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for sub in e.exceptions:
+                walk(sub)
+        else:
+            leaves.append(e)
+
+    walk(group)
+    return leaves[0] if len(leaves) == 1 else group
 
 
 if __name__ == "__main__":

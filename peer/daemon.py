@@ -27,7 +27,7 @@ import trio
 from peer import __version__
 from peer.cipher_choice import resolve_ciphers
 from peer.config import Config, parse_hostport
-from peer.control import serve_control
+from peer.control import claim_socket_path, serve_control
 from peer.home import Home, atomic_write
 from peer.membership import Membership, parse_address
 from peer.router import Router
@@ -100,6 +100,7 @@ class Daemon:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
+        claim_socket_path(self.home.control_socket)  # refuse early if a live daemon owns this home
         host, port = parse_hostport(cfg.daemon.listen, what="[daemon] listen")
         listeners, self.listen_addr = await open_listeners(host, port)
         transport = TransportConfig(

@@ -209,6 +209,8 @@ class GossipEngine:
                 if not isinstance(reply, AverageAccept):
                     raise ProtocolError(f"expected avg_accept, got {type(reply).__name__}")
                 reply_streams = list(reply.streams)
+                if not 1 <= reply.degree <= 4096:
+                    raise ProtocolError(f"impossible degree {reply.degree} in accept")
                 w = metropolis_weight(degree, reply.degree)
                 if len(reply.streams) != len(own) or abs(reply.weight - w) > 1e-9:
                     raise ProtocolError(f"inconsistent accept (weight {reply.weight} for degrees {degree}/{reply.degree})")
@@ -259,6 +261,8 @@ class GossipEngine:
             reason = "tensor specs differ from ours"
         elif len(offer.streams) != len(group.specs):
             reason = "wrong number of streams"
+        elif not 1 <= offer.degree <= 4096:
+            reason = f"impossible degree {offer.degree}"
         elif not self.topology.is_neighbour(peer_id):
             reason = "not neighbours"
         elif peer_id in self.inflight or (peer_id in self.initiating and peer_id > self.me):

@@ -263,13 +263,7 @@ class Session:
     async def _read_loop(self) -> None:
         reader, sock, stats = self._reader, self.sock, self.stats
         while not self.closed.is_set():
-            view = reader.want()
-            n = await sock.recv_into(view)
-            reader.got(n)
-            if n == 0:
-                return
-            stats.bytes_in += n
-            stats.last_recv = trio.current_time()
+            # Drain first: bytes that arrived with the last handshake message may already hold frames.
             while (frame := reader.next_frame()) is not None:
                 if frame.kind == KIND_MESSAGE:
                     await self._on_message(frame.open())
@@ -277,6 +271,13 @@ class Session:
                     self._on_chunk(frame)
                 else:  # the reader already rejects unknown kinds; keep the invariant explicit
                     raise ProtocolError(f"unexpected frame kind {frame.kind}")
+            view = reader.want()
+            n = await sock.recv_into(view)
+            reader.got(n)
+            if n == 0:
+                return
+            stats.bytes_in += n
+            stats.last_recv = trio.current_time()
 
     async def _on_message(self, data) -> None:
         env = self.cfg.registry.decode(data, self.cfg.limits)

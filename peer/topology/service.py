@@ -386,7 +386,8 @@ class TopologyService:
             gap = 0.0
         nbrs = []
         for pid in sorted(self.neighbours):
-            d = view.degree(pid) if pid in view.nodes else self.neighbours[pid].degree
+            # the neighbour's own record may not list us yet; it has at least this edge
+            d = max(1, view.degree(pid) if pid in view.nodes else self.neighbours[pid].degree)
             st = self.link(pid)
             nbrs.append({"peer_id": pid, "weight": round(metropolis_weight(self.degree, d), 4), "degree": d,
                          "bandwidth_bps": st.bandwidth_bps, "rtt_s": st.rtt_s})

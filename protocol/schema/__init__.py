@@ -1,0 +1,89 @@
+"""The message schemas peertrain speaks, and the registry that decodes them.
+
+Each module here holds the messages of one plane; `MESSAGES` lists them all
+explicitly (add new schema modules' classes to it) and `DEFAULT_REGISTRY` is
+built from it once.
+"""
+
+from __future__ import annotations
+
+from protocol.messages import Message, Registry
+from protocol.schema.session import (
+    ErrorReply,
+    Goodbye,
+    PeerExchange,
+    PeerRecord,
+    Ping,
+    Pong,
+    peer_record_signing_bytes,
+)
+from protocol.schema.gossip import (
+    AverageAccept,
+    AverageCommit,
+    AverageOffer,
+    AverageReject,
+    ParamsReply,
+    ParamsRequest,
+    TensorSpec,
+)
+from protocol.schema.tensor import TensorHeader
+from protocol.schema.topology import (
+    EdgeAccept,
+    EdgeCommit,
+    EdgeDrop,
+    EdgePropose,
+    EdgeReject,
+    LinkReport,
+    ProbeReply,
+    ProbeRequest,
+    TopologyRecord,
+    TopologyRecords,
+    topology_record_signing_bytes,
+)
+
+__all__ = [
+    "DEFAULT_REGISTRY",
+    "MESSAGES",
+    "ErrorReply",
+    "Goodbye",
+    "PeerExchange",
+    "PeerRecord",
+    "Ping",
+    "Pong",
+    "TensorHeader",
+    "peer_record_signing_bytes",
+    "AverageAccept", "AverageCommit", "AverageOffer", "AverageReject", "ParamsReply", "ParamsRequest", "TensorSpec",
+    "EdgeAccept", "EdgeCommit", "EdgeDrop", "EdgePropose", "EdgeReject", "LinkReport", "ProbeReply", "ProbeRequest",
+    "TopologyRecord", "TopologyRecords", "topology_record_signing_bytes",
+]
+
+MESSAGES: tuple[type[Message], ...] = (
+    # session plane
+    Ping,
+    Pong,
+    PeerRecord,
+    PeerExchange,
+    Goodbye,
+    ErrorReply,
+    # data plane
+    TensorHeader,
+    # topology plane
+    TopologyRecord,
+    TopologyRecords,
+    EdgePropose,
+    EdgeAccept,
+    EdgeReject,
+    EdgeCommit,
+    EdgeDrop,
+    ProbeRequest,
+    ProbeReply,
+    # gossip plane
+    AverageOffer,
+    AverageAccept,
+    AverageReject,
+    AverageCommit,
+    ParamsRequest,
+    ParamsReply,
+)
+
+DEFAULT_REGISTRY = Registry(MESSAGES)

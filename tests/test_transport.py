@@ -1,0 +1,283 @@
+"""The encrypted transport over real sockets on 127.0.0.1: handshakes, failures, limits, bulk tensors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import trio
+
+from peer.transport import ListenerStats, SessionClosed, TransportConfig, dial, open_listeners, serve
+from protocol.errors import HandshakeError
+from protocol.identity import generate_identity, peer_id_from_public_bytes, public_key_bytes
+from protocol.limits import WireLimits
+from protocol.schema import Ping, Pong
+
+from tests.daemons import REPO
+
+
+def tcfg(**kw) -> TransportConfig:
+    kw.setdefault("identity", generate_identity())
+    kw.setdefault("swarm", "test")
+    kw.setdefault("handshake_timeout", 2.0)
+    return TransportConfig(**kw)
+
+
+async def echo_server(nursery, cfg, stats=None):
+    """A listener whose sessions answer pings and echo tensors back; returns its port."""
+    listeners, (host, port) = await open_listeners("127.0.0.1", 0)
+
+    async def on_session(session):
+        async with trio.open_nursery() as n:
+            n.start_soon(session.run)
+            async for env in session.incoming:
+                if isinstance(env.message, Ping):
+                    await session.reply(env, Pong(echo=env.message.sent))
+            n.cancel_scope.cancel()
+
+    nursery.start_soon(lambda: serve(listeners, cfg, on_session, stats=stats if stats is not None else ListenerStats()))
+    return port
+
+
+async def ping(session) -> None:
+    async with trio.open_nursery() as n:
+        n.start_soon(session.run)
+        env = await session.request(Ping(sent=1.5), timeout=5)
+        assert env.message == Pong(echo=1.5)
+        await session.aclose()
+        n.cancel_scope.cancel()
+
+
+async def attempt(port, cfg, expected=None) -> str:
+    """'ok' if a session to `port` answers a ping, 'refused' if the handshake or the session fails."""
+    try:
+        s = await dial("127.0.0.1", port, cfg, expected_peer_id=expected)
+    except (HandshakeError, OSError, trio.BrokenResourceError):
+        return "refused"
+    result = "refused"
+    async with trio.open_nursery() as n:
+        n.start_soon(s.run)
+        try:
+            # the responder may refuse only after our last handshake message: the session then dies
+            await s.request(Ping(sent=0.0), timeout=5)
+            result = "ok"
+        except SessionClosed:
+            pass
+        await s.aclose()
+        n.cancel_scope.cancel()
+    return result
+
+
+def test_handshake_both_ciphers_and_identity_is_proven():
+    async def main():
+        server_key = generate_identity()
+        server_id = peer_id_from_public_bytes(public_key_bytes(server_key))
+        for cipher in ("aes-256-gcm", "chacha20-poly1305"):
+            async with trio.open_nursery() as n:
+                port = await echo_server(n, tcfg(identity=server_key, ciphers=(cipher,)))
+                s = await dial("127.0.0.1", port, tcfg(ciphers=(cipher,)), expected_peer_id=server_id)
+                assert s.peer_id == server_id and s.cipher == cipher
+                await ping(s)
+                n.cancel_scope.cancel()
+    trio.run(main)
+
+
+@pytest.mark.parametrize("case", ["wrong_swarm_key", "missing_swarm_key", "wrong_swarm", "wrong_peer_id", "not_allowed"])
+def test_handshake_failures_are_clean_and_listener_keeps_serving(case):
+    async def main():
+        stats = ListenerStats()
+        server = dict(psk=b"k" * 32)
+        client = dict(psk=b"k" * 32)
+        expected = None
+        if case == "wrong_swarm_key":
+            client["psk"] = b"x" * 32
+        elif case == "missing_swarm_key":
+            client["psk"] = None
+        elif case == "wrong_swarm":
+            client["swarm"] = "other"
+        elif case == "wrong_peer_id":
+            expected = "a" * 20
+        good_key = generate_identity()
+        if case == "not_allowed":
+            server["allowed_peer_ids"] = frozenset({peer_id_from_public_bytes(public_key_bytes(good_key))})
+        async with trio.open_nursery() as n:
+            port = await echo_server(n, tcfg(**server), stats)
+            assert await attempt(port, tcfg(**client), expected) == "refused"
+            # a good client is still served
+            await ping(await dial("127.0.0.1", port, tcfg(identity=good_key, psk=server["psk"])))
+            n.cancel_scope.cancel()
+        assert stats.handshake_failures + (case == "wrong_peer_id") >= 1
+    trio.run(main)
+
+
+def test_slowloris_and_garbage_are_dropped_within_deadline():
+    async def main():
+        stats = ListenerStats()
+        async with trio.open_nursery() as n:
+            port = await echo_server(n, tcfg(handshake_timeout=1.0), stats)
+            idle = await trio.open_tcp_stream("127.0.0.1", port)  # says nothing at all
+            garbage = await trio.open_tcp_stream("127.0.0.1", port)
+            await garbage.send_all(os.urandom(5000))
+            huge = await trio.open_tcp_stream("127.0.0.1", port)
+            await huge.send_all(struct.pack(">I", 0xFFFFFFFF) + b"x" * 16)  # a 4 GB length prefix
+            with trio.fail_after(4):
+                for s in (idle, garbage, huge):  # each is closed by the server, within the deadline
+                    while await s.receive_some(65536):
+                        pass
+            await ping(await dial("127.0.0.1", port, tcfg()))
+            n.cancel_scope.cancel()
+        assert stats.handshake_failures == 3
+    trio.run(main)
+
+
+def test_connection_limit_per_ip():
+    async def main():
+        async with trio.open_nursery() as n:
+            listeners, (_, port) = await open_listeners("127.0.0.1", 0)
+            stats = ListenerStats()
+
+            async def hold(session):
+                await session.run()
+
+            n.start_soon(lambda: serve(listeners, tcfg(), hold, max_connections_per_ip=2, stats=stats))
+            held = [await dial("127.0.0.1", port, tcfg()) for _ in range(2)]
+            assert await attempt(port, tcfg()) == "refused"
+            assert stats.refused == 1
+            for s in held:
+                await s.aclose()
+            n.cancel_scope.cancel()
+    trio.run(main)
+
+
+def test_tensors_roundtrip_codecs_and_nan_rejection_keeps_session():
+    async def main():
+        limits = WireLimits(max_frame_bytes=64 * 1024 + 64, max_message_bytes=64 * 1024)
+        got = {}
+
+        async def on_session(session):
+            async with trio.open_nursery() as n:
+                n.start_soon(session.run)
+                for stream in (1, 2, 3, 4):
+                    try:
+                        got[stream] = (await session.receive_tensor(stream, timeout=10)).array
+                    except Exception as exc:  # noqa: BLE001 - recorded for the assertions
+                        got[stream] = exc
+                n.cancel_scope.cancel()
+
+        async with trio.open_nursery() as n:
+            listeners, (_, port) = await open_listeners("127.0.0.1", 0)
+            n.start_soon(lambda: serve(listeners, tcfg(limits=limits, chunk_bytes=64 * 1024), on_session))
+            s = await dial("127.0.0.1", port, tcfg(limits=limits, chunk_bytes=64 * 1024))
+            n.start_soon(s.run)
+            a = np.random.default_rng(1).standard_normal((300, 700)).astype(np.float32)
+            bad = a.copy()
+            bad[3, 3] = np.nan
+            await s.send_tensor("a", a)
+            await s.send_tensor("bad", bad)  # rejected at the receiver, session survives
+            await s.send_tensor("q", a, codec="q8")
+            await s.send_tensor("h", a, codec="float16")
+            with trio.fail_after(10):
+                while len(got) < 4:
+                    await trio.sleep(0.01)
+            await s.aclose()
+            n.cancel_scope.cancel()
+        assert np.array_equal(got[1], a)
+        assert "NaN" in str(got[2])
+        block_max = np.abs(a).max()
+        assert np.abs(got[3] - a).max() <= block_max / 254 + 1e-6
+        assert np.abs(got[4] - a).max() < 1e-2
+    trio.run(main)
+
+
+RECEIVER = textwrap.dedent("""
+    import hashlib, json, sys, trio
+    from peer.transport import TransportConfig, open_listeners, serve
+    from protocol.identity import generate_identity
+    from protocol.schema import Ping, Pong
+
+    async def main():
+        cfg = TransportConfig(identity=generate_identity(), swarm="big")
+        listeners, (_, port) = await open_listeners("127.0.0.1", 0)
+        done = trio.Event()
+        async def on_session(session):
+            async with trio.open_nursery() as n:
+                n.start_soon(session.run)
+                t = await session.receive_tensor(1, timeout=120)
+                digest = hashlib.sha256(t.array.tobytes()).hexdigest()
+                print(json.dumps({"sha256": digest, "shape": list(t.array.shape), "dtype": t.dtype}), flush=True)
+                env = await session.incoming.receive()
+                await session.reply(env, Pong(echo=0.0))
+                done.set()
+                n.cancel_scope.cancel()
+        async with trio.open_nursery() as n:
+            n.start_soon(lambda: serve(listeners, cfg, on_session))
+            print(json.dumps({"port": port}), flush=True)
+            await done.wait()
+            n.cancel_scope.cancel()
+    trio.run(main)
+""")
+
+
+@pytest.mark.slow
+def test_two_process_256mib_tensor_arrives_bit_exact():
+    proc = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=REPO)
+    try:
+        port = json.loads(proc.stdout.readline())["port"]
+        a = np.random.default_rng(7).integers(0, 2**32, size=64 << 20, dtype=np.uint32).view(np.float32)
+        a = np.nan_to_num(a, nan=0.5, posinf=1.0, neginf=-1.0)  # the receiver rejects non-finite floats
+        want = hashlib.sha256(a.tobytes()).hexdigest()
+
+        async def send():
+            s = await dial("127.0.0.1", port, tcfg(swarm="big"))
+            async with trio.open_nursery() as n:
+                n.start_soon(s.run)
+                await s.send_tensor("big", a)
+                await s.request(Ping(sent=0.0), timeout=120)
+                await s.aclose()
+                n.cancel_scope.cancel()
+
+        trio.run(send)
+        result = json.loads(proc.stdout.readline())
+        assert result == {"sha256": want, "shape": [64 << 20], "dtype": "float32"}
+        assert a.nbytes == 256 << 20
+    finally:
+        proc.wait(30)
+        if proc.returncode:
+            print(proc.stderr.read(), file=sys.stderr)
+    assert proc.returncode == 0
+
+
+def test_tampered_stream_closes_session_with_reason():
+    """A man in the middle flips one byte of a sealed frame: the receiver closes with an authentication error."""
+    async def main():
+        closed = trio.Event()
+        reasons = []
+
+        async def on_session(session):
+            await session.run()
+            reasons.append(session.close_reason)
+            closed.set()
+
+        async with trio.open_nursery() as n:
+            listeners, (_, port) = await open_listeners("127.0.0.1", 0)
+            n.start_soon(lambda: serve(listeners, tcfg(), on_session))
+            s = await dial("127.0.0.1", port, tcfg())
+            # seal a valid frame with the real writer, then corrupt it on the way out
+            view = bytearray(s._writer.seal(1, 0, s.cfg.registry.encode(Ping(sent=1.0))))
+            view[-3] ^= 0x01
+            await s.stream.send_all(bytes(view))
+            with trio.fail_after(5):
+                await closed.wait()
+            await s.aclose()
+            n.cancel_scope.cancel()
+        assert "authentication" in reasons[0]
+    trio.run(main)
