@@ -57,6 +57,7 @@ class SharedTensors:
         self.is_torch = not all(isinstance(t, np.ndarray) for t in self.tensors.values())
         self.specs = [TensorSpec(name=k, dtype=_dtype_name(t), shape=list(t.shape)) for k, t in self.tensors.items()]
         self.nbytes = sum(int(np.prod(s.shape)) * _itemsize(s.dtype) for s in self.specs)
+        self.last_distance: float | None = None  # ||x_other - x_own|| / ||x_own|| at the last exchange
 
     def snapshot(self) -> list[Any]:
         """Copies of every tensor, on the CPU (a consistent cut: taken under the lock)."""
@@ -68,23 +69,42 @@ class SharedTensors:
     def apply(self, weight: float, others: list[Any], own: list[Any]) -> None:
         """x += weight * (other - own) for every tensor, in place (the exchange's whole effect)."""
         deltas = []
+        diff_sq = own_sq = 0.0
         for o, a in zip(others, own):
             if self.is_torch:
                 import torch
 
                 d = o.to(a.dtype) if isinstance(o, torch.Tensor) else torch.from_numpy(np.asarray(o)).to(a.dtype)
-                d.sub_(a).mul_(weight)
+                d.sub_(a)
+                diff_sq += float(d.double().square().sum())
+                own_sq += float(a.double().square().sum())
+                d.mul_(weight)
             else:
                 d = np.asarray(o)
                 np.subtract(d, a, out=d)
+                diff_sq += float(np.dot(d.ravel(), d.ravel()))
+                own_sq += float(np.dot(a.ravel(), a.ravel()))
                 d *= weight
             deltas.append(d)
+        self.last_distance = (diff_sq / own_sq) ** 0.5 if own_sq > 0 else diff_sq ** 0.5
         with self.lock:
             for t, d in zip(self.tensors.values(), deltas):
                 if self.is_torch:
                     t.data.add_(d.to(t.device, non_blocking=False))
                 else:
                     t += d
+
+    def stats(self, *, values: bool = False) -> dict:
+        """Sum and squared norm (float64) of the whole group now; with `values`, the raw bytes too."""
+        snap = self.snapshot()
+        arrs = [t.numpy() if not isinstance(t, np.ndarray) else t for t in snap] if self.is_torch else snap
+        out = {"sum": float(sum(np.sum(a, dtype=np.float64) for a in arrs)),
+               "sumsq": float(sum(np.dot(a.ravel().astype(np.float64), a.ravel().astype(np.float64)) for a in arrs)),
+               "nbytes": self.nbytes, "step": self.step}
+        if values:
+            out["values"] = [np.ascontiguousarray(a).tobytes() for a in arrs]
+            out["dtypes"] = [str(a.dtype) for a in arrs]
+        return out
 
     def load(self, values: list[Any]) -> None:
         """Replace every tensor's value (a joining peer adopting a neighbour's parameters)."""
@@ -368,6 +388,17 @@ class GossipEngine:
             log.warning("could not download parameters from %s: %s", session.short, exc)
             session.discard(streams)
             return None
+
+    def commands(self) -> dict:
+        async def group_stats(args: dict) -> dict:
+            want_values = bool(args.get("values"))
+            out = {}
+            for g in list(self.groups.values()):
+                if want_values and g.nbytes > (64 << 20):
+                    raise ValueError(f"group {g.name} is too large to return its values")
+                out[g.name] = await trio.to_thread.run_sync(lambda g=g: g.stats(values=want_values))
+            return out
+        return {"group_stats": group_stats}
 
     def status(self) -> dict:
         s = self.stats

@@ -44,7 +44,7 @@ def start_daemons(n: int, root: Path, config: Path, *, extra_args: list[str] | N
         home.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "peer", "start", "--home", str(home), "--config", str(config),
                 "--listen", "127.0.0.1:0", *(extra_args or [])]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PEERTRAIN_NODE_INDEX=str(i - 1), PEERTRAIN_NODE_COUNT=str(n))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PEERTRAIN_RANK=str(i - 1), PEERTRAIN_WORLD=str(n))
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         if to_files:

@@ -115,6 +115,10 @@ class Swarm:
             log.warning("ignoring unreadable checkpoint %s: %s", path, exc)
             return None
 
+    def on_checkpoint_request(self, fn) -> None:
+        """Register a thread-safe function that saves a checkpoint (used by `peer export`)."""
+        self._host._checkpoint_fn = fn
+
     def should_stop(self) -> bool:
         return self._host.stopping.is_set()
 
@@ -145,6 +149,7 @@ class TrainerHost:
         self._bg_running: set[str] = set()
         self._nursery: trio.Nursery | None = None
         self._done = trio.Event()
+        self._checkpoint_fn = None  # set by the trainer through Swarm.on_checkpoint_request
         daemon.membership.watch(lambda pid, s: self.events.append((pid, "joined" if s else "left")))
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -224,3 +229,12 @@ class TrainerHost:
 
     def status(self) -> dict:
         return dict(self.metrics, loss_history=list(self.loss_history))
+
+    def commands(self) -> dict:
+        async def checkpoint(args: dict) -> dict:
+            """Ask the trainer to save now (it does so between steps); wait for it, bounded."""
+            if self._checkpoint_fn is None:
+                raise ValueError("this trainer does not support on-demand checkpoints")
+            await trio.to_thread.run_sync(self._checkpoint_fn)
+            return {"saved": True}
+        return {"checkpoint": checkpoint}

@@ -1,0 +1,215 @@
+"""Decentralized SGD hosted by the daemon: AD-PSGD (default) or D-PSGD, on any torch model and optimizer.
+
+Each peer trains on its own shard of the data and, after every `average_every` steps, averages its
+parameters with neighbours through the daemon:
+  * adpsgd — start one pairwise exchange with a random neighbour in the background and keep computing
+    (no global rounds; a slow neighbour only delays itself);
+  * dpsgd  — exchange with every neighbour before the next step (no global barrier either: a neighbour
+    that misses the exchange deadline is skipped).
+Optimizer state (momentum, Adam moments) stays local, as in the AD-PSGD/D-PSGD papers. Held-out accuracy
+is measured on this peer's *local* model. Checkpoints (model, optimizer, step) are written atomically
+every `checkpoint_every` steps and on shutdown; a restarted peer resumes from its own checkpoint, and a
+new peer first downloads a neighbour's parameters so it starts where the swarm is.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+
+import torch
+
+from trainers.baseline import RECOMMENDED, batch_loss, evaluate, make_optimizer, seeded_model
+from trainers.datasets import load_factory, load_for_model, partition
+from trainers.models import count_parameters, pick_device
+from trainers.options import parse_options
+
+
+@dataclass(frozen=True)
+class GossipSGDOptions:
+    model: str = "digits_mlp"
+    model_factory: str = ""  # "pkg.module:fn" returning an nn.Module (overrides `model`)
+    dataset_factory: str = ""  # "pkg.module:fn" returning (train, test) datasets with .subset/.batches
+    mode: str = "adpsgd"  # adpsgd | dpsgd
+    optimizer: str = ""  # sgd | adam (default: the model's recipe)
+    lr: float = 0.0
+    momentum: float = -1.0
+    weight_decay: float = -1.0
+    batch_size: int = 0
+    epochs: float = 0.0  # passes over this peer's own shard (default: the recipe's epochs x world, so each
+    #                      peer sees as many samples as the single-process recipe; stop early at the target)
+    max_steps: int = 0
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine
+    grad_clip: float = 0.0
+    amp: bool = False  # mixed precision (CUDA only)
+    average_every: int = 1
+    target_accuracy: float = 0.0  # stop when the local model reaches it (0: run the whole budget)
+    eval_every: int = 25
+    checkpoint_every: int = 100
+    seed: int = 0
+    world: int = 0  # data shards (0: number of peers seen at start)
+    threads: int = 1
+    min_peers: int = -1  # peers to wait for before the first step (-1: world - 1)
+    join_wait: float = 30.0  # most seconds to wait for them (then start anyway)
+    step_delay: float = 0.0  # benchmark only: extra seconds per step, to make a straggler
+
+
+def _recipe(o: GossipSGDOptions, world: int):
+    r = RECOMMENDED.get(o.model)
+    if r is None and (o.lr <= 0 or o.batch_size <= 0 or (o.epochs <= 0 and o.max_steps <= 0)):
+        raise ValueError("[trainer.options] a custom model needs lr, batch_size and epochs or max_steps")
+    return dict(
+        optimizer=o.optimizer or (r.optimizer if r else "sgd"),
+        lr=o.lr or r.lr,
+        momentum=o.momentum if o.momentum >= 0 else (r.momentum if r else 0.9),
+        weight_decay=o.weight_decay if o.weight_decay >= 0 else (r.weight_decay if r else 0.0),
+        batch_size=o.batch_size or r.batch_size,
+        epochs=o.epochs or ((r.epochs * world) if r else 0),
+        max_steps=o.max_steps or ((r.max_steps or 0) if r else 0),
+    )
+
+
+def _lr_at(step: int, base: float, warmup: int, total: int, schedule: str) -> float:
+    if warmup and step < warmup:
+        return base * (step + 1) / warmup
+    if schedule == "cosine" and total > warmup:
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        return base * 0.5 * (1 + math.cos(math.pi * t))
+    return base
+
+
+def run(swarm, options: dict) -> dict:
+    o = parse_options(GossipSGDOptions, options, trainer="trainers.gossip_sgd")
+    if o.mode not in ("adpsgd", "dpsgd"):
+        raise ValueError(f"[trainer.options] mode: expected 'adpsgd' or 'dpsgd', got {o.mode!r}")
+    if o.schedule not in ("constant", "cosine"):
+        raise ValueError(f"[trainer.options] schedule: expected 'constant' or 'cosine', got {o.schedule!r}")
+    torch.set_num_threads(max(1, o.threads))
+    device = pick_device()
+
+    if o.dataset_factory:
+        train, test = load_factory(o.dataset_factory)()
+        model_opts: dict = {}
+    else:
+        train, test, model_opts = load_for_model(o.model)
+    rank, world = swarm.rank_and_world(o.world or None)
+    hp = _recipe(o, world)
+    shard = train.subset(partition(len(train), rank, world, seed=o.seed))
+    model = (load_factory(o.model_factory)() if o.model_factory else seeded_model(o.model, o.seed, **model_opts)).to(device)
+    opt = make_optimizer(model.parameters(), hp["optimizer"], lr=hp["lr"], momentum=hp["momentum"],
+                         weight_decay=hp["weight_decay"])
+    use_amp = o.amp and device.type == "cuda"
+    scaler = torch.amp.GradScaler("cuda") if use_amp else None
+    lock = threading.Lock()
+    group = swarm.share("model", {name: p.data for name, p in model.named_parameters()}, lock=lock)
+
+    steps_per_epoch = max(1, math.ceil(len(shard) / hp["batch_size"]))
+    total_steps = hp["max_steps"] or int(round(hp["epochs"] * steps_per_epoch))
+    step, resumed_from, joined_from = 0, None, None
+    ckpt = swarm.load_checkpoint(map_location=device)
+    if ckpt is not None and ckpt.get("model_name") == (o.model_factory or o.model):
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        step = resumed_from = int(ckpt["step"])
+        swarm.log("resumed from checkpoint at step %d", step)
+    else:
+        # Wait (bounded) for the swarm to assemble, so peers that start together also train together.
+        want = world - 1 if o.min_peers < 0 else o.min_peers
+        deadline = time.monotonic() + o.join_wait
+        while (len(swarm.peers()) < want or not swarm.neighbours()) and time.monotonic() < deadline \
+                and not swarm.should_stop():
+            time.sleep(0.1)
+        if len(swarm.peers()) < want:
+            swarm.log("starting with %d of %d expected peers after waiting %.0fs", len(swarm.peers()), want, o.join_wait)
+        if swarm.neighbours():
+            got = swarm.fetch_params("model")
+            if got is not None and got[1] > 0:  # the swarm is already training: start where it is
+                group.load(got[0])
+                joined_from = got[1]
+                swarm.log("joined a running swarm: downloaded parameters at its step %d", joined_from)
+
+    meta = {"trainer": "trainers.gossip_sgd", "mode": o.mode, "model": o.model_factory or o.model,
+            "parameters": count_parameters(model), "device": str(device), "rank": rank, "world": world,
+            "shard_size": len(shard), "total_steps": total_steps, "target_accuracy": o.target_accuracy,
+            "resumed_from_step": resumed_from, "joined_at_step": joined_from, "state": "training"}
+    swarm.publish(meta)
+
+    def save(name: str = "latest.pt") -> None:
+        with lock:
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                     "model_name": o.model_factory or o.model, "options": asdict(o)}
+            swarm.save_checkpoint(state, name)
+
+    swarm.on_checkpoint_request(save)
+    gen = torch.Generator().manual_seed(o.seed * 7919 + rank * 104729 + step)
+    t0, samples, last_pub = time.monotonic(), 0, 0.0
+    loss_val, acc, test_loss = None, None, None
+    reached = False
+    model.train()
+    while step < total_steps and not swarm.should_stop() and not reached:
+        for xb, yb in shard.batches(hp["batch_size"], gen):
+            if step >= total_steps or swarm.should_stop():
+                break
+            xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(step, hp["lr"], o.warmup_steps, total_steps, o.schedule)
+            with lock:
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast(device.type, dtype=torch.float16) if use_amp else nullcontext():
+                    loss = batch_loss(model(xb), yb)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    if o.grad_clip:
+                        scaler.unscale_(opt)
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    if o.grad_clip:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+                    opt.step()
+            step += 1
+            group.step = step
+            samples += len(yb)
+            loss_val = float(loss)
+            if not math.isfinite(loss_val):
+                raise FloatingPointError(f"loss became {loss_val} at step {step}; lower the learning rate")
+            if o.step_delay:
+                time.sleep(o.step_delay)
+            if step % o.average_every == 0:
+                if o.mode == "adpsgd":
+                    swarm.average_in_background("model", mode="one")
+                else:
+                    swarm.average("model", mode="all")
+            evaluate_now = step % o.eval_every == 0 or step == total_steps
+            if evaluate_now:
+                with lock:
+                    test_loss, acc = evaluate(model, test, device)
+                if o.target_accuracy and acc >= o.target_accuracy:
+                    reached = True
+            now = time.monotonic()
+            if evaluate_now or now - last_pub > 1.0:
+                last_pub = now
+                elapsed = now - t0
+                swarm.publish({"step": step, "epoch": round(step / steps_per_epoch, 3), "loss": loss_val,
+                               "accuracy": acc, "test_loss": test_loss, "samples_per_s": samples / max(elapsed, 1e-9),
+                               "elapsed_s": round(elapsed, 3), "consensus_distance": group.last_distance,
+                               "neighbours": len(swarm.neighbours())})
+            if o.checkpoint_every and step % o.checkpoint_every == 0:
+                save()
+            if reached:
+                break
+    save()
+    elapsed = time.monotonic() - t0
+    with lock:
+        test_loss, acc = evaluate(model, test, device)
+    result = {"step": step, "accuracy": acc, "test_loss": test_loss, "loss": loss_val, "elapsed_s": round(elapsed, 3),
+              "samples_per_s": samples / max(elapsed, 1e-9), "reached_target": bool(o.target_accuracy and acc >= o.target_accuracy),
+              "epoch": round(step / steps_per_epoch, 3)}
+    swarm.publish(result)
+    return result
