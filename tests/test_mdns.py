@@ -22,7 +22,7 @@ import trio
 from zeroconf import ServiceInfo, ServiceStateChange, Zeroconf
 
 from peer.discovery.mdns import SERVICE_TYPE, Announcement, MdnsDiscovery
-from tests.netns import ProcOutput
+from peer.netns import ProcOutput
 
 LOOPBACK = ["127.0.0.1"]
 PROBE = Path(__file__).with_name("netns_mdns_probe.py")

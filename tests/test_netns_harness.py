@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.netns import (
+from peer.netns import (
     NetnsError,
     ProcOutput,
     cleanup_stale,

@@ -23,6 +23,7 @@ class ConsensusOptions:
     seed: int = 0
     world: int = 0  # peers expected (0: whoever is there after a short wait)
     rounds: int = 200  # exchanges this peer initiates (0: until stopped)
+    initiate: bool = True  # False: only serve exchanges that others start
     mode: str = "one"  # one neighbour per round (AD-PSGD style) or all neighbours (D-PSGD style)
     interval: float = 0.0  # seconds between rounds
     start_delay: float = 0.0  # wait before the first round (lets the topology settle)
@@ -56,7 +57,9 @@ def run(swarm, options: dict) -> dict:
     done = 0
     t0 = time.monotonic()
     last_pub = 0.0
-    while (o.rounds == 0 or done < o.rounds) and not swarm.should_stop():
+    while not o.initiate and not swarm.should_stop():
+        time.sleep(0.1)
+    while o.initiate and (o.rounds == 0 or done < o.rounds) and not swarm.should_stop():
         results = swarm.average("vector", mode=o.mode)
         done += sum(1 for r in results if r.ok)
         if not results:
