@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from peer.concurrency import together
 from peer.topology.mixing import metropolis_weight
 from peer.transport import SessionClosed
 from protocol.errors import ProtocolError
@@ -217,10 +218,11 @@ class GossipEngine:
                 async def ask() -> None:
                     replies.append(await session.request(offer, timeout=self.cfg.exchange_timeout))
 
-                async with trio.open_nursery() as n:
-                    n.start_soon(ask)
+                async def send() -> None:
                     for spec, arr, sid in zip(group.specs, own, streams):
                         await session.send_tensor(spec.name, arr, codec=self.cfg.codec, stream=sid)
+
+                await together(ask, send)
                 env = replies[0]
                 reply = env.message
                 if isinstance(reply, AverageReject):
@@ -322,10 +324,11 @@ class GossipEngine:
                         _check_spec(spec, dec)
                         others.append(dec.to_torch() if group.is_torch else dec.array)
 
-                async with trio.open_nursery() as n:
-                    n.start_soon(receive)
+                async def send() -> None:
                     for spec, arr, sid in zip(group.specs, own, streams):
                         await session.send_tensor(spec.name, arr, codec=self.cfg.codec, stream=sid)
+
+                await together(receive, send)
                 got_all = True
                 await self.commits[key].wait()
             await trio.to_thread.run_sync(group.apply, w, others, own)

@@ -94,12 +94,13 @@ def _print_result(rows: list[dict]) -> None:
     live = [r for r in rows if r["status"] and r["status"].get("trainer")]
     if not live:
         return
-    accs = [r["status"]["trainer"].get("accuracy") or 0.0 for r in live]
-    t = live[0]["status"]["trainer"]
-    console.print(f"[bold green]training finished[/]: {len(live)} peers, held-out accuracy "
-                  f"min {min(accs) * 100:.2f}% / mean {sum(accs) / len(accs) * 100:.2f}% "
-                  f"(target {t.get('target_accuracy', 0) * 100:.0f}%), step {t.get('step')}, "
-                  f"{t.get('elapsed_s', 0):.1f}s")
+    trs = [r["status"]["trainer"] for r in live]
+    accs = [t.get("accuracy") or 0.0 for t in trs]
+    reached = [t for t in trs if t.get("reached_target")]
+    target = trs[0].get("target_accuracy") or 0
+    console.print(f"[bold green]training finished[/]: {len(reached)}/{len(trs)} peers reached the {target * 100:.0f}% "
+                  f"target (slowest after {max((t['seconds_to_target'] for t in reached), default=0):.1f}s of training); "
+                  f"final held-out accuracy min {min(accs) * 100:.2f}% / mean {sum(accs) / len(accs) * 100:.2f}%")
     console.print(f"export a model with: peer export --home {live[0]['home']} model.pt")
 
 

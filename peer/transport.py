@@ -307,12 +307,13 @@ class Session:
         if slot.decoder is not None or slot.pending.event.is_set():
             raise ProtocolError(f"tensor stream {header.stream} reused")
         decoder = TensorDecoder(header, self.cfg.limits)  # validates the header before allocating
-        if self._inflight_bytes + header.nbytes > self.cfg.limits.max_inflight_tensor_bytes:
+        need = decoder.memory_bytes  # decoded size: a float16 body of a float64 tensor needs 4x its wire size
+        if self._inflight_bytes + need > self.cfg.limits.max_inflight_tensor_bytes:
             raise LimitExceeded(
-                f"tensor '{header.name}' would put {self._inflight_bytes + header.nbytes} bytes in flight "
+                f"tensor '{header.name}' would put {self._inflight_bytes + need} bytes in flight "
                 f"(limit {self.cfg.limits.max_inflight_tensor_bytes})")
         slot.decoder = decoder
-        slot.nbytes = header.nbytes
+        slot.nbytes = need
         self._inflight_bytes += header.nbytes
         if decoder.done:  # zero-size tensor
             self._complete(header.stream, slot)

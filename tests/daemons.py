@@ -76,11 +76,13 @@ class DaemonProc:
     def __post_init__(self) -> None:
         self.log_path = self.home.parent / f"{self.name}.log"
 
+    env: dict = field(default_factory=dict)
+
     def start(self) -> "DaemonProc":
         self.home.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env), start_new_session=True)
         log.close()
         return self
 
@@ -130,12 +132,13 @@ class Cluster:
         self.tmp = tmp
         self.daemons: list[DaemonProc] = []
 
-    def daemon(self, name: str, *args: str, config: Path | None = None, home: Path | None = None) -> DaemonProc:
+    def daemon(self, name: str, *args: str, config: Path | None = None, home: Path | None = None,
+               env: dict | None = None) -> DaemonProc:
         home = home or self.tmp / name
         argv = [sys.executable, "-m", "peer", "start", "--home", str(home)]
         if config is not None:
             argv += ["--config", str(config)]
-        d = DaemonProc(name=name, home=home, argv=argv + list(args))
+        d = DaemonProc(name=name, home=home, argv=argv + list(args), env=dict(env or {}))
         self.daemons.append(d)
         return d.start()
 
@@ -154,3 +157,16 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     d.proc.kill()
                     d.proc.wait(5)
+
+
+def config_file(path: Path, **kw) -> Path:
+    """Write a validated config (see peer.bench.harness.make_config) as TOML and return its path."""
+    from peer.bench.harness import make_config
+    from peer.config import to_toml
+
+    path.write_text(to_toml(make_config(**kw)))
+    return path
+
+
+def rank_env(rank: int, world: int) -> dict:
+    return {"PEERTRAIN_RANK": str(rank), "PEERTRAIN_WORLD": str(world)}

@@ -149,6 +149,7 @@ def run(swarm, options: dict) -> dict:
     t0, samples, last_pub = time.monotonic(), 0, 0.0
     loss_val, acc, test_loss = None, None, None
     reached = False
+    target_info: dict = {}  # when the local model first reached the target (later exchanges keep changing it)
     model.train()
     while step < total_steps and not swarm.should_stop() and not reached:
         for xb, yb in shard.batches(hp["batch_size"], gen):
@@ -176,7 +177,7 @@ def run(swarm, options: dict) -> dict:
             step += 1
             group.step = step
             samples += len(yb)
-            loss_val = float(loss)
+            loss_val = loss.item()
             if not math.isfinite(loss_val):
                 raise FloatingPointError(f"loss became {loss_val} at step {step}; lower the learning rate")
             if o.step_delay:
@@ -192,6 +193,8 @@ def run(swarm, options: dict) -> dict:
                     test_loss, acc = evaluate(model, test, device)
                 if o.target_accuracy and acc >= o.target_accuracy:
                     reached = True
+                    target_info = {"target_step": step, "seconds_to_target": round(time.monotonic() - t0, 3),
+                                   "epochs_to_target": round(step / steps_per_epoch, 3), "accuracy_at_target": acc}
             now = time.monotonic()
             if evaluate_now or now - last_pub > 1.0:
                 last_pub = now
@@ -209,7 +212,7 @@ def run(swarm, options: dict) -> dict:
     with lock:
         test_loss, acc = evaluate(model, test, device)
     result = {"step": step, "accuracy": acc, "test_loss": test_loss, "loss": loss_val, "elapsed_s": round(elapsed, 3),
-              "samples_per_s": samples / max(elapsed, 1e-9), "reached_target": bool(o.target_accuracy and acc >= o.target_accuracy),
-              "epoch": round(step / steps_per_epoch, 3)}
+              "samples_per_s": samples / max(elapsed, 1e-9), "reached_target": bool(target_info),
+              "epoch": round(step / steps_per_epoch, 3), **target_info}
     swarm.publish(result)
     return result

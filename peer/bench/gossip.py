@@ -1,0 +1,420 @@
+"""`peer bench gossip`: seconds until N real daemons reach consensus, per topology.
+
+For every topology kind, N fresh daemons (new homes, a swarm name of their own) run the
+`trainers.consensus` job with `rounds = 0`: each holds a random float32 vector and gossip-averages
+until stopped. The job waits `--settle` seconds before its first round so the graph (and, for
+`rewired`, its probes) exists; fixed kinds get the same delay so all start alike. The bench polls the
+control sockets every 0.1 s and stops the clock when the published consensus error
+sum(err_num) / sum(err_den) first drops to `--target`. The clock starts when the earliest peer began
+its rounds (each peer's start is recovered from its metrics.jsonl: ts - elapsed_s).
+
+Alongside the time it reports the graph really used (the union of the neighbour lists every daemon
+reports; its Metropolis-Hastings W is checked to be doubly stochastic and every edge to be listed by
+both ends), bytes sent per peer, and whether the swarm-wide sum survived. With `--netns` every daemon
+gets its own network namespace on one virtual LAN and K of them sit behind `tbf`-limited links, which
+is where an adaptive topology should pay off.
+
+Why the sum check takes the best of several cuts: with rounds = 0 exchanges never pause, and a cut
+taken while an exchange is applied at one end but not yet at the other is off by w * sum(b - a). Such
+errors come and go between cuts; a real leak is in every cut.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FIXED = ("ring", "exponential", "random_regular", "full")
+KINDS = ("rewired", *FIXED)
+NETNS_PORT = 7100
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--n", type=int, default=8, help="daemons per topology (default 8)")
+    p.add_argument("--size", default=None,
+                   help="vector per peer, e.g. 16MiB (default 16MiB; 2MiB with --netns, so slow links finish in minutes)")
+    p.add_argument("--topologies", default="rewired,ring,exponential,random_regular",
+                   help="comma-separated kinds to run, in order (default rewired,ring,exponential,random_regular)")
+    p.add_argument("--degree", type=int, default=4, help="target degree for rewired and random_regular (default 4)")
+    p.add_argument("--target", type=float, default=1e-3, help="relative consensus error to reach (default 1e-3)")
+    p.add_argument("--timeout", type=float, default=120.0, help="give up on one topology's consensus after this many seconds")
+    p.add_argument("--settle", type=float, default=None,
+                   help="start_delay of the job: seconds for the graph to form before averaging (default 6; 10 with --netns)")
+    p.add_argument("--mode", choices=["one", "all"], default="one", help="one neighbour per round (AD-PSGD) or all (D-PSGD)")
+    p.add_argument("--rewire-interval", type=float, default=None, help="[topology] rewire_interval (default: the daemon's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the start vectors and of random_regular")
+    p.add_argument("--netns", action="store_true", help="one network namespace per daemon on a virtual LAN (needs root)")
+    p.add_argument("--slow-links", type=int, default=2, metavar="K", help="with --netns: hosts behind a slow link (default 2)")
+    p.add_argument("--slow-mbit", type=float, default=20.0, help="with --netns: their rate in Mbit/s, both ways (default 20)")
+    p.add_argument("--logs", default=None, metavar="DIR", help="keep daemon homes and logs under DIR (default: a temp dir, removed)")
+    p.add_argument("--trace", action="store_true", help="add the error trace [[seconds, error], ...] per topology")
+    p.add_argument("--json", action="store_true", help="print only the JSON object (compact)")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything one topology run needs, fixed before the first daemon starts."""
+
+    n: int
+    size_bytes: int
+    elements: int
+    degree: int
+    target: float
+    timeout: float
+    settle: float
+    mode: str
+    seed: int
+    rewire_interval: float | None
+    netns: bool
+    slow: frozenset[int]  # host indices behind slow links
+    trace: bool
+
+
+# ---------------------------------------------------------------------------------------------- graphs
+
+def neighbour_lists(statuses: list[dict]) -> dict[str, set[str]]:
+    return {s["peer_id"]: {nb["peer_id"] for nb in s["topology"]["neighbours"]} for s in statuses}
+
+
+def graph_of(lists: dict[str, set[str]]) -> tuple[list[str], np.ndarray, int]:
+    """(sorted ids, adjacency of the union of neighbour lists, edges listed by one end only)."""
+    ids = sorted(lists)
+    index = {p: i for i, p in enumerate(ids)}
+    a = np.zeros((len(ids), len(ids)))
+    one_sided = 0
+    for p, nbrs in lists.items():
+        for q in nbrs:
+            if q not in index:
+                continue
+            a[index[p], index[q]] = a[index[q], index[p]] = 1.0
+            if p not in lists[q]:
+                one_sided += 1
+    return ids, a, one_sided
+
+
+def checked_gap(adj: np.ndarray) -> float:
+    """Spectral gap of the MH matrix W of `adj`, after checking W is doubly stochastic (raises if not)."""
+    from peer.topology.mixing import check_doubly_stochastic, mixing_matrix, spectral_gap
+
+    w = mixing_matrix(adj)
+    check_doubly_stochastic(w)
+    return spectral_gap(w)
+
+
+def random_regular_gap(n: int, degree: int, seeds: int = 20) -> float:
+    """Mean gap of `seeds` random `degree`-regular graphs on n nodes: the yardstick for rewired."""
+    from peer.topology.fixed import random_regular
+    from peer.topology.graph import GraphView
+    from peer.topology.mixing import graph_spectral_gap
+
+    ids = [f"p{i:03d}" for i in range(n)]
+    return statistics.mean(graph_spectral_gap(GraphView.from_edges(ids, random_regular(ids, degree, s)))
+                           for s in range(seeds))
+
+
+def slow_share(ids: list[str], adj: np.ndarray, slow_ids: set[str]) -> float | None:
+    edges = [(i, j) for i in range(len(ids)) for j in range(i + 1, len(ids)) if adj[i, j]]
+    if not edges or not slow_ids:
+        return None
+    return sum(1 for i, j in edges if ids[i] in slow_ids or ids[j] in slow_ids) / len(edges)
+
+
+# ---------------------------------------------------------------------------------------------- swarm
+
+def consensus_error(statuses: list[dict | None], n: int) -> float | None:
+    """sum(err_num) / sum(err_den) once all n peers have published, else None."""
+    trs = [(s or {}).get("trainer") or {} for s in statuses]
+    if len(trs) < n or any(t.get("err_num") is None or not t.get("err_den") for t in trs):
+        return None
+    return sum(t["err_num"] for t in trs) / sum(t["err_den"] for t in trs)
+
+
+def round_starts(homes: list[Path]) -> list[float | None]:
+    """Wall-clock second each peer began its rounds: ts - elapsed_s of its first published round."""
+    out: list[float | None] = []
+    for home in homes:
+        start = None
+        try:
+            for line in (home / "metrics.jsonl").read_text().splitlines():
+                rec = json.loads(line)
+                if rec.get("elapsed_s") is not None and rec.get("ts") is not None:
+                    start = rec["ts"] - rec["elapsed_s"]
+                    break
+        except (OSError, ValueError):
+            pass
+        out.append(start)
+    return out
+
+
+def expected_edges(kind: str, ids: list[str], degree: int, seed: int) -> set[frozenset[str]]:
+    from peer.topology.fixed import build_fixed
+
+    return set(build_fixed(kind, ids, degree=degree, seed=seed))
+
+
+def settled(kind: str, statuses: list[dict | None], plan: Plan) -> bool:
+    """Fixed kinds: exactly the graph the kind prescribes. Rewired: symmetric, connected, degree >= target."""
+    if any(s is None or "topology" not in s for s in statuses):
+        return False
+    lists = neighbour_lists(statuses)
+    ids, adj, one_sided = graph_of(lists)
+    if one_sided:
+        return False
+    if kind in FIXED:
+        have = {frozenset((ids[i], ids[j])) for i in range(len(ids)) for j in range(i + 1, len(ids)) if adj[i, j]}
+        return have == expected_edges(kind, ids, plan.degree, plan.seed)
+    deg = adj.sum(axis=1)
+    return bool(deg.min() >= min(plan.degree, plan.n - 1)) and checked_gap(adj) > 0
+
+
+def group_cut(nodes) -> list[dict]:
+    """group_stats of every node, asked concurrently so the cut is as narrow as it can be."""
+    with ThreadPoolExecutor(len(nodes)) as pool:
+        return list(pool.map(lambda nd: nd.command("group_stats", timeout=30)["vector"], nodes))
+
+
+def wire_bytes_out(statuses: list[dict]) -> int:
+    return sum(p["bytes_out"] for s in statuses for p in s.get("peers", []))
+
+
+def link_summary(node, slow_ids: set[str]) -> dict:
+    """Median measured bandwidth (Mbit/s) of the current edges, split by whether they touch a slow host."""
+    topo = node.command("topology", timeout=30)
+    fast, slow = [], []
+    for link in topo.get("links", []):
+        if link.get("bandwidth_bps"):
+            (slow if {link["a"], link["b"]} & slow_ids else fast).append(link["bandwidth_bps"] / 1e6)
+    med = lambda xs: round(statistics.median(xs), 1) if xs else None  # noqa: E731
+    return {"measured_edges": len(fast) + len(slow), "fast_edge_mbit_median": med(fast),
+            "slow_edge_mbit_median": med(slow), "view_spectral_gap": topo.get("spectral_gap")}
+
+
+def mean_norm_sq(plan: Plan) -> float:
+    """||mean of the start vectors||^2, to turn sum-of-squares cuts into an exact consensus error."""
+    from trainers.consensus import start_vector
+
+    acc = np.zeros(plan.elements, dtype=np.float64)
+    for r in range(plan.n):
+        acc += start_vector(plan.seed, r, plan.elements)
+    m = (acc / plan.n).astype(np.float32).astype(np.float64)
+    return float(m @ m)
+
+
+def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict:
+    """One topology: start the swarm, wait for the target error, measure, verify, stop."""
+    from peer.bench.harness import Swarm, make_config, tail, unique_swarm
+
+    topo = {"kind": kind, "target_degree": plan.degree, "min_degree": min(2, plan.degree),
+            "max_degree": max(8, plan.degree + 2)}
+    if plan.rewire_interval is not None:
+        topo["rewire_interval"] = plan.rewire_interval
+    options = {"size": plan.elements, "rounds": 0, "mode": plan.mode, "start_delay": plan.settle,
+               "world": plan.n, "seed": plan.seed}
+    swarm_name = unique_swarm(f"gb{kind[:3]}")
+    run_root = root / kind
+    t_launch = time.time()
+    with Swarm(run_root) as swarm:
+        for i in range(plan.n):
+            if lan is None:
+                cfg = make_config(swarm=swarm_name, topology=topo, trainer="trainers.consensus", options=options)
+                host = None
+            else:
+                host = lan.hosts[i]
+                join = [f"{h.ip}:{NETNS_PORT}" for h in lan.hosts if h is not host]
+                cfg = make_config(swarm=swarm_name, listen=f"0.0.0.0:{NETNS_PORT}", mdns=False, interfaces=[],
+                                  join=join, topology=topo, trainer="trainers.consensus", options=options)
+            swarm.start(f"n{i}", cfg, host=host, env={"PEERTRAIN_RANK": str(i), "PEERTRAIN_WORLD": str(plan.n)})
+        # ---- one loop from launch: connected, settled, averaging started, target reached
+        connect_s = settle_s = base_wire = hit_at = err = None
+        trace: list[tuple[float, float]] = []
+        gaps, shares = [], []
+        last_sample = 0.0
+        slow_ids: set[str] = set()
+        sts: list = []
+        deadline = time.monotonic() + 60 + 5 * plan.n + plan.settle + plan.timeout
+        while time.monotonic() < deadline:
+            for nd in swarm.nodes:
+                if nd.proc.poll() is not None:
+                    raise RuntimeError(f"{nd.name} exited with {nd.proc.returncode}; log:\n{tail(nd.log_path)}")
+            polled = swarm.statuses()
+            now = time.time()
+            if any(s is None for s in polled):
+                time.sleep(0.1)
+                continue
+            sts = polled
+            if connect_s is None:
+                if not all(s["connected"] >= plan.n - 1 for s in sts):
+                    time.sleep(0.1)
+                    continue
+                connect_s = now - t_launch
+                slow_ids = {sts[i]["peer_id"] for i in plan.slow}
+            if settle_s is None and settled(kind, sts, plan):
+                settle_s = now - t_launch
+            started = any(s["gossip"]["exchanges"] > 0 for s in sts)
+            if not started:
+                base_wire = wire_bytes_out(sts)
+            err = consensus_error(sts, plan.n)
+            if started and now - last_sample >= 0.5:
+                last_sample = now
+                ids, adj, _ = graph_of(neighbour_lists(sts))
+                gaps.append(checked_gap(adj))
+                share = slow_share(ids, adj, slow_ids)
+                if share is not None:
+                    shares.append(share)
+                if err is not None:
+                    trace.append((now, err))
+            if started and err is not None and err <= plan.target:
+                hit_at = now
+                break
+            known = [t for t in round_starts([nd.home for nd in swarm.nodes]) if t is not None] if started else []
+            if known and now - min(known) > plan.timeout:
+                break
+            time.sleep(0.1)
+        if connect_s is None:
+            raise TimeoutError(f"{plan.n} daemons did not all connect")
+        final = sts
+        starts = round_starts([nd.home for nd in swarm.nodes])
+        known = [t for t in starts if t is not None]
+        t0 = min(known) if known else None
+
+        # ---- the graph at the finish, and the checks
+        lists = neighbour_lists(final)
+        ids, adj, one_sided = graph_of(lists)
+        if one_sided:  # maybe a two-phase change in flight: look again before calling it broken
+            time.sleep(1.0)
+            again = swarm.statuses()
+            if all(again):
+                one_sided = min(one_sided, graph_of(neighbour_lists(again))[2])
+        try:
+            gap, ds_ok = checked_gap(adj), True
+        except ValueError:
+            from peer.topology.mixing import mixing_matrix, spectral_gap
+
+            gap, ds_ok = spectral_gap(mixing_matrix(adj)), False
+        degs = adj.sum(axis=1)
+        links = link_summary(swarm.nodes[0], slow_ids) if kind == "rewired" or slow_ids else None
+
+        trainers = [s.get("trainer") or {} for s in final]
+        if any(t.get("initial_sum") is None or not t.get("err_den") for t in trainers):
+            raise RuntimeError(f"not every consensus job started: {[t.get('state') for t in trainers]}")
+        initial_sum = sum(t["initial_sum"] for t in trainers)
+        err_den = sum(t["err_den"] for t in trainers)
+        drifts, exact = [], []
+        for _ in range(5):
+            cut = group_cut(swarm.nodes)
+            drifts.append(abs(sum(c["sum"] for c in cut) - initial_sum) / max(1.0, abs(initial_sum)))
+            exact.append((sum(c["sumsq"] for c in cut) - plan.n * mean_sq) / err_den)
+        after = swarm.statuses()
+        recent = [x for s in after if s for x in s["gossip"]["recent_s"]]
+
+    result = {
+        "seconds_to_target": round(hit_at - t0, 3) if hit_at is not None and t0 is not None else None,
+        "error_reached": float(f"{err:.4g}") if err is not None else None,
+        "error_exact_after": float(f"{exact[0]:.4g}"),
+        "spectral_gap": round(gap, 4),
+        "spectral_gap_mean": round(statistics.mean(gaps), 4) if gaps else None,
+        "bytes_sent_per_peer": int(statistics.mean(s["gossip"]["bytes_sent"] for s in final)),
+        "wire_bytes_out_per_peer": int((wire_bytes_out(final) - (base_wire or 0)) / plan.n),
+        "degree": round(float(degs.mean()), 2),
+        "degree_range": [int(degs.min()), int(degs.max())],
+        "edges": int(adj.sum() // 2),
+        "exchanges_per_peer": round(statistics.mean(s["gossip"]["exchanges"] for s in final), 1),
+        "exchange_s_median": round(statistics.median(recent), 4) if recent else None,
+        "failed_exchanges": sum(s["gossip"]["failed"] for s in final),
+        "connect_s": round(connect_s, 2),
+        "settle_s": round(settle_s, 2) if settle_s is not None else None,
+        "start_delay_s": plan.settle,
+        "start_spread_s": round(max(known) - min(known), 2) if len(known) > 1 else None,
+        "checks": {
+            "doubly_stochastic": ds_ok,
+            "one_sided_edges": one_sided,
+            "sum_rel_drift_best_cut": float(f"{min(drifts):.3g}"),
+            "sum_rel_drift_worst_cut": float(f"{max(drifts):.3g}"),
+            "sum_preserved": min(drifts) <= 1e-5,
+        },
+    }
+    if kind == "rewired":
+        result["moves"] = sum(s["topology"]["moves"] for s in final)
+    if slow_ids:
+        result["slow_edge_share"] = round(slow_share(ids, adj, slow_ids), 3)
+        result["slow_edge_share_mean"] = round(statistics.mean(shares), 3) if shares else None
+    if links is not None:
+        result["links"] = links
+    if plan.trace and t0 is not None:
+        result["trace"] = [[round(t - t0, 2), float(f"{e:.3g}")] for t, e in trace]
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- entry
+
+def run(args) -> int:
+    from peer.bench import parse_size
+    from peer.bench.harness import temp_root
+
+    kinds = [k.strip() for k in args.topologies.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        print(f"unknown topologies {bad}; choose from {', '.join(KINDS)}", file=sys.stderr)
+        return 2
+    size = parse_size(args.size or ("2MiB" if args.netns else "16MiB"))
+    k_slow = args.slow_links if args.netns else 0
+    if args.n < 3 or not 0 <= k_slow < args.n:
+        print("need --n >= 3 and 0 <= --slow-links < n", file=sys.stderr)
+        return 2
+    plan = Plan(n=args.n, size_bytes=size, elements=max(1, size // 4), degree=args.degree, target=args.target,
+                timeout=args.timeout, settle=args.settle if args.settle is not None else (10.0 if args.netns else 6.0),
+                mode=args.mode, seed=args.seed, rewire_interval=args.rewire_interval, netns=args.netns,
+                slow=frozenset(range(args.n - k_slow, args.n)), trace=args.trace)
+    mean_sq = mean_norm_sq(plan)
+    results: dict[str, dict] = {}
+    with ExitStack() as stack:
+        if args.logs:
+            root = Path(args.logs).resolve()
+            root.mkdir(parents=True, exist_ok=True)
+        else:
+            root = Path(stack.enter_context(temp_root("peertrain-gossip-")))
+        lan = None
+        if args.netns:
+            from peer.netns import netns_available, tc_available, virtual_lan
+
+            if not (netns_available() and tc_available()):
+                print("--netns needs root, iproute2 (ip, tc) and network namespaces", file=sys.stderr)
+                return 2
+            lan = stack.enter_context(virtual_lan(args.n, prefix="ptg", subnet="10.77.9",
+                                                  rate_mbit={i: args.slow_mbit for i in plan.slow}))
+        for kind in kinds:
+            try:
+                results[kind] = run_topology(kind, plan, root, lan, mean_sq)
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                results[kind] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+
+    def secs(k: str) -> float | None:
+        return results.get(k, {}).get("seconds_to_target")
+
+    fixed_times = {k: secs(k) for k in kinds if k in FIXED and secs(k) is not None}
+    best_fixed = min(fixed_times, key=fixed_times.get) if fixed_times else None
+    rr_gap = random_regular_gap(plan.n, plan.degree)
+    rew = results.get("rewired", {})
+    out = {
+        "n": plan.n, "payload_bytes": plan.size_bytes, "mode": plan.mode, "target": plan.target,
+        "netns": plan.netns,
+        **({"slow_hosts": len(plan.slow), "slow_mbit": args.slow_mbit} if plan.netns else {}),
+        "topologies": results,
+        "best_fixed": best_fixed,
+        "speedup_vs_best_fixed": (round(fixed_times[best_fixed] / secs("rewired"), 3)
+                                  if best_fixed and secs("rewired") else None),
+        "random_regular_gap_expected": round(rr_gap, 4),
+        "rewired_gap_vs_random_regular": (round(rew["spectral_gap"] / rr_gap, 3)
+                                          if rew.get("spectral_gap") is not None else None),
+    }
+    print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+    ok = all("error" not in r and r["seconds_to_target"] is not None for r in results.values())
+    return 0 if ok else 1
