@@ -123,7 +123,7 @@ def cmd_status(args) -> int:
 
     def render():
         if args.topology:
-            from peer.status_view_topology import render_topology
+            from peer.status_view import render_topology
 
             return render_topology(call(home, "topology"))
         return render_status(call(home, "status"))

@@ -115,3 +115,28 @@ def render_local_summary(rows: list[dict]):
                       f"{tr['loss']:.3f}" if tr.get("loss") is not None else "-",
                       f"{tr['accuracy'] * 100:.1f}%" if tr.get("accuracy") is not None else "-")
     return table
+
+
+def render_topology(topo: dict):
+    """The whole known gossip graph: one row per peer with its neighbours, plus the spectral gap."""
+    me = topo["me"]
+    adj: dict[str, list[str]] = {n: [] for n in topo["nodes"]}
+    for a, b in topo["edges"]:
+        adj.setdefault(a, []).append(b)
+        adj.setdefault(b, []).append(a)
+    speed = {frozenset((l["a"], l["b"])): l for l in topo.get("links", [])}
+    table = Table(title=f"gossip graph: {len(topo['nodes'])} peers, {len(topo['edges'])} edges, "
+                        f"spectral gap {topo['spectral_gap']:.3f}", box=box.SIMPLE_HEAD)
+    table.add_column("peer", no_wrap=True)
+    table.add_column("degree", justify="right")
+    table.add_column("neighbours (Mbit/s, RTT ms)")
+    for node in sorted(adj):
+        parts = []
+        for nb in sorted(adj[node]):
+            link = speed.get(frozenset((node, nb)), {})
+            bw = f"{link['bandwidth_bps'] / 1e6:.0f}" if link.get("bandwidth_bps") else "?"
+            rtt = f"{link['rtt_s'] * 1000:.1f}" if link.get("rtt_s") else "?"
+            parts.append(f"{nb[:8]} ({bw}, {rtt})")
+        name = Text(node[:8] + (" (me)" if node == me else ""), style="bold" if node == me else "")
+        table.add_row(name, str(len(adj[node])), ", ".join(parts))
+    return table

@@ -43,6 +43,8 @@ def add_arguments(p) -> None:
     p.add_argument("--degree", type=int, default=DEFAULT_TOPOLOGY["target_degree"],
                    help="gossip target degree (default 2, as configs/train-digits.toml)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trainer", default="trainers.gossip_sgd",
+                   help="trainer module our daemons host (a gossip_sgd variant taking the same options)")
     p.add_argument("--repeats", type=int, default=1, help="runs per mode, interleaved; medians are reported")
     p.add_argument("--netns", action="store_true", help="one network namespace per peer/rank (needs root)")
     p.add_argument("--slow-link", type=float, default=0.0, metavar="MBIT",
@@ -145,7 +147,7 @@ def run_gossip(mode: str, a, net: Net, root: Path, *, options: dict, delays: dic
                 swarm=swarm_name, listen="0.0.0.0:7100" if net.lan else "127.0.0.1:0", mdns=True,
                 interfaces=[] if net.lan else ["127.0.0.1"],
                 topology={**DEFAULT_TOPOLOGY, "target_degree": a.degree, "max_degree": max(a.degree, 3)},
-                gossip=gossip, membership=membership, trainer="trainers.gossip_sgd",
+                gossip=gossip, membership=membership, trainer=a.trainer,
                 options={**options, "mode": mode, "step_delay": delays.get(i, 0.0)})
             swarm.start(f"{mode}{i}", cfg, host=net.host(i),
                         env={"PEERTRAIN_RANK": str(i), "PEERTRAIN_WORLD": str(a.n), "OMP_NUM_THREADS": "1"})
@@ -165,10 +167,11 @@ def run_gossip(mode: str, a, net: Net, root: Path, *, options: dict, delays: dic
     wire = [sum(p["bytes_out"] for p in (st or {}).get("peers", [])) if st else None for st in statuses]
     payload = [((st or {}).get("gossip") or {}).get("bytes_sent") for st in statuses]
     exchanges = [((st or {}).get("gossip") or {}).get("exchanges") for st in statuses]
+    recent = [x for st in statuses for x in (((st or {}).get("gossip") or {}).get("recent_s") or [])]
     failed = [((st or {}).get("gossip") or {}).get("failed") for st in statuses]
     measured = [b - a0 for a0, b in zip(tx0, tx1)] if None not in tx0 + tx1 else None
     return {"peers": peers, "wire_bytes_out": wire, "gossip_payload_bytes_sent": payload, "exchanges": exchanges,
-            "failed_exchanges": failed, "netdev_tx_bytes": measured, "bench_wall_s": round(wall, 1)}
+            "failed_exchanges": failed, "recent_exchange_s": recent, "netdev_tx_bytes": measured, "bench_wall_s": round(wall, 1)}
 
 
 def summarise_gossip(run: dict, n: int) -> dict:
@@ -198,6 +201,9 @@ def summarise_gossip(run: dict, n: int) -> dict:
                               if tx else "measured: the daemon's encrypted session bytes_out to all peers"),
         "gossip_payload_bytes_per_peer": round(statistics.mean(b for b in run["gossip_payload_bytes_sent"] if b is not None)),
         "exchanges_per_peer": run["exchanges"], "failed_exchanges_per_peer": run["failed_exchanges"],
+        "exchange_s_median": round(statistics.median(run["recent_exchange_s"]), 4) if run["recent_exchange_s"] else None,
+        "steps_per_exchange": (round(sum(p["steps"] for p in ok) / max(1, sum(e or 0 for e in run["exchanges"])), 2)
+                               if ok else None),
         "bench_wall_s": run["bench_wall_s"],
     }
     return out
