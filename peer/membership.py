@@ -31,6 +31,7 @@ log = logging.getLogger("peertrain.membership")
 
 MAX_ADDRESSES = 8
 MAX_PEERS = 4096  # learned from peer exchange; bounds what remote peers can make us remember
+FORGET_AFTER_FAILURES = 8  # a peer we never reached is forgotten after this many failed dials
 
 
 @dataclass
@@ -177,6 +178,11 @@ class Membership:
                 target.dialing = True
                 nursery.start_soon(self._dial_bootstrap, target)
             for info in list(self.peers.values()):
+                if info.session is None and not info.dialing and info.failures >= FORGET_AFTER_FAILURES \
+                        and not info.last_seen:
+                    # learned second-hand (cache, peer exchange) and never reached: stop trying
+                    del self.peers[info.peer_id]
+                    continue
                 if (info.session is None and not info.dialing and info.addresses and info.next_attempt <= now
                         and n_sessions < self.cfg.max_connections):
                     info.dialing = True
@@ -204,9 +210,9 @@ class Membership:
                     session = await dial(host, port, self.transport, expected_peer_id=info.peer_id,
                                          connect_timeout=self.cfg.handshake_timeout)
                 except (OSError, trio.TooSlowError, ProtocolError) as exc:
-                    log.debug("dial %s at %s:%d failed: %s", info.short if hasattr(info, "short") else ident.short_id(info.peer_id), host, port, exc)
-                    if isinstance(exc, HandshakeError):
-                        log.warning("handshake with %s at %s:%d failed: %s", ident.short_id(info.peer_id), host, port, exc)
+                    level = logging.WARNING if isinstance(exc, HandshakeError) else logging.DEBUG
+                    log.log(level, "dial %s at %s:%d failed: %s", ident.short_id(info.peer_id), host, port,
+                            exc or type(exc).__name__)
                     continue
                 self._start_session(session)
                 return
@@ -357,7 +363,7 @@ class Membership:
             addrs = [a for a in (parse_address(x) for x in rec.addresses) if a is not None]
             if rec.peer_id == self.peer_id:
                 continue
-            self.learn(rec.peer_id, addrs, source="pex" if rec.peer_id != session.peer_id else self.peers.get(rec.peer_id, PeerInfo(rec.peer_id)).source or "pex")
+            self.learn(rec.peer_id, addrs, source="pex")
             info = self.peers.get(rec.peer_id)
             if info is not None and (info.record is None or info.record.issued < rec.issued):
                 info.record = rec

@@ -37,6 +37,8 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=7, help="measured exchanges after one warm-up (default 7)")
     p.add_argument("--cipher", choices=["auto", "aes-256-gcm", "chacha20-poly1305"], default="auto")
     p.add_argument("--chunk", default="1MiB", help="tensor chunk (frame) size (default 1MiB)")
+    p.add_argument("--codec", choices=["raw", "float16", "q8"], default="raw",
+                   help="gossip codec (default raw: float32 bytes as they are)")
     p.add_argument("--settle", type=float, default=2.0,
                    help="seconds node 0 waits before its first exchange, so the topology is complete (default 2)")
     p.add_argument("--timeout", type=float, default=120.0, help="give up on one swarm after this many seconds")
@@ -55,7 +57,7 @@ def _configs(args, swarm: str, elements: int, mode: str, target: int) -> list:
     n = args.peers
     topology = {"kind": "full", "target_degree": n - 1, "min_degree": n - 1, "max_degree": max(8, n - 1)}
     gossip = {"exchange_timeout": 60.0, "chunk_kib": max(1, parse_size(args.chunk) // 1024),
-              "max_concurrent_exchanges": max(4, n)}
+              "max_concurrent_exchanges": max(4, n), "codec": args.codec}
     out = []
     for i in range(n):
         options = {"size": elements, "rounds": target, "initiate": i == 0, "mode": mode, "world": n,
@@ -256,7 +258,7 @@ def run(args) -> int:
             "exchange_samples_s": samples, "warmup_s": recent[-measured - 1] if len(recent) > measured else None,
             "sum_preserved": one["sum_rel_error"] <= 1e-5, "sum_rel_error": float(f"{one['sum_rel_error']:.3g}"),
             "sum_initial": round(one["sum_initial"], 4), "sum_final": round(one["sum_final"], 4),
-            "cipher": "/".join(one["ciphers"]) or None, "chunk_bytes": parse_size(args.chunk),
+            "cipher": "/".join(one["ciphers"]) or None, "codec": args.codec, "chunk_bytes": parse_size(args.chunk),
             "failed_exchanges": g0["failed"], "rejected_exchanges": g0["rejected"],
             "daemon_peak_rss_mb": round(max(one["peak_rss_mb"]), 1) if one["peak_rss_mb"] else None,
             "topology_settled_s": round(one["settled_s"], 2),
