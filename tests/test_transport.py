@@ -281,3 +281,41 @@ def test_tampered_stream_closes_session_with_reason():
             n.cancel_scope.cancel()
         assert "authentication" in reasons[0]
     trio.run(main)
+
+
+def test_timeouts_and_cancellation_leave_the_session_usable():
+    """A receiver that gives up on a tensor, and a requester whose deadline passes before the reply,
+    both leave the session healthy: late chunks are absorbed, late replies are ignored."""
+    async def main():
+        async def on_session(session):
+            async with trio.open_nursery() as n:
+                n.start_soon(session.run)
+                async for env in session.incoming:
+                    if isinstance(env.message, Ping):
+                        if env.message.sent == 1.0:
+                            await trio.sleep(0.5)  # answer too late for the first request
+                        await session.reply(env, Pong(echo=env.message.sent))
+                n.cancel_scope.cancel()
+
+        async with trio.open_nursery() as n:
+            listeners, (_, port) = await open_listeners("127.0.0.1", 0)
+            n.start_soon(lambda: serve(listeners, tcfg(), on_session))
+            s = await dial("127.0.0.1", port, tcfg())
+            n.start_soon(s.run)
+            with pytest.raises(trio.TooSlowError):
+                await s.request(Ping(sent=1.0), timeout=0.1)
+            env = await s.request(Ping(sent=2.0), timeout=5)  # the late reply to 1.0 is dropped, not mixed in
+            assert env.message.echo == 2.0
+            # a tensor wait that is cancelled midway: the stream is discarded, nothing leaks or breaks
+            with trio.move_on_after(0.05):
+                await s.receive_tensor(99, timeout=10)
+            assert s._streams[99].discard
+            assert not s.closed.is_set()
+            env = await s.request(Ping(sent=3.0), timeout=5)
+            assert env.message.echo == 3.0
+            await s.aclose("test done")
+            assert s.closed.is_set() and s.close_reason == "test done"
+            with pytest.raises(SessionClosed):
+                await s.request(Ping(sent=4.0), timeout=5)
+            n.cancel_scope.cancel()
+    trio.run(main)
