@@ -124,13 +124,6 @@ class Session:
     def __init__(self, stream: trio.SocketStream, *, result, cfg: TransportConfig, initiator: bool, remote_addr: tuple[str, int]):
         self.stream = stream
         self.sock = stream.socket
-        import os as _os
-        if _os.environ.get("PT_SNDBUF"):
-            import socket as _s
-            self.sock.setsockopt(_s.SOL_SOCKET, _s.SO_SNDBUF, int(_os.environ["PT_SNDBUF"]))
-        if _os.environ.get("PT_RCVBUF"):
-            import socket as _s
-            self.sock.setsockopt(_s.SOL_SOCKET, _s.SO_RCVBUF, int(_os.environ["PT_RCVBUF"]))
         self.cfg = cfg
         self.peer_id: str = result.peer_id
         self.remote_public_key: bytes = result.remote_public_key
