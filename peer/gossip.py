@@ -218,11 +218,7 @@ class GossipEngine:
                 async def ask() -> None:
                     replies.append(await session.request(offer, timeout=self.cfg.exchange_timeout))
 
-                async def send() -> None:
-                    for spec, arr, sid in zip(group.specs, own, streams):
-                        await session.send_tensor(spec.name, arr, codec=self.cfg.codec, stream=sid)
-
-                await together(ask, send)
+                await together(ask, lambda: _send_group(session, group, own, streams, self.cfg.codec))
                 env = replies[0]
                 reply = env.message
                 if isinstance(reply, AverageReject):
@@ -239,11 +235,7 @@ class GossipEngine:
                 if not self._budget_ok(w):
                     return ExchangeResult(peer_id, False, "too much weight in flight")
                 self.inflight[peer_id] = w
-                others = []
-                for spec, sid in zip(group.specs, reply.streams):
-                    dec = await session.receive_tensor(sid, timeout=self.cfg.exchange_timeout)
-                    _check_spec(spec, dec)
-                    others.append(dec.to_torch() if group.is_torch else dec.array)
+                others = await _receive_group(session, group, reply_streams, self.cfg.exchange_timeout)
                 await session.send_message(AverageCommit(exchange=env.reply_to))
                 committed = True
             await trio.to_thread.run_sync(group.apply, w, others, own)
@@ -319,16 +311,9 @@ class GossipEngine:
                 others: list = []
 
                 async def receive() -> None:
-                    for spec, sid in zip(group.specs, offer.streams):
-                        dec = await session.receive_tensor(sid, timeout=self.cfg.exchange_timeout)
-                        _check_spec(spec, dec)
-                        others.append(dec.to_torch() if group.is_torch else dec.array)
+                    others.extend(await _receive_group(session, group, offer.streams, self.cfg.exchange_timeout))
 
-                async def send() -> None:
-                    for spec, arr, sid in zip(group.specs, own, streams):
-                        await session.send_tensor(spec.name, arr, codec=self.cfg.codec, stream=sid)
-
-                await together(receive, send)
+                await together(receive, lambda: _send_group(session, group, own, streams, self.cfg.codec))
                 got_all = True
                 await self.commits[key].wait()
             await trio.to_thread.run_sync(group.apply, w, others, own)
@@ -362,8 +347,7 @@ class GossipEngine:
         own = await trio.to_thread.run_sync(group.snapshot)
         streams = [session.new_stream_id() for _ in own]
         await session.reply(env, ParamsReply(tensors=group.specs, streams=streams, step=group.step))
-        for spec, arr, sid in zip(group.specs, own, streams):
-            await session.send_tensor(spec.name, arr, stream=sid)
+        await _send_group(session, group, own, streams)
 
     async def fetch_params(self, group_name: str, peer_id: str) -> tuple[list[Any], int] | None:
         """Download `peer_id`'s current tensors of a group (None if it has none or the deadline passes)."""
@@ -381,11 +365,7 @@ class GossipEngine:
                 streams = list(reply.streams)
                 if len(streams) != len(group.specs):
                     raise ProtocolError("params reply has the wrong number of tensors")
-                values = []
-                for spec, sid in zip(group.specs, streams):
-                    dec = await session.receive_tensor(sid, timeout=self.cfg.exchange_timeout)
-                    _check_spec(spec, dec)
-                    values.append(dec.to_torch() if group.is_torch else dec.array)
+                values = await _receive_group(session, group, streams, self.cfg.exchange_timeout)
                 return values, reply.step
         except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
             log.warning("could not download parameters from %s: %s", session.short, exc)
@@ -410,6 +390,22 @@ class GossipEngine:
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
                 "last_exchange_s": round(s.last_seconds, 4), "recent_s": s.recent, "last_error": s.last_error,
                 "inflight": len(self.inflight)}
+
+
+async def _send_group(session, group: SharedTensors, arrays: list[Any], streams: list[int], codec: str = "raw") -> None:
+    """Stream every tensor of a group snapshot, one per stream id."""
+    for spec, arr, sid in zip(group.specs, arrays, streams):
+        await session.send_tensor(spec.name, arr, codec=codec, stream=sid)
+
+
+async def _receive_group(session, group: SharedTensors, streams: list[int], timeout: float) -> list[Any]:
+    """Receive one tensor per stream and check each against the group's specs (name, dtype, shape)."""
+    out = []
+    for spec, sid in zip(group.specs, streams):
+        dec = await session.receive_tensor(sid, timeout=timeout)
+        _check_spec(spec, dec)
+        out.append(dec.to_torch() if group.is_torch else dec.array)
+    return out
 
 
 def _check_spec(spec: TensorSpec, dec) -> None:
