@@ -31,8 +31,10 @@ from peer.concurrency import together
 from peer.topology.mixing import metropolis_weight
 from peer.transport import SessionClosed
 from protocol.errors import ProtocolError
+from protocol.limits import WireLimits
 from protocol.schema.gossip import (
     AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsReply, ParamsRequest, TensorSpec)
+from protocol.tensor_codec import TensorDecoder, TensorEncoder
 
 log = logging.getLogger("peertrain.gossip")
 
@@ -59,41 +61,72 @@ class SharedTensors:
         self.specs = [TensorSpec(name=k, dtype=_dtype_name(t), shape=list(t.shape)) for k, t in self.tensors.items()]
         self.nbytes = sum(int(np.prod(s.shape)) * _itemsize(s.dtype) for s in self.specs)
         self.last_distance: float | None = None  # ||x_other - x_own|| / ||x_own|| at the last exchange
+        self._spare: list[list[Any]] = []  # CPU buffers shaped like `tensors`, reused by snapshot()
+        self._spare_lock = threading.Lock()
 
     def snapshot(self) -> list[Any]:
-        """Copies of every tensor, on the CPU (a consistent cut: taken under the lock)."""
+        """Copies of every tensor, on the CPU (a consistent cut: taken under the lock).
+
+        The copies go into spare buffers when there are some (`release`): a fresh array costs page
+        faults and kernel zeroing on every exchange (about as much as the copy itself), a reused one only the copy.
+        """
+        with self._spare_lock:
+            bufs = self._spare.pop() if self._spare else None
         with self.lock:
-            if self.is_torch:
-                return [t.detach().to("cpu", copy=True) for t in self.tensors.values()]
-            return [t.copy() for t in self.tensors.values()]
+            if bufs is None:
+                if self.is_torch:
+                    return [t.detach().to("cpu", copy=True) for t in self.tensors.values()]
+                return [t.copy() for t in self.tensors.values()]
+            for buf, t in zip(bufs, self.tensors.values()):
+                if self.is_torch:
+                    buf.copy_(t.detach())
+                else:
+                    np.copyto(buf, t)
+            return bufs
+
+    def release(self, bufs: list[Any]) -> None:
+        """Hand back a snapshot, or received tensors of the same specs, once nothing reads them anymore."""
+        if len(bufs) != len(self.tensors) or not all(_fits(buf, t) for buf, t in zip(bufs, self.tensors.values())):
+            return
+        with self._spare_lock:
+            if len(self._spare) < MAX_SPARE:
+                self._spare.append(bufs)
 
     def apply(self, weight: float, others: list[Any], own: list[Any]) -> None:
-        """x += weight * (other - own) for every tensor, in place (the exchange's whole effect)."""
-        deltas = []
-        diff_sq = own_sq = 0.0
-        for o, a in zip(others, own):
-            if self.is_torch:
-                import torch
+        """x += weight * (other - own) for every tensor, in place (the exchange's whole effect).
 
+        Why blocks: one pass over cache-sized blocks (difference, both norms, scale, add) moves a third of
+        the memory of five whole-tensor passes. The lock is taken per block, so a trainer step waits for one
+        block at most; both are additions, so how they interleave does not change the result. `others` is
+        overwritten (it is the received copy).
+        """
+        diff_sq = own_sq = 0.0
+        if self.is_torch:
+            import torch
+
+            deltas = []
+            for o, a in zip(others, own):
                 d = o.to(a.dtype) if isinstance(o, torch.Tensor) else torch.from_numpy(np.asarray(o)).to(a.dtype)
                 d.sub_(a)
-                diff_sq += float(d.double().square().sum())
-                own_sq += float(a.double().square().sum())
-                d.mul_(weight)
-            else:
-                d = np.asarray(o)
-                np.subtract(d, a, out=d)
-                diff_sq += float(np.dot(d.ravel(), d.ravel()))
-                own_sq += float(np.dot(a.ravel(), a.ravel()))
-                d *= weight
-            deltas.append(d)
+                diff_sq += float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2
+                own_sq += float(torch.linalg.vector_norm(a, dtype=torch.float64)) ** 2
+                deltas.append(d)
+            with self.lock:
+                for t, d in zip(self.tensors.values(), deltas):
+                    t.data.add_(d.to(t.device, non_blocking=False), alpha=weight)
+        else:
+            for t, o, a in zip(self.tensors.values(), others, own):
+                tf, of, af = t.reshape(-1), np.asarray(o).reshape(-1), a.reshape(-1)
+                step = max(1, APPLY_BLOCK_BYTES // tf.itemsize)
+                for i in range(0, tf.shape[0], step):
+                    ob, ab = of[i:i + step], af[i:i + step]
+                    np.subtract(ob, ab, out=ob)
+                    diff_sq += float(np.dot(ob, ob))
+                    own_sq += float(np.dot(ab, ab))
+                    ob *= weight
+                    with self.lock:
+                        tf[i:i + step] += ob
         self.last_distance = (diff_sq / own_sq) ** 0.5 if own_sq > 0 else diff_sq ** 0.5
-        with self.lock:
-            for t, d in zip(self.tensors.values(), deltas):
-                if self.is_torch:
-                    t.data.add_(d.to(t.device, non_blocking=False))
-                else:
-                    t += d
 
     def stats(self, *, values: bool = False) -> dict:
         """Sum and squared norm (float64) of the whole group now; with `values`, the raw bytes too."""
@@ -115,6 +148,19 @@ class SharedTensors:
                     t.data.copy_(v.to(t.device))
                 else:
                     t[...] = v
+
+
+MAX_SPARE = 1  # idle buffer sets kept per group: bounds the memory this costs to one copy
+APPLY_BLOCK_BYTES = 1 << 20  # a block and its two operands stay in L2
+
+
+def _fits(buf: Any, t: Any) -> bool:
+    """Can `buf` hold a CPU snapshot of `t`: same dtype and shape, contiguous, writable, on the CPU?"""
+    if isinstance(t, np.ndarray):
+        return (isinstance(buf, np.ndarray) and buf.dtype == t.dtype and buf.shape == t.shape
+                and buf.flags.c_contiguous and buf.flags.writeable)
+    return (not isinstance(buf, np.ndarray) and buf.dtype == t.dtype and tuple(buf.shape) == tuple(t.shape)
+            and buf.device.type == "cpu" and buf.is_contiguous())
 
 
 def _itemsize(dtype: str) -> int:
@@ -206,6 +252,7 @@ class GossipEngine:
         t0 = trio.current_time()
         degree = self.topology.degree
         own = await trio.to_thread.run_sync(group.snapshot)
+        sent = await trio.to_thread.run_sync(_as_sent, own, self.cfg.codec, group.is_torch)
         streams = [session.new_stream_id() for _ in own]
         offer = AverageOffer(group=group_name, degree=degree, tensors=group.specs, streams=streams,
                              codec=self.cfg.codec, step=group.step)
@@ -238,7 +285,8 @@ class GossipEngine:
                 others = await _receive_group(session, group, reply_streams, self.cfg.exchange_timeout)
                 await session.send_message(AverageCommit(exchange=env.reply_to))
                 committed = True
-            await trio.to_thread.run_sync(group.apply, w, others, own)
+            await trio.to_thread.run_sync(group.apply, w, others, sent)
+            group.release(others)  # the received copies become later snapshots' buffers
         except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
             reason = "deadline passed" if isinstance(exc, trio.TooSlowError) else str(exc)
             if isinstance(exc, ProtocolError):
@@ -251,6 +299,7 @@ class GossipEngine:
             self.inflight.pop(peer_id, None)
             if not committed:
                 session.discard(reply_streams)
+            group.release(own)  # sent, and applied or abandoned: nothing reads it anymore
         seconds = trio.current_time() - t0
         self.topology.record_transfer(peer_id, group.nbytes, seconds)
         self._count(seconds, group.nbytes)
@@ -305,6 +354,7 @@ class GossipEngine:
         try:
             with trio.fail_after(self.cfg.exchange_timeout + 5.0):
                 own = await trio.to_thread.run_sync(group.snapshot)
+                sent = await trio.to_thread.run_sync(_as_sent, own, self.cfg.codec, group.is_torch)
                 streams = [session.new_stream_id() for _ in own]
                 await session.reply(env, AverageAccept(degree=self.topology.degree, weight=w, streams=streams,
                                                        step=group.step))
@@ -316,7 +366,9 @@ class GossipEngine:
                 await together(receive, lambda: _send_group(session, group, own, streams, self.cfg.codec))
                 got_all = True
                 await self.commits[key].wait()
-            await trio.to_thread.run_sync(group.apply, w, others, own)
+            await trio.to_thread.run_sync(group.apply, w, others, sent)
+            group.release(others)
+            group.release(own)
             seconds = trio.current_time() - t0
             self.stats.served += 1
             self.topology.record_transfer(session.peer_id, group.nbytes, seconds)
@@ -405,6 +457,26 @@ async def _receive_group(session, group: SharedTensors, streams: list[int], time
         dec = await session.receive_tensor(sid, timeout=timeout)
         _check_spec(spec, dec)
         out.append(dec.to_torch() if group.is_torch else dec.array)
+    return out
+
+
+def _as_sent(values: list[Any], codec: str, is_torch: bool) -> list[Any]:
+    """What a neighbour decodes from `values` sent with `codec`.
+
+    Why: each side adds w * (received - own). With a lossy codec the received copy of our snapshot is
+    q(own), not own, so only w * (q(b) - q(a)) on one side and w * (q(a) - q(b)) on the other cancel;
+    using the exact snapshot would change the swarm-wide sum by w * ((q(a) - a) + (q(b) - b)) per exchange.
+    """
+    if codec == "raw":
+        return values
+    out = []
+    for v in values:
+        enc = TensorEncoder("x", v, codec=codec)
+        dec = TensorDecoder(enc.header(0), WireLimits(), allow_nonfinite=True)
+        for chunk in enc.chunks():
+            dec.write(chunk)
+        got = dec.finish()
+        out.append(got.to_torch() if is_torch else got.array)
     return out
 
 

@@ -314,7 +314,7 @@ class Session:
                 f"(limit {self.cfg.limits.max_inflight_tensor_bytes})")
         slot.decoder = decoder
         slot.nbytes = need
-        self._inflight_bytes += header.nbytes
+        self._inflight_bytes += need
         if decoder.done:  # zero-size tensor
             self._complete(header.stream, slot)
 

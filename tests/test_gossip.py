@@ -148,3 +148,21 @@ def test_graph_stays_connected_while_peers_are_killed_and_restarted(cluster, tmp
         victim.start()
         victim.wait_ready()
     wait_for(lambda: connected_graph(ds), timeout=40, what="the restarted peers to be wired back in")
+
+
+@pytest.mark.parametrize("codec", ["q8", "float16"])
+def test_lossy_codecs_still_preserve_the_sum(cluster, tmp_path, codec):
+    """Each side subtracts what its neighbour actually decoded of its snapshot, so quantization error
+    cancels between the two ends instead of leaking into the swarm sum."""
+    n = 3
+    cfg = config_file(tmp_path / "c.toml", swarm=unique_swarm(), trainer="trainers.consensus",
+                      topology={"kind": "full"}, gossip={"codec": codec},
+                      options={"size": 20000, "rounds": 25, "world": n, "start_delay": 1.0})
+    ds = [cluster.daemon(f"q{i}", config=cfg, env=rank_env(i, n)) for i in range(n)]
+    wait_for(lambda: all(d.status().get("trainer", {}).get("state") == "done" for d in ds), timeout=90,
+             what="the q8 consensus jobs to finish")
+    wait_for(lambda: all(d.status()["gossip"]["inflight"] == 0 for d in ds), timeout=30, what="exchanges to drain")
+    initial = sum(d.status()["trainer"]["initial_sum"] for d in ds)
+    final = sum(group_stats(d)["vector"]["sum"] for d in ds)
+    assert sum(d.status()["gossip"]["exchanges"] for d in ds) >= 2 * 25
+    assert abs(final - initial) <= 1e-5 * max(1.0, abs(initial)), (final, initial)

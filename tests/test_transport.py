@@ -170,6 +170,7 @@ def test_tensors_roundtrip_codecs_and_nan_rejection_keeps_session():
                         got[stream] = (await session.receive_tensor(stream, timeout=10)).array
                     except Exception as exc:  # noqa: BLE001 - recorded for the assertions
                         got[stream] = exc
+                got["inflight"] = session._inflight_bytes  # every byte accounted for is released again
                 n.cancel_scope.cancel()
 
         async with trio.open_nursery() as n:
@@ -185,12 +186,13 @@ def test_tensors_roundtrip_codecs_and_nan_rejection_keeps_session():
             await s.send_tensor("q", a, codec="q8")
             await s.send_tensor("h", a, codec="float16")
             with trio.fail_after(10):
-                while len(got) < 4:
+                while len(got) < 5:
                     await trio.sleep(0.01)
             await s.aclose()
             n.cancel_scope.cancel()
         assert np.array_equal(got[1], a)
         assert "NaN" in str(got[2])
+        assert got["inflight"] == 0
         block_max = np.abs(a).max()
         assert np.abs(got[3] - a).max() <= block_max / 254 + 1e-6
         assert np.abs(got[4] - a).max() < 1e-2

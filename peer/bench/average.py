@@ -34,7 +34,8 @@ class BenchFailed(Exception):
 def add_arguments(p) -> None:
     p.add_argument("--peers", type=int, default=2, help="daemons on this host (default 2)")
     p.add_argument("--size", default="64MiB", help="float32 tensor size (e.g. 64MiB, 1GiB); default 64MiB")
-    p.add_argument("--rounds", type=int, default=7, help="measured exchanges after one warm-up (default 7)")
+    p.add_argument("--rounds", type=int, default=7,
+                   help="measured exchanges after one warm-up (default 7; at most 19: a daemon reports its last 20)")
     p.add_argument("--cipher", choices=["auto", "aes-256-gcm", "chacha20-poly1305"], default="auto")
     p.add_argument("--chunk", default="1MiB", help="tensor chunk (frame) size (default 1MiB)")
     p.add_argument("--codec", choices=["raw", "float16", "q8"], default="raw",
@@ -94,6 +95,7 @@ def _logs(swarm) -> str:
 def _run_swarm(args, elements: int, mode: str, target: int) -> dict:
     """Start the swarm, wait for node 0's `target` exchanges, check the sum; stats of node 0 and all."""
     from peer.bench.harness import Swarm, temp_root, unique_swarm
+    from peer.control import ControlError
 
     n = args.peers
     with temp_root("peertrain-bench-average-") as tmp, Swarm(Path(tmp)) as swarm:
@@ -115,15 +117,17 @@ def _run_swarm(args, elements: int, mode: str, target: int) -> dict:
 
             swarm.wait(node0_done, timeout=max(5.0, args.timeout - (time.monotonic() - t0)),
                        what=f"node 0 to finish {target} exchanges", interval=0.25)
-            # the servers apply after the commit reaches them: wait until each has applied every exchange
-            swarm.wait(lambda sts: all(sts) and sum(s["gossip"]["served"] for s in sts[1:]) >= sts[0]["gossip"]["exchanges"]
-                       and all(s["gossip"]["inflight"] == 0 for s in sts),
-                       timeout=30.0, what="the servers to apply the last exchange", interval=0.1)
+            # the servers apply after the commit reaches them: wait until they have applied every exchange
+            def all_applied(sts) -> bool:
+                return (all(sts) and all(s["gossip"]["inflight"] == 0 for s in sts)
+                        and sum(s["gossip"]["served"] for s in sts[1:]) >= sts[0]["gossip"]["exchanges"])
+
+            swarm.wait(all_applied, timeout=30.0, what="the servers to apply the last exchange", interval=0.1)
             statuses = swarm.statuses()
             if not all(statuses):
                 raise BenchFailed("a daemon stopped answering its control socket")
             stats = [node.command("group_stats", {"values": False}, timeout=60.0)["vector"] for node in swarm.nodes]
-        except (TimeoutError, RuntimeError, BenchFailed, KeyError) as exc:
+        except (TimeoutError, RuntimeError, BenchFailed, KeyError, ControlError, OSError) as exc:
             raise BenchFailed(f"{mode} swarm of {n}: {exc}\n{_logs(swarm)}") from None
         lines = _metric_lines(swarm.nodes[0].home)
         peak = [_peak_rss_mb(node.proc.pid) for node in swarm.nodes]
@@ -203,10 +207,15 @@ def _gloo(world: int, elements: int, rounds: int, timeout: float) -> list[float]
     deadline = time.monotonic() + timeout
     try:
         while len(results) < world:
+            if time.monotonic() > deadline:
+                raise BenchFailed(f"gloo all_reduce: no result after {timeout:.0f}s")
             try:
-                rank, times, err = q.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, times, err = q.get(timeout=1.0)
             except queue_mod.Empty:
-                raise BenchFailed(f"gloo all_reduce: no result after {timeout:.0f}s") from None
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    raise BenchFailed(f"gloo rank {dead[0]} exited with {procs[dead[0]].exitcode}") from None
+                continue
             if err:
                 raise BenchFailed(f"gloo rank {rank}: {err}")
             results[rank] = times

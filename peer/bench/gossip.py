@@ -22,6 +22,7 @@ errors come and go between cuts; a real leak is in every cut.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,6 +36,8 @@ import numpy as np
 FIXED = ("ring", "exponential", "random_regular", "full")
 KINDS = ("rewired", *FIXED)
 NETNS_PORT = 7100
+SUM_TOL = 1e-5  # relative to |sum of initial sums|
+SUM_CUTS = 10
 
 
 def add_arguments(p) -> None:
@@ -52,9 +55,16 @@ def add_arguments(p) -> None:
     p.add_argument("--rewire-interval", type=float, default=None, help="[topology] rewire_interval (default: the daemon's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the start vectors and of random_regular")
     p.add_argument("--netns", action="store_true", help="one network namespace per daemon on a virtual LAN (needs root)")
-    p.add_argument("--slow-links", type=int, default=2, metavar="K", help="with --netns: hosts behind a slow link (default 2)")
-    p.add_argument("--slow-mbit", type=float, default=20.0, help="with --netns: their rate in Mbit/s, both ways (default 20)")
+    p.add_argument("--slow-links", type=int, default=None, metavar="K",
+                   help="with --netns: hosts whose own link is slow, tbf both ways (default 2; 0 with --slow-pairs)")
+    p.add_argument("--slow-pairs", type=float, default=0.0, metavar="FRAC",
+                   help="with --netns: this fraction of host pairs (random, --seed) get a slow path of their own, "
+                        "shaped per destination: slowness a topology can route around, unlike a slow host")
+    p.add_argument("--slow-mbit", type=float, default=20.0, help="with --netns: the slow rate in Mbit/s, both ways (default 20)")
     p.add_argument("--logs", default=None, metavar="DIR", help="keep daemon homes and logs under DIR (default: a temp dir, removed)")
+    p.add_argument("--exact-every", type=float, default=None, metavar="S",
+                   help="also time the target on exact errors from group_stats cuts taken every S seconds "
+                        "(default 0.5 with --netns, off otherwise: a cut copies every vector)")
     p.add_argument("--trace", action="store_true", help="add the error trace [[seconds, error], ...] per topology")
     p.add_argument("--json", action="store_true", help="print only the JSON object (compact)")
 
@@ -75,7 +85,9 @@ class Plan:
     rewire_interval: float | None
     netns: bool
     slow: frozenset[int]  # host indices behind slow links
+    slow_pairs: frozenset[frozenset[int]]  # host index pairs with a slow path
     trace: bool
+    exact_every: float  # 0: off
 
 
 # ---------------------------------------------------------------------------------------------- graphs
@@ -120,11 +132,51 @@ def random_regular_gap(n: int, degree: int, seeds: int = 20) -> float:
                            for s in range(seeds))
 
 
-def slow_share(ids: list[str], adj: np.ndarray, slow_ids: set[str]) -> float | None:
+@dataclass(frozen=True)
+class SlowEdges:
+    """Which peer pairs have a slow path: one end is a slow host, or the pair itself is shaped."""
+
+    hosts: frozenset[str] = frozenset()
+    pairs: frozenset[frozenset[str]] = frozenset()
+
+    def __call__(self, a: str, b: str) -> bool:
+        return a in self.hosts or b in self.hosts or frozenset((a, b)) in self.pairs
+
+    def __bool__(self) -> bool:
+        return bool(self.hosts or self.pairs)
+
+
+def slow_share(ids: list[str], adj: np.ndarray, slow: SlowEdges) -> float | None:
     edges = [(i, j) for i in range(len(ids)) for j in range(i + 1, len(ids)) if adj[i, j]]
-    if not edges or not slow_ids:
+    if not edges or not slow:
         return None
-    return sum(1 for i, j in edges if ids[i] in slow_ids or ids[j] in slow_ids) / len(edges)
+    return sum(1 for i, j in edges if slow(ids[i], ids[j])) / len(edges)
+
+
+def shape_pairs(lan, pairs: frozenset[frozenset[int]], mbit: float) -> None:
+    """Per-destination htb classes: host i sends to j at `mbit` for every slow pair {i, j} (so both ways).
+
+    `Lan.limit` shapes a whole host; a slow *path* between two otherwise fast hosts needs a class per
+    destination, selected by a u32 match on the destination address.
+    """
+    import subprocess
+
+    def tc(ns: str, *argv: str) -> None:
+        proc = subprocess.run(["tc", "-n", ns, *argv], capture_output=True, text=True, timeout=15)
+        if proc.returncode != 0:
+            raise RuntimeError(f"tc -n {ns} {' '.join(argv)}: {proc.stderr.strip()}")
+
+    for i, host in enumerate(lan.hosts):
+        peers = sorted(j for p in pairs if i in p for j in p if j != i)
+        if not peers:
+            continue
+        tc(host.name, "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1")
+        tc(host.name, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate", "10gbit")
+        for j in peers:
+            tc(host.name, "class", "add", "dev", "eth0", "parent", "1:", "classid", f"1:{100 + j}", "htb",
+               "rate", f"{max(1, round(mbit * 1000))}kbit")
+            tc(host.name, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+               "match", "ip", "dst", f"{lan.hosts[j].ip}/32", "flowid", f"1:{100 + j}")
 
 
 # ---------------------------------------------------------------------------------------------- swarm
@@ -185,16 +237,23 @@ def wire_bytes_out(statuses: list[dict]) -> int:
     return sum(p["bytes_out"] for s in statuses for p in s.get("peers", []))
 
 
-def link_summary(node, slow_ids: set[str]) -> dict:
-    """Median measured bandwidth (Mbit/s) of the current edges, split by whether they touch a slow host."""
+def link_summary(node, slow_edge: SlowEdges) -> dict:
+    """Median measured bandwidth (Mbit/s) of the current edges, split by whether their path is slow."""
     topo = node.command("topology", timeout=30)
     fast, slow = [], []
     for link in topo.get("links", []):
         if link.get("bandwidth_bps"):
-            (slow if {link["a"], link["b"]} & slow_ids else fast).append(link["bandwidth_bps"] / 1e6)
+            (slow if slow_edge(link["a"], link["b"]) else fast).append(link["bandwidth_bps"] / 1e6)
     med = lambda xs: round(statistics.median(xs), 1) if xs else None  # noqa: E731
     return {"measured_edges": len(fast) + len(slow), "fast_edge_mbit_median": med(fast),
             "slow_edge_mbit_median": med(slow), "view_spectral_gap": topo.get("spectral_gap")}
+
+
+def exact_error(nodes, statuses: list[dict], plan: Plan, mean_sq: float) -> float:
+    """sum_i ||x_i - mean||^2 / sum(err_den) from one group_stats cut: the trainers' published
+    err_num is only refreshed between their own rounds, so it lags while a peer waits on a slow exchange."""
+    cut = group_cut(nodes)
+    return (sum(c["sumsq"] for c in cut) - plan.n * mean_sq) / sum(s["trainer"]["err_den"] for s in statuses)
 
 
 def mean_norm_sq(plan: Plan) -> float:
@@ -221,6 +280,7 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
     swarm_name = unique_swarm(f"gb{kind[:3]}")
     run_root = root / kind
     t_launch = time.time()
+    load0 = os.getloadavg()[0]
     with Swarm(run_root) as swarm:
         for i in range(plan.n):
             if lan is None:
@@ -233,11 +293,12 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
                                   join=join, topology=topo, trainer="trainers.consensus", options=options)
             swarm.start(f"n{i}", cfg, host=host, env={"PEERTRAIN_RANK": str(i), "PEERTRAIN_WORLD": str(plan.n)})
         # ---- one loop from launch: connected, settled, averaging started, target reached
-        connect_s = settle_s = base_wire = hit_at = err = None
+        connect_s = settle_s = base_wire = hit_at = exact_hit = err = None
         trace: list[tuple[float, float]] = []
+        exact_trace: list[tuple[float, float]] = []
         gaps, shares = [], []
-        last_sample = 0.0
-        slow_ids: set[str] = set()
+        last_sample = last_cut = 0.0
+        slow = SlowEdges()
         sts: list = []
         deadline = time.monotonic() + 60 + 5 * plan.n + plan.settle + plan.timeout
         while time.monotonic() < deadline:
@@ -255,7 +316,9 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
                     time.sleep(0.1)
                     continue
                 connect_s = now - t_launch
-                slow_ids = {sts[i]["peer_id"] for i in plan.slow}
+                pid = [s["peer_id"] for s in sts]
+                slow = SlowEdges(frozenset(pid[i] for i in plan.slow),
+                                 frozenset(frozenset(pid[i] for i in p) for p in plan.slow_pairs))
             if settle_s is None and settled(kind, sts, plan):
                 settle_s = now - t_launch
             started = any(s["gossip"]["exchanges"] > 0 for s in sts)
@@ -266,11 +329,17 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
                 last_sample = now
                 ids, adj, _ = graph_of(neighbour_lists(sts))
                 gaps.append(checked_gap(adj))
-                share = slow_share(ids, adj, slow_ids)
+                share = slow_share(ids, adj, slow)
                 if share is not None:
                     shares.append(share)
                 if err is not None:
                     trace.append((now, err))
+            if plan.exact_every and started and err is not None and exact_hit is None and now - last_cut >= plan.exact_every:
+                last_cut = now
+                ex = exact_error(swarm.nodes, sts, plan, mean_sq)
+                exact_trace.append((now, ex))
+                if ex <= plan.target:
+                    exact_hit = now
             if started and err is not None and err <= plan.target:
                 hit_at = now
                 break
@@ -300,7 +369,7 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
 
             gap, ds_ok = spectral_gap(mixing_matrix(adj)), False
         degs = adj.sum(axis=1)
-        links = link_summary(swarm.nodes[0], slow_ids) if kind == "rewired" or slow_ids else None
+        links = link_summary(swarm.nodes[0], slow) if kind == "rewired" or slow else None
 
         trainers = [s.get("trainer") or {} for s in final]
         if any(t.get("initial_sum") is None or not t.get("err_den") for t in trainers):
@@ -308,10 +377,13 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
         initial_sum = sum(t["initial_sum"] for t in trainers)
         err_den = sum(t["err_den"] for t in trainers)
         drifts, exact = [], []
-        for _ in range(5):
+        for _ in range(SUM_CUTS):  # spaced out: a commit queued behind a slow link keeps one cut off for seconds
             cut = group_cut(swarm.nodes)
             drifts.append(abs(sum(c["sum"] for c in cut) - initial_sum) / max(1.0, abs(initial_sum)))
             exact.append((sum(c["sumsq"] for c in cut) - plan.n * mean_sq) / err_den)
+            if drifts[-1] <= SUM_TOL:
+                break
+            time.sleep(0.5)
         after = swarm.statuses()
         recent = [x for s in after if s for x in s["gossip"]["recent_s"]]
 
@@ -333,23 +405,29 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
         "settle_s": round(settle_s, 2) if settle_s is not None else None,
         "start_delay_s": plan.settle,
         "start_spread_s": round(max(known) - min(known), 2) if len(known) > 1 else None,
+        "load_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "checks": {
             "doubly_stochastic": ds_ok,
             "one_sided_edges": one_sided,
             "sum_rel_drift_best_cut": float(f"{min(drifts):.3g}"),
             "sum_rel_drift_worst_cut": float(f"{max(drifts):.3g}"),
-            "sum_preserved": min(drifts) <= 1e-5,
+            "sum_cuts": len(drifts),
+            "sum_preserved": min(drifts) <= SUM_TOL,
         },
     }
+    if plan.exact_every:
+        result["seconds_to_target_exact"] = round(exact_hit - t0, 3) if exact_hit is not None and t0 is not None else None
     if kind == "rewired":
         result["moves"] = sum(s["topology"]["moves"] for s in final)
-    if slow_ids:
-        result["slow_edge_share"] = round(slow_share(ids, adj, slow_ids), 3)
+    if slow:
+        result["slow_edge_share"] = round(slow_share(ids, adj, slow), 3)
         result["slow_edge_share_mean"] = round(statistics.mean(shares), 3) if shares else None
     if links is not None:
         result["links"] = links
     if plan.trace and t0 is not None:
         result["trace"] = [[round(t - t0, 2), float(f"{e:.3g}")] for t, e in trace]
+        if exact_trace:
+            result["trace_exact"] = [[round(t - t0, 2), float(f"{e:.3g}")] for t, e in exact_trace]
     return result
 
 
@@ -365,14 +443,18 @@ def run(args) -> int:
         print(f"unknown topologies {bad}; choose from {', '.join(KINDS)}", file=sys.stderr)
         return 2
     size = parse_size(args.size or ("2MiB" if args.netns else "16MiB"))
-    k_slow = args.slow_links if args.netns else 0
-    if args.n < 3 or not 0 <= k_slow < args.n:
-        print("need --n >= 3 and 0 <= --slow-links < n", file=sys.stderr)
+    k_slow = (args.slow_links if args.slow_links is not None else (0 if args.slow_pairs else 2)) if args.netns else 0
+    if args.n < 3 or not 0 <= k_slow < args.n or not 0 <= args.slow_pairs <= 1:
+        print("need --n >= 3, 0 <= --slow-links < n and 0 <= --slow-pairs <= 1", file=sys.stderr)
         return 2
+    pairs_rng = np.random.default_rng([args.seed, 7])
+    slow_pairs = frozenset(frozenset((i, j)) for i in range(args.n) for j in range(i + 1, args.n)
+                           if args.netns and pairs_rng.random() < args.slow_pairs)
     plan = Plan(n=args.n, size_bytes=size, elements=max(1, size // 4), degree=args.degree, target=args.target,
                 timeout=args.timeout, settle=args.settle if args.settle is not None else (10.0 if args.netns else 6.0),
                 mode=args.mode, seed=args.seed, rewire_interval=args.rewire_interval, netns=args.netns,
-                slow=frozenset(range(args.n - k_slow, args.n)), trace=args.trace)
+                slow=frozenset(range(args.n - k_slow, args.n)), slow_pairs=slow_pairs, trace=args.trace,
+                exact_every=args.exact_every if args.exact_every is not None else (0.5 if args.netns else 0.0))
     mean_sq = mean_norm_sq(plan)
     results: dict[str, dict] = {}
     with ExitStack() as stack:
@@ -390,27 +472,33 @@ def run(args) -> int:
                 return 2
             lan = stack.enter_context(virtual_lan(args.n, prefix="ptg", subnet="10.77.9",
                                                   rate_mbit={i: args.slow_mbit for i in plan.slow}))
+            shape_pairs(lan, plan.slow_pairs, args.slow_mbit)
         for kind in kinds:
             try:
                 results[kind] = run_topology(kind, plan, root, lan, mean_sq)
             except (RuntimeError, TimeoutError, OSError) as exc:
                 results[kind] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
 
-    def secs(k: str) -> float | None:
-        return results.get(k, {}).get("seconds_to_target")
+    def speedup(key: str) -> tuple[str | None, float | None]:
+        """(best fixed kind, its seconds / rewired seconds) on one of the two clocks."""
+        fixed = {k: results[k].get(key) for k in kinds if k in FIXED and results[k].get(key) is not None}
+        best = min(fixed, key=fixed.get) if fixed else None
+        rewired = results.get("rewired", {}).get(key)
+        return best, (round(fixed[best] / rewired, 3) if best and rewired else None)
 
-    fixed_times = {k: secs(k) for k in kinds if k in FIXED and secs(k) is not None}
-    best_fixed = min(fixed_times, key=fixed_times.get) if fixed_times else None
+    best_fixed, speedup_published = speedup("seconds_to_target")
+    best_fixed_exact, speedup_exact = speedup("seconds_to_target_exact")
     rr_gap = random_regular_gap(plan.n, plan.degree)
     rew = results.get("rewired", {})
     out = {
         "n": plan.n, "payload_bytes": plan.size_bytes, "mode": plan.mode, "target": plan.target,
         "netns": plan.netns,
-        **({"slow_hosts": len(plan.slow), "slow_mbit": args.slow_mbit} if plan.netns else {}),
+        **({"slow_hosts": len(plan.slow), "slow_pairs": len(plan.slow_pairs), "slow_mbit": args.slow_mbit}
+           if plan.netns else {}),
         "topologies": results,
         "best_fixed": best_fixed,
-        "speedup_vs_best_fixed": (round(fixed_times[best_fixed] / secs("rewired"), 3)
-                                  if best_fixed and secs("rewired") else None),
+        "speedup_vs_best_fixed": speedup_published,
+        **({"best_fixed_exact": best_fixed_exact, "speedup_vs_best_fixed_exact": speedup_exact} if plan.exact_every else {}),
         "random_regular_gap_expected": round(rr_gap, 4),
         "rewired_gap_vs_random_regular": (round(rew["spectral_gap"] / rr_gap, 3)
                                           if rew.get("spectral_gap") is not None else None),

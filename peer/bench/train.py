@@ -51,6 +51,8 @@ def add_arguments(p) -> None:
                    help="with --netns: limit the last host's link to MBIT (tbf, both directions)")
     p.add_argument("--straggler", type=float, default=0.0, metavar="F",
                    help="instead of time-to-target: slow the last peer's steps F-fold and compare the others' steps/s")
+    p.add_argument("--no-caps", action="store_true",
+                   help="with --straggler: do not cap each peer at cpus/n CPUs (cgroup cpu quota)")
     p.add_argument("--straggler-steps", type=int, default=800,
                    help="steps per gossip peer in --straggler runs (all-reduce ranks run a quarter of them)")
     p.add_argument("--stop-at-target", action="store_true",
@@ -137,7 +139,7 @@ def _trainer_state(st: dict | None) -> str:
 
 
 def run_gossip(mode: str, a, net: Net, root: Path, *, options: dict, delays: dict[int, float],
-               wait_for: list[int], target: float, gossip: dict, membership: dict) -> dict:
+               wait_for: list[int], target: float, gossip: dict, membership: dict, caps: Any = None) -> dict:
     """Start n daemons hosting gossip_sgd and stop them once every peer's model has reached `target`
     (read from the metrics each peer appends at every evaluation), or, without a target, once the
     trainers of the peers in `wait_for` are done."""
@@ -154,8 +156,10 @@ def run_gossip(mode: str, a, net: Net, root: Path, *, options: dict, delays: dic
                 topology={**DEFAULT_TOPOLOGY, "target_degree": a.degree, "max_degree": max(a.degree, 3)},
                 gossip=gossip, membership=membership, trainer=a.trainer,
                 options={**options, "mode": mode, "step_delay": delays.get(i, 0.0)})
-            swarm.start(f"{mode}{i}", cfg, host=net.host(i),
-                        env={"PEERTRAIN_RANK": str(i), "PEERTRAIN_WORLD": str(a.n), "OMP_NUM_THREADS": "1"})
+            node = swarm.start(f"{mode}{i}", cfg, host=net.host(i),
+                               env={"PEERTRAIN_RANK": str(i), "PEERTRAIN_WORLD": str(a.n), "OMP_NUM_THREADS": "1"})
+            if caps is not None:
+                caps.add(i, node.proc.pid)
 
         def finished(sts: list[dict | None]) -> bool:
             states = [_trainer_state(st) for st in sts]
@@ -220,7 +224,7 @@ def summarise_gossip(run: dict, n: int) -> dict:
 # ------------------------------------------------------------------------------------------ all-reduce
 
 
-def run_allreduce(a, net: Net, root: Path, *, args: list[str]) -> dict:
+def run_allreduce(a, net: Net, root: Path, *, args: list[str], caps: Any = None) -> dict:
     """One process per rank (`python -m trainers.allreduce_baseline`); rank 0's JSON line is the result."""
     master = net.master()
     procs = []
@@ -232,10 +236,13 @@ def run_allreduce(a, net: Net, root: Path, *, args: list[str]) -> dict:
                     "--master", master, "--timeout", str(int(a.timeout)), *args,
                     *(["--net-dev", "eth0"] if net.lan else [])]
             env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-            if net.lan:
+            if net.lan:  # else gloo advertises the address its hostname resolves to (127.0.0.1)
+                env["GLOO_SOCKET_IFNAME"] = "eth0"
                 procs.append(net.host(r).popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env))
             else:
                 procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+            if caps is not None:
+                caps.add(r, procs[-1].pid)
         try:
             deadline = time.monotonic() + a.timeout
             for p in procs:
@@ -323,12 +330,17 @@ def time_to_target(a, plan: Plan, net: Net, root: Path, modes: list[str]) -> dic
         for mode in modes:
             d = root / f"r{rep}-{mode}"
             d.mkdir(parents=True)
-            if mode == "allreduce":
-                runs[mode].append(summarise_allreduce(run_allreduce(a, net, d, args=plan.allreduce_args)))
-            else:
-                raw = run_gossip(mode, a, net, d, options=plan.options, delays={}, wait_for=list(range(a.n)),
-                                 target=plan.target, gossip=plan.gossip, membership=plan.membership)
-                runs[mode].append(summarise_gossip(raw, a.n))
+            try:  # one broken run is reported, not allowed to hide the others
+                if mode == "allreduce":
+                    runs[mode].append(summarise_allreduce(run_allreduce(a, net, d, args=plan.allreduce_args)))
+                else:
+                    raw = run_gossip(mode, a, net, d, options=plan.options, delays={}, wait_for=list(range(a.n)),
+                                     target=plan.target, gossip=plan.gossip, membership=plan.membership)
+                    runs[mode].append(summarise_gossip(raw, a.n))
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                runs[mode].append({"reached_target": False, "seconds_to_target": None, "epochs_to_target": None,
+                                   "samples_per_s_per_peer": None, "samples_per_s_total": None,
+                                   "bytes_sent_per_peer": None, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"})
     out = {}
     for mode, rs in runs.items():
         best = dict(rs[0]) if len(rs) == 1 else {
@@ -345,36 +357,85 @@ def time_to_target(a, plan: Plan, net: Net, root: Path, modes: list[str]) -> dic
     return out
 
 
+class CpuCaps:
+    """One cgroup (v1 `cpu` controller) per peer, each capped at cpus/n CPUs, for --straggler runs.
+
+    On one shared host the CPU a sleeping straggler gives up would otherwise speed the others up, which peers
+    on machines of their own would never see; with a hard cap every peer runs as if on its own small machine.
+    """
+
+    ROOT = Path("/sys/fs/cgroup/cpu")
+
+    def __init__(self, n: int, cpus_each: float):
+        self.n, self.cpus_each = n, cpus_each
+        self.dirs: list[Path] = []
+
+    @classmethod
+    def available(cls) -> bool:
+        return os.geteuid() == 0 and (cls.ROOT / "cpu.cfs_quota_us").exists() and os.access(cls.ROOT, os.W_OK)
+
+    def __enter__(self) -> "CpuCaps":
+        try:
+            for i in range(self.n):
+                d = self.ROOT / f"ptbench{os.getpid()}p{i}"
+                d.mkdir()
+                self.dirs.append(d)
+                (d / "cpu.cfs_period_us").write_text("100000")
+                (d / "cpu.cfs_quota_us").write_text(str(max(1000, int(self.cpus_each * 100000))))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def add(self, i: int, pid: int) -> None:
+        """Move process `pid` (all its threads, and children it starts later) into peer i's group."""
+        (self.dirs[i] / "cgroup.procs").write_text(str(pid))
+
+    def __exit__(self, *exc) -> None:
+        for d in self.dirs:
+            try:
+                for pid in (d / "cgroup.procs").read_text().split():
+                    try:
+                        (self.ROOT / "cgroup.procs").write_text(pid)
+                    except OSError:
+                        pass  # exited meanwhile
+                d.rmdir()
+            except OSError:
+                pass
+        self.dirs.clear()
+
+
 def straggler(a, plan: Plan, net: Net, root: Path, modes: list[str]) -> dict:
     """Other peers' steps/s without and with one peer slowed `a.straggler`-fold (a fixed run length, no target)."""
     slow = a.n - 1
     others = [i for i in range(a.n) if i != slow]
     steps = a.straggler_steps
-    ar_steps = max(a.eval_every or plan.eval_every, steps // 4)
+    ar_steps = max(plan.eval_every, steps // 4)
     opts = {**plan.options, "target_accuracy": 0.0, "max_steps": steps}  # fixed length: rates, not targets
     ar_args = [*plan.allreduce_args, "--target", "0", "--max-steps", str(ar_steps)]
-    out: dict[str, Any] = {}
+    cap = None if a.no_caps or not CpuCaps.available() else round((os.cpu_count() or 1) / a.n, 3)
+    out: dict[str, Any] = {"cpu_cap_per_peer": cap}
     delay = None
-    ordered = sorted(modes, key=lambda m: m != "adpsgd")  # adpsgd first: its step time sets the delay
+    ordered = sorted(modes, key=lambda m: m != "adpsgd")  # the first mode's step time sets the delay
     for mode in ordered:
         res = {}
         for label in ("without", "with"):
             d = root / f"{mode}-{label}"
             d.mkdir(parents=True)
-            if label == "with" and delay is None:
-                raise RuntimeError("no measured step time to derive the straggler's delay from")
-            if mode == "allreduce":
-                extra = ["--step-delay", str(delay), "--straggler-rank", str(slow)] if label == "with" else []
-                r = run_allreduce(a, net, d, args=[*ar_args, *extra])
-                rates = r["steps_per_s_per_worker"]
-            else:
-                raw = run_gossip(mode, a, net, d, options=opts, delays={slow: delay} if label == "with" else {},
-                                 wait_for=others, target=0.0, gossip=plan.gossip, membership=plan.membership)
-                rates = [p["steps_per_s"] if p.get("started") else None for p in raw["peers"]]
-                if label == "without" and delay is None:
-                    step_s = 1.0 / rates[slow]
-                    delay = round((a.straggler - 1) * step_s, 5)
-                    out["measured_step_s"] = round(step_s, 5)
+            with ExitStack() as stack:
+                caps = stack.enter_context(CpuCaps(a.n, cap)) if cap else None
+                if mode == "allreduce":
+                    extra = ["--step-delay", str(delay), "--straggler-rank", str(slow)] if label == "with" else []
+                    rates = run_allreduce(a, net, d, args=[*ar_args, *extra], caps=caps)["steps_per_s_per_worker"]
+                else:
+                    raw = run_gossip(mode, a, net, d, options=opts, delays={slow: delay} if label == "with" else {},
+                                     wait_for=others, target=0.0, gossip=plan.gossip, membership=plan.membership,
+                                     caps=caps)
+                    rates = [p["steps_per_s"] if p.get("started") else None for p in raw["peers"]]
+            if delay is None:
+                step_s = 1.0 / rates[slow]
+                delay = round((a.straggler - 1) * step_s, 5)
+                out["measured_step_s"] = {"mode": mode, "seconds": round(step_s, 5)}
             res[label] = rates
         w = statistics.mean(res["without"][i] for i in others)
         s = statistics.mean(res["with"][i] for i in others)
@@ -461,7 +522,11 @@ def run(args) -> int:
             f"the last peer sleeps step_delay_s = ({a.straggler:g} - 1) x its measured adpsgd step time after "
             "each step, in every mode (gossip_sgd step_delay / allreduce_baseline --step-delay)",
             "steps/s are each peer's steps / its own training elapsed_s; fixed run length, no target",
-            "on a shared few-core host a sleeping straggler frees CPU for the others, which can push the ratio above 1",
+            (f"every peer/rank process was capped at {body['straggler']['cpu_cap_per_peer']} CPUs (cgroup cpu quota), "
+             "so the CPU a sleeping straggler frees cannot speed up the others as it would not across machines"
+             if body["straggler"]["cpu_cap_per_peer"] else
+             "no CPU caps: the CPU the sleeping straggler frees speeds up the others on this shared host, "
+             "which can push the ratio above 1"),
         ]
     result["loadavg_before"] = load_before
     result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
