@@ -6,17 +6,24 @@ until stopped. The job waits `--settle` seconds before its first round so the gr
 `rewired`, its probes) exists; fixed kinds get the same delay so all start alike. The bench polls the
 control sockets every 0.1 s and stops the clock when the published consensus error
 sum(err_num) / sum(err_den) first drops to `--target`. The clock starts when the earliest peer began
-its rounds (each peer's start is recovered from its metrics.jsonl: ts - elapsed_s).
+its rounds (ts - elapsed_s in its metrics.jsonl), or when all peers were connected if that came later
+(a loaded machine can take longer to start 8 daemons than the settle delay).
+
+A second clock (`--exact-every`, on by default with --netns) takes group_stats cuts and computes the
+error from sums of squares: a peer publishes err_num only between its own rounds, so while it waits
+on a slow exchange its figure is stale, which inflates the published clock where slow edges exist.
 
 Alongside the time it reports the graph really used (the union of the neighbour lists every daemon
 reports; its Metropolis-Hastings W is checked to be doubly stochastic and every edge to be listed by
 both ends), bytes sent per peer, and whether the swarm-wide sum survived. With `--netns` every daemon
-gets its own network namespace on one virtual LAN and K of them sit behind `tbf`-limited links, which
-is where an adaptive topology should pay off.
+gets its own network namespace on one virtual LAN; `--slow-links K` puts K hosts behind a tbf-limited
+link (every edge of a slow host is slow, so no topology can avoid it), `--slow-pairs F` gives a
+random fraction of host pairs a slow path of their own (which a topology can route around).
 
 Why the sum check takes the best of several cuts: with rounds = 0 exchanges never pause, and a cut
-taken while an exchange is applied at one end but not yet at the other is off by w * sum(b - a). Such
-errors come and go between cuts; a real leak is in every cut.
+taken while an exchange is applied at one end but not yet at the other is off by w * sum(b - a);
+behind a slow link that state can last seconds. Such errors come and go between cuts; a leak stays.
+`load_1m` records the machine's load average, since other work on it slows every daemon.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ KINDS = ("rewired", *FIXED)
 NETNS_PORT = 7100
 SUM_TOL = 1e-5  # relative to |sum of initial sums|
 SUM_CUTS = 10
+EXACT_GRACE_S = 15.0  # after the published error hits the target, how long exact cuts may still try
 
 
 def add_arguments(p) -> None:
@@ -48,10 +56,13 @@ def add_arguments(p) -> None:
                    help="comma-separated kinds to run, in order (default rewired,ring,exponential,random_regular)")
     p.add_argument("--degree", type=int, default=4, help="target degree for rewired and random_regular (default 4)")
     p.add_argument("--target", type=float, default=1e-3, help="relative consensus error to reach (default 1e-3)")
-    p.add_argument("--timeout", type=float, default=120.0, help="give up on one topology's consensus after this many seconds")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="give up on one topology's consensus after this many seconds (default 120)")
     p.add_argument("--settle", type=float, default=None,
-                   help="start_delay of the job: seconds for the graph to form before averaging (default 6; 10 with --netns)")
-    p.add_argument("--mode", choices=["one", "all"], default="one", help="one neighbour per round (AD-PSGD) or all (D-PSGD)")
+                   help="start_delay of the job: seconds for the graph to form before averaging "
+                        "(default 6; 10 with --netns)")
+    p.add_argument("--mode", choices=["one", "all"], default="one",
+                   help="one neighbour per round (AD-PSGD) or all (D-PSGD); default one")
     p.add_argument("--rewire-interval", type=float, default=None, help="[topology] rewire_interval (default: the daemon's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the start vectors and of random_regular")
     p.add_argument("--netns", action="store_true", help="one network namespace per daemon on a virtual LAN (needs root)")
@@ -60,8 +71,10 @@ def add_arguments(p) -> None:
     p.add_argument("--slow-pairs", type=float, default=0.0, metavar="FRAC",
                    help="with --netns: this fraction of host pairs (random, --seed) get a slow path of their own, "
                         "shaped per destination: slowness a topology can route around, unlike a slow host")
-    p.add_argument("--slow-mbit", type=float, default=20.0, help="with --netns: the slow rate in Mbit/s, both ways (default 20)")
-    p.add_argument("--logs", default=None, metavar="DIR", help="keep daemon homes and logs under DIR (default: a temp dir, removed)")
+    p.add_argument("--slow-mbit", type=float, default=20.0,
+                   help="with --netns: the slow rate in Mbit/s, both ways (default 20)")
+    p.add_argument("--logs", default=None, metavar="DIR",
+                   help="keep daemon homes and logs under DIR (default: a temp dir, removed)")
     p.add_argument("--exact-every", type=float, default=None, metavar="S",
                    help="also time the target on exact errors from group_stats cuts taken every S seconds "
                         "(default 0.5 with --netns, off otherwise: a cut copies every vector)")
@@ -293,7 +306,7 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
                                   join=join, topology=topo, trainer="trainers.consensus", options=options)
             swarm.start(f"n{i}", cfg, host=host, env={"PEERTRAIN_RANK": str(i), "PEERTRAIN_WORLD": str(plan.n)})
         # ---- one loop from launch: connected, settled, averaging started, target reached
-        connect_s = settle_s = base_wire = hit_at = exact_hit = err = None
+        connect_s = settle_s = base_wire = hit_at = exact_hit = err = err_hit = final = None
         trace: list[tuple[float, float]] = []
         exact_trace: list[tuple[float, float]] = []
         gaps, shares = [], []
@@ -325,7 +338,7 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
             if not started:
                 base_wire = wire_bytes_out(sts)
             err = consensus_error(sts, plan.n)
-            if started and now - last_sample >= 0.5:
+            if started and hit_at is None and now - last_sample >= 0.5:
                 last_sample = now
                 ids, adj, _ = graph_of(neighbour_lists(sts))
                 gaps.append(checked_gap(adj))
@@ -340,8 +353,9 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
                 exact_trace.append((now, ex))
                 if ex <= plan.target:
                     exact_hit = now
-            if started and err is not None and err <= plan.target:
-                hit_at = now
+            if hit_at is None and started and err is not None and err <= plan.target:
+                hit_at, final, err_hit = now, sts, err
+            if hit_at is not None and (not plan.exact_every or exact_hit is not None or now - hit_at > EXACT_GRACE_S):
                 break
             known = [t for t in round_starts([nd.home for nd in swarm.nodes]) if t is not None] if started else []
             if known and now - min(known) > plan.timeout:
@@ -349,16 +363,19 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
             time.sleep(0.1)
         if connect_s is None:
             raise TimeoutError(f"{plan.n} daemons did not all connect")
-        final = sts
+        final = final or sts
         starts = round_starts([nd.home for nd in swarm.nodes])
         known = [t for t in starts if t is not None]
-        t0 = min(known) if known else None
+        # the clock starts with the first round, or once all are connected if that came later (slow starts)
+        t0 = max(min(known), t_launch + connect_s) if known else None
 
         # ---- the graph at the finish, and the checks
         lists = neighbour_lists(final)
         ids, adj, one_sided = graph_of(lists)
-        if one_sided:  # maybe a two-phase change in flight: look again before calling it broken
-            time.sleep(1.0)
+        for _ in range(16):  # maybe a two-phase change in flight: look again before calling it broken
+            if not one_sided:
+                break
+            time.sleep(0.5)
             again = swarm.statuses()
             if all(again):
                 one_sided = min(one_sided, graph_of(neighbour_lists(again))[2])
@@ -389,7 +406,7 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
 
     result = {
         "seconds_to_target": round(hit_at - t0, 3) if hit_at is not None and t0 is not None else None,
-        "error_reached": float(f"{err:.4g}") if err is not None else None,
+        "error_reached": float(f"{err_hit if err_hit is not None else err:.4g}") if err is not None else None,
         "error_exact_after": float(f"{exact[0]:.4g}"),
         "spectral_gap": round(gap, 4),
         "spectral_gap_mean": round(statistics.mean(gaps), 4) if gaps else None,
@@ -405,6 +422,7 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
         "settle_s": round(settle_s, 2) if settle_s is not None else None,
         "start_delay_s": plan.settle,
         "start_spread_s": round(max(known) - min(known), 2) if len(known) > 1 else None,
+        "rounds_before_connected_s": round(max(0.0, t_launch + connect_s - min(known)), 2) if known else None,
         "load_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "checks": {
             "doubly_stochastic": ds_ok,
@@ -436,6 +454,7 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
 def run(args) -> int:
     from peer.bench import parse_size
     from peer.bench.harness import temp_root
+    from peer.control import ControlError
 
     kinds = [k.strip() for k in args.topologies.split(",") if k.strip()]
     bad = [k for k in kinds if k not in KINDS]
@@ -476,7 +495,7 @@ def run(args) -> int:
         for kind in kinds:
             try:
                 results[kind] = run_topology(kind, plan, root, lan, mean_sq)
-            except (RuntimeError, TimeoutError, OSError) as exc:
+            except (RuntimeError, TimeoutError, OSError, ControlError, KeyError, ValueError) as exc:
                 results[kind] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
 
     def speedup(key: str) -> tuple[str | None, float | None]:
