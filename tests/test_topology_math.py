@@ -97,11 +97,11 @@ def test_view_helpers_and_immutability():
 def test_predicted_round_time_uses_slowest_edge_and_defaults():
     links = {("a", "b"): LinkEstimate(10e6, 0.01), ("b", "c"): LinkEstimate(rtt_s=0.002)}
     v = GraphView.from_edges("abc", [("a", "b"), ("b", "c")], links)
-    # a-b: 1e6/10e6 + 0.01 = 0.11 s; b-c: 1e6/100e6 (default) + 0.002 = 0.012 s
-    assert predicted_round_time(v, 1e6, 100e6, 0.005) == pytest.approx(0.11)
-    assert node_round_time(v, "c", 1e6, 100e6, 0.005) == pytest.approx(0.012)
+    # bandwidth is in bits/s: a-b: 8e6/10e6 + 0.01 = 0.81 s; b-c: 8e6/100e6 (default) + 0.002 = 0.082 s
+    assert predicted_round_time(v, 1e6, 100e6, 0.005) == pytest.approx(0.81)
+    assert node_round_time(v, "c", 1e6, 100e6, 0.005) == pytest.approx(0.082)
     v2 = GraphView.from_edges("abc", [("b", "c")], links)
-    assert predicted_round_time(v2, 1e6, 100e6, 0.005) == pytest.approx(0.012)
+    assert predicted_round_time(v2, 1e6, 100e6, 0.005) == pytest.approx(0.082)
     assert predicted_round_time(GraphView.from_edges("ab", []), 1e6, 1e8, 0.005) == 0.0
 
 
@@ -303,6 +303,8 @@ def test_plan_move_swaps_slow_link_and_returns_none_when_nothing_helps():
         assert m.predicted_round_time_after == m.predicted_round_time_before
         if m.kind == "swap":
             assert m.reason.startswith("mixing") and m.gap_after >= 1.05 * m.gap_before
+        elif m.kind == "drop":  # the peer that gained an edge trims back towards the target degree
+            assert even.degree(me) > cfg.target_degree and even.degree(m.drop) > cfg.target_degree
         else:  # the peer that lost an edge to a swap refills up to the target degree
             assert m.kind == "add" and even.degree(me) < cfg.target_degree
         even = apply_move(even, me, m)

@@ -49,7 +49,9 @@ def run(swarm, options: dict) -> dict:
     group = swarm.share("vector", {"x": x})
     initial_sum = float(np.sum(x, dtype=np.float64))
     err0 = float(np.sum((x - mean) ** 2, dtype=np.float64)) if mean is not None else None
+    mean_norm_sq = float(np.dot(mean.astype(np.float64), mean.astype(np.float64))) if mean is not None else None
     swarm.publish({"rank": rank, "world": world, "initial_sum": initial_sum, "err_den": err0, "err_num": err0,
+                   "mean_norm_sq": mean_norm_sq,  # with the peers' sums of squares: an exact consensus error
                    "exchanges": 0, "state": "running"})
     deadline = time.monotonic() + o.start_delay
     while time.monotonic() < deadline and not swarm.should_stop():

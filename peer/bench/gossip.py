@@ -269,18 +269,12 @@ def exact_error(nodes, statuses: list[dict], plan: Plan, mean_sq: float) -> floa
     return (sum(c["sumsq"] for c in cut) - plan.n * mean_sq) / sum(s["trainer"]["err_den"] for s in statuses)
 
 
-def mean_norm_sq(plan: Plan) -> float:
-    """||mean of the start vectors||^2, to turn sum-of-squares cuts into an exact consensus error."""
-    from trainers.consensus import start_vector
-
-    acc = np.zeros(plan.elements, dtype=np.float64)
-    for r in range(plan.n):
-        acc += start_vector(plan.seed, r, plan.elements)
-    m = (acc / plan.n).astype(np.float32).astype(np.float64)
-    return float(m @ m)
+def mean_norm_sq(statuses: list[dict]) -> float:
+    """||mean of the start vectors||^2, as the consensus job published it (the same on every peer)."""
+    return float(next(s["trainer"]["mean_norm_sq"] for s in statuses if s and s.get("trainer", {}).get("mean_norm_sq") is not None))
 
 
-def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict:
+def run_topology(kind: str, plan: Plan, root: Path, lan) -> dict:
     """One topology: start the swarm, wait for the target error, measure, verify, stop."""
     from peer.bench.harness import Swarm, make_config, tail, unique_swarm
 
@@ -349,7 +343,7 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
                     trace.append((now, err))
             if plan.exact_every and started and err is not None and exact_hit is None and now - last_cut >= plan.exact_every:
                 last_cut = now
-                ex = exact_error(swarm.nodes, sts, plan, mean_sq)
+                ex = exact_error(swarm.nodes, sts, plan, mean_norm_sq(sts))
                 exact_trace.append((now, ex))
                 if ex <= plan.target:
                     exact_hit = now
@@ -397,7 +391,7 @@ def run_topology(kind: str, plan: Plan, root: Path, lan, mean_sq: float) -> dict
         for _ in range(SUM_CUTS):  # spaced out: a commit queued behind a slow link keeps one cut off for seconds
             cut = group_cut(swarm.nodes)
             drifts.append(abs(sum(c["sum"] for c in cut) - initial_sum) / max(1.0, abs(initial_sum)))
-            exact.append((sum(c["sumsq"] for c in cut) - plan.n * mean_sq) / err_den)
+            exact.append((sum(c["sumsq"] for c in cut) - plan.n * mean_norm_sq(final)) / err_den)
             if drifts[-1] <= SUM_TOL:
                 break
             time.sleep(0.5)
@@ -474,7 +468,6 @@ def run(args) -> int:
                 mode=args.mode, seed=args.seed, rewire_interval=args.rewire_interval, netns=args.netns,
                 slow=frozenset(range(args.n - k_slow, args.n)), slow_pairs=slow_pairs, trace=args.trace,
                 exact_every=args.exact_every if args.exact_every is not None else (0.5 if args.netns else 0.0))
-    mean_sq = mean_norm_sq(plan)
     results: dict[str, dict] = {}
     with ExitStack() as stack:
         if args.logs:
@@ -494,7 +487,7 @@ def run(args) -> int:
             shape_pairs(lan, plan.slow_pairs, args.slow_mbit)
         for kind in kinds:
             try:
-                results[kind] = run_topology(kind, plan, root, lan, mean_sq)
+                results[kind] = run_topology(kind, plan, root, lan)
             except (RuntimeError, TimeoutError, OSError, ControlError, KeyError, ValueError) as exc:
                 results[kind] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
 

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ def add_arguments(p) -> None:
     p.add_argument("--degree", type=int, default=DEFAULT_TOPOLOGY["target_degree"],
                    help="gossip target degree (default 2, as configs/train-digits.toml)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--codec", default="raw", choices=["raw", "float16", "q8"], help="gossip tensor codec (default raw)")
     p.add_argument("--trainer", default="trainers.gossip_sgd",
                    help="trainer module our daemons host (a gossip_sgd variant taking the same options)")
     p.add_argument("--repeats", type=int, default=1, help="runs per mode, interleaved; medians are reported")
@@ -58,7 +59,7 @@ def add_arguments(p) -> None:
     p.add_argument("--stop-at-target", action="store_true",
                    help="let each peer stop at its own target (gossip_sgd target_accuracy) instead of all training "
                         "until every peer has reached it")
-    p.add_argument("--timeout", type=float, default=150.0, help="give up on one run after this many seconds")
+    p.add_argument("--timeout", type=float, default=240.0, help="give up on one run after this many seconds")
     p.add_argument("--keep", default="", help="keep homes and logs under this directory")
     p.add_argument("--json", action="store_true", help="print only the (compact) JSON object")
 
@@ -181,9 +182,11 @@ def run_gossip(mode: str, a, net: Net, root: Path, *, options: dict, delays: dic
     exchanges = [((st or {}).get("gossip") or {}).get("exchanges") for st in statuses]
     recent = [x for st in statuses for x in (((st or {}).get("gossip") or {}).get("recent_s") or [])]
     failed = [((st or {}).get("gossip") or {}).get("failed") for st in statuses]
+    rejected = [((st or {}).get("gossip") or {}).get("rejected") for st in statuses]
+    degrees = [((st or {}).get("topology") or {}).get("degree") for st in statuses]
     measured = [b - a0 for a0, b in zip(tx0, tx1)] if None not in tx0 + tx1 else None
     return {"peers": peers, "wire_bytes_out": wire, "gossip_payload_bytes_sent": payload, "exchanges": exchanges,
-            "failed_exchanges": failed, "recent_exchange_s": recent, "netdev_tx_bytes": measured, "bench_wall_s": round(wall, 1)}
+            "failed_exchanges": failed, "rejected_offers": rejected, "degrees": degrees, "recent_exchange_s": recent, "netdev_tx_bytes": measured, "bench_wall_s": round(wall, 1)}
 
 
 def summarise_gossip(run: dict, n: int) -> dict:
@@ -213,10 +216,12 @@ def summarise_gossip(run: dict, n: int) -> dict:
                               if tx else "measured: the daemon's encrypted session bytes_out to all peers"),
         "gossip_payload_bytes_per_peer": round(statistics.mean(b for b in run["gossip_payload_bytes_sent"] if b is not None)),
         "exchanges_per_peer": run["exchanges"], "failed_exchanges_per_peer": run["failed_exchanges"],
+        "rejected_offers_per_peer": run.get("rejected_offers"), "degree_at_end_per_peer": run.get("degrees"),
         "exchange_s_median": round(statistics.median(run["recent_exchange_s"]), 4) if run["recent_exchange_s"] else None,
         "steps_per_exchange": (round(sum(p["steps"] for p in ok) / max(1, sum(e or 0 for e in run["exchanges"])), 2)
                                if ok else None),
         "bench_wall_s": run["bench_wall_s"],
+        "parameters": next((p["meta"].get("parameters") for p in ok if p["meta"]), None),
     }
     return out
 
@@ -273,7 +278,7 @@ def summarise_allreduce(r: dict) -> dict:
         "samples_per_s_total": r["samples_per_s_total"],
         "bytes_sent_per_peer": r["bytes_sent_per_worker"], "bytes_sent_source": r["bytes_sent_source"],
         "bytes_sent_estimate_ring": r["bytes_sent_estimate_ring"], "backend": r["backend"],
-        "bench_wall_s": r["bench_wall_s"],
+        "bench_wall_s": r["bench_wall_s"], "parameters": r["parameters"], "hyperparams": r["hyperparams"],
     }
 
 
@@ -291,7 +296,6 @@ class Plan:
     allreduce_args: list[str]
     gossip: dict
     membership: dict
-    notes: list[str] = field(default_factory=list)
 
 
 def make_plan(a) -> Plan:
@@ -314,9 +318,17 @@ def make_plan(a) -> Plan:
     # A 9.9 MB exchange over a throttled link takes model_bits / rate; give it room, and keep heartbeats
     # (queued behind tensor frames on the same session) from declaring the slow peer dead.
     slow_s = (10e6 * 8 / (a.slow_link * 1e6)) if a.slow_link else 0.0
-    gossip = {"exchange_timeout": max(10.0, 4 * slow_s)}
+    gossip = {"exchange_timeout": max(10.0, 4 * slow_s), "codec": a.codec}
     membership = {"dead_after": max(4.0, 3 * slow_s)}
     return Plan(model, target, eval_every, options, ar, gossip, membership)
+
+
+def cpu_probe_ms() -> float:
+    """Milliseconds for a fixed pure-Python loop: how much CPU other work on this host leaves us right now
+    (the runs of one invocation are only comparable while it stays about the same)."""
+    t = time.perf_counter()
+    sum(i * i for i in range(300_000))
+    return round((time.perf_counter() - t) * 1000, 1)
 
 
 def _median(values: list) -> Any:
@@ -330,6 +342,7 @@ def time_to_target(a, plan: Plan, net: Net, root: Path, modes: list[str]) -> dic
         for mode in modes:
             d = root / f"r{rep}-{mode}"
             d.mkdir(parents=True)
+            probe = cpu_probe_ms()
             try:  # one broken run is reported, not allowed to hide the others
                 if mode == "allreduce":
                     runs[mode].append(summarise_allreduce(run_allreduce(a, net, d, args=plan.allreduce_args)))
@@ -341,6 +354,7 @@ def time_to_target(a, plan: Plan, net: Net, root: Path, modes: list[str]) -> dic
                 runs[mode].append({"reached_target": False, "seconds_to_target": None, "epochs_to_target": None,
                                    "samples_per_s_per_peer": None, "samples_per_s_total": None,
                                    "bytes_sent_per_peer": None, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"})
+            runs[mode][-1]["cpu_probe_ms_before"] = probe
     out = {}
     for mode, rs in runs.items():
         best = dict(rs[0]) if len(rs) == 1 else {
@@ -351,9 +365,19 @@ def time_to_target(a, plan: Plan, net: Net, root: Path, modes: list[str]) -> dic
             "bytes_sent_per_peer": _median([r["bytes_sent_per_peer"] for r in rs]),
             "reached_target": all(r["reached_target"] for r in rs),
             "trials_seconds_to_target": [r["seconds_to_target"] for r in rs],
+            "trials_cpu_probe_ms": [r.get("cpu_probe_ms_before") for r in rs],
+            "parameters": rs[0].get("parameters"), "hyperparams": rs[0].get("hyperparams"),
             "trials": rs,
         }
+        if mode != "allreduce":
+            best["seconds_to_target_median_peer"] = _median([r.get("seconds_to_target_median_peer") for r in rs])
         out[mode] = best
+    base = runs.get("allreduce")
+    for mode in ("adpsgd", "dpsgd"):
+        if base and mode in runs and a.repeats > 1:
+            pairs = [r["seconds_to_target"] / b["seconds_to_target"] for r, b in zip(runs[mode], base)
+                     if r.get("seconds_to_target") and b.get("seconds_to_target")]
+            out[mode]["trials_ratio_to_allreduce"] = [round(x, 3) for x in pairs]
     return out
 
 
@@ -418,10 +442,11 @@ def straggler(a, plan: Plan, net: Net, root: Path, modes: list[str]) -> dict:
     delay = None
     ordered = sorted(modes, key=lambda m: m != "adpsgd")  # the first mode's step time sets the delay
     for mode in ordered:
-        res = {}
+        res, probes = {}, {}
         for label in ("without", "with"):
             d = root / f"{mode}-{label}"
             d.mkdir(parents=True)
+            probes[label] = cpu_probe_ms()
             with ExitStack() as stack:
                 caps = stack.enter_context(CpuCaps(a.n, cap)) if cap else None
                 if mode == "allreduce":
@@ -446,6 +471,7 @@ def straggler(a, plan: Plan, net: Net, root: Path, modes: list[str]) -> dict:
             "straggler_steps_per_s_with": round(res["with"][slow], 2) if res["with"][slow] else None,
             "straggler_slowdown": round(res["without"][slow] / res["with"][slow], 2) if res["with"][slow] else None,
             "steps": ar_steps if mode == "allreduce" else steps,
+            "cpu_probe_ms_before": probes,
         }
     out["step_delay_s"] = delay
     out["straggler_peer"] = slow
@@ -501,6 +527,10 @@ def run(args) -> int:
             mine = (m.get(mode) or {}).get("seconds_to_target")
             key = "ratio_to_allreduce" if mode == "adpsgd" else "ratio_dpsgd_to_allreduce"
             result[key] = round(mine / base, 3) if mine and base else None
+        found = [v for v in m.values() if v.get("parameters")]
+        result["parameters"] = found[0]["parameters"] if found else None
+        result["model_mb"] = round(found[0]["parameters"] * 4 / 1e6, 2) if found else None
+        result["hyperparams"] = next((v["hyperparams"] for v in m.values() if v.get("hyperparams")), None)
         result["goal"] = ("adpsgd time-to-target <= 0.5x all-reduce with one slow link" if a.slow_link
                           else "adpsgd time-to-target <= 1.3x all-reduce on even links")
         result["notes"] = [

@@ -51,6 +51,7 @@ class LinkEstimate:
 
     Either field may be missing because measurements are opportunistic: a peer may
     have timed a ping (rtt) but not yet a transfer (bandwidth), or the reverse.
+    `bandwidth_bps` is in bits per second (as networks are quoted and `peer status` shows).
     """
 
     bandwidth_bps: float | None = None
@@ -76,10 +77,10 @@ class LinkEstimate:
     def transfer_time(
         self, nbytes: float, default_bandwidth_bps: float, default_rtt_s: float
     ) -> float:
-        """Predicted seconds to move `nbytes` over this link (defaults fill gaps)."""
+        """Predicted seconds to move `nbytes` bytes over this link (bandwidth in bits/s; defaults fill gaps)."""
         bw = self.bandwidth_bps if self.bandwidth_bps is not None else default_bandwidth_bps
         rtt = self.rtt_s if self.rtt_s is not None else default_rtt_s
-        return nbytes / bw + rtt
+        return nbytes * 8 / bw + rtt
 
 
 UNMEASURED = LinkEstimate()

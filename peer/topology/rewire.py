@@ -61,6 +61,11 @@ class RewireConfig:
     gap_keep_ratio: float = 0.9
     big_improvement: float = 0.2
     min_improvement: float = 0.05
+    speed_improvement: float = 0.3
+    """A speed swap must make the replaced link this much faster: estimates are noisy."""
+    straggler_factor: float = 3.0
+    """Above min_degree, no add of a link slower than this times the median edge time: a slow host
+    stays at min_degree instead of every fast peer waiting on it."""
     default_bandwidth_bps: float = 100e6
     default_rtt_s: float = 0.005
     max_evaluations: int = 64
@@ -135,6 +140,7 @@ class _Scene:
     me: str
     cfg: RewireConfig
     round_time: float
+    typical_time: float  # median predicted time of the view's edges (0 with none)
     gap: float
     components: int
 
@@ -190,8 +196,11 @@ def _candidates(
     dist = view.hop_distances(me)
     far = len(view.nodes) + 1  # unreachable: linking there merges components
     out: list[_Candidate] = []
+    urgent = view.degree(me) < s.cfg.min_degree
+    # peers accept up to target + 1 (one slot of slack for swaps), beyond that only urgent adds
+    cap = s.cfg.max_degree if urgent else min(s.cfg.max_degree, s.cfg.target_degree + 1)
     for n in sorted(pool):
-        if n == me or n in mine or view.degree(n) >= s.cfg.max_degree:
+        if n == me or n in mine or view.degree(n) >= cap:
             continue
         out.append(_Candidate(n, pool[n], s.time(pool[n]), dist.get(n, far)))
     return out
@@ -230,6 +239,24 @@ def _plan_drop(s: _Scene, rng: np.random.Generator) -> Move | None:
     return None
 
 
+def _plan_trim(s: _Scene, rng: np.random.Generator) -> Move | None:
+    """Above target: drop my slowest edge to a neighbour also above target (both move towards it).
+
+    Without this, swaps and below-target adds ratchet degrees up to max_degree, and MH weights
+    1/(1 + max degree) shrink with them: every exchange then mixes less.
+    """
+    view, cfg = s.view, s.cfg
+    for other, t in _my_edges_slowest_first(s, rng):
+        if view.degree(other) <= max(cfg.target_degree, cfg.min_degree):
+            continue
+        scored = s.score(view.without_edge(s.me, other))
+        if scored is None or scored[1] < min(cfg.gap_floor, s.gap):
+            continue
+        return s.move("drop", other, None, scored,
+                      f"degree {view.degree(s.me)} > target {cfg.target_degree}: drop {other} ({t:.3g} s)")
+    return None
+
+
 def _plan_add(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> Move | None:
     """Add the fastest (then farthest) candidate.
 
@@ -240,8 +267,8 @@ def _plan_add(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> M
     view, cfg = s.view, s.cfg
     urgent = view.degree(s.me) < cfg.min_degree
     for n, est, t, _ in _by_speed_then_far(s, cands, rng)[: cfg.max_evaluations]:
-        if not urgent and s.round_time > 0 and t > s.round_time:
-            continue
+        if not urgent and s.round_time > 0 and t > min(s.round_time, cfg.straggler_factor * s.typical_time):
+            continue  # above min_degree a link much slower than the usual one costs more than it mixes
         scored = s.score(view.with_edge(s.me, n, est))
         if scored is None:
             continue
@@ -268,7 +295,7 @@ def _plan_swap(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> 
         if t_old < (1 - cfg.min_improvement) * slowest:
             break
         for n, est, t_new, _ in fast_first:
-            if t_new > (1 - cfg.min_improvement) * t_old:
+            if t_new > (1 - cfg.speed_improvement) * t_old:
                 continue
             if budget <= 0:
                 return None
@@ -318,11 +345,15 @@ def plan_move(
         me=me,
         cfg=cfg,
         round_time=predicted_round_time(view, cfg.shard_bytes, cfg.default_bandwidth_bps, cfg.default_rtt_s),
+        typical_time=float(np.median([view.link(*tuple(e)).transfer_time(
+            cfg.shard_bytes, cfg.default_bandwidth_bps, cfg.default_rtt_s) for e in view.edges])) if view.edges else 0.0,
         gap=graph_spectral_gap(view),
         components=view.component_count(),
     )
     degree = view.degree(me)
     if degree > cfg.max_degree and (m := _plan_drop(s, rng)) is not None:
+        return m
+    if degree > cfg.target_degree and (m := _plan_trim(s, rng)) is not None:
         return m
     cands = _candidates(s, candidates_measured)
     if degree < cfg.target_degree and (m := _plan_add(s, cands, rng)) is not None:

@@ -35,7 +35,7 @@ from protocol.schema.topology import (
 log = logging.getLogger("peertrain.topology")
 
 PROBE_BYTES = 256 * 1024
-PROBE_EVERY = 30.0  # seconds between probes of one candidate
+PROBE_EVERY = 10.0  # seconds between probes of one peer (neighbours too: estimates must be comparable)
 RESERVATION_S = 15.0
 RECORD_TTL = 60.0  # a record not refreshed for this long leaves the view
 
@@ -243,19 +243,20 @@ class TopologyService:
         if peer_id in self.neighbours:
             await session.reply(env, EdgeAccept(degree=self.degree))
             return
-        if not self._accepts(peer_id):
+        if not self._accepts(peer_id, env.message.degree):
             await session.reply(env, EdgeReject(reason=f"degree limit ({self._effective_degree()}/{self.cfg.max_degree})"
                                                 if self._effective_degree() >= self.cfg.max_degree else "not wanted by this topology"))
             return
         self.reserved[peer_id] = trio.current_time() + RESERVATION_S
         await session.reply(env, EdgeAccept(degree=self.degree))
 
-    def _accepts(self, peer_id: str) -> bool:
+    def _accepts(self, peer_id: str, their_degree: int = 0) -> bool:
         if self._effective_degree() >= self.cfg.max_degree:
             return False
         if self.cfg.kind != "rewired":
             return peer_id in self._wanted_fixed()
-        return True
+        # one above target leaves room for swaps; beyond that only a peer below min_degree gets in
+        return self._effective_degree() <= self.cfg.target_degree or their_degree < self.cfg.min_degree
 
     async def _on_commit(self, session, env) -> None:
         peer_id = session.peer_id
@@ -357,9 +358,7 @@ class TopologyService:
             await trio.sleep(random.uniform(0.5, 1.5))
             now = trio.current_time()
             conn = self.membership.connected()
-            todo = [p for p in conn if p not in self.neighbours
-                    and (self.link(p).bandwidth_bps is None or now - self.link(p).updated > 120)
-                    and now - self.link(p).probed > PROBE_EVERY]
+            todo = [p for p in conn if now - self.link(p).probed > PROBE_EVERY]
             if not todo:
                 continue
             pid = random.choice(todo)
@@ -371,7 +370,7 @@ class TopologyService:
             except (trio.TooSlowError, SessionClosed):
                 continue
             if isinstance(env.message, ProbeReply):
-                st.add_transfer(len(env.message.payload), trio.current_time() - t0, trio.current_time())
+                st.add_probe(len(env.message.payload), trio.current_time() - t0, trio.current_time())
 
     async def _on_probe(self, session, env) -> None:
         n = max(0, min(env.message.nbytes, PROBE_BYTES))
