@@ -15,6 +15,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -29,6 +31,7 @@ from protocol.identity import short_id
 from protocol.limits import WireLimits
 from protocol.messages import Envelope, Registry
 from protocol.schema import DEFAULT_REGISTRY, TensorHeader
+from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
 from protocol.tensor_codec import DecodedTensor, TensorDecoder, TensorEncoder
 
 log = logging.getLogger("peertrain.transport")
@@ -94,6 +97,47 @@ class _Pending:
         return self.value
 
 
+class _BufferPool:
+    """Recycled receive buffers, so a large tensor does not cost fresh pages (faults + zeroing) each time.
+
+    A decoded tensor is a view of a pooled bytearray; when that array and every view of it are gone,
+    `weakref.finalize` hands the bytearray back. Idle memory is bounded by `max_idle_bytes`.
+    """
+
+    MIN_BYTES = 1 << 20  # below this, allocation is cheap and pooling not worth it
+
+    def __init__(self, max_idle_bytes: int = 256 << 20):
+        self._idle: dict[int, list[bytearray]] = {}
+        self._idle_bytes = 0
+        self.max_idle_bytes = max_idle_bytes
+        self._lock = threading.Lock()  # arrays may die (and give back) in worker threads
+
+    def array(self, dtype, shape) -> Any:
+        import numpy as np
+
+        count = math.prod(shape)
+        nbytes = count * np.dtype(dtype).itemsize
+        if nbytes < self.MIN_BYTES:
+            return None
+        with self._lock:
+            free = self._idle.get(nbytes)
+            backing = free.pop() if free else None
+            if backing is not None:
+                self._idle_bytes -= nbytes
+        if backing is None:
+            backing = bytearray(nbytes)
+        arr = np.frombuffer(backing, dtype=dtype, count=count).reshape(shape)
+        weakref.finalize(arr, self._give_back, backing)
+        return arr
+
+    def _give_back(self, backing: bytearray) -> None:
+        n = len(backing)
+        with self._lock:
+            if self._idle_bytes + n <= self.max_idle_bytes and len(self._idle.get(n, ())) < 2:
+                self._idle.setdefault(n, []).append(backing)
+                self._idle_bytes += n
+
+
 class _Stream:
     """A tensor being received: the decoder, whoever waits for it, and whether nobody wants it anymore."""
 
@@ -148,6 +192,7 @@ class Session:
         self._requests: dict[int, _Pending] = {}
         self._streams: dict[int, _Stream] = {}
         self._inflight_bytes = 0
+        self._pool = _BufferPool()
         self._incoming_send, self.incoming = trio.open_memory_channel[Envelope](limits.max_queued_messages)
         self.closed = trio.Event()
         self.close_reason: str = ""
@@ -306,7 +351,7 @@ class Session:
             slot = self._streams[header.stream] = _Stream()
         if slot.decoder is not None or slot.pending.event.is_set():
             raise ProtocolError(f"tensor stream {header.stream} reused")
-        decoder = TensorDecoder(header, self.cfg.limits)  # validates the header before allocating
+        decoder = TensorDecoder(header, self.cfg.limits, out=self._pooled(header))  # validates before allocating
         need = decoder.memory_bytes  # decoded size: a float16 body of a float64 tensor needs 4x its wire size
         if self._inflight_bytes + need > self.cfg.limits.max_inflight_tensor_bytes:
             raise LimitExceeded(
@@ -317,6 +362,15 @@ class Session:
         self._inflight_bytes += need
         if decoder.done:  # zero-size tensor
             self._complete(header.stream, slot)
+
+    def _pooled(self, header: TensorHeader) -> Any:
+        """A recycled output array for this tensor, or None (the decoder then allocates)."""
+        wire = TENSOR_DTYPES.get(header.dtype)
+        if wire is None or not all(isinstance(d, int) and d >= 0 for d in header.shape) or len(header.shape) > 8:
+            return None  # let the decoder reject the header with its own precise error
+        if math.prod(header.shape) * wire.itemsize > self.cfg.limits.max_tensor_bytes:
+            return None
+        return self._pool.array(wire, tuple(header.shape))
 
     def _on_chunk(self, frame) -> None:
         slot = self._streams.get(frame.stream)

@@ -321,3 +321,25 @@ def test_timeouts_and_cancellation_leave_the_session_usable():
                 await s.request(Ping(sent=4.0), timeout=5)
             n.cancel_scope.cancel()
     trio.run(main)
+
+
+def test_receive_buffers_are_recycled_once_the_consumer_drops_them():
+    import gc
+
+    from peer.transport import _BufferPool
+
+    pool = _BufferPool(max_idle_bytes=8 << 20)
+    a = pool.array(np.float32, (1 << 20,))  # 4 MiB
+    addr_a = a.ctypes.data
+    view = a[10:]
+    del a
+    gc.collect()
+    b = pool.array(np.float32, (1 << 20,))
+    addr_b = b.ctypes.data
+    assert addr_b != addr_a  # a view still uses the first buffer: it is not handed out twice
+    del view, b
+    gc.collect()
+    assert pool._idle_bytes == 8 << 20  # both came back, within the idle bound
+    c = pool.array(np.float32, (1 << 20,))
+    assert c.ctypes.data in (addr_a, addr_b)  # reused, no fresh pages
+    assert pool.array(np.float32, (16,)) is None  # small tensors are not pooled
