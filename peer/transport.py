@@ -126,9 +126,11 @@ class _BufferPool:
                 self._idle_bytes -= nbytes
         if backing is None:
             backing = bytearray(nbytes)
-        arr = np.frombuffer(backing, dtype=dtype, count=count).reshape(shape)
-        weakref.finalize(arr, self._give_back, backing)
-        return arr
+        flat = np.frombuffer(backing, dtype=dtype, count=count)
+        # Every view of `flat` (the reshape below, slices of it, torch.from_numpy) has `flat` as its
+        # base, so `flat` dies only when nothing can see the buffer anymore.
+        weakref.finalize(flat, self._give_back, backing)
+        return flat.reshape(shape)
 
     def _give_back(self, backing: bytearray) -> None:
         n = len(backing)
