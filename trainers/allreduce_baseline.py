@@ -223,11 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--straggler-rank", type=int, default=-1)
     p.add_argument("--net-dev", default="", help="interface whose tx bytes to measure (e.g. eth0 in a namespace)")
     p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
+    p.add_argument("--print-recipe", action="store_true",
+                   help="print the hyperparameters these options resolve to (gossip_sgd's too) and exit")
     a = p.parse_args(argv)
     if a.world < 1 or not 0 <= a.rank < a.world:
         p.error(f"need 0 <= rank < world, got rank {a.rank} world {a.world}")
     if a.eval_every < 1:
         p.error("--eval-every must be >= 1")
+    if a.print_recipe:
+        print(json.dumps(_hyperparams(a)), flush=True)
+        return 0
     if a.spawn:
         return spawn(a, argv)
     print(json.dumps(train(a)), flush=True)

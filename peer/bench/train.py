@@ -38,6 +38,9 @@ def add_arguments(p) -> None:
     p.add_argument("--target", type=float, default=None, help="held-out accuracy to reach (default 0.95)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of adpsgd,dpsgd,allreduce")
     p.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (default 20; 5 for digits_wide_mlp)")
+    p.add_argument("--epochs", type=float, default=0.0,
+                   help="budget: most passes over a peer's own shard (default: twice the model recipe's, so a "
+                        "peer slower than the recipe is still timed)")
     p.add_argument("--batch-size", type=int, default=0, help="per-worker batch (default: the model's recipe)")
     p.add_argument("--lr", type=float, default=0.0, help="learning rate (default: the model's recipe)")
     p.add_argument("--degree", type=int, default=DEFAULT_TOPOLOGY["target_degree"],
@@ -292,10 +295,22 @@ class Plan:
     model: str
     target: float
     eval_every: int
+    epochs: float
     options: dict
     allreduce_args: list[str]
     gossip: dict
     membership: dict
+
+
+def recipe(model: str, a) -> dict:
+    """The hyperparameters gossip_sgd and the baseline resolve for this model (asked of the baseline: peer/
+    does not import trainers)."""
+    argv = [sys.executable, "-m", "trainers.allreduce_baseline", "--world", str(a.n), "--model", model,
+            "--print-recipe", *(["--batch-size", str(a.batch_size)] if a.batch_size else [])]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"cannot resolve the recipe of {model!r}: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def make_plan(a) -> Plan:
@@ -309,6 +324,9 @@ def make_plan(a) -> Plan:
                "threads": 1, "checkpoint_every": 0, "join_wait": 60.0}
     ar = ["--model", model, "--target", str(target), "--eval-every", str(eval_every), "--seed", str(a.seed),
           "--threads", "1"]
+    epochs = a.epochs or 2 * recipe(model, a)["epochs"]
+    options["epochs"] = epochs
+    ar += ["--epochs", str(epochs)]
     if a.batch_size:
         options["batch_size"] = a.batch_size
         ar += ["--batch-size", str(a.batch_size)]
@@ -320,7 +338,7 @@ def make_plan(a) -> Plan:
     slow_s = (10e6 * 8 / (a.slow_link * 1e6)) if a.slow_link else 0.0
     gossip = {"exchange_timeout": max(10.0, 4 * slow_s), "codec": a.codec}
     membership = {"dead_after": max(4.0, 3 * slow_s)}
-    return Plan(model, target, eval_every, options, ar, gossip, membership)
+    return Plan(model, target, eval_every, epochs, options, ar, gossip, membership)
 
 
 def cpu_probe_ms() -> float:
@@ -515,6 +533,7 @@ def run(args) -> int:
             body = {"modes": time_to_target(a, plan, net, root, modes)}
     result = {
         "bench": "train", "n": a.n, "model": plan.model, "target_accuracy": plan.target, "eval_every": plan.eval_every,
+        "epoch_budget": plan.epochs,
         "network": ({"netns": True, "slow_link_mbit": a.slow_link or None,
                      "slow_host": (a.n - 1) if a.slow_link else None} if a.netns else "127.0.0.1"),
         "topology": {**DEFAULT_TOPOLOGY, "target_degree": a.degree, "max_degree": max(a.degree, 3)},
