@@ -34,6 +34,17 @@ def _shuffled(n: int, shuffle: bool, generator: torch.Generator | None) -> torch
     return torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
 
 
+def _batch_indices(n: int, batch_size: int, generator: torch.Generator | None, shuffle: bool,
+                   drop_last: bool) -> Iterator[torch.Tensor]:
+    """Index tensors of one pass over n items in minibatches (shared by every dataset kind)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    order = _shuffled(n, shuffle, generator)
+    stop = n - (n % batch_size if drop_last else 0)
+    for start in range(0, stop, batch_size):
+        yield order[start : start + batch_size]
+
+
 @dataclass
 class ArrayDataset:
     """Features and labels held fully in memory: digits is tiny, so no DataLoader machinery is needed."""
@@ -62,12 +73,7 @@ class ArrayDataset:
         drop_last: bool = False,
     ) -> Iterator[Batch]:
         """One pass over the data in minibatches, shuffled by `generator` so runs are reproducible."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        order = _shuffled(len(self), shuffle, generator)
-        stop = len(self) - (len(self) % batch_size if drop_last else 0)
-        for start in range(0, stop, batch_size):
-            idx = order[start : start + batch_size]
+        for idx in _batch_indices(len(self), batch_size, generator, shuffle, drop_last):
             yield self.x[idx], self.y[idx]
 
 
@@ -153,12 +159,8 @@ class CharDataset:
         drop_last: bool = False,
     ) -> Iterator[Batch]:
         """One pass over the windows: x and y are (batch, block) long tensors."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        order = _shuffled(len(self), shuffle, generator)
-        stop = len(self) - (len(self) % batch_size if drop_last else 0)
-        for start in range(0, stop, batch_size):
-            yield self._gather(self.starts[order[start : start + batch_size]])
+        for idx in _batch_indices(len(self), batch_size, generator, shuffle, drop_last):
+            yield self._gather(self.starts[idx])
 
 
 def _stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
