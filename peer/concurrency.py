@@ -1,8 +1,9 @@
 """Running a few tasks side by side with plain exceptions.
 
 trio's nurseries wrap every child failure in an ExceptionGroup. Where a caller handles specific errors
-(a session closing mid-exchange, a deadline), `together` re-raises the one failure that happened as
-itself, so an ordinary `except SessionClosed:` works, and several failures stay a group.
+(a session closing mid-exchange, a deadline), `together` re-raises the first real failure as itself, so
+an ordinary `except SessionClosed:` works. When several tasks fail at once (a dead session fails the
+sender and the receiver alike) the first is raised and the whole group is attached as its cause.
 """
 
 from __future__ import annotations
@@ -26,6 +27,6 @@ async def together(*fns: Callable[[], Awaitable[None]]) -> None:
                 nursery.start_soon(fn)
     except BaseExceptionGroup as group:
         real = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
-        if len(real) == 1:
+        if real:
             raise real[0] from group
         raise

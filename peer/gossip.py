@@ -235,7 +235,12 @@ class GossipEngine:
         return results
 
     async def _collect(self, out: list, peer_id: str, group: str) -> None:
-        out.append(await self.exchange(peer_id, group))
+        try:
+            out.append(await self.exchange(peer_id, group))
+        except Exception as exc:  # a bug in one exchange must not take the daemon (and its trainer) down
+            log.exception("exchange with %s failed unexpectedly", peer_id[:8])
+            self.stats.failed += 1
+            out.append(ExchangeResult(peer_id, False, f"internal error: {type(exc).__name__}: {exc}"))
 
     def _budget_ok(self, weight: float) -> bool:
         return sum(self.inflight.values()) + weight < 1.0 - 1e-9
@@ -380,6 +385,10 @@ class GossipEngine:
                 log.warning("exchange served to %s failed: %s", session.short, exc)
             if not got_all:
                 session.discard(offer.streams)
+        except Exception:  # a bug here must not take the daemon down: this exchange just fails
+            log.exception("exchange served to %s failed unexpectedly", session.short)
+            self.stats.failed += 1
+            session.discard(offer.streams)
         finally:
             self.commits.pop(key, None)
             self.inflight.pop(session.peer_id, None)

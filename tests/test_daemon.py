@@ -37,7 +37,7 @@ def test_four_daemons_find_each_other_by_mdns_then_survive_kill_and_rejoin(clust
         return all(any(p["peer_id"] == victim_id and p["state"] == "dead" for p in d.status()["peers"]) for d in rest)
 
     wait_for(marked_dead, timeout=10, what="the killed daemon to be marked dead by the others")
-    assert time.monotonic() - t0 < 2.0 + 3.0  # dead_after (2 s) plus polling slack
+    assert time.monotonic() - t0 < 2.0 + 4.0  # dead_after (2 s) plus slack for polling three daemons under load
 
     # Restart with the same home: same peer ID, and it rejoins everyone.
     victim.start()

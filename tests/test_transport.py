@@ -343,3 +343,17 @@ def test_receive_buffers_are_recycled_once_the_consumer_drops_them():
     c = pool.array(np.float32, (1 << 20,))
     assert c.ctypes.data in (addr_a, addr_b)  # reused, no fresh pages
     assert pool.array(np.float32, (16,)) is None  # small tensors are not pooled
+
+
+def test_together_raises_the_first_failure_even_when_several_tasks_fail():
+    from peer.concurrency import together
+
+    async def fail(exc):
+        raise exc
+
+    async def main():
+        with pytest.raises(SessionClosed):
+            await together(lambda: fail(SessionClosed("a")), lambda: fail(SessionClosed("b")))
+        with pytest.raises(ValueError):
+            await together(lambda: fail(ValueError("only one")), trio.sleep_forever)
+    trio.run(main)
