@@ -212,12 +212,10 @@ class Daemon:
             return {"stopping": True, "pid": os.getpid()}
 
         commands = {"status": status, "stop": stop}
-        for svc in self.services_for_commands():
-            commands.update(svc.commands())
+        for svc in self.services:
+            if hasattr(svc, "commands"):
+                commands.update(svc.commands())
         return commands
-
-    def services_for_commands(self):
-        return [s for s in self.services if hasattr(s, "commands")]
 
     def status(self) -> dict:
         now = time.time()

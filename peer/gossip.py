@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import random
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,7 +183,6 @@ class GossipStats:
     failed: int = 0
     rejected: int = 0
     bytes_sent: int = 0
-    bytes_received: int = 0
     last_seconds: float = 0.0
     last_error: str = ""
     recent: list = field(default_factory=list)  # seconds of the last exchanges
@@ -313,7 +311,6 @@ class GossipEngine:
     def _count(self, seconds: float, nbytes: int) -> None:
         self.stats.exchanges += 1
         self.stats.bytes_sent += nbytes
-        self.stats.bytes_received += nbytes
         self.stats.last_seconds = seconds
         self.stats.recent = (self.stats.recent + [round(seconds, 4)])[-20:]
 
@@ -448,7 +445,7 @@ class GossipEngine:
         s = self.stats
         return {"groups": {g.name: {"tensors": len(g.specs), "bytes": g.nbytes} for g in self.groups.values()},
                 "exchanges": s.exchanges, "served": s.served, "failed": s.failed, "rejected": s.rejected,
-                "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
+                "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_sent,  # symmetric exchanges: as many in as out
                 "last_exchange_s": round(s.last_seconds, 4), "recent_s": s.recent, "last_error": s.last_error,
                 "inflight": len(self.inflight)}
 

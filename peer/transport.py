@@ -22,7 +22,6 @@ from typing import Any, Callable
 
 import trio
 
-from protocol import PROTOCOL_VERSION
 from protocol.cipher import NullCipher
 from protocol.errors import HandshakeError, LimitExceeded, ProtocolError
 from protocol.frames import KIND_CHUNK, KIND_MESSAGE, FrameReader, FrameWriter

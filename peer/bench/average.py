@@ -76,16 +76,6 @@ def _metric_lines(home: Path) -> list[dict]:
         return []
 
 
-def _peak_rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
 def _logs(swarm) -> str:
     from peer.bench.harness import tail
 
@@ -94,7 +84,7 @@ def _logs(swarm) -> str:
 
 def _run_swarm(args, elements: int, mode: str, target: int) -> dict:
     """Start the swarm, wait for node 0's `target` exchanges, check the sum; stats of node 0 and all."""
-    from peer.bench.harness import Swarm, temp_root, unique_swarm
+    from peer.bench.harness import Swarm, proc_status_mb, temp_root, unique_swarm
     from peer.control import ControlError
 
     n = args.peers
@@ -130,7 +120,7 @@ def _run_swarm(args, elements: int, mode: str, target: int) -> dict:
         except (TimeoutError, RuntimeError, BenchFailed, KeyError, ControlError, OSError) as exc:
             raise BenchFailed(f"{mode} swarm of {n}: {exc}\n{_logs(swarm)}") from None
         lines = _metric_lines(swarm.nodes[0].home)
-        peak = [_peak_rss_mb(node.proc.pid) for node in swarm.nodes]
+        peak = [proc_status_mb(node.proc.pid, "VmHWM") for node in swarm.nodes]
     initial = sum(float(s["trainer"]["initial_sum"]) for s in statuses)
     final = sum(float(g["sum"]) for g in stats)
     rel = abs(final - initial) / max(abs(initial), 1.0)

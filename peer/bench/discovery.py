@@ -22,14 +22,8 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print only the JSON object")
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def _trial(n: int, config: Path, timeout: float) -> tuple[float | None, list[float]]:
+    from peer.bench.harness import proc_status_mb
     from peer.local import collect, start_daemons, stop_daemons
 
     with tempfile.TemporaryDirectory(prefix="peertrain-bench-") as tmp:
@@ -45,7 +39,8 @@ def _trial(n: int, config: Path, timeout: float) -> tuple[float | None, list[flo
                     break
                 time.sleep(0.05)
             time.sleep(2.0)  # let them settle into idle before reading memory
-            rss = [rss_mb(p.pid) for p in procs if p.poll() is None]
+            rss = [mb if (mb := proc_status_mb(p.pid, "VmRSS")) is not None else float("nan")
+                   for p in procs if p.poll() is None]
         finally:
             stop_daemons(procs)
     return elapsed, rss

@@ -55,13 +55,8 @@ class Node:
         return call(self.home, cmd, args, timeout=timeout)
 
     def rss_mb(self) -> float:
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return float("nan")
+        mb = proc_status_mb(self.proc.pid, "VmRSS")
+        return mb if mb is not None else float("nan")
 
 
 @dataclass
@@ -127,6 +122,17 @@ class Swarm:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def proc_status_mb(pid: int, field: str) -> float | None:
+    """A memory figure of a process from /proc/PID/status, in MB: VmRSS (resident now), VmHWM (peak)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def tail(path: Path, n: int = 40) -> str:

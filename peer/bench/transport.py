@@ -10,6 +10,7 @@ the same bytes in memory. `ratio_to_aead = encrypted_gbps / aead_seal_gbps`.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -24,13 +25,7 @@ def add_arguments(p) -> None:
     p.add_argument("--cipher", choices=["auto", "aes-256-gcm", "chacha20-poly1305"], default="auto")
     p.add_argument("--chunk", default="1MiB", help="frame size for tensor chunks (default 1MiB)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
-    p.add_argument("--serve", action="store_true", help=argparse_suppress())
-
-
-def argparse_suppress():
-    import argparse
-
-    return argparse.SUPPRESS
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child side of the benchmark
 
 
 def _transport_config(cipher: str, chunk: int, plain: bool):

@@ -226,17 +226,22 @@ def _my_edges_slowest_first(s: _Scene, rng: np.random.Generator) -> list[tuple[s
     return sorted(_shuffled(edges, rng), key=lambda e: -e[1])
 
 
-def _plan_drop(s: _Scene, rng: np.random.Generator) -> Move | None:
+def _drop_slowest(s: _Scene, rng: np.random.Generator, *, keep: int, why: str) -> Move | None:
+    """Drop my slowest edge whose other end keeps more than `keep` neighbours, if the gap rule allows."""
     view, cfg = s.view, s.cfg
     for other, t in _my_edges_slowest_first(s, rng):
-        if view.degree(other) - 1 < cfg.min_degree:
+        if view.degree(other) <= keep:
             continue
         scored = s.score(view.without_edge(s.me, other))
         if scored is None or scored[1] < min(cfg.gap_floor, s.gap):
             continue
-        return s.move("drop", other, None, scored,
-                      f"degree {view.degree(s.me)} > max {cfg.max_degree}: drop {other} ({t:.3g} s)")
+        return s.move("drop", other, None, scored, f"degree {view.degree(s.me)} > {why}: drop {other} ({t:.3g} s)")
     return None
+
+
+def _plan_drop(s: _Scene, rng: np.random.Generator) -> Move | None:
+    """Above max: drop an edge whose other end stays at or above min_degree."""
+    return _drop_slowest(s, rng, keep=s.cfg.min_degree, why=f"max {s.cfg.max_degree}")
 
 
 def _plan_trim(s: _Scene, rng: np.random.Generator) -> Move | None:
@@ -245,16 +250,8 @@ def _plan_trim(s: _Scene, rng: np.random.Generator) -> Move | None:
     Without this, swaps and below-target adds ratchet degrees up to max_degree, and MH weights
     1/(1 + max degree) shrink with them: every exchange then mixes less.
     """
-    view, cfg = s.view, s.cfg
-    for other, t in _my_edges_slowest_first(s, rng):
-        if view.degree(other) <= max(cfg.target_degree, cfg.min_degree):
-            continue
-        scored = s.score(view.without_edge(s.me, other))
-        if scored is None or scored[1] < min(cfg.gap_floor, s.gap):
-            continue
-        return s.move("drop", other, None, scored,
-                      f"degree {view.degree(s.me)} > target {cfg.target_degree}: drop {other} ({t:.3g} s)")
-    return None
+    cfg = s.cfg
+    return _drop_slowest(s, rng, keep=max(cfg.target_degree, cfg.min_degree), why=f"target {cfg.target_degree}")
 
 
 def _plan_add(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> Move | None:
