@@ -5,6 +5,7 @@ An exchange between initiator i and neighbour j (messages in protocol/schema/gos
     i: snapshot a = x_i            j: (on offer) w = 1/(1+max(d_i, d_j)), snapshot b = x_j
     i → j  offer + a               j → i  accept(w) + b
     i: got b → commit, x_i += w (b - a)      j: got a and commit → x_j += w (a - b)
+    (i gives up after the accept → abort)    j: abort → apply nothing, free the slot now
 
 Both sides add `w * (other snapshot - own snapshot)`, so the swarm-wide sum is unchanged by averaging
 however the trainers' own updates interleave (DESIGN.md invariant 1). A side that does not reach the
@@ -32,7 +33,7 @@ from peer.transport import SessionClosed
 from protocol.errors import ProtocolError
 from protocol.limits import WireLimits
 from protocol.schema.gossip import (
-    AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsReply, ParamsRequest, TensorSpec)
+    AverageAbort, AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsReply, ParamsRequest, TensorSpec)
 from protocol.tensor_codec import TensorDecoder, TensorEncoder
 
 log = logging.getLogger("peertrain.gossip")
@@ -188,6 +189,15 @@ class GossipStats:
     recent: list = field(default_factory=list)  # seconds of the last exchanges
 
 
+@dataclass
+class _Served:
+    """An exchange we accepted and serve, waiting for the initiator's verdict."""
+
+    committed: trio.Event = field(default_factory=trio.Event)
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)  # cancelled by an abort
+    abort_reason: str | None = None
+
+
 class GossipEngine:
     name = "gossip"
 
@@ -200,13 +210,14 @@ class GossipEngine:
         self.groups: dict[str, SharedTensors] = {}
         self.inflight: dict[str, float] = {}  # peer -> weight of the exchange in flight with it
         self.initiating: set[str] = set()
-        self.commits: dict[tuple[str, int], trio.Event] = {}
+        self.served: dict[tuple[str, int], _Served] = {}  # (peer, offer rid) -> exchange we serve
         self.stats = GossipStats()
         self._nursery: trio.Nursery | None = None
         self._serving = 0
         r = daemon.router
         r.register(AverageOffer, self._on_offer)
         r.register(AverageCommit, self._on_commit)
+        r.register(AverageAbort, self._on_abort)
         r.register(ParamsRequest, self._on_params_request)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -260,7 +271,9 @@ class GossipEngine:
         offer = AverageOffer(group=group_name, degree=degree, tensors=group.specs, streams=streams,
                              codec=self.cfg.codec, step=group.step)
         reply_streams: list[int] = []
+        accepted_rid: int | None = None  # set once they accepted: from then on we owe them a commit or abort
         committed = False
+        abort_reason = "cancelled"
         try:
             with trio.fail_after(self.cfg.exchange_timeout):
                 replies: list = []
@@ -276,6 +289,7 @@ class GossipEngine:
                     return ExchangeResult(peer_id, False, f"refused: {reply.reason}")
                 if not isinstance(reply, AverageAccept):
                     raise ProtocolError(f"expected avg_accept, got {type(reply).__name__}")
+                accepted_rid = env.reply_to
                 reply_streams = list(reply.streams)
                 if not 1 <= reply.degree <= 4096:
                     raise ProtocolError(f"impossible degree {reply.degree} in accept")
@@ -283,7 +297,8 @@ class GossipEngine:
                 if len(reply.streams) != len(own) or abs(reply.weight - w) > 1e-9:
                     raise ProtocolError(f"inconsistent accept (weight {reply.weight} for degrees {degree}/{reply.degree})")
                 if not self._budget_ok(w):
-                    return ExchangeResult(peer_id, False, "too much weight in flight")
+                    abort_reason = "too much weight in flight"
+                    return ExchangeResult(peer_id, False, abort_reason)
                 self.inflight[peer_id] = w
                 others = await _receive_group(session, group, reply_streams, self.cfg.exchange_timeout)
                 await session.send_message(AverageCommit(exchange=env.reply_to))
@@ -291,13 +306,15 @@ class GossipEngine:
             await trio.to_thread.run_sync(group.apply, w, others, sent)
             group.release(others)  # the received copies become later snapshots' buffers
         except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
-            reason = "deadline passed" if isinstance(exc, trio.TooSlowError) else str(exc)
+            reason = abort_reason = "deadline passed" if isinstance(exc, trio.TooSlowError) else str(exc)
             if isinstance(exc, ProtocolError):
                 log.warning("exchange with %s failed: %s", session.short, exc)
             self.stats.failed += 1
             self.stats.last_error = f"{session.short}: {reason}"
             return ExchangeResult(peer_id, False, reason)
         finally:
+            if accepted_rid is not None and not committed:
+                await _send_abort(session, accepted_rid, abort_reason)
             self.initiating.discard(peer_id)
             self.inflight.pop(peer_id, None)
             if not committed:
@@ -335,7 +352,8 @@ class GossipEngine:
         elif self._serving >= self.cfg.max_concurrent_exchanges:
             reason = "busy"
         if reason is None:
-            w = metropolis_weight(self.topology.degree, offer.degree)
+            degree = self.topology.degree  # the accept reports this degree: the one w was computed from
+            w = metropolis_weight(degree, offer.degree)
             if not self._budget_ok(w):
                 reason = "too much weight in flight"
         if reason is not None:
@@ -346,20 +364,20 @@ class GossipEngine:
         self.inflight[peer_id] = w
         self._serving += 1
         key = (peer_id, env.rid)
-        self.commits[key] = trio.Event()
-        self._nursery.start_soon(self._serve_exchange, session, env, group, w, key)
+        self.served[key] = _Served()
+        self._nursery.start_soon(self._serve_exchange, session, env, group, w, degree, key)
 
-    async def _serve_exchange(self, session, env, group: SharedTensors, w: float, key) -> None:
+    async def _serve_exchange(self, session, env, group: SharedTensors, w: float, degree: int, key) -> None:
         offer: AverageOffer = env.message
+        served = self.served[key]
         t0 = trio.current_time()
         got_all = False
         try:
-            with trio.fail_after(self.cfg.exchange_timeout + 5.0):
+            with trio.fail_after(self.cfg.exchange_timeout + 5.0), served.scope:
                 own = await trio.to_thread.run_sync(group.snapshot)
                 sent = await trio.to_thread.run_sync(_as_sent, own, self.cfg.codec, group.is_torch)
                 streams = [session.new_stream_id() for _ in own]
-                await session.reply(env, AverageAccept(degree=self.topology.degree, weight=w, streams=streams,
-                                                       step=group.step))
+                await session.reply(env, AverageAccept(degree=degree, weight=w, streams=streams, step=group.step))
                 others: list = []
 
                 async def receive() -> None:
@@ -367,7 +385,13 @@ class GossipEngine:
 
                 await together(receive, lambda: _send_group(session, group, own, streams, self.cfg.codec))
                 got_all = True
-                await self.commits[key].wait()
+                await served.committed.wait()
+            if served.abort_reason is not None:
+                self.stats.failed += 1
+                self.stats.last_error = f"{session.short}: aborted by them: {served.abort_reason}"
+                if not got_all:
+                    session.discard(offer.streams)
+                return
             await trio.to_thread.run_sync(group.apply, w, others, sent)
             group.release(others)
             group.release(own)
@@ -387,14 +411,20 @@ class GossipEngine:
             self.stats.failed += 1
             session.discard(offer.streams)
         finally:
-            self.commits.pop(key, None)
+            self.served.pop(key, None)
             self.inflight.pop(session.peer_id, None)
             self._serving -= 1
 
     async def _on_commit(self, session, env) -> None:
-        ev = self.commits.get((session.peer_id, env.message.exchange))
-        if ev is not None:
-            ev.set()
+        served = self.served.get((session.peer_id, env.message.exchange))
+        if served is not None and served.abort_reason is None:
+            served.committed.set()
+
+    async def _on_abort(self, session, env) -> None:
+        served = self.served.get((session.peer_id, env.message.exchange))
+        if served is not None and not served.committed.is_set():
+            served.abort_reason = env.message.reason[:200] or "no reason given"
+            served.scope.cancel()
 
     # ---- joining: download a neighbour's parameters -------------------------------------------------
     async def _on_params_request(self, session, env) -> None:
@@ -448,6 +478,16 @@ class GossipEngine:
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_sent,  # symmetric exchanges: as many in as out
                 "last_exchange_s": round(s.last_seconds, 4), "recent_s": s.recent, "last_error": s.last_error,
                 "inflight": len(self.inflight)}
+
+
+async def _send_abort(session, rid: int, reason: str) -> None:
+    """Best effort, even while we are being cancelled: tell the server to stop waiting for our commit."""
+    with trio.move_on_after(2.0) as scope:
+        scope.shield = True
+        try:
+            await session.send_message(AverageAbort(exchange=rid, reason=reason))
+        except SessionClosed:
+            pass
 
 
 async def _send_group(session, group: SharedTensors, arrays: list[Any], streams: list[int], codec: str = "raw") -> None:

@@ -188,6 +188,7 @@ class Session:
         if result.leftover:
             self._reader.feed(result.leftover)
         self._send_lock = trio.Lock()
+        self._unsent = b""  # the tail of a sealed frame whose sender was cancelled mid-write
         self._rids = itertools.count(1)
         self._streams_out = itertools.count(1)
         self._requests: dict[int, _Pending] = {}
@@ -211,13 +212,33 @@ class Session:
         if self.closed.is_set():
             raise SessionClosed(self.close_reason or "session closed")
         async with self._send_lock:
-            view = self._writer.seal(kind, stream, payload)
             try:
-                await _send_all(self.sock, view)
+                if self._unsent:
+                    tail, self._unsent = self._unsent, b""
+                    await self._write(memoryview(tail))
+                view = self._writer.seal(kind, stream, payload)
+                await self._write(view)
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 self._mark_closed(f"send failed: {exc}")
                 raise SessionClosed(self.close_reason) from exc
-            self.stats.bytes_out += len(view)
+
+    async def _write(self, view: memoryview) -> None:
+        """Write a sealed frame whole, even if our caller is cancelled part-way.
+
+        Why: a frame's nonce is spent when it is sealed, and the remote reads frames back to back, so a
+        frame cut short (or sealed and never sent) would make every later frame fail authentication and
+        kill the session. Cancellation still takes effect at once; the unsent tail is kept (copied: the
+        sealing buffer is reused) and written before the next frame.
+        """
+        view = view.cast("B")
+        try:
+            while view:
+                n = await self.sock.send(view)
+                self.stats.bytes_out += n
+                view = view[n:]
+        except trio.Cancelled:
+            self._unsent = bytes(view)
+            raise
 
     async def send_message(self, message: Any, *, rid: int = 0, reply_to: int = 0) -> None:
         data = self.cfg.registry.encode(message, rid=rid, reply_to=reply_to)

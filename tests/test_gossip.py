@@ -156,11 +156,11 @@ def test_lossy_codecs_still_preserve_the_sum(cluster, tmp_path, codec):
     cancels between the two ends instead of leaking into the swarm sum."""
     n = 3
     cfg = config_file(tmp_path / "c.toml", swarm=unique_swarm(), trainer="trainers.consensus",
-                      topology={"kind": "full"}, gossip={"codec": codec},
+                      topology={"kind": "full"}, gossip={"codec": codec, "exchange_timeout": 10.0},
                       options={"size": 20000, "rounds": 25, "world": n, "start_delay": 1.0})
     ds = [cluster.daemon(f"q{i}", config=cfg, env=rank_env(i, n)) for i in range(n)]
     wait_for(lambda: all(d.status().get("trainer", {}).get("state") == "done" for d in ds), timeout=90,
-             what="the q8 consensus jobs to finish")
+             what=f"the {codec} consensus jobs to finish")
     wait_for(lambda: all(d.status()["gossip"]["inflight"] == 0 for d in ds), timeout=30, what="exchanges to drain")
     initial = sum(d.status()["trainer"]["initial_sum"] for d in ds)
     final = sum(group_stats(d)["vector"]["sum"] for d in ds)

@@ -18,6 +18,7 @@ from protocol.schema.session import (
     peer_record_signing_bytes,
 )
 from protocol.schema.gossip import (
+    AverageAbort,
     AverageAccept,
     AverageCommit,
     AverageOffer,
@@ -52,7 +53,7 @@ __all__ = [
     "Pong",
     "TensorHeader",
     "peer_record_signing_bytes",
-    "AverageAccept", "AverageCommit", "AverageOffer", "AverageReject", "ParamsReply", "ParamsRequest", "TensorSpec",
+    "AverageAbort", "AverageAccept", "AverageCommit", "AverageOffer", "AverageReject", "ParamsReply", "ParamsRequest", "TensorSpec",
     "EdgeAccept", "EdgeCommit", "EdgeDrop", "EdgePropose", "EdgeReject", "LinkReport", "ProbeReply", "ProbeRequest",
     "TopologyRecord", "TopologyRecords", "topology_record_signing_bytes",
 ]
@@ -82,6 +83,7 @@ MESSAGES: tuple[type[Message], ...] = (
     AverageAccept,
     AverageReject,
     AverageCommit,
+    AverageAbort,
     ParamsRequest,
     ParamsReply,
 )

@@ -4,6 +4,7 @@ An exchange between i (initiator) and j:
   i → j  AverageOffer (request; i's tensors follow on `streams`)
   j → i  AverageAccept (reply; the weight both will use, j's tensors follow) | AverageReject
   i → j  AverageCommit (i received everything and applied; j applies on receipt)
+       | AverageAbort (i gave up after the accept; j applies nothing and frees its slot at once)
 Both apply x += w * (x_other_snapshot - x_own_snapshot) with the same w, so the swarm sum is unchanged.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from protocol.messages import Message
 
 __all__ = ["TensorSpec", "AverageOffer", "AverageAccept", "AverageReject", "AverageCommit",
-           "ParamsRequest", "ParamsReply"]
+           "AverageAbort", "ParamsRequest", "ParamsReply"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,18 @@ class AverageReject(Message):
 class AverageCommit(Message):
     TYPE = "avg_commit"
     exchange: int
+
+
+@dataclass(frozen=True, slots=True)
+class AverageAbort(Message):
+    """The initiator will not commit `exchange` (the offer's request id): the server stops waiting for it.
+
+    Without it a server whose initiator gave up after the accept (an inconsistent reply, the weight
+    budget) would hold the exchange's weight until its own deadline."""
+
+    TYPE = "avg_abort"
+    exchange: int
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
