@@ -13,6 +13,7 @@ the identity never touches Diffie-Hellman.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 
 from cryptography.hazmat.primitives import serialization
@@ -34,6 +35,7 @@ __all__ = [
     "short_id",
     "sign",
     "verify",
+    "is_weak_public_key",
 ]
 
 KEY_SIZE = 32
@@ -113,11 +115,68 @@ def verify(pub_bytes: bytes, signature: bytes, message: bytes) -> bool:
     """True only if `signature` is a valid signature of `message` by `pub_bytes`.
 
     Never raises: everything here comes from the network, and a malformed key or
-    signature is just another way of being invalid.
+    signature is just another way of being invalid. Keys of small order are refused
+    outright (see `is_weak_public_key`).
     """
     try:
+        if is_weak_public_key(bytes(pub_bytes)):
+            return False
         public = Ed25519PublicKey.from_public_bytes(bytes(pub_bytes))
         public.verify(bytes(signature), bytes(message))
     except Exception:  # InvalidSignature, ValueError on bad lengths, TypeError on bad types
         return False
     return True
+
+
+# ---- small-order keys --------------------------------------------------------------------------
+# Why: Ed25519 verification as OpenSSL does it accepts a public key that is one of the curve's eight
+# small-order points, and for such a key an all-zero (or any small-order) signature verifies for a
+# fixed fraction of messages (1 in 8 or so) without anyone knowing a private key. A "peer" with such a
+# key could then claim its peer ID in a handshake or a signed record by trying a few times. No honest
+# key is ever of small order, so refusing them costs nothing (libsodium does the same).
+# The check decodes the point (RFC 8032, 5.1.3) and multiplies it by the cofactor 8 with textbook
+# affine Edwards arithmetic: this validates input, it computes nothing secret.
+
+_P = 2**255 - 19
+_D = -121665 * pow(121666, _P - 2, _P) % _P
+_SQRT_M1 = pow(2, (_P - 1) // 4, _P)
+
+
+def _decode_point(pub: bytes) -> tuple[int, int] | None:
+    """The affine point an encoded Ed25519 public key names; None if it is not a canonical point."""
+    if len(pub) != KEY_SIZE:
+        return None
+    y = int.from_bytes(pub, "little")
+    sign = y >> 255
+    y &= (1 << 255) - 1
+    if y >= _P:
+        return None
+    x2 = (y * y - 1) * pow(_D * y * y + 1, _P - 2, _P) % _P
+    if x2 == 0:
+        return None if sign else (0, y)
+    x = pow(x2, (_P + 3) // 8, _P)
+    if (x * x - x2) % _P:
+        x = x * _SQRT_M1 % _P
+    if (x * x - x2) % _P:
+        return None
+    if x & 1 != sign:
+        x = _P - x
+    return x, y
+
+
+def _double(point: tuple[int, int]) -> tuple[int, int]:
+    """2P on -x^2 + y^2 = 1 + d x^2 y^2 (the complete addition law with P = Q)."""
+    x, y = point
+    t = _D * x * x * y * y % _P
+    return (2 * x * y * pow(1 + t, _P - 2, _P) % _P, (y * y + x * x) * pow(1 - t, _P - 2, _P) % _P)
+
+
+@functools.lru_cache(maxsize=4096)  # pure; a peer's key is checked again with every record it signs
+def is_weak_public_key(pub: bytes) -> bool:
+    """True for an encoding that is not a canonical curve point or is a point of small order."""
+    point = _decode_point(pub)
+    if point is None:
+        return True
+    for _ in range(3):
+        point = _double(point)
+    return point == (0, 1)

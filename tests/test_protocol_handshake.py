@@ -19,6 +19,7 @@ from protocol.frames import KIND_MESSAGE, FrameReader, FrameWriter, encode_lengt
 from protocol.handshake import Handshake, NoiseXXState, prologue_for
 from protocol.identity import (
     generate_identity,
+    is_weak_public_key,
     peer_id_from_public_bytes,
     peer_id_of,
     private_key_from_bytes,
@@ -99,6 +100,34 @@ def test_sign_and_verify() -> None:
 @given(pub=st.binary(max_size=40), sig=st.binary(max_size=70), message=st.binary(max_size=20))
 def test_verify_never_raises(pub: bytes, sig: bytes, message: bytes) -> None:
     assert verify(pub, sig, message) is False
+
+
+# The eight points of small order, encoded (y little-endian, x's sign in the top bit): the identity,
+# the point of order 2, the two of order 4 (y = 0) and the four of order 8.
+_ORDER8_Y = ["26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05",
+             "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a"]
+SMALL_ORDER_KEYS = ([bytes([1]) + bytes(31), bytes([0xEC]) + b"\xff" * 30 + b"\x7f", bytes(32), bytes(31) + b"\x80"]
+                    + [bytes.fromhex(h) for h in _ORDER8_Y]
+                    + [bytes.fromhex(h)[:31] + bytes([bytes.fromhex(h)[31] | 0x80]) for h in _ORDER8_Y])
+
+
+def test_small_order_keys_never_verify_though_openssl_would_accept_a_forgery() -> None:
+    """With the all-zero (order 4) key, the all-zero signature passes OpenSSL's check for about one
+    message in four: anyone could claim that key's peer ID. `verify` refuses every small-order key."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    def openssl_accepts(message: bytes) -> bool:
+        try:
+            Ed25519PublicKey.from_public_bytes(bytes(32)).verify(bytes(64), message)
+        except Exception:
+            return False
+        return True
+
+    forged = next(m for m in (b"m%d" % i for i in range(200)) if openssl_accepts(m))
+    assert not verify(bytes(32), bytes(64), forged)
+    assert all(is_weak_public_key(k) for k in SMALL_ORDER_KEYS)
+    assert not any(is_weak_public_key(public_key_bytes(generate_identity())) for _ in range(50))
+    assert is_weak_public_key(b"\xff" * 32)  # y >= p: not a canonical encoding
 
 
 def test_verify_with_wrong_types_is_false() -> None:
