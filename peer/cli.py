@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -167,6 +168,12 @@ def cmd_local(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    # `kill` (SIGTERM) must unwind like Ctrl-C does, so a bench still stops its daemons and removes the
+    # network namespaces it made instead of leaving them behind.
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
     return args.bench_run(args)
 
 

@@ -31,3 +31,13 @@ def test_bench_gossip_small_swarm_reports_every_topology(tmp_path):
         assert checks["doubly_stochastic"] and checks["one_sided_edges"] == 0 and checks["sum_preserved"], (kind, checks)
     assert out["topologies"]["ring"]["degree"] == 2
     assert out["best_fixed"] == "ring" and out["speedup_vs_best_fixed"] > 0
+
+
+def test_repeated_runs_report_the_median_run_and_every_runs_seconds():
+    from peer.bench.gossip import median_run
+
+    runs = [{"seconds_to_target": 5.0, "tag": "a"}, {"error": "boom"}, {"seconds_to_target": 2.0, "tag": "c"}]
+    chosen = median_run(runs)
+    assert chosen["tag"] == "a"  # sorted: 2.0, 5.0, failed (slowest) -> the median is 5.0
+    assert chosen["seconds_to_target_runs"] == [5.0, None, 2.0]
+    assert median_run([{"seconds_to_target": 1.0}]) == {"seconds_to_target": 1.0}
