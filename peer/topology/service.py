@@ -67,7 +67,8 @@ class TopologyService:
         self.last_move = ""
         self.moves = 0
         self.rng = np.random.default_rng(int.from_bytes(self.me.encode()[:8], "little") ^ (time.time_ns() & 0xFFFF))
-        self._changed = trio.Event()
+        self._changed = trio.Event()  # our record changed: broadcast it early
+        self._others_moved = trio.Event()  # a peer came or went, or dropped our edge: maintain early
         r = daemon.router
         r.register(EdgePropose, self._on_propose)
         r.register(EdgeCommit, self._on_commit)
@@ -140,6 +141,7 @@ class TopologyService:
         else:
             self.link(peer_id)
             self._changed.set()
+        self._others_moved.set()
 
     def _bump(self) -> None:
         self.version += 1
@@ -274,6 +276,7 @@ class TopologyService:
         if self.neighbours.pop(session.peer_id, None) is not None:
             log.info("edge to %s dropped by them (%s); degree %d", session.short, env.message.reason, self.degree)
             self._bump()
+            self._others_moved.set()
 
     # ---- keeping the graph good ---------------------------------------------------------------------
     def _wanted_fixed(self) -> set[str]:
@@ -301,7 +304,20 @@ class TopologyService:
             except Exception:
                 log.exception("topology maintenance failed; retrying next round")
             fast = self.degree < self.cfg.min_degree
-            await trio.sleep((0.3 if fast else self.cfg.rewire_interval) * random.uniform(0.5, 1.5))
+            await self._pause((0.3 if fast else self.cfg.rewire_interval) * random.uniform(0.5, 1.5))
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep between maintenance rounds, but wake early when others changed the graph under us and
+        there is something to repair: a fixed topology's edges follow membership at once (its rounds
+        are cheap), and a peer below min_degree looks for edges at once. Rewiring moves of a healthy
+        peer stay on their randomized, rate-limited schedule."""
+        with trio.move_on_after(seconds):
+            while True:
+                await self._others_moved.wait()
+                self._others_moved = trio.Event()
+                if self.cfg.kind != "rewired" or self.degree < self.cfg.min_degree:
+                    await trio.sleep(0.05)  # coalesce a burst (several peers arriving together)
+                    return
 
     async def _reconcile_fixed(self) -> None:
         wanted = self._wanted_fixed()
