@@ -5,7 +5,7 @@ An exchange between initiator i and neighbour j (messages in protocol/schema/gos
     i: snapshot a = x_i            j: (on offer) w = 1/(1+max(d_i, d_j)), snapshot b = x_j
     i → j  offer + a               j → i  accept(w) + b
     i: got b → commit, x_i += w (b - a)      j: got a and commit → x_j += w (a - b)
-    (i gives up after the accept → abort)    j: abort → apply nothing, free the slot now
+    (i gives up after the accept → abort)    j: abort → finish the transfers, apply nothing
 
 Both sides add `w * (other snapshot - own snapshot)`, so the swarm-wide sum is unchanged by averaging
 however the trainers' own updates interleave (DESIGN.md invariant 1). A side that does not reach the
@@ -193,8 +193,7 @@ class GossipStats:
 class _Served:
     """An exchange we accepted and serve, waiting for the initiator's verdict."""
 
-    committed: trio.Event = field(default_factory=trio.Event)
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)  # cancelled by an abort
+    decided: trio.Event = field(default_factory=trio.Event)  # set by the commit or the abort
     abort_reason: str | None = None
 
 
@@ -373,7 +372,7 @@ class GossipEngine:
         t0 = trio.current_time()
         got_all = False
         try:
-            with trio.fail_after(self.cfg.exchange_timeout + 5.0), served.scope:
+            with trio.fail_after(self.cfg.exchange_timeout + 5.0):
                 own = await trio.to_thread.run_sync(group.snapshot)
                 sent = await trio.to_thread.run_sync(_as_sent, own, self.cfg.codec, group.is_torch)
                 streams = [session.new_stream_id() for _ in own]
@@ -383,14 +382,14 @@ class GossipEngine:
                 async def receive() -> None:
                     others.extend(await _receive_group(session, group, offer.streams, self.cfg.exchange_timeout))
 
+                # Even after an abort both transfers run to their end (the initiator's is already
+                # complete by then): a tensor cut off mid-stream would stay half-received at the other end.
                 await together(receive, lambda: _send_group(session, group, own, streams, self.cfg.codec))
                 got_all = True
-                await served.committed.wait()
+                await served.decided.wait()
             if served.abort_reason is not None:
                 self.stats.failed += 1
                 self.stats.last_error = f"{session.short}: aborted by them: {served.abort_reason}"
-                if not got_all:
-                    session.discard(offer.streams)
                 return
             await trio.to_thread.run_sync(group.apply, w, others, sent)
             group.release(others)
@@ -417,14 +416,14 @@ class GossipEngine:
 
     async def _on_commit(self, session, env) -> None:
         served = self.served.get((session.peer_id, env.message.exchange))
-        if served is not None and served.abort_reason is None:
-            served.committed.set()
+        if served is not None and not served.decided.is_set():
+            served.decided.set()
 
     async def _on_abort(self, session, env) -> None:
         served = self.served.get((session.peer_id, env.message.exchange))
-        if served is not None and not served.committed.is_set():
+        if served is not None and not served.decided.is_set():
             served.abort_reason = env.message.reason[:200] or "no reason given"
-            served.scope.cancel()
+            served.decided.set()
 
     # ---- joining: download a neighbour's parameters -------------------------------------------------
     async def _on_params_request(self, session, env) -> None:

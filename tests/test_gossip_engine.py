@@ -118,7 +118,8 @@ def test_accept_reports_the_degree_its_weight_came_from_even_if_the_degree_chang
 
 def test_initiator_that_gives_up_after_the_accept_frees_the_server_at_once():
     """If the initiator cannot commit (here: its weight budget filled up meanwhile) it sends an abort; the
-    server applies nothing and releases the exchange's weight well before its 30 s deadline."""
+    server applies nothing and releases the exchange's weight well before its 30 s deadline, and no
+    tensor stream is left half-received."""
     async def body(a, b):
         a.inflight["someone-else"] = 0.6  # 0.6 + 0.5 would exceed the budget once b's weight is known
         before_a, before_b = total(a), total(b)
@@ -128,6 +129,10 @@ def test_initiator_that_gives_up_after_the_accept_frees_the_server_at_once():
             while b.inflight:
                 await trio.sleep(0.01)
         assert "aborted by them: too much weight in flight" in b.stats.last_error
+        a_session = a.membership.connected()[b.me]
+        with trio.fail_after(3):
+            while a_session._streams:  # b's tensors still arrive whole, and a drops them: nothing half-received
+                await trio.sleep(0.01)
         assert (total(a), total(b)) == (before_a, before_b)  # neither side applied anything
         del a.inflight["someone-else"]
         result = await a.exchange(b.me, "params")  # and the pair still exchanges afterwards

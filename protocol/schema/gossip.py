@@ -4,7 +4,7 @@ An exchange between i (initiator) and j:
   i → j  AverageOffer (request; i's tensors follow on `streams`)
   j → i  AverageAccept (reply; the weight both will use, j's tensors follow) | AverageReject
   i → j  AverageCommit (i received everything and applied; j applies on receipt)
-       | AverageAbort (i gave up after the accept; j applies nothing and frees its slot at once)
+       | AverageAbort (i gave up after the accept; j applies nothing, stops waiting)
 Both apply x += w * (x_other_snapshot - x_own_snapshot) with the same w, so the swarm sum is unchanged.
 """
 
@@ -62,7 +62,8 @@ class AverageAbort(Message):
     """The initiator will not commit `exchange` (the offer's request id): the server stops waiting for it.
 
     Without it a server whose initiator gave up after the accept (an inconsistent reply, the weight
-    budget) would hold the exchange's weight until its own deadline."""
+    budget) would hold the exchange's weight until its own deadline. The server still finishes sending
+    its tensors, so none is left half-received at the initiator."""
 
     TYPE = "avg_abort"
     exchange: int
