@@ -324,8 +324,8 @@ def test_timeouts_and_cancellation_leave_the_session_usable():
 
 def test_a_send_cancelled_mid_frame_does_not_break_the_session():
     """A sealed frame has spent its nonce, so a send cancelled half-way must still finish later: the tail
-    goes out before the next frame and the remote keeps authenticating frames. An aborted exchange cancels its tensor sends; before this
-    was handled it killed the whole session."""
+    goes out before the next frame and the remote keeps authenticating frames. An exchange whose deadline
+    passes cancels its tensor sends; before this was handled that killed the whole session."""
     async def main():
         async with trio.open_nursery() as n:
             port = await echo_server(n, tcfg())
