@@ -2,8 +2,8 @@
 
 An exchange between initiator i and neighbour j (messages in protocol/schema/gossip.py):
 
-    i: snapshot a = x_i            j: (on offer) w = 1/(1+max(d_i, d_j)), snapshot b = x_j
-    i → j  offer + a               j → i  accept(w) + b
+    i: snapshot a = x_i, set aside m      j: (on offer) w = min(m, j's cap, j's room), snapshot b = x_j
+    i → j  offer(m) + a                   j → i  accept(w) + b
     i: got b → commit, x_i += w (b - a)      j: got a and commit → x_j += w (a - b)
     (i gives up after the accept → abort)    j: abort → finish the transfers, apply nothing
 
@@ -11,9 +11,23 @@ Both sides add `w * (other snapshot - own snapshot)`, so the swarm-wide sum is u
 however the trainers' own updates interleave (DESIGN.md invariant 1). A side that does not reach the
 commit applies nothing. Every exchange has a deadline; a slow or dead neighbour is skipped.
 
+Which weight (`rule_cap`): an exchange with one random neighbour (AD-PSGD, `mode="one"`) uses the
+pairwise rule, w = 1/3, whatever the degrees. The exchange's matrix I - w (e_i - e_j)(e_i - e_j)^T
+removes a share 2w(1 - w) of the pair's squared disagreement: 0.44 at 1/3, 0.5 at the optimum 1/2 that
+AD-PSGD and randomized gossip (Boyd et al. 2006) use, and only 0.32 at Metropolis-Hastings' 1/5 on a
+degree-4 graph (MH shrinks with the degree, so a better-connected graph mixed hardly faster than a
+ring). 1/3 rather than 1/2 because the weight stays set aside while a transfer runs: at 1/2 two
+exchanges fill a peer's budget, so one slow neighbour blocks half of it; at 1/3 three fit (measured in
+`peer bench gossip --netns --slow-pairs 0.4`: fixed graphs with slow edges reached consensus faster at
+1/3 than at 1/2). Averaging with all neighbours at once (D-PSGD, `mode="all"`) uses MH weights: there a
+peer's weights over all its exchanges must stay <= 1, and each side capping at 1/(1+own degree) makes
+the smaller of the two caps exactly the MH weight.
+
 Convexity under concurrency: a peer runs at most one exchange per neighbour at a time (when both
 initiate at once, the smaller peer ID's offer wins) and never lets the weights of exchanges in flight add
-up to 1 or more, so each update stays a convex combination even with many exchanges at once.
+up to more than 1, so each update stays a convex combination even with many exchanges at once. An
+initiator sets its weight aside before it offers, so exchanges it serves meanwhile cannot take it; a
+server may accept with less than offered (down to a quarter of the rule's weight) rather than refuse.
 """
 
 from __future__ import annotations
@@ -28,7 +42,6 @@ import numpy as np
 import trio
 
 from peer.concurrency import together
-from peer.topology.mixing import metropolis_weight
 from peer.transport import SessionClosed
 from protocol.errors import ProtocolError
 from protocol.limits import WireLimits
@@ -151,6 +164,18 @@ class SharedTensors:
 
 
 MAX_SPARE = 1  # idle buffer sets kept per group: bounds the memory this costs to one copy
+WEIGHT_RULES = ("pairwise", "metropolis")
+PAIRWISE_WEIGHT = 1.0 / 3.0  # see the module docstring: 89% of the optimum 1/2's effect, three exchanges at once
+MIN_WEIGHT_SHARE = 0.25  # an exchange with less than this share of its rule's weight is not worth its bytes
+
+
+def rule_cap(rule: str, degree: int) -> float:
+    """The most weight one exchange may carry under `rule`, as one side with `degree` neighbours sees it."""
+    if rule == "pairwise":
+        return PAIRWISE_WEIGHT
+    if rule == "metropolis":
+        return 1.0 / (1.0 + max(1, degree))
+    raise ValueError(f"unknown weight rule {rule!r} (choose from {', '.join(WEIGHT_RULES)})")
 APPLY_BLOCK_BYTES = 1 << 20  # a block and its two operands stay in L2
 
 
@@ -207,8 +232,8 @@ class GossipEngine:
         self.topology = topology
         self.membership = daemon.membership
         self.groups: dict[str, SharedTensors] = {}
-        self.inflight: dict[str, float] = {}  # peer -> weight of the exchange in flight with it
-        self.initiating: set[str] = set()
+        self.inflight: dict[str, float] = {}  # peer -> weight of the exchange we serve for it
+        self.initiating: dict[str, float] = {}  # peer -> weight set aside for the exchange we initiated
         self.served: dict[tuple[str, int], _Served] = {}  # (peer, offer rid) -> exchange we serve
         self.stats = GossipStats()
         self._nursery: trio.Nursery | None = None
@@ -231,48 +256,57 @@ class GossipEngine:
 
     # ---- the trainer-facing calls -------------------------------------------------------------------
     async def average(self, group: str, *, mode: str = "one") -> list[ExchangeResult]:
-        """`one`: with one random neighbour (AD-PSGD); `all`: with every neighbour at once (D-PSGD)."""
+        """`one`: with one random neighbour, pairwise weight (AD-PSGD); `all`: with every neighbour at
+        once, Metropolis-Hastings weights (D-PSGD)."""
+        if mode not in ("one", "all"):
+            raise ValueError(f"unknown averaging mode {mode!r} (choose 'one' or 'all')")
         nbrs = [p for p in self.topology.neighbours if p not in self.initiating]
         if not nbrs:
             return []
         targets = [random.choice(nbrs)] if mode == "one" else nbrs
+        rule = "pairwise" if mode == "one" else "metropolis"
         results: list[ExchangeResult] = []
         async with trio.open_nursery() as n:
             for p in targets:
-                n.start_soon(self._collect, results, p, group)
+                n.start_soon(self._collect, results, p, group, rule)
         return results
 
-    async def _collect(self, out: list, peer_id: str, group: str) -> None:
+    async def _collect(self, out: list, peer_id: str, group: str, rule: str) -> None:
         try:
-            out.append(await self.exchange(peer_id, group))
+            out.append(await self.exchange(peer_id, group, rule=rule))
         except Exception as exc:  # a bug in one exchange must not take the daemon (and its trainer) down
             log.exception("exchange with %s failed unexpectedly", peer_id[:8])
             self.stats.failed += 1
             out.append(ExchangeResult(peer_id, False, f"internal error: {type(exc).__name__}: {exc}"))
 
-    def _budget_ok(self, weight: float) -> bool:
-        return sum(self.inflight.values()) + weight < 1.0 - 1e-9
+    def _room(self) -> float:
+        """Weight still free in our budget: all exchanges in flight, served or initiated, add up to <= 1."""
+        return 1.0 - sum(self.inflight.values()) - sum(self.initiating.values())
 
-    async def exchange(self, peer_id: str, group_name: str) -> ExchangeResult:
+    async def exchange(self, peer_id: str, group_name: str, *, rule: str = "pairwise") -> ExchangeResult:
         """One symmetric exchange with `peer_id`, initiated by us, bounded by the configured deadline."""
         group = self.groups[group_name]
+        cap = rule_cap(rule, self.topology.degree)
         session = self.membership.connected().get(peer_id)
         if session is None or not self.topology.is_neighbour(peer_id):
             return ExchangeResult(peer_id, False, "not a connected neighbour")
         if peer_id in self.inflight or peer_id in self.initiating:
             return ExchangeResult(peer_id, False, "exchange with this peer already in flight")
-        self.initiating.add(peer_id)
+        max_weight = min(cap, self._room())
+        if max_weight < MIN_WEIGHT_SHARE * cap - 1e-12:
+            return ExchangeResult(peer_id, False, "too much weight in flight")
+        self.initiating[peer_id] = max_weight  # set aside now: exchanges we serve meanwhile cannot take it
         t0 = trio.current_time()
-        degree = self.topology.degree
         own = await trio.to_thread.run_sync(group.snapshot)
         sent = await trio.to_thread.run_sync(_as_sent, own, self.cfg.codec, group.is_torch)
         streams = [session.new_stream_id() for _ in own]
-        offer = AverageOffer(group=group_name, degree=degree, tensors=group.specs, streams=streams,
-                             codec=self.cfg.codec, step=group.step)
+        offer = AverageOffer(group=group_name, tensors=group.specs, streams=streams, max_weight=max_weight,
+                             rule=rule, codec=self.cfg.codec, step=group.step)
         reply_streams: list[int] = []
         accepted_rid: int | None = None  # set once they accepted: from then on we owe them a commit or abort
         committed = False
         abort_reason = "cancelled"
+        w = 0.0
         try:
             with trio.fail_after(self.cfg.exchange_timeout):
                 replies: list = []
@@ -290,15 +324,11 @@ class GossipEngine:
                     raise ProtocolError(f"expected avg_accept, got {type(reply).__name__}")
                 accepted_rid = env.reply_to
                 reply_streams = list(reply.streams)
-                if not 1 <= reply.degree <= 4096:
-                    raise ProtocolError(f"impossible degree {reply.degree} in accept")
-                w = metropolis_weight(degree, reply.degree)
-                if len(reply.streams) != len(own) or abs(reply.weight - w) > 1e-9:
-                    raise ProtocolError(f"inconsistent accept (weight {reply.weight} for degrees {degree}/{reply.degree})")
-                if not self._budget_ok(w):
-                    abort_reason = "too much weight in flight"
-                    return ExchangeResult(peer_id, False, abort_reason)
-                self.inflight[peer_id] = w
+                if len(reply.streams) != len(own) or not 0.0 < reply.weight <= max_weight:
+                    abort_reason = f"inconsistent accept (weight {reply.weight}, offered at most {max_weight})"
+                    raise ProtocolError(abort_reason)
+                w = reply.weight
+                self.initiating[peer_id] = w  # the rest of what we set aside is free again
                 others = await _receive_group(session, group, reply_streams, self.cfg.exchange_timeout)
                 await session.send_message(AverageCommit(exchange=env.reply_to))
                 committed = True
@@ -314,8 +344,7 @@ class GossipEngine:
         finally:
             if accepted_rid is not None and not committed:
                 await _send_abort(session, accepted_rid, abort_reason)
-            self.initiating.discard(peer_id)
-            self.inflight.pop(peer_id, None)
+            self.initiating.pop(peer_id, None)
             if not committed:
                 session.discard(reply_streams)
             group.release(own)  # sent, and applied or abandoned: nothing reads it anymore
@@ -342,8 +371,10 @@ class GossipEngine:
             reason = "tensor specs differ from ours"
         elif len(offer.streams) != len(group.specs):
             reason = "wrong number of streams"
-        elif not 1 <= offer.degree <= 4096:
-            reason = f"impossible degree {offer.degree}"
+        elif offer.rule not in WEIGHT_RULES:
+            reason = f"unknown weight rule {offer.rule[:40]!r}"
+        elif not 0.0 < offer.max_weight <= 0.5:
+            reason = f"impossible weight {offer.max_weight}"
         elif not self.topology.is_neighbour(peer_id):
             reason = "not neighbours"
         elif peer_id in self.inflight or (peer_id in self.initiating and peer_id > self.me):
@@ -351,9 +382,9 @@ class GossipEngine:
         elif self._serving >= self.cfg.max_concurrent_exchanges:
             reason = "busy"
         if reason is None:
-            degree = self.topology.degree  # the accept reports this degree: the one w was computed from
-            w = metropolis_weight(degree, offer.degree)
-            if not self._budget_ok(w):
+            cap = min(offer.max_weight, rule_cap(offer.rule, self.topology.degree))
+            w = min(cap, self._room())
+            if w < MIN_WEIGHT_SHARE * cap - 1e-12:
                 reason = "too much weight in flight"
         if reason is not None:
             session.discard(offer.streams)
@@ -364,9 +395,9 @@ class GossipEngine:
         self._serving += 1
         key = (peer_id, env.rid)
         self.served[key] = _Served()
-        self._nursery.start_soon(self._serve_exchange, session, env, group, w, degree, key)
+        self._nursery.start_soon(self._serve_exchange, session, env, group, w, key)
 
-    async def _serve_exchange(self, session, env, group: SharedTensors, w: float, degree: int, key) -> None:
+    async def _serve_exchange(self, session, env, group: SharedTensors, w: float, key) -> None:
         offer: AverageOffer = env.message
         served = self.served[key]
         t0 = trio.current_time()
@@ -376,7 +407,7 @@ class GossipEngine:
                 own = await trio.to_thread.run_sync(group.snapshot)
                 sent = await trio.to_thread.run_sync(_as_sent, own, self.cfg.codec, group.is_torch)
                 streams = [session.new_stream_id() for _ in own]
-                await session.reply(env, AverageAccept(degree=degree, weight=w, streams=streams, step=group.step))
+                await session.reply(env, AverageAccept(weight=w, streams=streams, step=group.step))
                 others: list = []
 
                 async def receive() -> None:
@@ -476,7 +507,7 @@ class GossipEngine:
                 "exchanges": s.exchanges, "served": s.served, "failed": s.failed, "rejected": s.rejected,
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_sent,  # symmetric exchanges: as many in as out
                 "last_exchange_s": round(s.last_seconds, 4), "recent_s": s.recent, "last_error": s.last_error,
-                "inflight": len(self.inflight)}
+                "inflight": len(self.inflight) + len(self.initiating)}
 
 
 async def _send_abort(session, rid: int, reason: str) -> None:

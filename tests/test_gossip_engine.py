@@ -1,12 +1,13 @@
 """The gossip engine's exchange protocol, two engines in one process over a real encrypted loopback session.
 
-The multi-daemon tests (test_gossip.py) show the sum is kept in a live swarm; these pin down the races
-behind it deterministically: a degree that changes while an offer is being served, and an initiator
-that gives up after the accept.
+The multi-daemon tests (test_gossip.py) show the sum is kept in a live swarm; these pin down how the two
+sides agree on the weight (the rule, each side's budget of weight in flight) and what happens when an
+initiator gives up after the accept, deterministically.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from peer.gossip import GossipEngine, SharedTensors
 from peer.router import Router
 from peer.transport import TransportConfig, dial, open_listeners, serve
 from protocol.identity import generate_identity, peer_id_from_public_bytes, public_key_bytes
+from protocol.schema.gossip import AverageOffer
 
 
 @dataclass
@@ -96,44 +98,111 @@ def total(engine) -> float:
     return float(engine.groups["params"].tensors["w"].astype(np.float64).sum())
 
 
-def test_accept_reports_the_degree_its_weight_came_from_even_if_the_degree_changes_meanwhile():
-    """The server's degree grows from 1 to 2 between reading the offer and replying: the accept must carry
-    the degree the weight was computed from (1), or the initiator sees an inconsistent accept and the
-    exchange fails (the race behind a flaky CI run)."""
+def exchange_and_wait(a, b, **kw):
+    """a initiates one exchange with b; returns its result once b has applied it too (if it succeeded)."""
+    async def go():
+        served = b.stats.served
+        result = await a.exchange(b.me, "params", **kw)
+        if result.ok:
+            with trio.fail_after(5):
+                while b.stats.served <= served:
+                    await trio.sleep(0.01)
+        return result
+    return go()
+
+
+def test_pairwise_exchange_moves_both_sides_a_third_of_the_way():
+    """The pairwise rule (one random neighbour, AD-PSGD) uses w = 1/3 whatever the degrees: each side moves
+    a third of the way to the other."""
     async def body(a, b):
-        b.topology.degrees = [1, 2]
-        before = total(a) + total(b)
-        result = await a.exchange(b.me, "params")
+        a.topology.degrees, b.topology.degrees = [4], [6]
+        result = await exchange_and_wait(a, b, rule="pairwise")
         assert result.ok, result.reason
-        assert result.weight == 0.5
-        with trio.fail_after(5):
-            while b.stats.served < 1:
-                await trio.sleep(0.01)
-        assert abs(total(a) + total(b) - before) < 1e-3
-        np.testing.assert_allclose(a.groups["params"].tensors["w"], 2.0)
-        np.testing.assert_allclose(b.groups["params"].tensors["w"], 2.0)
+        assert result.weight == 1 / 3
+        np.testing.assert_allclose(a.groups["params"].tensors["w"], 1 + 2 / 3, rtol=1e-6)
+        np.testing.assert_allclose(b.groups["params"].tensors["w"], 3 - 2 / 3, rtol=1e-6)
+        assert not a.initiating and not b.inflight  # every weight set aside is free again
+
+    trio.run(run_pair, body)
+
+
+def test_metropolis_weight_is_the_smaller_of_the_two_sides_caps_even_if_a_degree_changes_meanwhile():
+    """All-neighbour averaging (D-PSGD) gets 1/(1+max(d_i, d_j)): each side caps at 1/(1+own degree).
+    The server's degree grows from 3 to 5 between reading the offer and replying; the weight it
+    accepted with (1/4) is the one both apply (a mismatch here once made the initiator fail the exchange)."""
+    async def body(a, b):
+        a.topology.degrees, b.topology.degrees = [2], [3, 5]
+        before = total(a) + total(b)
+        result = await exchange_and_wait(a, b, rule="metropolis")
+        assert result.ok, result.reason
+        assert result.weight == 0.25
+        assert abs(total(a) + total(b) - before) < 1e-6 * before  # float32 rounding only
+        np.testing.assert_allclose(a.groups["params"].tensors["w"], 1.5)  # 1 + (3 - 1) / 4
+        np.testing.assert_allclose(b.groups["params"].tensors["w"], 2.5)
+
+    trio.run(run_pair, body)
+
+
+def test_a_busy_server_accepts_with_the_weight_it_has_room_for_or_refuses():
+    """Weights in flight at a peer never add up to more than 1. A server with 0.7 in flight accepts a
+    pairwise offer with 0.3 (and both sides apply 0.3, so the sum holds); with 0.95 in flight the room
+    left (0.05) is under a quarter of the rule's 1/3, and it refuses."""
+    async def body(a, b):
+        b.inflight["someone-else"] = 0.7
+        before = total(a) + total(b)
+        result = await exchange_and_wait(a, b)
+        assert result.ok, result.reason
+        assert abs(result.weight - 0.3) < 1e-12
+        assert abs(total(a) + total(b) - before) < 1e-6 * before  # float32 rounding only
+        np.testing.assert_allclose(a.groups["params"].tensors["w"], 1.6, rtol=1e-6)  # 1 + 0.3 * (3 - 1)
+        b.inflight["someone-else"] = 0.95
+        result = await a.exchange(b.me, "params")
+        assert not result.ok and "too much weight in flight" in result.reason
+        assert abs(total(a) + total(b) - before) < 1e-6 * before  # float32 rounding only
+
+    trio.run(run_pair, body)
+
+
+def test_initiator_sets_its_weight_aside_before_it_offers():
+    """An initiator with 0.8 in flight offers at most 0.2; with 0.95 it does not offer at all."""
+    async def body(a, b):
+        a.inflight["someone-else"] = 0.8
+        result = await exchange_and_wait(a, b)
+        assert result.ok and abs(result.weight - 0.2) < 1e-12, result
+        a.inflight["someone-else"] = 0.95
+        result = await a.exchange(b.me, "params")
+        assert not result.ok and result.reason == "too much weight in flight"
+        assert b.stats.rejected == 0  # decided before any offer went out
 
     trio.run(run_pair, body)
 
 
 def test_initiator_that_gives_up_after_the_accept_frees_the_server_at_once():
-    """If the initiator cannot commit (here: its weight budget filled up meanwhile) it sends an abort; the
-    server applies nothing and releases the exchange's weight well before its 30 s deadline, and no
-    tensor stream is left half-received."""
+    """A lying server accepts with more weight than was offered: the initiator refuses to commit and sends
+    an abort; the server applies nothing and releases the exchange's weight well before its 30 s
+    deadline, and no tensor stream is left half-received."""
     async def body(a, b):
-        a.inflight["someone-else"] = 0.6  # 0.6 + 0.5 would exceed the budget once b's weight is known
+        router = b.daemon.router
+        honest = router._handlers[AverageOffer]
+
+        async def ignore_the_offered_cap(session, env):  # b reads 1/2 where a offered only 0.3, accepts 1/3
+            await honest(session, dataclasses.replace(env, message=dataclasses.replace(env.message, max_weight=0.5)))
+
+        router._handlers[AverageOffer] = ignore_the_offered_cap
+        a.inflight["someone-else"] = 0.7
         before_a, before_b = total(a), total(b)
         result = await a.exchange(b.me, "params")
-        assert not result.ok and result.reason == "too much weight in flight"
+        assert not result.ok and "inconsistent accept" in result.reason, result
         with trio.fail_after(3):
             while b.inflight:
                 await trio.sleep(0.01)
-        assert "aborted by them: too much weight in flight" in b.stats.last_error
+        assert "aborted by them: inconsistent accept" in b.stats.last_error
         a_session = a.membership.connected()[b.me]
         with trio.fail_after(3):
             while a_session._streams:  # b's tensors still arrive whole, and a drops them: nothing half-received
                 await trio.sleep(0.01)
         assert (total(a), total(b)) == (before_a, before_b)  # neither side applied anything
+        router._handlers[AverageOffer] = honest
         del a.inflight["someone-else"]
         result = await a.exchange(b.me, "params")  # and the pair still exchanges afterwards
         assert result.ok, result.reason

@@ -2,10 +2,15 @@
 
 An exchange between i (initiator) and j:
   i → j  AverageOffer (request; i's tensors follow on `streams`)
-  j → i  AverageAccept (reply; the weight both will use, j's tensors follow) | AverageReject
+  j → i  AverageAccept (reply; the weight both will use, at most the offer's `max_weight`; j's tensors
+         follow) | AverageReject
   i → j  AverageCommit (i received everything and applied; j applies on receipt)
        | AverageAbort (i gave up after the accept; j applies nothing, stops waiting)
 Both apply x += w * (x_other_snapshot - x_own_snapshot) with the same w, so the swarm sum is unchanged.
+
+The weight is the smaller of what each side allows under the offer's `rule` ("pairwise": a fixed
+share, 1/3 in peer/gossip.py; "metropolis": 1/(1+degree), so the two sides' minimum is the
+Metropolis-Hastings weight) and of the room left in each side's budget of weight in flight.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ class TensorSpec:
 class AverageOffer(Message):
     TYPE = "avg_offer"
     group: str
-    degree: int
     tensors: list[TensorSpec]
     streams: list[int]
+    max_weight: float  # the most the initiator will apply (already set aside in its budget), 0 < w <= 1/2
+    rule: str = "pairwise"  # "pairwise" | "metropolis": how the server caps the weight from its side
     codec: str = "raw"
     step: int = 0
 
@@ -39,7 +45,6 @@ class AverageOffer(Message):
 @dataclass(frozen=True, slots=True)
 class AverageAccept(Message):
     TYPE = "avg_accept"
-    degree: int
     weight: float
     streams: list[int]
     step: int = 0
@@ -61,8 +66,8 @@ class AverageCommit(Message):
 class AverageAbort(Message):
     """The initiator will not commit `exchange` (the offer's request id): the server stops waiting for it.
 
-    Without it a server whose initiator gave up after the accept (an inconsistent reply, the weight
-    budget) would hold the exchange's weight until its own deadline. The server still finishes sending
+    Without it a server whose initiator gave up after the accept (an inconsistent reply, its deadline,
+    cancellation) would hold the exchange's weight until its own deadline. The server still finishes sending
     its tensors, so none is left half-received at the initiator."""
 
     TYPE = "avg_abort"
