@@ -450,3 +450,23 @@ def test_rewiring_removes_slow_links_and_keeps_gap_above_floor():
     assert rt1 < 0.2 * rt0
     assert min_gap >= cfg.gap_floor
     assert max(view.degree(p) for p in ids) <= cfg.max_degree
+
+
+def test_a_far_slower_link_no_swap_can_replace_is_shed():
+    """A prism (two triangles joined by a matching), every peer at the degree cap: a's link to d is 100x
+    slower than the rest, and no swap exists (a's other candidates are full), so a drops it rather than
+    keep every exchange over it waiting. A link only 5x slower stays: estimates vary that much."""
+    edges = [("a", "b"), ("b", "c"), ("a", "c"), ("d", "e"), ("e", "f"), ("d", "f"), ("a", "d"), ("b", "e"), ("c", "f")]
+    cfg = RewireConfig(shard_bytes=10_000_000, target_degree=3, min_degree=2, max_degree=3)
+
+    def view_with(ad_bps: float) -> GraphView:
+        links = {edge_key(x, y): LinkEstimate(1e9, 0.001) for x, y in edges}
+        links[edge_key("a", "d")] = LinkEstimate(ad_bps, 0.001)
+        return GraphView(frozenset("abcdef"), frozenset(edge_key(x, y) for x, y in edges), links)
+
+    m = plan_move(view_with(10e6), "a", cfg, np.random.default_rng(0))
+    assert m is not None and m.kind == "drop" and m.drop == "d" and m.reason.startswith("straggler")
+    after = apply_move(view_with(10e6), "a", m)
+    assert after.is_connected() and min(after.degree(x) for x in "abcdef") == cfg.min_degree
+    assert m.predicted_round_time_after < 0.1 * m.predicted_round_time_before
+    assert plan_move(view_with(200e6), "a", cfg, np.random.default_rng(0)) is None

@@ -9,7 +9,12 @@ refuse (their view may differ). Moves, in priority order:
   * swap  -- otherwise replace one edge by an edge to a better candidate, either
              for speed (the replaced link gets >= `min_improvement` faster) or for
              mixing (the spectral gap grows by >= `min_improvement`, relative, and
-             the new link is no slower than the old one).
+             the new link is no slower than the old one);
+  * shed  -- (a drop) no swap helps, yet my slowest link is far slower than the
+             rest (over `shed_factor` times the median edge): drop it while both
+             ends stay above `min_degree`. Without it a peer whose every fast
+             candidate is taken kept a 20 Mbit/s edge among 2 Gbit/s ones just to
+             stay at the target degree, and every exchange over it took 100x longer.
 
 Why speed is judged on the replaced link and not on the global round time: the
 round time is the *maximum* edge time, a plateau. With k equally slow links, the
@@ -71,6 +76,10 @@ class RewireConfig:
     straggler_factor: float = 3.0
     """Above min_degree, no add of a link slower than this times the median edge time: a slow host
     stays at min_degree instead of every fast peer waiting on it."""
+    shed_factor: float = 10.0
+    """No swap helps and a link is this many times slower than the median edge: drop it (above
+    min_degree). Far above straggler_factor: bandwidth estimates of fast links on a busy host easily
+    vary 3x, and shedding those only cost degree and gap."""
     default_bandwidth_bps: float = 100e6
     default_rtt_s: float = 0.005
     max_evaluations: int = 64
@@ -328,6 +337,25 @@ def _plan_swap(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> 
     return None
 
 
+def _plan_shed(s: _Scene, rng: np.random.Generator) -> Move | None:
+    """Drop my slowest link if it is far slower than the usual one, keeping both ends above min_degree
+    (like `_plan_add`'s straggler bar: above min_degree such a link costs more than it mixes)."""
+    cfg = s.cfg
+    if s.view.degree(s.me) <= cfg.min_degree or s.typical_time <= 0:
+        return None
+    for other, t in _my_edges_slowest_first(s, rng):
+        if t <= cfg.shed_factor * s.typical_time:
+            return None  # the rest are faster still
+        if s.view.degree(other) <= cfg.min_degree:
+            continue
+        scored = s.score(s.view.without_edge(s.me, other))
+        if scored is None or scored[1] < min(cfg.gap_floor, s.gap):
+            continue
+        return s.move("drop", other, None, scored,
+                      f"straggler: drop {other} ({t:.3g} s, median edge {s.typical_time:.3g} s)")
+    return None
+
+
 def plan_move(
     view: GraphView,
     me: str,
@@ -360,4 +388,6 @@ def plan_move(
     cands = _candidates(s, candidates_measured)
     if degree < cfg.target_degree and (m := _plan_add(s, cands, rng)) is not None:
         return m
-    return _plan_swap(s, cands, rng)
+    if (m := _plan_swap(s, cands, rng)) is not None:
+        return m
+    return _plan_shed(s, rng)
