@@ -240,4 +240,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Why _exit: once in a while gloo's threads abort the interpreter's teardown ("terminate called
+    # without an active exception", SIGABRT) after the process group was destroyed and the result printed;
+    # the bench then saw rank 0 fail (seen once in the test suite). Nothing is left to clean up by now.
+    os._exit(code)
