@@ -28,6 +28,9 @@ initiate at once, the smaller peer ID's offer wins) and never lets the weights o
 up to more than 1, so each update stays a convex combination even with many exchanges at once. An
 initiator sets its weight aside before it offers, so exchanges it serves meanwhile cannot take it; a
 server may accept with less than offered (down to a quarter of the rule's weight) rather than refuse.
+When both ends initiate at once, the winner's offer is served with the loser's own reservation: the
+loser's offer is refused or never sent, so no weight is counted twice, and D-PSGD rounds, where every
+peer initiates with every neighbour at once, do not starve each other's budgets.
 """
 
 from __future__ import annotations
@@ -297,17 +300,20 @@ class GossipEngine:
             return ExchangeResult(peer_id, False, "too much weight in flight")
         self.initiating[peer_id] = max_weight  # set aside now: exchanges we serve meanwhile cannot take it
         t0 = trio.current_time()
-        own = await trio.to_thread.run_sync(group.snapshot)
-        sent = await trio.to_thread.run_sync(_as_sent, own, self.cfg.codec, group.is_torch)
-        streams = [session.new_stream_id() for _ in own]
-        offer = AverageOffer(group=group_name, tensors=group.specs, streams=streams, max_weight=max_weight,
-                             rule=rule, codec=self.cfg.codec, step=group.step)
+        own: list[Any] | None = None
         reply_streams: list[int] = []
         accepted_rid: int | None = None  # set once they accepted: from then on we owe them a commit or abort
         committed = False
         abort_reason = "cancelled"
         w = 0.0
-        try:
+        try:  # from the reservation on: whatever happens, the finally below gives it back
+            own = await trio.to_thread.run_sync(group.snapshot)
+            sent = await trio.to_thread.run_sync(_as_sent, own, self.cfg.codec, group.is_torch)
+            if peer_id in self.inflight:  # their offer won a collision while we took the snapshot
+                return ExchangeResult(peer_id, False, "exchange with this peer already in flight")
+            streams = [session.new_stream_id() for _ in own]
+            offer = AverageOffer(group=group_name, tensors=group.specs, streams=streams, max_weight=max_weight,
+                                 rule=rule, codec=self.cfg.codec, step=group.step)
             with trio.fail_after(self.cfg.exchange_timeout):
                 replies: list = []
 
@@ -332,7 +338,8 @@ class GossipEngine:
                 others = await _receive_group(session, group, reply_streams, self.cfg.exchange_timeout)
                 await session.send_message(AverageCommit(exchange=env.reply_to))
                 committed = True
-            await trio.to_thread.run_sync(group.apply, w, others, sent)
+            with trio.CancelScope(shield=True):  # committed: the server applies, so we must too (the sum)
+                await trio.to_thread.run_sync(group.apply, w, others, sent)
             group.release(others)  # the received copies become later snapshots' buffers
         except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
             reason = abort_reason = "deadline passed" if isinstance(exc, trio.TooSlowError) else str(exc)
@@ -347,7 +354,8 @@ class GossipEngine:
             self.initiating.pop(peer_id, None)
             if not committed:
                 session.discard(reply_streams)
-            group.release(own)  # sent, and applied or abandoned: nothing reads it anymore
+            if own is not None:
+                group.release(own)  # sent, and applied or abandoned: nothing reads it anymore
         seconds = trio.current_time() - t0
         self.topology.record_transfer(peer_id, group.nbytes, seconds)
         self._count(seconds, group.nbytes)
@@ -382,9 +390,13 @@ class GossipEngine:
         elif self._serving >= self.cfg.max_concurrent_exchanges:
             reason = "busy"
         if reason is None:
-            cap = min(offer.max_weight, rule_cap(offer.rule, self.topology.degree))
-            w = min(cap, self._room())
-            if w < MIN_WEIGHT_SHARE * cap - 1e-12:
+            full = rule_cap(offer.rule, self.topology.degree)
+            # If we also initiated with this peer, their offer won the collision and ours will be refused
+            # (it reaches them while they still initiate, since our reply follows it on the session), and
+            # we never send it if it is not out yet: its reservation is ours to serve them with.
+            room = self._room() + self.initiating.get(peer_id, 0.0)
+            w = min(offer.max_weight, full, room)
+            if w < MIN_WEIGHT_SHARE * full - 1e-12:
                 reason = "too much weight in flight"
         if reason is not None:
             session.discard(offer.streams)
@@ -422,7 +434,8 @@ class GossipEngine:
                 self.stats.failed += 1
                 self.stats.last_error = f"{session.short}: aborted by them: {served.abort_reason}"
                 return
-            await trio.to_thread.run_sync(group.apply, w, others, sent)
+            with trio.CancelScope(shield=True):  # the initiator committed and applies: so must we (the sum)
+                await trio.to_thread.run_sync(group.apply, w, others, sent)
             group.release(others)
             group.release(own)
             seconds = trio.current_time() - t0
@@ -507,7 +520,7 @@ class GossipEngine:
                 "exchanges": s.exchanges, "served": s.served, "failed": s.failed, "rejected": s.rejected,
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_sent,  # symmetric exchanges: as many in as out
                 "last_exchange_s": round(s.last_seconds, 4), "recent_s": s.recent, "last_error": s.last_error,
-                "inflight": len(self.inflight) + len(self.initiating)}
+                "inflight": len(self.inflight.keys() | self.initiating.keys())}
 
 
 async def _send_abort(session, rid: int, reason: str) -> None:

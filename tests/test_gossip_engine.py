@@ -208,3 +208,58 @@ def test_initiator_that_gives_up_after_the_accept_frees_the_server_at_once():
         assert result.ok, result.reason
 
     trio.run(run_pair, body)
+
+
+def test_colliding_offers_the_winner_is_served_with_the_losers_reservation():
+    """Both ends initiate at once (as every peer does in a D-PSGD round). The smaller peer ID's offer wins;
+    the loser serves it with the weight it had set aside for its own offer, which is refused or never
+    sent. Here the loser has 1/2 in flight elsewhere, so without that hand-over it would have no room."""
+    async def body(a, b):
+        small, large = (a, b) if a.me < b.me else (b, a)
+        large.inflight["someone-else"] = 0.5
+        before = total(a) + total(b)
+        results = {}
+
+        async def go(x, y):
+            results[x.me] = await x.exchange(y.me, "params", rule="metropolis")
+
+        async with trio.open_nursery() as n:
+            n.start_soon(go, small, large)
+            n.start_soon(go, large, small)
+        assert results[small.me].ok, results[small.me].reason
+        assert results[small.me].weight == 0.5
+        assert not results[large.me].ok and "already in flight" in results[large.me].reason
+        with trio.fail_after(5):
+            while large.stats.served < 1:
+                await trio.sleep(0.01)
+        assert abs(total(a) + total(b) - before) < 1e-6 * before
+        np.testing.assert_allclose(a.groups["params"].tensors["w"], 2.0)
+        np.testing.assert_allclose(b.groups["params"].tensors["w"], 2.0)
+        assert not small.initiating and not large.initiating and list(large.inflight) == ["someone-else"]
+
+    trio.run(run_pair, body)
+
+
+def test_a_failed_snapshot_gives_the_reservation_back():
+    """Whatever stops an exchange after the initiator set its weight aside (here the snapshot raises; a
+    cancellation is the same path) returns that weight: a leak would block this neighbour for good."""
+    async def body(a, b):
+        group = a.groups["params"]
+        real = group.snapshot
+
+        def broken():
+            raise RuntimeError("disk on fire")
+
+        group.snapshot = broken
+        try:
+            await a.exchange(b.me, "params")
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("the snapshot's error should reach the caller")
+        assert not a.initiating
+        group.snapshot = real
+        result = await a.exchange(b.me, "params")
+        assert result.ok, result.reason
+
+    trio.run(run_pair, body)

@@ -262,7 +262,8 @@ def _plan_trim(s: _Scene, rng: np.random.Generator) -> Move | None:
     """Above target: drop my slowest edge to a neighbour also above target (both move towards it).
 
     Without this, swaps and below-target adds ratchet degrees up to max_degree, and MH weights
-    1/(1 + max degree) shrink with them: every exchange then mixes less.
+    1/(1 + max degree) shrink with them: every D-PSGD exchange then mixes less (one-neighbour
+    exchanges use a fixed pairwise weight, but more edges also mean more links to keep measured).
     """
     cfg = s.cfg
     return _drop_slowest(s, rng, keep=max(cfg.target_degree, cfg.min_degree), why=f"target {cfg.target_degree}")

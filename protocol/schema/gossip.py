@@ -33,6 +33,7 @@ class TensorSpec:
 @dataclass(frozen=True, slots=True)
 class AverageOffer(Message):
     TYPE = "avg_offer"
+    VERSION = 2  # 2: max_weight and rule replace degree (a peer on version 1 is refused, not misread)
     group: str
     tensors: list[TensorSpec]
     streams: list[int]
@@ -45,6 +46,7 @@ class AverageOffer(Message):
 @dataclass(frozen=True, slots=True)
 class AverageAccept(Message):
     TYPE = "avg_accept"
+    VERSION = 2  # 2: no degree (the weight is all the initiator checks)
     weight: float
     streams: list[int]
     step: int = 0
