@@ -85,9 +85,6 @@ class TopologyService:
     def is_neighbour(self, peer_id: str) -> bool:
         return peer_id in self.neighbours
 
-    def weight_with(self, peer_degree: int) -> float:
-        return metropolis_weight(self.degree, peer_degree)
-
     def link(self, peer_id: str) -> LinkStats:
         st = self.links.get(peer_id)
         if st is None:
