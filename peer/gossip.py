@@ -167,6 +167,7 @@ class SharedTensors:
 
 
 MAX_SPARE = 1  # idle buffer sets kept per group: bounds the memory this costs to one copy
+APPLY_BLOCK_BYTES = 1 << 20  # a block and its two operands stay in L2
 WEIGHT_RULES = ("pairwise", "metropolis")
 PAIRWISE_WEIGHT = 1.0 / 3.0  # see the module docstring: 89% of the optimum 1/2's effect, three exchanges at once
 MIN_WEIGHT_SHARE = 0.25  # an exchange with less than this share of its rule's weight is not worth its bytes
@@ -179,7 +180,6 @@ def rule_cap(rule: str, degree: int) -> float:
     if rule == "metropolis":
         return 1.0 / (1.0 + max(1, degree))
     raise ValueError(f"unknown weight rule {rule!r} (choose from {', '.join(WEIGHT_RULES)})")
-APPLY_BLOCK_BYTES = 1 << 20  # a block and its two operands stay in L2
 
 
 def _fits(buf: Any, t: Any) -> bool:

@@ -240,22 +240,26 @@ def _my_edges_slowest_first(s: _Scene, rng: np.random.Generator) -> list[tuple[s
     return sorted(_shuffled(edges, rng), key=lambda e: -e[1])
 
 
-def _drop_slowest(s: _Scene, rng: np.random.Generator, *, keep: int, why: str) -> Move | None:
-    """Drop my slowest edge whose other end keeps more than `keep` neighbours, if the gap rule allows."""
+def _drop_slowest(s: _Scene, rng: np.random.Generator, *, keep: int, why: str,
+                  slower_than: float = -math.inf) -> Move | None:
+    """Drop my slowest edge (slower than `slower_than` seconds) whose other end keeps more than `keep`
+    neighbours, if the gap rule allows."""
     view, cfg = s.view, s.cfg
     for other, t in _my_edges_slowest_first(s, rng):
+        if t <= slower_than:
+            return None  # the rest are faster still
         if view.degree(other) <= keep:
             continue
         scored = s.score(view.without_edge(s.me, other))
         if scored is None or scored[1] < min(cfg.gap_floor, s.gap):
             continue
-        return s.move("drop", other, None, scored, f"degree {view.degree(s.me)} > {why}: drop {other} ({t:.3g} s)")
+        return s.move("drop", other, None, scored, f"{why}: drop {other} ({t:.3g} s)")
     return None
 
 
 def _plan_drop(s: _Scene, rng: np.random.Generator) -> Move | None:
     """Above max: drop an edge whose other end stays at or above min_degree."""
-    return _drop_slowest(s, rng, keep=s.cfg.min_degree, why=f"max {s.cfg.max_degree}")
+    return _drop_slowest(s, rng, keep=s.cfg.min_degree, why=f"degree {s.view.degree(s.me)} > max {s.cfg.max_degree}")
 
 
 def _plan_trim(s: _Scene, rng: np.random.Generator) -> Move | None:
@@ -266,7 +270,8 @@ def _plan_trim(s: _Scene, rng: np.random.Generator) -> Move | None:
     exchanges use a fixed pairwise weight, but more edges also mean more links to keep measured).
     """
     cfg = s.cfg
-    return _drop_slowest(s, rng, keep=max(cfg.target_degree, cfg.min_degree), why=f"target {cfg.target_degree}")
+    return _drop_slowest(s, rng, keep=max(cfg.target_degree, cfg.min_degree),
+                         why=f"degree {s.view.degree(s.me)} > target {cfg.target_degree}")
 
 
 def _plan_add(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> Move | None:
@@ -344,17 +349,8 @@ def _plan_shed(s: _Scene, rng: np.random.Generator) -> Move | None:
     cfg = s.cfg
     if s.view.degree(s.me) <= cfg.min_degree or s.typical_time <= 0:
         return None
-    for other, t in _my_edges_slowest_first(s, rng):
-        if t <= cfg.shed_factor * s.typical_time:
-            return None  # the rest are faster still
-        if s.view.degree(other) <= cfg.min_degree:
-            continue
-        scored = s.score(s.view.without_edge(s.me, other))
-        if scored is None or scored[1] < min(cfg.gap_floor, s.gap):
-            continue
-        return s.move("drop", other, None, scored,
-                      f"straggler: drop {other} ({t:.3g} s, median edge {s.typical_time:.3g} s)")
-    return None
+    return _drop_slowest(s, rng, keep=cfg.min_degree, slower_than=cfg.shed_factor * s.typical_time,
+                         why=f"straggler over {cfg.shed_factor:g}x the median edge ({s.typical_time:.3g} s)")
 
 
 def plan_move(
