@@ -29,7 +29,7 @@ from protocol.handshake import Handshake
 from protocol.identity import short_id
 from protocol.limits import WireLimits
 from protocol.messages import Envelope, Registry
-from protocol.schema import DEFAULT_REGISTRY, TensorHeader
+from protocol.schema import DEFAULT_REGISTRY, TensorCancel, TensorHeader
 from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
 from protocol.tensor_codec import DecodedTensor, TensorDecoder, TensorEncoder
 
@@ -142,13 +142,14 @@ class _BufferPool:
 class _Stream:
     """A tensor being received: the decoder, whoever waits for it, and whether nobody wants it anymore."""
 
-    __slots__ = ("decoder", "pending", "nbytes", "discard")
+    __slots__ = ("decoder", "pending", "nbytes", "discard", "waiting")
 
     def __init__(self) -> None:
         self.decoder: TensorDecoder | None = None
         self.pending = _Pending()
         self.nbytes = 0
         self.discard = False  # the waiter gave up: absorb the remaining chunks, then forget the stream
+        self.waiting = False  # someone is in receive_tensor for it
 
 
 async def _send_all(sock: trio.socket.SocketType, data: memoryview) -> None:
@@ -245,9 +246,14 @@ class Session:
         await self._send_frame(KIND_MESSAGE, 0, data)
         self.stats.messages_out += 1
 
-    async def request(self, message: Any, *, timeout: float) -> Envelope:
+    def new_request_id(self) -> int:
+        """A request id for `request(rid=...)`, for a caller that must name the request later (say, to
+        call it off) even if it gives up before the reply."""
+        return next(self._rids)
+
+    async def request(self, message: Any, *, timeout: float, rid: int | None = None) -> Envelope:
         """Send `message` and wait for the reply that names its request id (TooSlowError on timeout)."""
-        rid = next(self._rids)
+        rid = next(self._rids) if rid is None else rid
         pending = self._requests[rid] = _Pending()
         try:
             with trio.fail_after(timeout):
@@ -263,12 +269,26 @@ class Session:
         return next(self._streams_out)
 
     async def send_tensor(self, name: str, tensor: Any, *, codec: str = "raw", stream: int | None = None) -> int:
-        """Stream one tensor (numpy or torch, CPU or CUDA) as a header message plus chunk frames."""
+        """Stream one tensor (numpy or torch, CPU or CUDA) as a header message plus chunk frames.
+
+        If this is cancelled (say, an exchange's deadline passes) after the header went out, the receiver
+        is told (`TensorCancel`), so it does not keep half a tensor or wait out its own deadline for the rest.
+        """
         stream = self.new_stream_id() if stream is None else stream
         encoder = TensorEncoder(name, tensor, codec=codec, chunk_size=self.cfg.chunk_bytes)
         await self.send_message(encoder.header(stream))
-        for chunk in encoder.chunks():
-            await self._send_frame(KIND_CHUNK, stream, chunk)
+        try:
+            for chunk in encoder.chunks():
+                await self._send_frame(KIND_CHUNK, stream, chunk)
+        except BaseException as exc:  # cut short: tell the receiver
+            if not self.closed.is_set():
+                with trio.move_on_after(2.0) as scope:
+                    scope.shield = True
+                    try:
+                        await self.send_message(TensorCancel(stream=stream, reason=type(exc).__name__))
+                    except SessionClosed:
+                        pass
+            raise
         self.stats.tensors_out += 1
         return stream
 
@@ -282,12 +302,14 @@ class Session:
         if slot is None:
             slot = self._streams[stream] = _Stream()
         done = False
+        slot.waiting = True
         try:
             with trio.fail_after(timeout):
                 value = await slot.pending.wait()
             done = True
             return value
         finally:
+            slot.waiting = False
             if done or slot.pending.event.is_set():
                 self._release_stream(stream)
             else:
@@ -353,6 +375,9 @@ class Session:
         if isinstance(msg, TensorHeader):
             self._on_tensor_header(msg)
             return
+        if isinstance(msg, TensorCancel):
+            self._on_tensor_cancel(msg)
+            return
         if env.reply_to:
             pending = self._requests.get(env.reply_to)
             if pending is not None:
@@ -369,30 +394,78 @@ class Session:
         slot = self._streams.get(header.stream)
         if slot is None:
             if len(self._streams) >= self.cfg.limits.max_queued_messages:
+                self._evict_unclaimed(streams=len(self._streams) + 1 - self.cfg.limits.max_queued_messages)
+            if len(self._streams) >= self.cfg.limits.max_queued_messages:
                 raise LimitExceeded(f"too many tensor streams open ({len(self._streams)})")
             slot = self._streams[header.stream] = _Stream()
         if slot.decoder is not None or slot.pending.event.is_set():
             raise ProtocolError(f"tensor stream {header.stream} reused")
-        decoder = TensorDecoder(header, self.cfg.limits, out=self._pooled(header))  # validates before allocating
-        need = decoder.memory_bytes  # decoded size: a float16 body of a float64 tensor needs 4x its wire size
-        if self._inflight_bytes + need > self.cfg.limits.max_inflight_tensor_bytes:
-            raise LimitExceeded(
-                f"tensor '{header.name}' would put {self._inflight_bytes + need} bytes in flight "
-                f"(limit {self.cfg.limits.max_inflight_tensor_bytes})")
+        estimate = self._decoded_bytes(header)
+        if estimate <= self.cfg.limits.max_tensor_bytes:  # (a bigger one the decoder refuses with its own reason)
+            self._reserve(header.name, estimate)  # before anything is allocated
+        out = self._pooled(header)
+        decoder = TensorDecoder(header, self.cfg.limits, out=out)  # validates before allocating
+        # decoded size (a float16 body of a float64 tensor needs 4x its wire size), pooled or not
+        need = decoder.memory_bytes + (out.nbytes if out is not None else 0)
+        self._reserve(header.name, need)
         slot.decoder = decoder
         slot.nbytes = need
         self._inflight_bytes += need
         if decoder.done:  # zero-size tensor
             self._complete(header.stream, slot)
 
-    def _pooled(self, header: TensorHeader) -> Any:
-        """A recycled output array for this tensor, or None (the decoder then allocates)."""
+    def _on_tensor_cancel(self, msg: TensorCancel) -> None:
+        slot = self._streams.get(msg.stream)
+        if slot is None or slot.decoder is None or slot.pending.event.is_set():
+            log.debug("cancel of tensor stream %d from %s ignored (not open)", msg.stream, self.short)
+            return
+        name = slot.decoder.name
+        slot.decoder = None  # a chunk for it now is a protocol error
+        self._inflight_bytes -= slot.nbytes
+        slot.nbytes = 0
+        if slot.discard:
+            self._streams.pop(msg.stream, None)
+            return
+        slot.pending.fail(ProtocolError(f"tensor {name!r} was abandoned by its sender ({msg.reason[:80] or 'no reason'})"))
+
+    def _evict_unclaimed(self, *, streams: int = 0, nbytes: int = 0) -> None:
+        """Make room by forgetting finished tensors nobody has asked for, oldest first.
+
+        Why: a tensor can arrive for a receiver that gave up before it learnt the stream's id (a reply
+        that came after its deadline); nobody will ever claim it. Such tensors are the first to go when
+        the stream count or the in-flight budget is full, instead of the session being closed.
+        """
+        for sid, slot in list(self._streams.items()):
+            if streams <= 0 and nbytes <= 0:
+                return
+            if slot.pending.event.is_set() and not slot.waiting:
+                log.info("dropping unclaimed tensor stream %d from %s (%d bytes) to make room", sid, self.short, slot.nbytes)
+                nbytes -= slot.nbytes
+                streams -= 1
+                self._release_stream(sid)
+
+    def _reserve(self, name: str, need: int) -> None:
+        """Make sure `need` more bytes fit the in-flight budget (dropping unclaimed tensors), or raise."""
+        budget = self.cfg.limits.max_inflight_tensor_bytes
+        if self._inflight_bytes + need > budget:
+            self._evict_unclaimed(nbytes=self._inflight_bytes + need - budget)
+        if self._inflight_bytes + need > budget:
+            raise LimitExceeded(f"tensor '{str(name)[:64]}' would put {self._inflight_bytes + need} bytes in flight "
+                                f"(limit {budget})")
+
+    def _decoded_bytes(self, header: TensorHeader) -> int:
+        """The size of the array a header asks for (0 if it is malformed: the decoder rejects it then)."""
         wire = TENSOR_DTYPES.get(header.dtype)
         if wire is None or not all(isinstance(d, int) and d >= 0 for d in header.shape) or len(header.shape) > 8:
+            return 0
+        return math.prod(header.shape) * wire.itemsize
+
+    def _pooled(self, header: TensorHeader) -> Any:
+        """A recycled output array for this tensor, or None (the decoder then allocates)."""
+        nbytes = self._decoded_bytes(header)
+        if nbytes == 0 or nbytes > self.cfg.limits.max_tensor_bytes:
             return None  # let the decoder reject the header with its own precise error
-        if math.prod(header.shape) * wire.itemsize > self.cfg.limits.max_tensor_bytes:
-            return None
-        return self._pool.array(wire, tuple(header.shape))
+        return self._pool.array(TENSOR_DTYPES[header.dtype], tuple(header.shape))
 
     def _on_chunk(self, frame) -> None:
         slot = self._streams.get(frame.stream)

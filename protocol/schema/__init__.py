@@ -27,7 +27,7 @@ from protocol.schema.gossip import (
     ParamsRequest,
     TensorSpec,
 )
-from protocol.schema.tensor import TensorHeader
+from protocol.schema.tensor import TensorCancel, TensorHeader
 from protocol.schema.topology import (
     EdgeAccept,
     EdgeCommit,
@@ -51,6 +51,7 @@ __all__ = [
     "PeerRecord",
     "Ping",
     "Pong",
+    "TensorCancel",
     "TensorHeader",
     "peer_record_signing_bytes",
     "AverageAbort", "AverageAccept", "AverageCommit", "AverageOffer", "AverageReject", "ParamsReply", "ParamsRequest", "TensorSpec",
@@ -68,6 +69,7 @@ MESSAGES: tuple[type[Message], ...] = (
     ErrorReply,
     # data plane
     TensorHeader,
+    TensorCancel,
     # topology plane
     TopologyRecord,
     TopologyRecords,

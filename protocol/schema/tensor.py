@@ -1,4 +1,4 @@
-"""The data-plane header announcing one tensor's body on a chunk stream.
+"""The data-plane messages: the header announcing one tensor's body on a chunk stream, and its cancel.
 
 The header travels as an ordinary message; the body follows as KIND_CHUNK
 frames on `stream`. Everything the receiver needs to bound and preallocate the
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from protocol.messages import Message
 
-__all__ = ["TensorHeader"]
+__all__ = ["TensorCancel", "TensorHeader"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,3 +32,17 @@ class TensorHeader(Message):
     codec: str
     nbytes: int
     block: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TensorCancel(Message):
+    """The tensor announced on `stream` will not be finished: its sender gave up part-way.
+
+    Why: without it the receiver would hold the half-received tensor (and its share of the session's
+    in-flight budget) and whoever waits for it would wait out a deadline. Sent after the last chunk
+    frame that did go out, so everything of the stream is in before it.
+    """
+
+    TYPE = "tensor_cancel"
+    stream: int
+    reason: str = ""
