@@ -302,7 +302,7 @@ class GossipEngine:
         t0 = trio.current_time()
         own: list[Any] | None = None
         reply_streams: list[int] = []
-        accepted_rid: int | None = None  # set once they accepted: from then on we owe them a commit or abort
+        offer_rid: int | None = None  # set as the offer goes out: unless refused, we owe them a commit or abort
         committed = False
         abort_reason = "cancelled"
         w = 0.0
@@ -318,17 +318,18 @@ class GossipEngine:
                 replies: list = []
 
                 async def ask() -> None:
-                    replies.append(await session.request(offer, timeout=self.cfg.exchange_timeout))
+                    replies.append(await session.request(offer, timeout=self.cfg.exchange_timeout, rid=offer_rid))
 
+                offer_rid = session.new_request_id()
                 await together(ask, lambda: _send_group(session, group, own, streams, self.cfg.codec))
                 env = replies[0]
                 reply = env.message
                 if isinstance(reply, AverageReject):
+                    offer_rid = None  # nothing to call off
                     self.stats.rejected += 1
                     return ExchangeResult(peer_id, False, f"refused: {reply.reason}")
                 if not isinstance(reply, AverageAccept):
                     raise ProtocolError(f"expected avg_accept, got {type(reply).__name__}")
-                accepted_rid = env.reply_to
                 reply_streams = list(reply.streams)
                 if len(reply.streams) != len(own) or not 0.0 < reply.weight <= max_weight:
                     abort_reason = f"inconsistent accept (weight {reply.weight}, offered at most {max_weight})"
@@ -349,8 +350,11 @@ class GossipEngine:
             self.stats.last_error = f"{session.short}: {reason}"
             return ExchangeResult(peer_id, False, reason)
         finally:
-            if accepted_rid is not None and not committed:
-                await _send_abort(session, accepted_rid, abort_reason)
+            # Also when we give up before their reply: they may have accepted and be waiting for our tensor
+            # (cut short, it is cancelled: see Session.send_tensor) or for our verdict. An abort for an
+            # offer they never saw is ignored.
+            if offer_rid is not None and not committed:
+                await _send_abort(session, offer_rid, abort_reason)
             self.initiating.pop(peer_id, None)
             if not committed:
                 session.discard(reply_streams)

@@ -263,3 +263,73 @@ def test_a_failed_snapshot_gives_the_reservation_back():
         assert result.ok, result.reason
 
     trio.run(run_pair, body)
+
+
+def test_a_bad_tensor_from_the_server_changes_nothing():
+    """A server whose tensor turns out short, or holds an Inf near its end, fails the exchange with the
+    reason; neither side applies anything, and the pair exchanges normally afterwards."""
+    import peer.gossip as gossip
+
+    real_send = gossip._send_group
+
+    async def body(a, b):
+        bad_group = b.groups["params"]
+        before_a, before_b = total(a), total(b)
+        for lie, reason in (("short", "does not match"), ("inf", "NaN/Inf")):
+            async def lying_send(session, group, arrays, streams, codec="raw"):
+                if group is bad_group:
+                    arr = arrays[0].copy()
+                    if lie == "short":
+                        arr = arr[:-10]
+                    else:
+                        arr[-3] = np.inf
+                    arrays = [arr]
+                await real_send(session, group, arrays, streams, codec)
+
+            gossip._send_group = lying_send
+            try:
+                result = await a.exchange(b.me, "params")
+            finally:
+                gossip._send_group = real_send
+            assert not result.ok and reason in result.reason, (lie, result)
+            with trio.fail_after(3):
+                while b.inflight:
+                    await trio.sleep(0.01)
+            assert (total(a), total(b)) == (before_a, before_b), lie
+        result = await exchange_and_wait(a, b)
+        assert result.ok, result.reason
+        np.testing.assert_allclose(a.groups["params"].tensors["w"], 1 + 2 / 3, rtol=1e-6)
+
+    trio.run(run_pair, body)
+
+
+def test_an_initiator_that_gives_up_before_the_reply_still_calls_the_exchange_off():
+    """The server is slow to accept (its snapshot takes 1.5 s) and the initiator's 0.5 s deadline passes
+    first. The initiator still sends an abort naming its offer, so the server applies nothing and is free
+    as soon as its transfers end, not after waiting its own 30 s deadline for a commit that never comes."""
+    import time
+
+    async def body(a, b):
+        a.cfg = dataclasses.replace(a.cfg, exchange_timeout=0.5)
+        group = b.groups["params"]
+        real = group.snapshot
+
+        def slow():
+            time.sleep(1.5)
+            return real()
+
+        group.snapshot = slow
+        before_a, before_b = total(a), total(b)
+        result = await a.exchange(b.me, "params")
+        assert not result.ok and result.reason == "deadline passed", result
+        with trio.fail_after(5):
+            while b.inflight:
+                await trio.sleep(0.01)
+        assert "aborted by them: deadline passed" in b.stats.last_error
+        assert (total(a), total(b)) == (before_a, before_b)
+        group.snapshot = real
+        a.cfg = dataclasses.replace(a.cfg, exchange_timeout=30.0)
+        result = await exchange_and_wait(a, b)
+        assert result.ok, result.reason
+
+    trio.run(run_pair, body)
