@@ -437,6 +437,7 @@ class GossipEngine:
             if served.abort_reason is not None:
                 self.stats.failed += 1
                 self.stats.last_error = f"{session.short}: aborted by them: {served.abort_reason}"
+                group.release(own)  # nothing reads our cut anymore: a later snapshot reuses it
                 return
             with trio.CancelScope(shield=True):  # the initiator committed and applies: so must we (the sum)
                 await trio.to_thread.run_sync(group.apply, w, others, sent)

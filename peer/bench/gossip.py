@@ -60,8 +60,9 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=float, default=120.0,
                    help="give up on one topology's consensus after this many seconds (default 120)")
     p.add_argument("--settle", type=float, default=None,
-                   help="start_delay of the job: seconds for the graph to form before averaging "
-                        "(default 6; 10 with --netns)")
+                   help="start_delay of the job: seconds for the graph to form (and rewiring to settle) before "
+                        "averaging (default 6; 25 with --netns, where probing slow paths and rewiring around them "
+                        "takes longer: with 10 s the rewired gap was still rising)")
     p.add_argument("--mode", choices=["one", "all"], default="one",
                    help="one neighbour per round (AD-PSGD) or all (D-PSGD); default one")
     p.add_argument("--rewire-interval", type=float, default=None, help="[topology] rewire_interval (default: the daemon's)")
@@ -482,7 +483,7 @@ def run(args) -> int:
     slow_pairs = frozenset(frozenset((i, j)) for i in range(args.n) for j in range(i + 1, args.n)
                            if args.netns and pairs_rng.random() < args.slow_pairs)
     plan = Plan(n=args.n, size_bytes=size, elements=max(1, size // 4), degree=args.degree, target=args.target,
-                timeout=args.timeout, settle=args.settle if args.settle is not None else (10.0 if args.netns else 6.0),
+                timeout=args.timeout, settle=args.settle if args.settle is not None else (25.0 if args.netns else 6.0),
                 mode=args.mode, seed=args.seed, rewire_interval=args.rewire_interval, netns=args.netns,
                 slow=frozenset(range(args.n - k_slow, args.n)), slow_pairs=slow_pairs, trace=args.trace,
                 exact_every=args.exact_every if args.exact_every is not None else (0.5 if args.netns else 0.0))

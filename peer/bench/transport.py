@@ -6,6 +6,10 @@ baseline of the same code path. The parent streams a float32 tensor of `--size` 
 `Session.send_tensor` and waits for the child's acknowledgement (a reply sent after the tensor was
 fully received and decoded), for several rounds after a warm-up; it also measures one core sealing
 the same bytes in memory. `ratio_to_aead = encrypted_gbps / aead_seal_gbps`.
+
+`both_ways_seconds` is what a pairwise averaging exchange moves, without its snapshot and update: both
+processes stream a tensor of `--size` bytes to each other at once over one sealed session. It is the
+floor under `peer bench average --peers 2` on the same machine.
 """
 
 from __future__ import annotations
@@ -38,20 +42,32 @@ def _transport_config(cipher: str, chunk: int, plain: bool):
                            chunk_bytes=chunk, insecure_plaintext_for_benchmark=plain)
 
 
-async def _serve(cipher: str, chunk: int) -> None:
+BOTH_WAYS = -1.0  # a Ping with this `sent` asks the child to send its own tensor while it receives
+
+
+async def _serve(cipher: str, chunk: int, size: int) -> None:
+    import numpy as np
     import trio
 
     from peer.transport import SessionClosed, open_listeners, serve
     from protocol.schema import Ping, Pong
 
     async def on_session(session):
+        mine = None
         async with trio.open_nursery() as n:
             n.start_soon(session.run)
             expected = 1
             async for env in session.incoming:
                 if isinstance(env.message, Ping):
                     try:
-                        await session.receive_tensor(expected, timeout=120)
+                        if env.message.sent == BOTH_WAYS:
+                            if mine is None:
+                                mine = np.random.default_rng(1).standard_normal(size // 4, dtype=np.float32)
+                            async with trio.open_nursery() as both:
+                                both.start_soon(lambda: session.send_tensor("back", mine))
+                                await session.receive_tensor(expected, timeout=120)
+                        else:
+                            await session.receive_tensor(expected, timeout=120)
                         expected += 1
                         await session.reply(env, Pong(echo=env.message.sent))
                     except SessionClosed:
@@ -69,7 +85,8 @@ async def _serve(cipher: str, chunk: int) -> None:
         n.cancel_scope.cancel()
 
 
-async def _client(port: int, cipher: str, chunk: int, plain: bool, tensor, rounds: int) -> list[float]:
+async def _client(port: int, cipher: str, chunk: int, plain: bool, tensor, rounds: int,
+                  both_ways: bool = False) -> list[float]:
     import trio
 
     from peer.transport import dial
@@ -81,8 +98,14 @@ async def _client(port: int, cipher: str, chunk: int, plain: bool, tensor, round
         n.start_soon(session.run)
         for i in range(rounds + 1):
             t0 = time.perf_counter()
-            await session.send_tensor("bench", tensor)
-            await session.request(Ping(sent=0.0), timeout=120)
+            if both_ways:  # theirs arrives on their i+1-th stream; their reply comes once they have ours
+                async with trio.open_nursery() as both:
+                    both.start_soon(lambda: session.request(Ping(sent=BOTH_WAYS), timeout=120))
+                    both.start_soon(lambda: session.send_tensor("bench", tensor))
+                    await session.receive_tensor(i + 1, timeout=120)
+            else:
+                await session.send_tensor("bench", tensor)
+                await session.request(Ping(sent=0.0), timeout=120)
             if i > 0:  # the first round is the warm-up
                 times.append(time.perf_counter() - t0)
         await session.aclose("done")
@@ -96,7 +119,7 @@ def run(args) -> int:
 
         from peer.bench import parse_size
 
-        trio.run(_serve, args.cipher, parse_size(args.chunk))
+        trio.run(_serve, args.cipher, parse_size(args.chunk), parse_size(args.size))
         return 0
     import numpy as np
     import trio
@@ -109,12 +132,13 @@ def run(args) -> int:
     cipher = resolve_ciphers([args.cipher])[0]
     tensor = np.random.default_rng(0).standard_normal(size // 4, dtype=np.float32)
     child = subprocess.Popen([sys.executable, "-m", "peer", "bench", "transport", "--serve", "--cipher", cipher,
-                              "--chunk", str(chunk)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              "--chunk", str(chunk), "--size", str(size)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         ports = json.loads(child.stdout.readline())
         enc = trio.run(_client, ports["sealed"], cipher, chunk, False, tensor, args.rounds)
         pln = trio.run(_client, ports["plain"], cipher, chunk, True, tensor, args.rounds)
+        both = trio.run(_client, ports["sealed"], cipher, chunk, False, tensor, args.rounds, True)
     finally:
         child.stdin.close()
         try:
@@ -130,6 +154,10 @@ def run(args) -> int:
         "payload_bytes": nbytes, "seconds": round(seconds, 4), "rounds": args.rounds, "chunk_bytes": chunk,
         "encrypted_gbps": round(encrypted, 3), "plain_tcp_gbps": round(plain, 3),
         "aead_seal_gbps": round(aead, 3), "ratio_to_aead": round(encrypted / aead, 3), "cipher": cipher,
+        "both_ways_seconds": round(statistics.median(both), 4),
+        "notes": {"both_ways_seconds": "median seconds for both processes to stream payload_bytes to each other at "
+                                       "once over one sealed session: the transfers of a pairwise averaging "
+                                       "exchange, without its snapshot and update (a floor under peer bench average)"},
     }
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
