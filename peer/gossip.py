@@ -337,7 +337,10 @@ class GossipEngine:
                 w = reply.weight
                 self.initiating[peer_id] = w  # the rest of what we set aside is free again
                 others = await _receive_group(session, group, reply_streams, self.cfg.exchange_timeout)
-                await session.send_message(AverageCommit(exchange=env.reply_to))
+                # Shielded: a commit cut off mid-write would still reach them ahead of any later frame (its
+                # sealed tail is kept, see Session._write) and they would apply while we did not.
+                with trio.CancelScope(shield=True):
+                    await session.send_message(AverageCommit(exchange=env.reply_to))
                 committed = True
             with trio.CancelScope(shield=True):  # committed: the server applies, so we must too (the sum)
                 await trio.to_thread.run_sync(group.apply, w, others, sent)
@@ -422,6 +425,12 @@ class GossipEngine:
             with trio.fail_after(self.cfg.exchange_timeout + 5.0):
                 own = await trio.to_thread.run_sync(group.snapshot)
                 sent = await trio.to_thread.run_sync(_as_sent, own, self.cfg.codec, group.is_torch)
+                if served.abort_reason is not None:  # they gave up while we took the snapshot: send nothing
+                    self.stats.failed += 1
+                    self.stats.last_error = f"{session.short}: aborted by them before we accepted: {served.abort_reason}"
+                    session.discard(offer.streams)
+                    group.release(own)
+                    return
                 streams = [session.new_stream_id() for _ in own]
                 await session.reply(env, AverageAccept(weight=w, streams=streams, step=group.step))
                 others: list = []
@@ -539,9 +548,14 @@ async def _send_abort(session, rid: int, reason: str) -> None:
 
 
 async def _send_group(session, group: SharedTensors, arrays: list[Any], streams: list[int], codec: str = "raw") -> None:
-    """Stream every tensor of a group snapshot, one per stream id."""
-    for spec, arr, sid in zip(group.specs, arrays, streams):
-        await session.send_tensor(spec.name, arr, codec=codec, stream=sid)
+    """Stream every tensor of a group snapshot, one per stream id. Cut short, the tensors not begun are
+    called off too (the one cut calls itself off), so the receiver holds no slot waiting for them."""
+    for i, (spec, arr, sid) in enumerate(zip(group.specs, arrays, streams)):
+        try:
+            await session.send_tensor(spec.name, arr, codec=codec, stream=sid)
+        except BaseException as exc:
+            await session.call_off(streams[i + 1:], type(exc).__name__)
+            raise
 
 
 async def _receive_group(session, group: SharedTensors, streams: list[int], timeout: float) -> list[Any]:

@@ -12,6 +12,7 @@ not per tensor, so heartbeats and small messages interleave with bulk transfers.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import math
@@ -195,6 +196,7 @@ class Session:
         self._requests: dict[int, _Pending] = {}
         self._streams: dict[int, _Stream] = {}
         self._inflight_bytes = 0
+        self._evicted: collections.deque[int] = collections.deque(maxlen=1024)  # stream ids dropped unclaimed
         self._pool = _BufferPool()
         self._incoming_send, self.incoming = trio.open_memory_channel[Envelope](limits.max_queued_messages)
         self.closed = trio.Event()
@@ -276,21 +278,31 @@ class Session:
         """
         stream = self.new_stream_id() if stream is None else stream
         encoder = TensorEncoder(name, tensor, codec=codec, chunk_size=self.cfg.chunk_bytes)
-        await self.send_message(encoder.header(stream))
         try:
+            await self.send_message(encoder.header(stream))
             for chunk in encoder.chunks():
                 await self._send_frame(KIND_CHUNK, stream, chunk)
-        except BaseException as exc:  # cut short: tell the receiver
-            if not self.closed.is_set():
-                with trio.move_on_after(2.0) as scope:
-                    scope.shield = True
-                    try:
-                        await self.send_message(TensorCancel(stream=stream, reason=type(exc).__name__))
-                    except SessionClosed:
-                        pass
+        except BaseException as exc:  # cut short (even inside the header): tell the receiver
+            await self.call_off([stream], type(exc).__name__)
             raise
         self.stats.tensors_out += 1
         return stream
+
+    async def call_off(self, streams: list[int], reason: str) -> None:
+        """Tell the remote that tensors it expects on `streams` will not come (or not whole): `TensorCancel`.
+
+        Best effort, and done even while our caller is being cancelled (shielded, 2 s at most). Safe for a
+        stream whose header never went out: the remote only fails whoever waits for it.
+        """
+        with trio.move_on_after(2.0) as scope:
+            scope.shield = True
+            for stream in streams:
+                if self.closed.is_set():
+                    return
+                try:
+                    await self.send_message(TensorCancel(stream=stream, reason=reason))
+                except SessionClosed:
+                    return
 
     async def receive_tensor(self, stream: int, *, timeout: float) -> DecodedTensor:
         """Wait for the tensor the remote sends on `stream` (it may already have arrived).
@@ -300,6 +312,8 @@ class Session:
         """
         slot = self._streams.get(stream)
         if slot is None:
+            if stream in self._evicted:
+                raise ProtocolError(f"tensor stream {stream} was dropped to make room (in-flight budget full)")
             slot = self._streams[stream] = _Stream()
         done = False
         slot.waiting = True
@@ -320,6 +334,8 @@ class Session:
         for stream in streams:
             slot = self._streams.get(stream)
             if slot is None:
+                if stream in self._evicted:
+                    continue
                 slot = self._streams[stream] = _Stream()
             if slot.pending.event.is_set():
                 self._release_stream(stream)
@@ -416,17 +432,17 @@ class Session:
 
     def _on_tensor_cancel(self, msg: TensorCancel) -> None:
         slot = self._streams.get(msg.stream)
-        if slot is None or slot.decoder is None or slot.pending.event.is_set():
-            log.debug("cancel of tensor stream %d from %s ignored (not open)", msg.stream, self.short)
+        if slot is None or slot.pending.event.is_set():
+            log.debug("cancel of tensor stream %d from %s ignored (nobody waits for it)", msg.stream, self.short)
             return
-        name = slot.decoder.name
+        what = f"tensor {slot.decoder.name!r}" if slot.decoder is not None else f"the tensor on stream {msg.stream}"
         slot.decoder = None  # a chunk for it now is a protocol error
         self._inflight_bytes -= slot.nbytes
         slot.nbytes = 0
         if slot.discard:
             self._streams.pop(msg.stream, None)
             return
-        slot.pending.fail(ProtocolError(f"tensor {name!r} was abandoned by its sender ({msg.reason[:80] or 'no reason'})"))
+        slot.pending.fail(ProtocolError(f"{what} was abandoned by its sender ({msg.reason[:80] or 'no reason'})"))
 
     def _evict_unclaimed(self, *, streams: int = 0, nbytes: int = 0) -> None:
         """Make room by forgetting finished tensors nobody has asked for, oldest first.
@@ -443,6 +459,7 @@ class Session:
                 nbytes -= slot.nbytes
                 streams -= 1
                 self._release_stream(sid)
+                self._evicted.append(sid)  # so a late receive_tensor fails at once instead of waiting
 
     def _reserve(self, name: str, need: int) -> None:
         """Make sure `need` more bytes fit the in-flight budget (dropping unclaimed tensors), or raise."""

@@ -305,8 +305,9 @@ def test_a_bad_tensor_from_the_server_changes_nothing():
 
 def test_an_initiator_that_gives_up_before_the_reply_still_calls_the_exchange_off():
     """The server is slow to accept (its snapshot takes 1.5 s) and the initiator's 0.5 s deadline passes
-    first. The initiator still sends an abort naming its offer, so the server applies nothing and is free
-    as soon as its transfers end, not after waiting its own 30 s deadline for a commit that never comes."""
+    first. The initiator still sends an abort naming its offer, so the server, finding it as its snapshot
+    is done, neither accepts nor sends anything and is free at once, instead of streaming its tensor to
+    nobody and then waiting its own 30 s deadline for a commit that never comes."""
     import time
 
     async def body(a, b):
@@ -325,8 +326,9 @@ def test_an_initiator_that_gives_up_before_the_reply_still_calls_the_exchange_of
         with trio.fail_after(5):
             while b.inflight:
                 await trio.sleep(0.01)
-        assert "aborted by them: deadline passed" in b.stats.last_error
+        assert "aborted by them before we accepted: deadline passed" in b.stats.last_error
         assert (total(a), total(b)) == (before_a, before_b)
+        assert not a.membership.connected()[b.me]._streams  # nothing of b's arrived for nobody
         group.snapshot = real
         a.cfg = dataclasses.replace(a.cfg, exchange_timeout=30.0)
         result = await exchange_and_wait(a, b)

@@ -365,19 +365,21 @@ def test_a_send_cancelled_mid_frame_does_not_break_the_session():
 def test_a_tensor_abandoned_part_way_fails_at_the_receiver_at_once_and_frees_its_memory():
     """A sender cancelled part-way (an exchange's deadline, say) says so (`tensor_cancel`): the receiver's wait
     ends with the reason instead of at its deadline, the half-received tensor's budget is released, and the
-    session carries on."""
+    session carries on. A stream the receiver gave up on before its header came is forgotten once called off."""
     async def main():
         got: dict = {}
 
         async def on_session(session):
             async with trio.open_nursery() as n:
                 n.start_soon(session.run)
+                session.discard([7])  # a tensor it will not wait for, whose header never comes
                 try:
                     await session.receive_tensor(1, timeout=30)
                 except ProtocolError as exc:
                     got["error"] = exc
                     got["inflight"] = session._inflight_bytes
                 got["next"] = (await session.receive_tensor(2, timeout=10)).array
+                got["open"] = sorted(session._streams)
                 n.cancel_scope.cancel()
 
         async with trio.open_nursery() as n:
@@ -396,6 +398,10 @@ def test_a_tensor_abandoned_part_way_fails_at_the_receiver_at_once_and_frees_its
                 inner.start_soon(cancel_part_way)
                 await s.send_tensor("half", t, stream=1)
                 raise AssertionError("the whole tensor went out before the cancel: the test proved nothing")
+            await s.call_off([7], "never started")
+            with trio.fail_after(5):
+                while "error" not in got:  # (so stream 2's bytes are not yet counted when it looks)
+                    await trio.sleep(0.01)
             await s.send_tensor("whole", t, stream=2)
             with trio.fail_after(5):
                 while "next" not in got:
@@ -405,6 +411,7 @@ def test_a_tensor_abandoned_part_way_fails_at_the_receiver_at_once_and_frees_its
         assert "'half' was abandoned by its sender" in str(got["error"])
         assert got["inflight"] == 0
         assert np.array_equal(got["next"], t)
+        assert got["open"] == []  # stream 7's slot went with the call-off
     trio.run(main)
 
 

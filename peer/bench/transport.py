@@ -49,6 +49,7 @@ async def _serve(cipher: str, chunk: int, size: int) -> None:
     import numpy as np
     import trio
 
+    from peer.concurrency import together
     from peer.transport import SessionClosed, open_listeners, serve
     from protocol.schema import Ping, Pong
 
@@ -63,9 +64,8 @@ async def _serve(cipher: str, chunk: int, size: int) -> None:
                         if env.message.sent == BOTH_WAYS:
                             if mine is None:
                                 mine = np.random.default_rng(1).standard_normal(size // 4, dtype=np.float32)
-                            async with trio.open_nursery() as both:
-                                both.start_soon(lambda: session.send_tensor("back", mine))
-                                await session.receive_tensor(expected, timeout=120)
+                            await together(lambda: session.send_tensor("back", mine),
+                                           lambda: session.receive_tensor(expected, timeout=120))
                         else:
                             await session.receive_tensor(expected, timeout=120)
                         expected += 1
@@ -89,6 +89,7 @@ async def _client(port: int, cipher: str, chunk: int, plain: bool, tensor, round
                   both_ways: bool = False) -> list[float]:
     import trio
 
+    from peer.concurrency import together
     from peer.transport import dial
     from protocol.schema import Ping
 
@@ -99,10 +100,9 @@ async def _client(port: int, cipher: str, chunk: int, plain: bool, tensor, round
         for i in range(rounds + 1):
             t0 = time.perf_counter()
             if both_ways:  # theirs arrives on their i+1-th stream; their reply comes once they have ours
-                async with trio.open_nursery() as both:
-                    both.start_soon(lambda: session.request(Ping(sent=BOTH_WAYS), timeout=120))
-                    both.start_soon(lambda: session.send_tensor("bench", tensor))
-                    await session.receive_tensor(i + 1, timeout=120)
+                await together(lambda: session.request(Ping(sent=BOTH_WAYS), timeout=120),
+                               lambda: session.send_tensor("bench", tensor),
+                               lambda: session.receive_tensor(i + 1, timeout=120))
             else:
                 await session.send_tensor("bench", tensor)
                 await session.request(Ping(sent=0.0), timeout=120)
