@@ -430,6 +430,12 @@ def test_unclaimed_tensors_make_room_instead_of_closing_the_session():
                 got["last"] = (await session.receive_tensor(4, timeout=10)).array
                 got["open"] = sorted(session._streams)
                 got["closed"] = session.closed.is_set()
+                with trio.fail_after(1):  # a late claim of the dropped one fails at once, leaving no slot
+                    try:
+                        await session.receive_tensor(1, timeout=30)
+                    except ProtocolError as exc:
+                        got["late"] = str(exc)
+                got["open_after"] = sorted(session._streams)
                 n.cancel_scope.cancel()
 
         async with trio.open_nursery() as n:
@@ -449,6 +455,7 @@ def test_unclaimed_tensors_make_room_instead_of_closing_the_session():
             n.cancel_scope.cancel()
         assert np.array_equal(got["last"], t * 2)
         assert got["open"] == [2, 3] and not got["closed"]  # the oldest unclaimed one made room
+        assert "dropped to make room" in got["late"] and got["open_after"] == [2, 3]
     trio.run(main)
 
 
