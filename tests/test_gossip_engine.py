@@ -304,25 +304,30 @@ def test_a_bad_tensor_from_the_server_changes_nothing():
 
 
 def test_an_initiator_that_gives_up_before_the_reply_still_calls_the_exchange_off():
-    """The server is slow to accept (its snapshot takes 1.5 s) and the initiator's 0.5 s deadline passes
-    first. The initiator still sends an abort naming its offer, so the server, finding it as its snapshot
-    is done, neither accepts nor sends anything and is free at once, instead of streaming its tensor to
-    nobody and then waiting its own 30 s deadline for a commit that never comes."""
-    import time
+    """The server is slow to accept (its snapshot does not finish until the initiator has given up) and the
+    initiator's 0.5 s deadline passes first. The initiator still sends an abort naming its offer, so the
+    server, finding it as its snapshot is done, neither accepts nor sends anything and is free at once,
+    instead of streaming its tensor to nobody and then waiting its own 30 s deadline for a commit."""
+    import threading
 
     async def body(a, b):
         a.cfg = dataclasses.replace(a.cfg, exchange_timeout=0.5)
         group = b.groups["params"]
         real = group.snapshot
+        released = threading.Event()
 
         def slow():
-            time.sleep(1.5)
+            released.wait(10)
             return real()
 
         group.snapshot = slow
         before_a, before_b = total(a), total(b)
         result = await a.exchange(b.me, "params")
         assert not result.ok and result.reason == "deadline passed", result
+        with trio.fail_after(5):  # the abort reached b while its snapshot still runs
+            while not any(s.abort_reason for s in b.served.values()):
+                await trio.sleep(0.01)
+        released.set()
         with trio.fail_after(5):
             while b.inflight:
                 await trio.sleep(0.01)
