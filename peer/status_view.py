@@ -59,7 +59,7 @@ def render_status(st: dict):
     for col in ("peer", "address", "state", "RTT", "in", "out", "seen"):
         table.add_column(col, justify="right" if col in ("RTT", "in", "out", "seen") else "left", no_wrap=True)
     if nbrs:
-        table.add_column("weight", justify="right", no_wrap=True)
+        table.add_column("MH weight", justify="right", no_wrap=True)  # W_ij; one-neighbour exchanges use 1/3
         table.add_column("Mbit/s", justify="right", no_wrap=True)
     for p in st["peers"]:
         state = Text(p["state"], style=STATE_STYLE.get(p["state"], ""))
