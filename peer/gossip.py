@@ -5,7 +5,7 @@ An exchange between initiator i and neighbour j (messages in protocol/schema/gos
     i: snapshot a = x_i, set aside m      j: (on offer) w = min(m, j's cap, j's room), snapshot b = x_j
     i → j  offer(m) + a                   j → i  accept(w) + b
     i: got b → commit, x_i += w (b - a)      j: got a and commit → x_j += w (a - b)
-    (i gives up after the accept → abort)    j: abort → finish the transfers, apply nothing
+    (i gives up after its offer → abort)     j: abort → finish the transfers (or, not yet accepted, send nothing), apply nothing
 
 Both sides add `w * (other snapshot - own snapshot)`, so the swarm-wide sum is unchanged by averaging
 however the trainers' own updates interleave (DESIGN.md invariant 1). A side that does not reach the
@@ -316,11 +316,11 @@ class GossipEngine:
                                  rule=rule, codec=self.cfg.codec, step=group.step)
             with trio.fail_after(self.cfg.exchange_timeout):
                 replies: list = []
+                offer_rid = session.new_request_id()
 
                 async def ask() -> None:
                     replies.append(await session.request(offer, timeout=self.cfg.exchange_timeout, rid=offer_rid))
 
-                offer_rid = session.new_request_id()
                 await together(ask, lambda: _send_group(session, group, own, streams, self.cfg.codec))
                 env = replies[0]
                 reply = env.message
@@ -357,7 +357,7 @@ class GossipEngine:
             # (cut short, it is cancelled: see Session.send_tensor) or for our verdict. An abort for an
             # offer they never saw is ignored.
             if offer_rid is not None and not committed:
-                await _send_abort(session, offer_rid, abort_reason)
+                await session.send_best_effort(AverageAbort(exchange=offer_rid, reason=abort_reason))
             self.initiating.pop(peer_id, None)
             if not committed:
                 session.discard(reply_streams)
@@ -535,16 +535,6 @@ class GossipEngine:
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_sent,  # symmetric exchanges: as many in as out
                 "last_exchange_s": round(s.last_seconds, 4), "recent_s": s.recent, "last_error": s.last_error,
                 "inflight": len(self.inflight.keys() | self.initiating.keys())}
-
-
-async def _send_abort(session, rid: int, reason: str) -> None:
-    """Best effort, even while we are being cancelled: tell the server to stop waiting for our commit."""
-    with trio.move_on_after(2.0) as scope:
-        scope.shield = True
-        try:
-            await session.send_message(AverageAbort(exchange=rid, reason=reason))
-        except SessionClosed:
-            pass
 
 
 async def _send_group(session, group: SharedTensors, arrays: list[Any], streams: list[int], codec: str = "raw") -> None:

@@ -291,16 +291,21 @@ class Session:
     async def call_off(self, streams: list[int], reason: str) -> None:
         """Tell the remote that tensors it expects on `streams` will not come (or not whole): `TensorCancel`.
 
-        Best effort, and done even while our caller is being cancelled (shielded, 2 s at most). Safe for a
-        stream whose header never went out: the remote only fails whoever waits for it.
+        Best effort (`send_best_effort`). Safe for a stream whose header never went out: the remote only
+        fails whoever waits for it.
         """
-        with trio.move_on_after(2.0) as scope:
+        await self.send_best_effort(*(TensorCancel(stream=stream, reason=reason) for stream in streams))
+
+    async def send_best_effort(self, *messages: Any, timeout: float = 2.0) -> None:
+        """Send `messages` in order, even while our caller is being cancelled (shielded, `timeout` at most);
+        a closed session just ends it. For the messages that call something off on the way out."""
+        with trio.move_on_after(timeout) as scope:
             scope.shield = True
-            for stream in streams:
+            for message in messages:
                 if self.closed.is_set():
                     return
                 try:
-                    await self.send_message(TensorCancel(stream=stream, reason=reason))
+                    await self.send_message(message)
                 except SessionClosed:
                     return
 
@@ -419,7 +424,7 @@ class Session:
         estimate = self._decoded_bytes(header)
         if estimate <= self.cfg.limits.max_tensor_bytes:  # (a bigger one the decoder refuses with its own reason)
             self._reserve(header.name, estimate)  # before anything is allocated
-        out = self._pooled(header)
+        out = self._pooled(header, estimate)
         decoder = TensorDecoder(header, self.cfg.limits, out=out)  # validates before allocating
         # decoded size (a float16 body of a float64 tensor needs 4x its wire size), pooled or not
         need = decoder.memory_bytes + (out.nbytes if out is not None else 0)
@@ -477,9 +482,8 @@ class Session:
             return 0
         return math.prod(header.shape) * wire.itemsize
 
-    def _pooled(self, header: TensorHeader) -> Any:
-        """A recycled output array for this tensor, or None (the decoder then allocates)."""
-        nbytes = self._decoded_bytes(header)
+    def _pooled(self, header: TensorHeader, nbytes: int) -> Any:
+        """A recycled output array of `nbytes` (`_decoded_bytes`) for this tensor, or None (the decoder then allocates)."""
         if nbytes == 0 or nbytes > self.cfg.limits.max_tensor_bytes:
             return None  # let the decoder reject the header with its own precise error
         return self._pool.array(TENSOR_DTYPES[header.dtype], tuple(header.shape))

@@ -5,7 +5,7 @@ An exchange between i (initiator) and j:
   j → i  AverageAccept (reply; the weight both will use, at most the offer's `max_weight`; j's tensors
          follow) | AverageReject
   i → j  AverageCommit (i received everything and applied; j applies on receipt)
-       | AverageAbort (i gave up after the accept; j applies nothing, stops waiting)
+       | AverageAbort (i gave up after its offer went out; j applies nothing, stops waiting)
 Both apply x += w * (x_other_snapshot - x_own_snapshot) with the same w, so the swarm sum is unchanged.
 
 The weight is the smaller of what each side allows under the offer's `rule` ("pairwise": a fixed
@@ -68,9 +68,10 @@ class AverageCommit(Message):
 class AverageAbort(Message):
     """The initiator will not commit `exchange` (the offer's request id): the server stops waiting for it.
 
-    Without it a server whose initiator gave up after the accept (an inconsistent reply, its deadline,
-    cancellation) would hold the exchange's weight until its own deadline. The server still finishes sending
-    its tensors, so none is left half-received at the initiator."""
+    Without it a server whose initiator gave up once the offer was out (an inconsistent reply, its deadline,
+    even before the reply came, cancellation) would hold the exchange's weight until its own deadline. A
+    server that already accepted still finishes sending its tensors; one that had not accepted yet sends
+    nothing."""
 
     TYPE = "avg_abort"
     exchange: int
