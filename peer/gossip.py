@@ -112,9 +112,10 @@ class SharedTensors:
         """x += weight * (other - own) for every tensor, in place (the exchange's whole effect).
 
         Why blocks: one pass over cache-sized blocks (difference, both norms, scale, add) moves a third of
-        the memory of five whole-tensor passes. The lock is taken per block, so a trainer step waits for one
-        block at most; both are additions, so how they interleave does not change the result. `others` is
-        overwritten (it is the received copy).
+        the memory of five whole-tensor passes. The difference goes to one small scratch block that stays in
+        cache, so `others` (the received copy) is only read: writing it back would cost one more pass. The
+        lock is taken per block, so a trainer step waits for one block at most; both are additions, so how
+        they interleave does not change the result.
         """
         diff_sq = own_sq = 0.0
         if self.is_torch:
@@ -134,14 +135,16 @@ class SharedTensors:
             for t, o, a in zip(self.tensors.values(), others, own):
                 tf, of, af = t.reshape(-1), np.asarray(o).reshape(-1), a.reshape(-1)
                 step = max(1, APPLY_BLOCK_BYTES // tf.itemsize)
+                scratch = np.empty(min(step, tf.shape[0]), dtype=tf.dtype)
                 for i in range(0, tf.shape[0], step):
-                    ob, ab = of[i:i + step], af[i:i + step]
-                    np.subtract(ob, ab, out=ob)
-                    diff_sq += float(np.dot(ob, ob))
+                    ab, tb = af[i:i + step], tf[i:i + step]
+                    d = scratch[:ab.shape[0]]
+                    np.subtract(of[i:i + step], ab, out=d)
+                    diff_sq += float(np.dot(d, d))
                     own_sq += float(np.dot(ab, ab))
-                    ob *= weight
+                    d *= weight
                     with self.lock:
-                        tf[i:i + step] += ob
+                        np.add(tb, d, out=tb)
         self.last_distance = (diff_sq / own_sq) ** 0.5 if own_sq > 0 else diff_sq ** 0.5
 
     def stats(self, *, values: bool = False) -> dict:

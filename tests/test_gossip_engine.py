@@ -340,3 +340,19 @@ def test_an_initiator_that_gives_up_before_the_reply_still_calls_the_exchange_of
         assert result.ok, result.reason
 
     trio.run(run_pair, body)
+
+
+def test_apply_adds_the_weighted_difference_block_by_block_and_leaves_the_received_copy_alone(monkeypatch):
+    """Blocks smaller than the tensor, and a last block shorter than the others, give the whole-tensor result."""
+    import peer.gossip
+
+    monkeypatch.setattr(peer.gossip, "APPLY_BLOCK_BYTES", 4 * 1000)  # 1000 floats a block, 3 blocks and a tail
+    rng = np.random.default_rng(3)
+    x, other = rng.standard_normal(3500).astype(np.float32), rng.standard_normal(3500).astype(np.float32)
+    own, received, start = x.copy(), other.copy(), x.copy()
+    group = SharedTensors("g", {"x": x})
+    group.apply(0.25, [received], [own])
+    np.testing.assert_allclose(x, start + 0.25 * (other - start), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(received, other)  # only read: it becomes a later snapshot's buffer
+    expected = np.linalg.norm(other.astype(np.float64) - start) / np.linalg.norm(start.astype(np.float64))
+    assert abs(group.last_distance - expected) < 1e-5 * expected
