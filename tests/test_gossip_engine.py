@@ -98,15 +98,20 @@ def total(engine) -> float:
     return float(engine.groups["params"].tensors["w"].astype(np.float64).sum())
 
 
+async def until(condition, timeout: float) -> None:
+    """Poll `condition` until it holds; fail the test after `timeout` seconds."""
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.01)
+
+
 def exchange_and_wait(a, b, **kw):
     """a initiates one exchange with b; returns its result once b has applied it too (if it succeeded)."""
     async def go():
         served = b.stats.served
         result = await a.exchange(b.me, "params", **kw)
         if result.ok:
-            with trio.fail_after(5):
-                while b.stats.served <= served:
-                    await trio.sleep(0.01)
+            await until(lambda: b.stats.served > served, 5)
         return result
     return go()
 
@@ -193,14 +198,11 @@ def test_initiator_that_gives_up_after_the_accept_frees_the_server_at_once():
         before_a, before_b = total(a), total(b)
         result = await a.exchange(b.me, "params")
         assert not result.ok and "inconsistent accept" in result.reason, result
-        with trio.fail_after(3):
-            while b.inflight:
-                await trio.sleep(0.01)
+        await until(lambda: not b.inflight, 3)
         assert "aborted by them: inconsistent accept" in b.stats.last_error
         a_session = a.membership.connected()[b.me]
-        with trio.fail_after(3):
-            while a_session._streams:  # b's tensors still arrive whole, and a drops them: nothing half-received
-                await trio.sleep(0.01)
+        # b's tensors still arrive whole, and a drops them: nothing half-received
+        await until(lambda: not a_session._streams, 3)
         assert (total(a), total(b)) == (before_a, before_b)  # neither side applied anything
         router._handlers[AverageOffer] = honest
         del a.inflight["someone-else"]
@@ -229,9 +231,7 @@ def test_colliding_offers_the_winner_is_served_with_the_losers_reservation():
         assert results[small.me].ok, results[small.me].reason
         assert results[small.me].weight == 0.5
         assert not results[large.me].ok and "already in flight" in results[large.me].reason
-        with trio.fail_after(5):
-            while large.stats.served < 1:
-                await trio.sleep(0.01)
+        await until(lambda: large.stats.served >= 1, 5)
         assert abs(total(a) + total(b) - before) < 1e-6 * before
         np.testing.assert_allclose(a.groups["params"].tensors["w"], 2.0)
         np.testing.assert_allclose(b.groups["params"].tensors["w"], 2.0)
@@ -292,9 +292,7 @@ def test_a_bad_tensor_from_the_server_changes_nothing():
             finally:
                 gossip._send_group = real_send
             assert not result.ok and reason in result.reason, (lie, result)
-            with trio.fail_after(3):
-                while b.inflight:
-                    await trio.sleep(0.01)
+            await until(lambda: not b.inflight, 3)
             assert (total(a), total(b)) == (before_a, before_b), lie
         result = await exchange_and_wait(a, b)
         assert result.ok, result.reason
@@ -324,13 +322,10 @@ def test_an_initiator_that_gives_up_before_the_reply_still_calls_the_exchange_of
         before_a, before_b = total(a), total(b)
         result = await a.exchange(b.me, "params")
         assert not result.ok and result.reason == "deadline passed", result
-        with trio.fail_after(5):  # the abort reached b while its snapshot still runs
-            while not any(s.abort_reason for s in b.served.values()):
-                await trio.sleep(0.01)
+        # the abort reached b while its snapshot still runs
+        await until(lambda: any(s.abort_reason for s in b.served.values()), 5)
         released.set()
-        with trio.fail_after(5):
-            while b.inflight:
-                await trio.sleep(0.01)
+        await until(lambda: not b.inflight, 5)
         assert "aborted by them before we accepted: deadline passed" in b.stats.last_error
         assert (total(a), total(b)) == (before_a, before_b)
         assert not a.membership.connected()[b.me]._streams  # nothing of b's arrived for nobody
