@@ -69,6 +69,10 @@ class SharedTensors:
     """
 
     def __init__(self, name: str, tensors: dict[str, Any], *, lock: threading.Lock | None = None):
+        for key, t in tensors.items():
+            if not (t.flags.c_contiguous if isinstance(t, np.ndarray) else t.is_contiguous()):
+                raise ValueError(f"tensor {key!r} of group {name!r} is not contiguous: the engine updates it in "
+                                 "place, so pass a contiguous one (np.ascontiguousarray / .contiguous())")
         self.name = name
         self.tensors = dict(tensors)
         self.lock = lock or threading.Lock()
@@ -115,10 +119,13 @@ class SharedTensors:
         the memory of five whole-tensor passes. The difference goes to one small scratch block that stays in
         cache, so `others` (the received copy) is only read: writing it back would cost one more pass. The
         lock is taken per block, so a trainer step waits for one block at most; both are additions, so how
-        they interleave does not change the result.
+        they interleave does not change the result. Torch tensors in CPU memory take the same path through
+        numpy views of their memory; only device tensors and bfloat16 (no numpy dtype) use whole-tensor
+        torch operations.
         """
         diff_sq = own_sq = 0.0
-        if self.is_torch:
+        arrays = _host_arrays(self.tensors.values(), others, own)
+        if arrays is None:
             import torch
 
             deltas = []
@@ -132,8 +139,8 @@ class SharedTensors:
                 for t, d in zip(self.tensors.values(), deltas):
                     t.data.add_(d.to(t.device, non_blocking=False), alpha=weight)
         else:
-            for t, o, a in zip(self.tensors.values(), others, own):
-                tf, of, af = t.reshape(-1), np.asarray(o).reshape(-1), a.reshape(-1)
+            for t, o, a in zip(*arrays):
+                tf, of, af = t.reshape(-1), o.reshape(-1), a.reshape(-1)
                 step = max(1, APPLY_BLOCK_BYTES // tf.itemsize)
                 scratch = np.empty(min(step, tf.shape[0]), dtype=tf.dtype)
                 for i in range(0, tf.shape[0], step):
@@ -183,6 +190,25 @@ def rule_cap(rule: str, degree: int) -> float:
     if rule == "metropolis":
         return 1.0 / (1.0 + max(1, degree))
     raise ValueError(f"unknown weight rule {rule!r} (choose from {', '.join(WEIGHT_RULES)})")
+
+
+def _host_arrays(*groups) -> tuple[list[np.ndarray], ...] | None:
+    """numpy arrays sharing the memory of every tensor in `groups` (numpy arrays as they are, torch CPU
+    tensors through `.numpy()`), or None if one cannot be viewed so (on a device, or bfloat16)."""
+    out: tuple[list[np.ndarray], ...] = tuple([] for _ in groups)
+    for views, tensors in zip(out, groups):
+        for t in tensors:
+            if not isinstance(t, np.ndarray):
+                if getattr(getattr(t, "device", None), "type", None) != "cpu":
+                    return None
+                try:
+                    t = t.detach().numpy()
+                except (TypeError, RuntimeError):  # a dtype numpy lacks
+                    return None
+            if not t.flags.c_contiguous:  # reshape(-1) would copy, and the update would land in the copy
+                return None
+            views.append(t)
+    return out
 
 
 def _fits(buf: Any, t: Any) -> bool:

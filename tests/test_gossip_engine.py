@@ -351,3 +351,36 @@ def test_apply_adds_the_weighted_difference_block_by_block_and_leaves_the_receiv
     np.testing.assert_array_equal(received, other)  # only read: it becomes a later snapshot's buffer
     expected = np.linalg.norm(other.astype(np.float64) - start) / np.linalg.norm(start.astype(np.float64))
     assert abs(group.last_distance - expected) < 1e-5 * expected
+
+
+def test_torch_cpu_tensors_take_the_blocked_update_and_give_the_same_result(monkeypatch):
+    import torch
+
+    import peer.gossip
+
+    monkeypatch.setattr(peer.gossip, "APPLY_BLOCK_BYTES", 4 * 1000)
+    rng = np.random.default_rng(4)
+    start, other = rng.standard_normal((50, 70)).astype(np.float32), rng.standard_normal((50, 70)).astype(np.float32)
+    param = torch.nn.Parameter(torch.from_numpy(start.copy()))  # requires grad, as a model's would
+    group = SharedTensors("g", {"w": param})
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "add_", lambda *a, **k: calls.append(a))  # the whole-tensor path's last step
+    group.apply(0.25, [torch.from_numpy(other.copy())], [torch.from_numpy(start.copy())])
+    assert not calls
+    np.testing.assert_allclose(param.detach().numpy(), start + 0.25 * (other - start), rtol=0, atol=1e-6)
+
+
+def test_a_group_refuses_a_non_contiguous_tensor():
+    import pytest
+
+    with pytest.raises(ValueError, match="not contiguous"):
+        SharedTensors("g", {"w": np.zeros((4, 6), dtype=np.float32)[:, ::2]})
+
+
+def test_bfloat16_tensors_which_numpy_cannot_view_use_the_torch_update():
+    import torch
+
+    start, other = torch.arange(12, dtype=torch.bfloat16), torch.full((12,), 4.0, dtype=torch.bfloat16)
+    x = start.clone()
+    SharedTensors("g", {"w": x}).apply(0.5, [other.clone()], [start.clone()])
+    torch.testing.assert_close(x, (start.float() + 0.5 * (other.float() - start.float())).to(torch.bfloat16))
