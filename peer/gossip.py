@@ -147,8 +147,8 @@ class SharedTensors:
                     ab, tb = af[i:i + step], tf[i:i + step]
                     d = scratch[:ab.shape[0]]
                     np.subtract(of[i:i + step], ab, out=d)
-                    diff_sq += float(np.dot(d, d))
-                    own_sq += float(np.dot(ab, ab))
+                    diff_sq += _sum_sq(d)
+                    own_sq += _sum_sq(ab)
                     d *= weight
                     with self.lock:
                         np.add(tb, d, out=tb)
@@ -190,6 +190,13 @@ def rule_cap(rule: str, degree: int) -> float:
     if rule == "metropolis":
         return 1.0 / (1.0 + max(1, degree))
     raise ValueError(f"unknown weight rule {rule!r} (choose from {', '.join(WEIGHT_RULES)})")
+
+
+def _sum_sq(v: np.ndarray) -> float:
+    """Sum of squares; float16 is widened first (its own dot product overflows past 65504)."""
+    if v.dtype.itemsize < 4:
+        v = v.astype(np.float64)
+    return float(np.dot(v, v))
 
 
 def _host_arrays(*groups) -> tuple[list[np.ndarray], ...] | None:

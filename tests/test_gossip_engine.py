@@ -384,3 +384,12 @@ def test_bfloat16_tensors_which_numpy_cannot_view_use_the_torch_update():
     x = start.clone()
     SharedTensors("g", {"w": x}).apply(0.5, [other.clone()], [start.clone()])
     torch.testing.assert_close(x, (start.float() + 0.5 * (other.float() - start.float())).to(torch.bfloat16))
+
+
+def test_float16_distance_is_summed_wide_enough_not_to_overflow():
+    start = np.full(4096, 100.0, dtype=np.float16)  # squares sum to 4.1e7, far past float16's 65504
+    x = start.copy()
+    group = SharedTensors("g", {"w": x})
+    group.apply(0.5, [np.full(4096, 300.0, dtype=np.float16)], [start.copy()])
+    np.testing.assert_array_equal(x, np.full(4096, 200.0, dtype=np.float16))
+    assert abs(group.last_distance - 2.0) < 1e-6
