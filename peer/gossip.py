@@ -201,7 +201,11 @@ def _sum_sq(v: np.ndarray) -> float:
 
 def _host_arrays(*groups) -> tuple[list[np.ndarray], ...] | None:
     """numpy arrays sharing the memory of every tensor in `groups` (numpy arrays as they are, torch CPU
-    tensors through `.numpy()`), or None if one cannot be viewed so (on a device, or bfloat16)."""
+    tensors through `.numpy()`), or None if one cannot be viewed so (on a device, or bfloat16).
+
+    No contiguity check here: a group's own tensors are contiguous (`SharedTensors` refuses others), and
+    snapshots and received copies are fresh arrays. Returning None for a numpy array would send a numpy
+    group down the torch path, which cannot take it."""
     out: tuple[list[np.ndarray], ...] = tuple([] for _ in groups)
     for views, tensors in zip(out, groups):
         for t in tensors:
@@ -212,8 +216,6 @@ def _host_arrays(*groups) -> tuple[list[np.ndarray], ...] | None:
                     t = t.detach().numpy()
                 except (TypeError, RuntimeError):  # a dtype numpy lacks
                     return None
-            if not t.flags.c_contiguous:  # reshape(-1) would copy, and the update would land in the copy
-                return None
             views.append(t)
     return out
 
