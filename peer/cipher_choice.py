@@ -1,4 +1,4 @@
-"""Pick the session cipher that is fastest on this machine (AES-GCM with AES-NI, ChaCha20 without)."""
+"""Pick the session cipher that is fastest on this machine (an AES mode with AES-NI, ChaCha20 without)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def seal_gbps(cipher: str, nbytes: int = 1 << 20, *, min_seconds: float = 0.05) 
 
 
 def resolve_ciphers(configured: list[str]) -> tuple[str, ...]:
-    """Expand 'auto' into both ciphers ordered by measured speed (takes about 0.1 s)."""
+    """Expand 'auto' into every cipher this build offers, ordered by measured speed (takes about 0.1 s)."""
     if "auto" not in configured:
         return tuple(dict.fromkeys(configured))
     ranked = sorted(CIPHERS, key=lambda c: seal_gbps(c, 1 << 18, min_seconds=0.02), reverse=True)

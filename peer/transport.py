@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import trio
 
-from protocol.cipher import NullCipher
+from protocol.cipher import CIPHERS, NullCipher
 from protocol.errors import HandshakeError, LimitExceeded, ProtocolError
 from protocol.frames import KIND_CHUNK, KIND_MESSAGE, FrameReader, FrameWriter
 from protocol.handshake import Handshake
@@ -48,7 +48,7 @@ class TransportConfig:
     identity: Any  # Ed25519PrivateKey
     swarm: str
     psk: bytes | None = None
-    ciphers: tuple[str, ...] = ("aes-256-gcm", "chacha20-poly1305")
+    ciphers: tuple[str, ...] = CIPHERS
     allowed_peer_ids: frozenset[str] | None = None
     limits: WireLimits = field(default_factory=WireLimits)
     handshake_timeout: float = 5.0

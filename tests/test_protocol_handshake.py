@@ -181,6 +181,17 @@ def test_responder_preference_wins_among_common_ciphers() -> None:
     assert init.result().cipher == "chacha20-poly1305"
 
 
+
+def test_peer_without_ocb_and_peer_with_it_agree_on_gcm_either_way() -> None:
+    """A build whose cryptography lacks OCB (or an older peertrain) offers GCM and ChaCha20 only;
+    a default peer, which prefers OCB, must settle on GCM whichever side dials."""
+    old = ["aes-256-gcm", "chacha20-poly1305"]
+    for init, resp in ((make(True), make(False, ciphers=old)), (make(True, ciphers=old), make(False))):
+        exchange(init, resp)
+        assert init.result().cipher == resp.result().cipher == "aes-256-gcm"
+        sealed = init.result().send.seal(b"both ways")
+        assert resp.result().recv.open(sealed) == b"both ways"
+
 def test_byte_at_a_time_and_leftover_bytes() -> None:
     init, resp = make(True), make(False)
     for byte in init.data_to_send():

@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from peer.transport import ListenerStats, SessionClosed, TransportConfig, dial, open_listeners, serve
+from protocol.cipher import CIPHERS
 from protocol.errors import HandshakeError, ProtocolError
 from protocol.identity import generate_identity, peer_id_from_public_bytes, public_key_bytes
 from protocol.limits import WireLimits
@@ -75,11 +76,11 @@ async def attempt(port, cfg, expected=None) -> str:
     return result
 
 
-def test_handshake_both_ciphers_and_identity_is_proven():
+def test_handshake_every_cipher_and_identity_is_proven():
     async def main():
         server_key = generate_identity()
         server_id = peer_id_from_public_bytes(public_key_bytes(server_key))
-        for cipher in ("aes-256-gcm", "chacha20-poly1305"):
+        for cipher in CIPHERS:
             async with trio.open_nursery() as n:
                 port = await echo_server(n, tcfg(identity=server_key, ciphers=(cipher,)))
                 s = await dial("127.0.0.1", port, tcfg(ciphers=(cipher,)), expected_peer_id=server_id)

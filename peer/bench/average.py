@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from protocol.cipher import CIPHERS
+
 
 class BenchFailed(Exception):
     """A run that cannot give a figure; the message carries the daemon log tails."""
@@ -36,7 +38,8 @@ def add_arguments(p) -> None:
     p.add_argument("--size", default="64MiB", help="float32 tensor size (e.g. 64MiB, 1GiB); default 64MiB")
     p.add_argument("--rounds", type=int, default=7,
                    help="measured exchanges after one warm-up (default 7; at most 19: a daemon reports its last 20)")
-    p.add_argument("--cipher", choices=["auto", "aes-256-gcm", "chacha20-poly1305"], default="auto")
+    p.add_argument("--cipher", choices=["auto", *CIPHERS], default="auto",
+                   help="session cipher (default auto: the fastest on this machine)")
     p.add_argument("--chunk", default="1MiB", help="tensor chunk (frame) size (default 1MiB)")
     p.add_argument("--codec", choices=["raw", "float16", "q8"], default="raw",
                    help="gossip codec (default raw: float32 bytes as they are)")

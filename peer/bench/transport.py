@@ -22,11 +22,14 @@ import subprocess
 import sys
 import time
 
+from protocol.cipher import CIPHERS
+
 
 def add_arguments(p) -> None:
     p.add_argument("--size", default="64MiB", help="tensor size (e.g. 64MiB, 1GiB); default 64MiB")
     p.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up (default 5)")
-    p.add_argument("--cipher", choices=["auto", "aes-256-gcm", "chacha20-poly1305"], default="auto")
+    p.add_argument("--cipher", choices=["auto", *CIPHERS], default="auto",
+                   help="session cipher (default auto: the fastest on this machine)")
     p.add_argument("--chunk", default="1MiB", help="frame size for tensor chunks (default 1MiB)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child side of the benchmark
