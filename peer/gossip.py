@@ -50,7 +50,7 @@ from protocol.errors import ProtocolError
 from protocol.limits import WireLimits
 from protocol.schema.gossip import (
     AverageAbort, AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsReply, ParamsRequest, TensorSpec)
-from protocol.tensor_codec import TensorDecoder, TensorEncoder
+from protocol.tensor_codec import FLOAT_DTYPES, TensorDecoder, TensorEncoder
 
 log = logging.getLogger("peertrain.gossip")
 
@@ -73,6 +73,10 @@ class SharedTensors:
             if not (t.flags.c_contiguous if isinstance(t, np.ndarray) else t.is_contiguous()):
                 raise ValueError(f"tensor {key!r} of group {name!r} is not contiguous: the engine updates it in "
                                  "place, so pass a contiguous one (np.ascontiguousarray / .contiguous())")
+            if _dtype_name(t) not in FLOAT_DTYPES:
+                raise ValueError(f"tensor {key!r} of group {name!r} is {_dtype_name(t)}: averaging adds fractional "
+                                 f"weights in place, so share only floating-point tensors ({', '.join(sorted(FLOAT_DTYPES))}); "
+                                 "keep counters such as BatchNorm's num_batches_tracked out of the group")
         self.name = name
         self.tensors = dict(tensors)
         self.lock = lock or threading.Lock()

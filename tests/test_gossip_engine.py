@@ -377,6 +377,21 @@ def test_a_group_refuses_a_non_contiguous_tensor():
         SharedTensors("g", {"w": np.zeros((4, 6), dtype=np.float32)[:, ::2]})
 
 
+
+def test_a_group_refuses_integer_tensors_with_a_reason():
+    """w * (b - a) cannot land in an integer tensor (numpy and torch both refuse the cast, mid-update):
+    refused when the trainer shares it, not at its first exchange."""
+    import pytest
+    import torch
+
+    with pytest.raises(ValueError, match=r"'steps' of group 'g' is int64: .*floating-point"):
+        SharedTensors("g", {"w": np.zeros(4, np.float32), "steps": np.zeros(1, np.int64)})
+    with pytest.raises(ValueError, match="num_batches_tracked"):
+        SharedTensors("g", {"n": torch.zeros(1, dtype=torch.int64)})
+    for dtype in (np.float16, np.float32, np.float64):
+        SharedTensors("g", {"w": np.zeros(4, dtype)})
+    SharedTensors("g", {"w": torch.zeros(4, dtype=torch.bfloat16)})
+
 def test_bfloat16_tensors_which_numpy_cannot_view_use_the_torch_update():
     import torch
 
