@@ -100,7 +100,8 @@ def _print_result(rows: list[dict]) -> None:
     target = trs[0].get("target_accuracy") or 0
     console.print(f"[bold green]training finished[/]: {len(reached)}/{len(trs)} peers reached the {target * 100:.0f}% "
                   f"target (slowest after {max((t['seconds_to_target'] for t in reached), default=0):.1f}s of training); "
-                  f"final held-out accuracy min {min(accs) * 100:.2f}% / mean {sum(accs) / len(accs) * 100:.2f}%")
+                  f"held-out accuracy of the final models (an exchange landing after a peer's target check can move "
+                  f"its model a little): min {min(accs) * 100:.2f}% / mean {sum(accs) / len(accs) * 100:.2f}%")
     console.print(f"export a model with: peer export --home {live[0]['home']} model.pt")
 
 
