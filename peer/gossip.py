@@ -50,6 +50,7 @@ from protocol.errors import ProtocolError
 from protocol.limits import WireLimits
 from protocol.schema.gossip import (
     AverageAbort, AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsReply, ParamsRequest, TensorSpec)
+from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
 from protocol.tensor_codec import FLOAT_DTYPES, TensorDecoder, TensorEncoder
 
 log = logging.getLogger("peertrain.gossip")
@@ -83,7 +84,7 @@ class SharedTensors:
         self.step = 0  # the trainer's step, shared in offers so late joiners can tell who is ahead
         self.is_torch = not all(isinstance(t, np.ndarray) for t in self.tensors.values())
         self.specs = [TensorSpec(name=k, dtype=_dtype_name(t), shape=list(t.shape)) for k, t in self.tensors.items()]
-        self.nbytes = sum(int(np.prod(s.shape)) * _itemsize(s.dtype) for s in self.specs)
+        self.nbytes = sum(int(np.prod(s.shape)) * TENSOR_DTYPES[s.dtype].itemsize for s in self.specs)
         self.last_distance: float | None = None  # ||x_other - x_own|| / ||x_own|| at the last exchange
         self._spare: list[list[Any]] = []  # CPU buffers shaped like `tensors`, reused by snapshot()
         self._spare_lock = threading.Lock()
@@ -231,10 +232,6 @@ def _fits(buf: Any, t: Any) -> bool:
                 and buf.flags.c_contiguous and buf.flags.writeable)
     return (not isinstance(buf, np.ndarray) and buf.dtype == t.dtype and tuple(buf.shape) == tuple(t.shape)
             and buf.device.type == "cpu" and buf.is_contiguous())
-
-
-def _itemsize(dtype: str) -> int:
-    return {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1}.get(dtype, 4)
 
 
 @dataclass
