@@ -470,3 +470,59 @@ def test_a_far_slower_link_no_swap_can_replace_is_shed():
     assert after.is_connected() and min(after.degree(x) for x in "abcdef") == cfg.min_degree
     assert m.predicted_round_time_after < 0.1 * m.predicted_round_time_before
     assert plan_move(view_with(200e6), "a", cfg, np.random.default_rng(0)) is None
+
+
+def test_link_stats_average_in_log_space_and_track_their_spread():
+    """Probe noise is multiplicative, so the mean is taken in log space: a probe 3000x too fast moves it
+    as little as one 3000x too slow (an arithmetic mean of bandwidth follows the fast one 900x);
+    steady samples shrink the standard error, scattered ones grow it."""
+    from peer.topology.links import PRIOR_LOG_SD, LinkStats
+
+    def probe_at(st: LinkStats, bps: float) -> None:
+        st.add_probe(1 << 20, (1 << 20) * 8 / bps, 0.0)
+
+    steady, scattered = LinkStats(), LinkStats()
+    assert steady.estimate() == LinkEstimate() and steady.log_se == pytest.approx(PRIOR_LOG_SD)
+    for i in range(12):
+        probe_at(steady, 1e9)
+        probe_at(scattered, 1e9 * (30.0 if i % 2 else 1 / 30.0))
+    assert steady.bandwidth_bps == pytest.approx(1e9)
+    assert steady.log_se < 0.1 < PRIOR_LOG_SD < scattered.log_se
+    assert steady.estimate().log_se == steady.log_se
+    for factor in (3000.0, 1 / 3000.0):  # one probe 3000x off, either way, moves the mean 3000^0.3 = 11x
+        outlier = LinkStats()
+        for _ in range(5):
+            probe_at(outlier, 1e9)
+        probe_at(outlier, 1e9 * factor)
+        assert outlier.bandwidth_bps == pytest.approx(1e9 * factor ** 0.3)  # arithmetic, x3000 gave 900x
+    assert LinkEstimate(5.0, None, 0.2).combine(LinkEstimate(7.0, 0.01, 0.5)) == LinkEstimate(5.0, 0.01, 0.5)
+    with pytest.raises(ValueError, match="log_se"):
+        LinkEstimate(1e9, 0.001, -1.0)
+
+
+def test_a_speed_swap_must_clear_both_links_noise():
+    """The same 10x faster candidate is a speed swap when both figures are steady, and not when they
+    are too scattered to tell 10x apart (a busy host); a 100x slower link is swapped out either way."""
+    ids = names(12)
+    view = GraphView.from_edges(ids, random_regular(ids, 4, 3))
+    me = ids[0]
+    other = sorted(view.neighbours(me))[0]
+    far = next(n for n in ids if n != me and n not in view.neighbours(me) and view.degree(n) <= 4)
+    cfg = RewireConfig(shard_bytes=10_000_000)
+
+    def plan(old_bps: float, se: float) -> Move | None:
+        links = {e: LinkEstimate(1e9, 0.0005, se) for e in view.edges}
+        links[edge_key(me, other)] = LinkEstimate(old_bps, 0.0005, se)
+        v = GraphView(view.nodes, view.edges, links)
+        cands = {far: LinkEstimate(1e9, 0.0005, se)}
+        return plan_move(v, me, cfg, np.random.default_rng(0), candidates_measured=cands)
+
+    m = plan(1e8, 0.05)
+    assert m is not None and m.reason.startswith("speed") and (m.drop, m.add) == (other, far)
+    m = plan(1e8, 0.8)  # e^(1.5 * 0.8) = 3.3 either side: 10x is inside the noise
+    assert m is None or not m.reason.startswith("speed")
+    m = plan(1e7, 0.8)
+    assert m is not None and m.reason.startswith("speed") and m.drop == other
+    assert RewireConfig(shard_bytes=1, confidence=0.0).confidence == 0.0
+    with pytest.raises(ValueError, match="confidence"):
+        RewireConfig(shard_bytes=1, confidence=-1.0)

@@ -56,15 +56,20 @@ class LinkEstimate:
 
     bandwidth_bps: float | None = None
     rtt_s: float | None = None
+    log_se: float = 0.0
+    """Standard error of log(bandwidth): how far the measurer trusts its own figure (0: taken as exact).
+    Only this peer's own measurements carry one; figures from others' records do not."""
 
     def __post_init__(self) -> None:
         if self.bandwidth_bps is not None and not self.bandwidth_bps > 0:
             raise ValueError(f"bandwidth must be > 0 bytes/s, got {self.bandwidth_bps}")
         if self.rtt_s is not None and not self.rtt_s >= 0:
             raise ValueError(f"rtt must be >= 0 s, got {self.rtt_s}")
+        if not self.log_se >= 0:
+            raise ValueError(f"log_se must be >= 0, got {self.log_se}")
 
     def combine(self, other: LinkEstimate) -> LinkEstimate:
-        """Merge two ends' reports pessimistically: min bandwidth, max rtt.
+        """Merge two ends' reports pessimistically: min bandwidth, max rtt, the larger uncertainty.
 
         Links are often asymmetric (upload is slower than download) and an exchange
         moves a shard both ways, so the slower direction is the one that counts.
@@ -72,6 +77,7 @@ class LinkEstimate:
         return LinkEstimate(
             bandwidth_bps=_min_opt(self.bandwidth_bps, other.bandwidth_bps),
             rtt_s=_max_opt(self.rtt_s, other.rtt_s),
+            log_se=max(self.log_se, other.log_se),
         )
 
     def transfer_time(
