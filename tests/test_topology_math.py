@@ -526,3 +526,29 @@ def test_a_speed_swap_must_clear_both_links_noise():
     assert RewireConfig(shard_bytes=1, confidence=0.0).confidence == 0.0
     with pytest.raises(ValueError, match="confidence"):
         RewireConfig(shard_bytes=1, confidence=-1.0)
+
+
+def test_a_slow_host_keeps_its_edges_to_well_linked_peers():
+    """Two hosts behind slow links of their own look equally slow on every edge, the one joining them
+    included; but what reaches the other slow host travels on slowly, so that edge is the one shed,
+    and a slow host looking for a neighbour picks a well-linked one."""
+    fast = [f"f{i}" for i in range(6)]
+    edges = [(a, b) for a, b in random_regular(fast, 3, 1)] + [("s1", "s2"), ("s1", "f0"), ("s1", "f1"),
+                                                               ("s2", "f2"), ("s2", "f3")]
+    nodes = frozenset(fast) | {"s1", "s2"}
+
+    def link(a: str, b: str) -> LinkEstimate:
+        return LinkEstimate(20e6 if {a, b} & {"s1", "s2"} else 1e9, 0.001)
+
+    view = GraphView(nodes, frozenset(edge_key(a, b) for a, b in edges),
+                     {edge_key(a, b): link(a, b) for a in nodes for b in nodes if a < b})
+    cfg = RewireConfig(shard_bytes=2 << 20, target_degree=3, min_degree=2, max_degree=4)
+    for seed in range(8):
+        m = plan_move(view, "s1", cfg, np.random.default_rng(seed), candidates_measured={})
+        assert m is not None and m.kind == "drop" and m.drop == "s2", m
+    lonely = view.without_edge("s1", "f0").without_edge("s1", "f1")  # s1 below min_degree
+    for seed in range(8):
+        cands = {n: link("s1", n) for n in ("s2", "f4", "f5") if n not in lonely.neighbours("s1")}
+        m = plan_move(lonely.without_edge("s1", "s2"), "s1", cfg, np.random.default_rng(seed),
+                      candidates_measured={**cands, "s2": link("s1", "s2")})
+        assert m is not None and m.kind == "add" and m.add in ("f4", "f5"), m

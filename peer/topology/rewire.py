@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -168,10 +168,22 @@ class _Scene:
     typical_time: float  # median predicted time of the view's edges (0 with none)
     gap: float
     components: int
+    _onward: dict[tuple[str, str | None], float] = field(default_factory=dict, compare=False)
 
     def time(self, link: LinkEstimate) -> float:
         c = self.cfg
         return link.transfer_time(c.shard_bytes, c.default_bandwidth_bps, c.default_rtt_s)
+
+    def onward(self, node: str, exclude: str | None = None) -> float:
+        """Median predicted time of `node`'s edges (but the one to `exclude`): how fast what reaches it
+        travels on. A peer behind a slow link of its own passes things on slowly whatever edge they
+        came by, so an edge to it is worth less than an equally fast-looking edge to a well-linked
+        peer; two slow hosts linked to each other mix with the swarm only through their other edges."""
+        key = (node, exclude)
+        if key not in self._onward:
+            ts = [self.time(self.view.link(node, m)) for m in self.view.neighbours(node) if m != exclude]
+            self._onward[key] = float(np.median(ts)) if ts else 0.0
+        return self._onward[key]
 
     def margin(self, link: LinkEstimate) -> float:
         """Factor by which `link`'s time may be off, at the configured confidence (1: exact)."""
@@ -236,17 +248,19 @@ def _candidates(
 
 
 def _by_speed_then_far(
-    s: _Scene, cands: list[_Candidate], rng: np.random.Generator
+    s: _Scene, cands: list[_Candidate], rng: np.random.Generator, *, onward: bool = False
 ) -> list[_Candidate]:
     """Fastest first; among similar speeds the farthest, then the least connected.
 
     Far peers shorten paths (raising the gap); low-degree peers keep degrees
     balanced, since every swap moves one edge end from the dropped peer to them.
+    With `onward`, speed is the link's time plus the candidate's `onward` time.
     """
     step = s.cfg.min_improvement
     return sorted(
         _shuffled(cands, rng),
-        key=lambda c: (_bucket(c.time, step), -c.hops, s.view.degree(c.node)),
+        key=lambda c: (_bucket(c.time + (s.onward(c.node) if onward else 0.0), step), -c.hops,
+                       s.view.degree(c.node)),
     )
 
 
@@ -255,16 +269,21 @@ def _my_edges_slowest_first(s: _Scene, rng: np.random.Generator) -> list[tuple[s
     return sorted(_shuffled(edges, rng), key=lambda e: -e[1])
 
 
+def _my_edges_costliest_first(s: _Scene, rng: np.random.Generator) -> list[tuple[str, float]]:
+    """My edges by link time plus the other end's `onward` time, the costliest first."""
+    edges = [(m, s.time(s.view.link(s.me, m))) for m in sorted(s.view.neighbours(s.me))]
+    return sorted(_shuffled(edges, rng), key=lambda e: -(e[1] + s.onward(e[0], exclude=s.me)))
+
+
 def _drop_slowest(s: _Scene, rng: np.random.Generator, *, keep: int, why: str,
                   slower_than: float = -math.inf) -> Move | None:
-    """Drop my slowest edge (slower than `slower_than` seconds even at its best, within its margin)
-    whose other end keeps more than `keep` neighbours, if the gap rule allows."""
+    """Drop my costliest edge (see `_my_edges_costliest_first`) that is slower than `slower_than`
+    seconds even at its best, within its margin, and whose other end keeps more than `keep`
+    neighbours, if the gap rule allows."""
     view, cfg = s.view, s.cfg
-    for other, t in _my_edges_slowest_first(s, rng):
-        if t <= slower_than:
-            return None  # the rest are faster still
+    for other, t in _my_edges_costliest_first(s, rng):
         if t / s.margin(view.link(s.me, other)) <= slower_than:
-            continue  # slow-looking, but not beyond its noise
+            continue  # not slow enough, or not beyond its noise
         if view.degree(other) <= keep:
             continue
         scored = s.score(view.without_edge(s.me, other))
@@ -280,7 +299,7 @@ def _plan_drop(s: _Scene, rng: np.random.Generator) -> Move | None:
 
 
 def _plan_trim(s: _Scene, rng: np.random.Generator) -> Move | None:
-    """Above target: drop my slowest edge to a neighbour also above target (both move towards it).
+    """Above target: drop my costliest edge to a neighbour also above target (both move towards it).
 
     Without this, swaps and below-target adds ratchet degrees up to max_degree, and MH weights
     1/(1 + max degree) shrink with them: every D-PSGD exchange then mixes less (one-neighbour
@@ -292,7 +311,7 @@ def _plan_trim(s: _Scene, rng: np.random.Generator) -> Move | None:
 
 
 def _plan_add(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> Move | None:
-    """Add the fastest (then farthest) candidate.
+    """Add the fastest (then farthest) candidate, counting its `onward` time as well.
 
     Below `min_degree` robustness comes first and any candidate will do. Between
     min and target, an add must not create a new straggler (link time above the
@@ -300,7 +319,7 @@ def _plan_add(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> M
     """
     view, cfg = s.view, s.cfg
     urgent = view.degree(s.me) < cfg.min_degree
-    for n, est, t, _ in _by_speed_then_far(s, cands, rng)[: cfg.max_evaluations]:
+    for n, est, t, _ in _by_speed_then_far(s, cands, rng, onward=True)[: cfg.max_evaluations]:
         if not urgent and s.round_time > 0 and t > min(s.round_time, cfg.straggler_factor * s.typical_time):
             continue  # above min_degree a link much slower than the usual one costs more than it mixes
         scored = s.score(view.with_edge(s.me, n, est))
@@ -363,7 +382,7 @@ def _plan_swap(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> 
 
 
 def _plan_shed(s: _Scene, rng: np.random.Generator) -> Move | None:
-    """Drop my slowest link if it is far slower than the usual one, keeping both ends above min_degree
+    """Drop a link far slower than the usual one (the costliest such), keeping both ends above min_degree
     (like `_plan_add`'s straggler bar: above min_degree such a link costs more than it mixes)."""
     cfg = s.cfg
     if s.view.degree(s.me) <= cfg.min_degree or s.typical_time <= 0:
