@@ -350,7 +350,10 @@ def test_plan_move_never_disconnects_or_breaks_degree_bounds():
         assert after.component_count() <= view.component_count()
         assert len(after.edges) - len(view.edges) == {"add": 1, "drop": -1, "swap": 0}[move.kind]
         for x in ids:
-            assert after.degree(x) >= min(view.degree(x), cfg.min_degree)
+            if move.drop_below_min and x == move.drop:  # a relink: one below min_degree at most, never 0
+                assert after.degree(x) >= max(1, min(view.degree(x), cfg.min_degree) - 1)
+            else:
+                assert after.degree(x) >= min(view.degree(x), cfg.min_degree)
         if move.add is not None:
             assert after.degree(move.add) <= cfg.max_degree and move.add != me
             if probes is not None:
@@ -552,3 +555,36 @@ def test_a_slow_host_keeps_its_edges_to_well_linked_peers():
         m = plan_move(lonely.without_edge("s1", "s2"), "s1", cfg, np.random.default_rng(seed),
                       candidates_measured={**cands, "s2": link("s1", "s2")})
         assert m is not None and m.kind == "add" and m.add in ("f4", "f5"), m
+
+
+def test_two_slow_hosts_linked_to_each_other_relink_to_well_linked_peers():
+    """fast - s1 - s2 - fast with both slow hosts at min_degree: no shed or swap may drop s1-s2 (it would
+    leave s2 below min_degree), so s1 relinks to a fast peer, leaving s2 one below min for a moment;
+    s2 then adds a fast peer too. A well-linked peer never relinks, and neither does a slow host whose
+    neighbours are all well linked."""
+    fast = [f"f{i}" for i in range(6)]
+    edges = [(a, b) for a, b in random_regular(fast, 4, 1)] + [("s1", "s2"), ("s1", "f0"), ("s2", "f1")]
+    nodes = frozenset(fast) | {"s1", "s2"}
+
+    def link(a: str, b: str) -> LinkEstimate:
+        return LinkEstimate(20e6 if {a, b} & {"s1", "s2"} else 1e9, 0.001)
+
+    def probes(me: str, v: GraphView) -> dict[str, LinkEstimate]:
+        return {n: link(me, n) for n in nodes if n != me and n not in v.neighbours(me)}
+
+    view = GraphView(nodes, frozenset(edge_key(a, b) for a, b in edges),
+                     {edge_key(a, b): link(a, b) for a in nodes for b in nodes if a < b})
+    cfg = RewireConfig(shard_bytes=2 << 20, target_degree=4, min_degree=2, max_degree=6)
+    m = plan_move(view, "s1", cfg, np.random.default_rng(0), probes("s1", view))
+    assert m is not None and m.kind == "swap" and m.drop == "s2" and m.add.startswith("f"), m
+    assert m.drop_below_min and m.reason.startswith("relink")
+    gap0, view = graph_spectral_gap(view), apply_move(view, "s1", m)
+    assert view.degree("s2") == 1
+    m = plan_move(view, "s2", cfg, np.random.default_rng(0), probes("s2", view))
+    assert m is not None and m.kind == "add" and m.add.startswith("f"), m
+    view = apply_move(view, "s2", m)
+    assert not view.has_edge("s1", "s2") and view.degree("s1") == view.degree("s2") == 2
+    assert graph_spectral_gap(view) > 1.2 * gap0
+    for me in sorted(nodes):
+        m = plan_move(view, me, cfg, np.random.default_rng(0), probes(me, view))
+        assert m is None or not m.drop_below_min, m

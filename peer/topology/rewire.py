@@ -11,6 +11,9 @@ refuse (their view may differ). Moves, in priority order:
              the noise of both estimates: see `confidence`) or for
              mixing (the spectral gap grows by >= `min_improvement`, relative, and
              the new link is no slower than the old one);
+  * relink -- (a swap) I sit behind a slow link of my own and so does a
+             neighbour: replace that edge by one to a well-linked peer, even if the
+             neighbour falls one below `min_degree` (see `_plan_relink`);
   * shed  -- (a drop) no swap helps, yet my slowest link is far slower than the
              rest (over `shed_factor` times the median edge): drop it while both
              ends stay above `min_degree`. Without it a peer whose every fast
@@ -34,7 +37,8 @@ therefore cannot erode mixing, while real stragglers can always be removed as lo
 as the floor holds.
 
 Invariants of every planned move: the number of connected components does not
-grow, no endpoint of a dropped edge falls below `min_degree`, and no added peer
+grow, no endpoint of a dropped edge falls below `min_degree` (a relink's dropped
+neighbour: below it by one at most, never to zero), and no added peer
 goes above `max_degree`. Candidate order is shuffled with the caller's rng before a
 stable sort, so peers with identical views break ties differently and do not all
 chase the same candidate in lockstep.
@@ -133,6 +137,8 @@ class Move:
     reason: str
     add_link: LinkEstimate | None = None
     """The estimate the plan assumed for the new link (attach it when applying)."""
+    drop_below_min: bool = False
+    """A relink: the dropped neighbour may fall one below min_degree (it re-adds at once)."""
 
 
 def gap_acceptable(gap_before: float, gap_after: float, link_gain: float, cfg: RewireConfig) -> bool:
@@ -198,8 +204,10 @@ class _Scene:
         return rt, graph_spectral_gap(after)
 
     def move(self, kind: MoveKind, drop: str | None, add: str | None,
-             scored: tuple[float, float], reason: str, link: LinkEstimate | None = None) -> Move:
-        return Move(kind, drop, add, self.round_time, scored[0], self.gap, scored[1], reason, link)
+             scored: tuple[float, float], reason: str, link: LinkEstimate | None = None,
+             drop_below_min: bool = False) -> Move:
+        return Move(kind, drop, add, self.round_time, scored[0], self.gap, scored[1], reason, link,
+                    drop_below_min)
 
 
 class _Candidate(NamedTuple):
@@ -381,6 +389,42 @@ def _plan_swap(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> 
     return None
 
 
+def _plan_relink(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> Move | None:
+    """Replace my edge to a neighbour that, like me, sits behind a slow link of its own.
+
+    Such an edge carries nothing either end can pass on quickly: in `peer bench gossip --netns
+    --slow-links 2` two slow hosts kept at min_degree that way mix with the swarm through one fast
+    peer each, a path fast - slow - slow - fast; in a model of the averaging, that structure took
+    1.6x as long to consensus as each slow host linked to two fast peers. Sheds and swaps cannot
+    remove it when both ends sit at min_degree, since a drop must leave the other end there. A
+    relink may leave it one below (never without neighbours): a peer below min_degree plans an add
+    at once, and `_plan_add` ranks candidates by `onward` time, so it picks a well-linked peer.
+    Slow means over `straggler_factor` times the median edge, for my edges, the neighbour's other
+    edges and my link to it alike; the new neighbour's other edges must not be slow.
+    """
+    view, cfg, me = s.view, s.cfg, s.me
+    if s.typical_time <= 0 or not cands:
+        return None
+    slow = cfg.straggler_factor * s.typical_time
+    if s.onward(me) < slow:
+        return None  # I am well linked: my slow edges are for sheds and swaps
+    for other in _shuffled(sorted(view.neighbours(me)), rng):
+        t_old = s.time(view.link(me, other))
+        if (view.degree(other) < max(2, cfg.min_degree) or s.onward(other, exclude=me) < slow
+                or t_old / s.margin(view.link(me, other)) < slow):
+            continue
+        for n, est, t_new, _ in _by_speed_then_far(s, cands, rng, onward=True)[: cfg.max_evaluations]:
+            if s.onward(n) >= slow or t_new > t_old * s.margin(view.link(me, other)) * s.margin(est):
+                continue  # another slow peer, or a link slower beyond the noise
+            scored = s.score(view.without_edge(me, other).with_edge(me, n, est))
+            if scored is None or scored[1] < min(cfg.gap_floor, s.gap):
+                continue
+            return s.move("swap", other, n, scored,
+                          f"relink: {other} is behind a slow link too ({s.onward(other, exclude=me):.3g} s "
+                          f"onward) -> {n} ({s.onward(n):.3g} s onward)", est, drop_below_min=True)
+    return None
+
+
 def _plan_shed(s: _Scene, rng: np.random.Generator) -> Move | None:
     """Drop a link far slower than the usual one (the costliest such), keeping both ends above min_degree
     (like `_plan_add`'s straggler bar: above min_degree such a link costs more than it mixes)."""
@@ -422,6 +466,8 @@ def plan_move(
         return m
     cands = _candidates(s, candidates_measured)
     if degree < cfg.target_degree and (m := _plan_add(s, cands, rng)) is not None:
+        return m
+    if (m := _plan_relink(s, cands, rng)) is not None:
         return m
     if (m := _plan_swap(s, cands, rng)) is not None:
         return m

@@ -339,8 +339,9 @@ class TopologyService:
             ok = await self.add_edge(move.add, move.reason)
         if ok and move.drop is not None:
             # never drop an edge that would leave the neighbour below min degree as far as we know
+            # (a relink: below it by one at most, never without neighbours)
             nd = self.neighbours.get(move.drop)
-            if nd is None or view.degree(move.drop) > self.cfg.min_degree:
+            if nd is None or view.degree(move.drop) > (1 if move.drop_below_min else self.cfg.min_degree):
                 await self.drop_edge(move.drop, move.reason)
         if ok:
             self.moves += 1
