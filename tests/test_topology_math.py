@@ -560,8 +560,9 @@ def test_a_slow_host_keeps_its_edges_to_well_linked_peers():
 def test_two_slow_hosts_linked_to_each_other_relink_to_well_linked_peers():
     """fast - s1 - s2 - fast with both slow hosts at min_degree: no shed or swap may drop s1-s2 (it would
     leave s2 below min_degree), so s1 relinks to a fast peer, leaving s2 one below min for a moment;
-    s2 then adds a fast peer too. A well-linked peer never relinks, and neither does a slow host whose
-    neighbours are all well linked."""
+    s2 then adds a fast peer too. A well-linked peer never relinks, neither does a slow host whose
+    neighbours are all well linked, and no mixing swap links the slow hosts again (the two least
+    linked peers: the spectral gap alone favours that edge)."""
     fast = [f"f{i}" for i in range(6)]
     edges = [(a, b) for a, b in random_regular(fast, 4, 1)] + [("s1", "s2"), ("s1", "f0"), ("s2", "f1")]
     nodes = frozenset(fast) | {"s1", "s2"}
@@ -586,5 +587,28 @@ def test_two_slow_hosts_linked_to_each_other_relink_to_well_linked_peers():
     assert not view.has_edge("s1", "s2") and view.degree("s1") == view.degree("s2") == 2
     assert graph_spectral_gap(view) > 1.2 * gap0
     for me in sorted(nodes):
-        m = plan_move(view, me, cfg, np.random.default_rng(0), probes(me, view))
-        assert m is None or not m.drop_below_min, m
+        for seed in range(4):
+            m = plan_move(view, me, cfg, np.random.default_rng(seed), probes(me, view))
+            assert m is None or not m.drop_below_min, m
+            assert m is None or {me, m.add} != {"s1", "s2"}, m  # the gap alone would pair them up again
+
+
+def test_no_mixing_swap_pairs_two_slow_hosts():
+    """Each slow host linked to two fast peers: replacing one of s1's fast edges by s1-s2 raises the
+    spectral gap (it links the two least-linked peers), but what reaches s2 travels on slowly, so no
+    mixing swap may make it (before the onward check, 3 of 4 seeds did)."""
+    fast = [f"f{i}" for i in range(6)]
+    nodes = frozenset(fast) | {"s1", "s2"}
+    edges = list(random_regular(fast, 4, 2)) + [("s1", "f0"), ("s1", "f1"), ("s2", "f2"), ("s2", "f3")]
+
+    def link(a: str, b: str) -> LinkEstimate:
+        return LinkEstimate(20e6 if {a, b} & {"s1", "s2"} else 1e9, 0.001)
+
+    view = GraphView(nodes, frozenset(edge_key(a, b) for a, b in edges),
+                     {edge_key(a, b): link(a, b) for a in nodes for b in nodes if a < b})
+    assert graph_spectral_gap(view.without_edge("s1", "f0").with_edge("s1", "s2")) > 1.05 * graph_spectral_gap(view)
+    cfg = RewireConfig(shard_bytes=2 << 20, target_degree=4, min_degree=2, max_degree=6)
+    probes = {n: link("s1", n) for n in nodes if n != "s1" and n not in view.neighbours("s1")}
+    for seed in range(4):
+        m = plan_move(view, "s1", cfg, np.random.default_rng(seed), probes)
+        assert m is None or m.add != "s2", m

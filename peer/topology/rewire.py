@@ -10,7 +10,8 @@ refuse (their view may differ). Moves, in priority order:
              for speed (the replaced link gets >= `speed_improvement` faster, beyond
              the noise of both estimates: see `confidence`) or for
              mixing (the spectral gap grows by >= `min_improvement`, relative, and
-             the new link is no slower than the old one);
+             the new link is no slower than the old one, nor its peer's onward
+             time: see `_Scene.onward`);
   * relink -- (a swap) I sit behind a slow link of my own and so does a
              neighbour: replace that edge by one to a well-linked peer, even if the
              neighbour falls one below `min_degree` (see `_plan_relink`);
@@ -370,11 +371,14 @@ def _plan_swap(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> 
             return s.move("swap", other, n, scored,
                           f"speed: {other} ({t_old:.3g} s) -> {n} ({t_new:.3g} s), {gain:.0%} faster", est)
 
-    # Mixing: a link no slower than the one it replaces, to a far peer, raising the gap.
+    # Mixing: a link no costlier than the one it replaces (its time plus the peer's onward time: else
+    # the gap, which favours linking the two least-linked peers, pairs up slow hosts), to a far peer,
+    # raising the gap.
     far_first = sorted(_shuffled(cands, rng), key=lambda c: (-c.hops, view.degree(c.node)))
     for other, t_old in droppable:
+        cost_old = t_old + s.onward(other, exclude=me)
         for n, est, t_new, _ in far_first:
-            if t_new > t_old:
+            if t_new > t_old or t_new + s.onward(n) > cost_old:
                 continue
             if budget <= 0:
                 return None
