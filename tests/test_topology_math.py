@@ -612,3 +612,24 @@ def test_no_mixing_swap_pairs_two_slow_hosts():
     for seed in range(4):
         m = plan_move(view, "s1", cfg, np.random.default_rng(seed), probes)
         assert m is None or m.add != "s2", m
+
+
+def test_a_well_linked_peer_with_slow_neighbours_never_relinks():
+    """f0 links two slow hosts and two fast peers: its median edge is slow, its fastest is not, so it
+    is not behind a slow link and must not relink away from a slow host (that left the slow host one
+    below min_degree, again and again, in `peer bench gossip --netns --slow-links 2`)."""
+    fast = [f"f{i}" for i in range(6)]
+    nodes = frozenset(fast) | {"s1", "s2"}
+    edges = [("f0", "f1"), ("f0", "f2"), ("f1", "f2"), ("f1", "f3"), ("f2", "f4"), ("f3", "f4"), ("f3", "f5"),
+             ("f4", "f5"), ("f5", "f1"), ("s1", "f0"), ("s1", "f3"), ("s2", "f0"), ("s2", "f4")]
+
+    def link(a: str, b: str) -> LinkEstimate:
+        return LinkEstimate(20e6 if {a, b} & {"s1", "s2"} else 1e9, 0.001)
+
+    view = GraphView(nodes, frozenset(edge_key(a, b) for a, b in edges),
+                     {edge_key(a, b): link(a, b) for a in nodes for b in nodes if a < b})
+    cfg = RewireConfig(shard_bytes=2 << 20, target_degree=4, min_degree=2, max_degree=6)
+    probes = {n: link("f0", n) for n in nodes if n != "f0" and n not in view.neighbours("f0")}
+    for seed in range(8):
+        m = plan_move(view, "f0", cfg, np.random.default_rng(seed), probes)
+        assert m is None or not m.drop_below_min, m

@@ -192,6 +192,13 @@ class _Scene:
             self._onward[key] = float(np.median(ts)) if ts else 0.0
         return self._onward[key]
 
+    def fastest(self, node: str, exclude: str | None = None) -> float:
+        """Predicted time of `node`'s fastest edge (but the one to `exclude`; inf with none). A peer
+        whose fastest edge is slow sits behind a slow link of its own; a well-linked peer with a few
+        slow neighbours has a slow median edge, but not a slow fastest one."""
+        return min((self.time(self.view.link(node, m)) for m in self.view.neighbours(node) if m != exclude),
+                   default=math.inf)
+
     def margin(self, link: LinkEstimate) -> float:
         """Factor by which `link`'s time may be off, at the configured confidence (1: exact)."""
         return math.exp(self.cfg.confidence * link.log_se)
@@ -403,18 +410,20 @@ def _plan_relink(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -
     remove it when both ends sit at min_degree, since a drop must leave the other end there. A
     relink may leave it one below (never without neighbours): a peer below min_degree plans an add
     at once, and `_plan_add` ranks candidates by `onward` time, so it picks a well-linked peer.
-    Slow means over `straggler_factor` times the median edge, for my edges, the neighbour's other
-    edges and my link to it alike; the new neighbour's other edges must not be slow.
+    Slow means over `straggler_factor` times the median edge of the view: my fastest edge, the
+    neighbour's fastest other edge and my link to it must all be slow (a well-linked peer with slow
+    neighbours has a slow median edge, and relinking from it only took edges from slow hosts), and
+    the new neighbour's `onward` time must not be.
     """
     view, cfg, me = s.view, s.cfg, s.me
     if s.typical_time <= 0 or not cands:
         return None
     slow = cfg.straggler_factor * s.typical_time
-    if s.onward(me) < slow:
+    if s.fastest(me) < slow:
         return None  # I am well linked: my slow edges are for sheds and swaps
     for other in _shuffled(sorted(view.neighbours(me)), rng):
         t_old = s.time(view.link(me, other))
-        if (view.degree(other) < max(2, cfg.min_degree) or s.onward(other, exclude=me) < slow
+        if (view.degree(other) < max(2, cfg.min_degree) or s.fastest(other, exclude=me) < slow
                 or t_old / s.margin(view.link(me, other)) < slow):
             continue
         for n, est, t_new, _ in _by_speed_then_far(s, cands, rng, onward=True)[: cfg.max_evaluations]:
