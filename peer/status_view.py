@@ -33,6 +33,13 @@ def human_duration(s: float | None) -> str:
     return f"{s // 3600:.0f}h{(s % 3600) // 60:02.0f}m"
 
 
+def _mbit(n: dict) -> str:
+    """A neighbour's measured bandwidth in Mbit/s, with the factor it is good to (one standard error)."""
+    mbit = f"{n['bandwidth_bps'] / 1e6:.0f}"
+    spread = n.get("bandwidth_spread")
+    return f"{mbit} ×÷{spread:.1f}" if spread else mbit
+
+
 def sparkline(values: list[float], width: int = 24) -> str:
     vals = [v for v in values if v is not None][-width:]
     if not vals:
@@ -68,7 +75,7 @@ def render_status(st: dict):
         row = [p["peer_id"][:8], p["address"], state, rtt, human_bytes(p["bytes_in"]), human_bytes(p["bytes_out"]), seen]
         if nbrs:
             n = nbrs.get(p["peer_id"])
-            row += [f"{n['weight']:.3f}" if n else "", f"{n['bandwidth_bps'] / 1e6:.0f}" if n and n.get("bandwidth_bps") else ""]
+            row += [f"{n['weight']:.3f}" if n else "", _mbit(n) if n and n.get("bandwidth_bps") else ""]
         table.add_row(*row)
     parts.append(table)
 

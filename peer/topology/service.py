@@ -14,6 +14,7 @@ neighbours with, small probes within a byte budget.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -403,7 +404,9 @@ class TopologyService:
             d = max(1, view.degree(pid) if pid in view.nodes else self.neighbours[pid].degree)
             st = self.link(pid)
             nbrs.append({"peer_id": pid, "weight": round(metropolis_weight(self.degree, d), 4), "degree": d,
-                         "bandwidth_bps": st.bandwidth_bps, "rtt_s": st.rtt_s})
+                         "bandwidth_bps": st.bandwidth_bps, "rtt_s": st.rtt_s,
+                         # the bandwidth is good to within this factor (one standard error) either way
+                         "bandwidth_spread": round(math.exp(st.log_se), 3) if st.bandwidth_bps else None})
         return {"kind": self.cfg.kind, "degree": self.degree, "neighbours": nbrs,
                 "self_weight": round(1 - sum(n["weight"] for n in nbrs), 4),
                 "view_nodes": len(view.nodes), "view_edges": len(view.edges), "spectral_gap": round(gap, 4),
