@@ -78,7 +78,9 @@ class LimitsSection:
 class TopologySection:
     kind: str = _f("rewired", "Gossip graph: rewired (adaptive), ring, exponential, random_regular or full.")
     target_degree: int = _f(4, "Neighbours each peer aims for.")
-    min_degree: int = _f(2, "A peer never drops an edge that leaves it or a neighbour below this.")
+    min_degree: int = _f(2, "A peer never drops an edge that leaves it or a neighbour below this (one exception: "
+                            "a relink, between two peers behind slow links of their own, may leave the other "
+                            "one below for a moment; it re-adds a well-linked peer at once).")
     max_degree: int = _f(8, "A peer refuses edges above this degree.")
     gap_floor: float = _f(0.05, "Rewiring never lets the spectral gap of the local view fall below this.")
     rewire_interval: float = _f(4.0, "Mean seconds between rewiring attempts (randomized).")
