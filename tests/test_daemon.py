@@ -162,5 +162,14 @@ def test_status_json_and_rich_output(cluster, tmp_path):
         assert key in p
     r = run_peer("status", "--home", str(a.home))
     assert r.returncode == 0 and "connected" in r.stdout and st["peer_id"] in r.stdout
+    # once the neighbour is probed, its bandwidth shows with the factor it is good to
+    wait_for(lambda: any(n.get("bandwidth_bps") for n in a.status()["topology"]["neighbours"]), timeout=30,
+             what="a probed neighbour")
+    n = next(n for n in a.status()["topology"]["neighbours"] if n.get("bandwidth_bps"))
+    assert n["bandwidth_spread"] >= 1.0
+    from peer.status_view import _mbit
+
+    assert _mbit(n) == f"{n['bandwidth_bps'] / 1e6:.0f} ×÷{n['bandwidth_spread']:.1f}"
+    assert _mbit({"bandwidth_bps": 9.5e8}) == "950"  # an older daemon's status has no spread
     r = run_peer("id", "--home", str(a.home))
     assert r.stdout.strip() == st["peer_id"]
