@@ -633,3 +633,72 @@ def test_a_well_linked_peer_with_slow_neighbours_never_relinks():
     for seed in range(8):
         m = plan_move(view, "f0", cfg, np.random.default_rng(seed), probes)
         assert m is None or not m.drop_below_min, m
+
+
+def _slow_host_view(edges: list[tuple[str, str]], slow: set[str], extra: frozenset[str] = frozenset()):
+    nodes = frozenset(x for e in edges for x in e) | extra
+
+    def link(a: str, b: str) -> LinkEstimate:
+        return LinkEstimate(20e6 if {a, b} & slow else 1e9, 0.001)
+
+    view = GraphView(nodes, frozenset(edge_key(a, b) for a, b in edges),
+                     {edge_key(a, b): link(a, b) for a in nodes for b in nodes if a < b})
+    return view, link
+
+
+def test_relinks_planned_at_once_never_strand_a_peer_or_pick_an_unlinked_one():
+    """s1 - s2 - s3, all slow, s1 and s3 with a fast peer each: both would drop s2 on the same view, and
+    s2 would be left with nothing; so neither may (s2 itself may relink). A peer nobody is linked to
+    yet passes nothing on, so no relink (nor the urgent add after it) takes it for a well-linked one."""
+    fast = [f"f{i}" for i in range(6)]
+    edges = list(random_regular(fast, 4, 1)) + [("s1", "s2"), ("s2", "s3"), ("s1", "f0"), ("s3", "f1")]
+    view, link = _slow_host_view(edges, {"s1", "s2", "s3"}, extra=frozenset({"new"}))
+    cfg = RewireConfig(shard_bytes=2 << 20, target_degree=4, min_degree=2, max_degree=6)
+
+    def probes(me: str) -> dict[str, LinkEstimate]:
+        return {n: link(me, n) for n in view.nodes if n != me and n not in view.neighbours(me)}
+
+    for seed in range(6):
+        for me in ("s1", "s3"):
+            m = plan_move(view, me, cfg, np.random.default_rng(seed), probes(me))
+            assert m is None or m.drop != "s2", m
+        m = plan_move(view, "s2", cfg, np.random.default_rng(seed), probes("s2"))
+        assert m is not None and m.drop_below_min and m.add.startswith("f"), m
+    pair, _ = _slow_host_view(list(random_regular(fast, 4, 1)) + [("s1", "s2"), ("s1", "f0"), ("s2", "f1")],
+                              {"s1", "s2"}, extra=frozenset({"new"}))
+    for seed in range(6):
+        m = plan_move(pair, "s1", cfg, np.random.default_rng(seed),
+                      {n: link("s1", n) for n in pair.nodes if n != "s1" and n not in pair.neighbours("s1")})
+        assert m is not None and m.drop == "s2" and m.add.startswith("f"), m
+
+
+def test_relink_property_random_graphs_with_slow_hosts():
+    """Random graphs where some peers sit behind slow links: every peer plans on the same view and all
+    the relinks are applied (the worst case of concurrent planning): a relink never leaves its dropped
+    neighbour without edges (alone, one below min_degree at most: the property test above), and
+    relinks do happen."""
+    rng = np.random.default_rng(7)
+    relinks = 0
+    for trial in range(120):
+        n = int(rng.integers(5, 13))
+        ids = [f"p{i:02d}" for i in range(n)]
+        slow = {p for p in ids if rng.random() < 0.35}
+        edges = [(a, b) for i, a in enumerate(ids) for b in ids[i + 1:] if rng.random() < 0.45]
+        edges += [(ids[i], ids[i + 1]) for i in range(n - 1)]  # connected
+        view, link = _slow_host_view(edges, slow)
+        lo = int(rng.integers(1, 4))
+        cfg = RewireConfig(shard_bytes=2 << 20, min_degree=lo, target_degree=lo + int(rng.integers(0, 3)),
+                           max_degree=lo + 4)
+        plans = []
+        for me in ids:
+            probes = {x: link(me, x) for x in ids if x != me and x not in view.neighbours(me)}
+            m = plan_move(view, me, cfg, rng, probes)
+            if m is not None and m.drop_below_min:
+                plans.append((me, m))
+        after = view
+        for me, m in plans:
+            relinks += 1
+            after = after.without_edge(me, m.drop) if after.has_edge(me, m.drop) else after
+        for me, m in plans:
+            assert after.degree(m.drop) >= 1, (trial, m)
+    assert relinks >= 5  # 7 with this seed

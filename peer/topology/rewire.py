@@ -185,11 +185,13 @@ class _Scene:
         """Median predicted time of `node`'s edges (but the one to `exclude`): how fast what reaches it
         travels on. A peer behind a slow link of its own passes things on slowly whatever edge they
         came by, so an edge to it is worth less than an equally fast-looking edge to a well-linked
-        peer; two slow hosts linked to each other mix with the swarm only through their other edges."""
+        peer; two slow hosts linked to each other mix with the swarm only through their other edges.
+        A peer with no other edge passes nothing on: inf (so an unlinked newcomer is never taken for
+        the best-linked peer; it links itself, with its own urgent adds)."""
         key = (node, exclude)
         if key not in self._onward:
             ts = [self.time(self.view.link(node, m)) for m in self.view.neighbours(node) if m != exclude]
-            self._onward[key] = float(np.median(ts)) if ts else 0.0
+            self._onward[key] = float(np.median(ts)) if ts else math.inf
         return self._onward[key]
 
     def fastest(self, node: str, exclude: str | None = None) -> float:
@@ -227,6 +229,8 @@ class _Candidate(NamedTuple):
 
 def _bucket(t: float, step: float) -> float:
     """Log-scale bucket: link times within about `step` (relative) count as ties."""
+    if math.isinf(t):
+        return math.inf
     return -math.inf if t <= 0 else math.floor(math.log(t) / math.log1p(step))
 
 
@@ -421,14 +425,23 @@ def _plan_relink(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -
     slow = cfg.straggler_factor * s.typical_time
     if s.fastest(me) < slow:
         return None  # I am well linked: my slow edges are for sheds and swaps
+    ranked = _by_speed_then_far(s, cands, rng, onward=True)
+    budget = cfg.max_evaluations
     for other in _shuffled(sorted(view.neighbours(me)), rng):
         t_old = s.time(view.link(me, other))
         if (view.degree(other) < max(2, cfg.min_degree) or s.fastest(other, exclude=me) < slow
                 or t_old / s.margin(view.link(me, other)) < slow):
             continue
-        for n, est, t_new, _ in _by_speed_then_far(s, cands, rng, onward=True)[: cfg.max_evaluations]:
+        # Every slow neighbour of `other` (me included) may plan the same relink on the same view at
+        # the same time: only if `other` keeps an edge when all of them do may any of them.
+        if view.degree(other) - sum(1 for x in view.neighbours(other) if s.fastest(x) >= slow) < 1:
+            continue
+        for n, est, t_new, _ in ranked:
             if s.onward(n) >= slow or t_new > t_old * s.margin(view.link(me, other)) * s.margin(est):
-                continue  # another slow peer, or a link slower beyond the noise
+                continue  # another slow peer (or an unlinked one), or a link slower beyond the noise
+            if budget <= 0:
+                return None
+            budget -= 1
             scored = s.score(view.without_edge(me, other).with_edge(me, n, est))
             if scored is None or scored[1] < min(cfg.gap_floor, s.gap):
                 continue

@@ -342,7 +342,8 @@ class TopologyService:
             # never drop an edge that would leave the neighbour below min degree as far as we know
             # (a relink: below it by one at most, never without neighbours)
             nd = self.neighbours.get(move.drop)
-            if nd is None or view.degree(move.drop) > (1 if move.drop_below_min else self.cfg.min_degree):
+            keep = max(1, self.cfg.min_degree - 1) if move.drop_below_min else self.cfg.min_degree
+            if nd is None or view.degree(move.drop) > keep:
                 await self.drop_edge(move.drop, move.reason)
         if ok:
             self.moves += 1
