@@ -4,8 +4,8 @@ Throughput is averaged in log space (a geometric EWMA) and its spread is tracked
 one probe of the same idle loopback link can take 3000x longer than the next (8 daemons sharing two
 cores: the answer waits for the other daemon's event loop). Such noise is multiplicative: an
 arithmetic mean of bandwidth follows every fast outlier, and a planner that compares bare means swaps
-equal links on noise and erodes the graph's spectral gap. `log_se` says how far the mean can be trusted, so the planner can ask for a
-speed-up beyond the noise (see `peer.topology.rewire`).
+equal links on noise and erodes the graph's spectral gap. `log_se` says how far the mean can be
+trusted, so the planner can ask for a speed-up beyond the noise (see `peer.topology.rewire`).
 """
 
 from __future__ import annotations

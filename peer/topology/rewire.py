@@ -175,7 +175,7 @@ class _Scene:
     typical_time: float  # median predicted time of the view's edges (0 with none)
     gap: float
     components: int
-    _onward: dict[tuple[str, str | None], float] = field(default_factory=dict, compare=False)
+    _edge_times: dict[tuple[str, str | None], list[float]] = field(default_factory=dict, compare=False)
 
     def time(self, link: LinkEstimate) -> float:
         c = self.cfg
@@ -188,18 +188,22 @@ class _Scene:
         peer; two slow hosts linked to each other mix with the swarm only through their other edges.
         A peer with no other edge passes nothing on: inf (so an unlinked newcomer is never taken for
         the best-linked peer; it links itself, with its own urgent adds)."""
-        key = (node, exclude)
-        if key not in self._onward:
-            ts = [self.time(self.view.link(node, m)) for m in self.view.neighbours(node) if m != exclude]
-            self._onward[key] = float(np.median(ts)) if ts else math.inf
-        return self._onward[key]
+        ts = self._times_of(node, exclude)
+        return float(np.median(ts)) if ts else math.inf
 
     def fastest(self, node: str, exclude: str | None = None) -> float:
         """Predicted time of `node`'s fastest edge (but the one to `exclude`; inf with none). A peer
         whose fastest edge is slow sits behind a slow link of its own; a well-linked peer with a few
         slow neighbours has a slow median edge, but not a slow fastest one."""
-        return min((self.time(self.view.link(node, m)) for m in self.view.neighbours(node) if m != exclude),
-                   default=math.inf)
+        return min(self._times_of(node, exclude), default=math.inf)
+
+    def _times_of(self, node: str, exclude: str | None) -> list[float]:
+        """Predicted times of `node`'s edges but the one to `exclude` (memoized: the view never changes)."""
+        key = (node, exclude)
+        if key not in self._edge_times:
+            self._edge_times[key] = [self.time(self.view.link(node, m))
+                                     for m in self.view.neighbours(node) if m != exclude]
+        return self._edge_times[key]
 
     def margin(self, link: LinkEstimate) -> float:
         """Factor by which `link`'s time may be off, at the configured confidence (1: exact)."""
@@ -284,24 +288,23 @@ def _by_speed_then_far(
     )
 
 
-def _my_edges_slowest_first(s: _Scene, rng: np.random.Generator) -> list[tuple[str, float]]:
+def _my_edges_slowest_first(
+    s: _Scene, rng: np.random.Generator, *, onward: bool = False
+) -> list[tuple[str, float]]:
+    """My edges with their link times, the slowest first; with `onward`, the costliest first (link time
+    plus the other end's `onward` time)."""
     edges = [(m, s.time(s.view.link(s.me, m))) for m in sorted(s.view.neighbours(s.me))]
-    return sorted(_shuffled(edges, rng), key=lambda e: -e[1])
-
-
-def _my_edges_costliest_first(s: _Scene, rng: np.random.Generator) -> list[tuple[str, float]]:
-    """My edges by link time plus the other end's `onward` time, the costliest first."""
-    edges = [(m, s.time(s.view.link(s.me, m))) for m in sorted(s.view.neighbours(s.me))]
-    return sorted(_shuffled(edges, rng), key=lambda e: -(e[1] + s.onward(e[0], exclude=s.me)))
+    extra = (lambda m: s.onward(m, exclude=s.me)) if onward else (lambda m: 0.0)
+    return sorted(_shuffled(edges, rng), key=lambda e: -(e[1] + extra(e[0])))
 
 
 def _drop_slowest(s: _Scene, rng: np.random.Generator, *, keep: int, why: str,
                   slower_than: float = -math.inf) -> Move | None:
-    """Drop my costliest edge (see `_my_edges_costliest_first`) that is slower than `slower_than`
+    """Drop my costliest edge (see `_my_edges_slowest_first`) that is slower than `slower_than`
     seconds even at its best, within its margin, and whose other end keeps more than `keep`
     neighbours, if the gap rule allows."""
     view, cfg = s.view, s.cfg
-    for other, t in _my_edges_costliest_first(s, rng):
+    for other, t in _my_edges_slowest_first(s, rng, onward=True):
         if t / s.margin(view.link(s.me, other)) <= slower_than:
             continue  # not slow enough, or not beyond its noise
         if view.degree(other) <= keep:
@@ -428,16 +431,16 @@ def _plan_relink(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -
     ranked = _by_speed_then_far(s, cands, rng, onward=True)
     budget = cfg.max_evaluations
     for other in _shuffled(sorted(view.neighbours(me)), rng):
-        t_old = s.time(view.link(me, other))
+        t_old, old_margin = s.time(view.link(me, other)), s.margin(view.link(me, other))
         if (view.degree(other) < max(2, cfg.min_degree) or s.fastest(other, exclude=me) < slow
-                or t_old / s.margin(view.link(me, other)) < slow):
+                or t_old / old_margin < slow):
             continue
         # Every slow neighbour of `other` (me included) may plan the same relink on the same view at
         # the same time: only if `other` keeps an edge when all of them do may any of them.
         if view.degree(other) - sum(1 for x in view.neighbours(other) if s.fastest(x) >= slow) < 1:
             continue
         for n, est, t_new, _ in ranked:
-            if s.onward(n) >= slow or t_new > t_old * s.margin(view.link(me, other)) * s.margin(est):
+            if s.onward(n) >= slow or t_new > t_old * old_margin * s.margin(est):
                 continue  # another slow peer (or an unlinked one), or a link slower beyond the noise
             if budget <= 0:
                 return None
