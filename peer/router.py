@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Awaitable, Callable
 
+from peer.transport import SessionClosed
 from protocol.errors import ProtocolError
 
 log = logging.getLogger("peertrain.router")
@@ -27,13 +28,20 @@ class Router:
         self._handlers[message_type] = handler
 
     async def dispatch(self, session, envelope) -> None:
-        """Run the handler; a ProtocolError closes the session, any other bug is logged, never fatal."""
+        """Run the handler; a ProtocolError closes the session, any other bug is logged, never fatal.
+
+        A session that ends while its handler replies (the peer left, or a simultaneous connection
+        replaced it) is not a bug: the handler's reply is lost with the session, and the asking side
+        sees the session end (or its request time out) and changes nothing. One line says so.
+        """
         handler = self._handlers.get(type(envelope.message))
         if handler is None:
             log.debug("no handler for %s from %s; ignored", type(envelope.message).__name__, session.short)
             return
         try:
             await handler(session, envelope)
+        except SessionClosed as exc:
+            log.info("%s from %s not answered: session ended (%s)", type(envelope.message).__name__, session.short, exc)
         except ProtocolError as exc:
             log.warning("closing session with %s: %s", session.short, exc)
             await session.aclose(f"protocol error: {exc}")
