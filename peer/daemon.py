@@ -8,8 +8,8 @@
     ├── extra services     (topology, gossip, trainer host: see peer/services.py)
     └── signal watcher     (SIGINT/SIGTERM → graceful stop)
 
-Stopping is one path for every trigger (signal, `peer stop`, a test): set `_stop`, say goodbye to peers,
-let services save state (checkpoints, peer cache), then cancel the nursery.
+Stopping is one path for every trigger (signal, `peer stop`, a test): set `_stop`, stop dialing, let
+services save state (checkpoints, peer cache), say goodbye to peers, then cancel the nursery.
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ class Daemon:
             task_status.started(DaemonInfo(self.peer_id, self.listen_addr, self.started))
             await self._stop.wait()
             log.info("stopping (%s)", self.stop_reason)
+            m.stop_dialing()
             with trio.move_on_after(30) as cs:
                 cs.shield = True
                 for svc in reversed(self.services):

@@ -96,6 +96,7 @@ class Membership:
         self.observed_hosts: list[str] = []
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
+        self._leaving = False
         self._watchers: list[Callable[[str, Session | None], None]] = []
         router.register(Ping, self._on_ping)
         router.register(PeerExchange, self._on_pex)
@@ -166,8 +167,14 @@ class Membership:
             task_status.started()
             await self._dial_loop(nursery)
 
+    def stop_dialing(self) -> None:
+        """We are leaving: make no new connections. Sessions we have stay up for the goodbye; peers that
+        leave with us would otherwise be re-dialed, and each failure logged, while we shut down."""
+        self._leaving = True
+        self._wake.set()
+
     async def _dial_loop(self, nursery: trio.Nursery) -> None:
-        while True:
+        while not self._leaving:
             now = trio.current_time()
             n_sessions = sum(1 for p in self.peers.values() if p.session is not None)
             for target in self.bootstrap:
