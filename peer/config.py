@@ -83,6 +83,10 @@ class TopologySection:
                             "one below for a moment; it re-adds a well-linked peer at once).")
     max_degree: int = _f(8, "A peer refuses edges above this degree.")
     gap_floor: float = _f(0.05, "Rewiring never lets the spectral gap of the local view fall below this.")
+    confidence: float = _f(1.5, "Standard errors of a link's bandwidth estimate by which rewiring judges a link it "
+                                "would replace at its best and the new one at its worst: a speed-up inside the "
+                                "measurement noise is no speed-up. Raise it on noisy (shared, loaded) hosts; 0 "
+                                "compares bare estimates.")
     rewire_interval: float = _f(4.0, "Mean seconds between rewiring attempts (randomized).")
     record_interval: float = _f(2.0, "Seconds between topology-record broadcasts.")
     seed: int = _f(0, "Seed for fixed random topologies.")
@@ -241,6 +245,8 @@ def validate_semantics(cfg: Config) -> None:
         raise ConfigError(f"[topology] kind: expected rewired, ring, exponential, random_regular or full, got {t.kind!r}")
     if not 1 <= t.min_degree <= t.target_degree <= t.max_degree:
         raise ConfigError("[topology] target_degree: need 1 <= min_degree <= target_degree <= max_degree")
+    if not 0 <= t.confidence <= 10:
+        raise ConfigError(f"[topology] confidence: expected 0 to 10 standard errors, got {t.confidence}")
     if cfg.gossip.codec not in ("raw", "float16", "q8"):
         raise ConfigError(f"[gossip] codec: expected raw, float16 or q8, got {cfg.gossip.codec!r}")
 

@@ -20,3 +20,16 @@ def test_unknown_cipher_names_the_choices() -> None:
     with pytest.raises(ConfigError, match=re.escape(expected)) as err:
         validate_semantics(from_mapping({"security": {"ciphers": ["aes-128-cbc"]}}))
     assert "[security] ciphers" in str(err.value)
+
+
+def test_rewiring_confidence_reaches_the_planner_and_is_range_checked() -> None:
+    from types import SimpleNamespace
+
+    from peer.topology.service import TopologyService
+
+    cfg = from_mapping({"topology": {"confidence": 2.5}})
+    validate_semantics(cfg)
+    service = SimpleNamespace(shard_bytes=1 << 20, cfg=cfg.topology)
+    assert TopologyService.rewire_config(service).confidence == 2.5
+    with pytest.raises(ConfigError, match=re.escape("[topology] confidence: expected 0 to 10 standard errors, got -1.0")):
+        validate_semantics(from_mapping({"topology": {"confidence": -1.0}}))

@@ -285,7 +285,7 @@ class TopologyService:
     def rewire_config(self) -> RewireConfig:
         return RewireConfig(shard_bytes=self.shard_bytes, target_degree=self.cfg.target_degree,
                             min_degree=self.cfg.min_degree, max_degree=self.cfg.max_degree,
-                            gap_floor=self.cfg.gap_floor)
+                            gap_floor=self.cfg.gap_floor, confidence=self.cfg.confidence)
 
     async def _maintain_loop(self) -> None:
         while True:
