@@ -181,6 +181,12 @@ class _Scene:
         c = self.cfg
         return link.transfer_time(c.shard_bytes, c.default_bandwidth_bps, c.default_rtt_s)
 
+    @property
+    def straggler_time(self) -> float:
+        """Link time above which a link is slow: `straggler_factor` times the view's median edge (0 with
+        no edges). Above min_degree no add may be this slow, and relink looks for peers behind it."""
+        return self.cfg.straggler_factor * self.typical_time
+
     def onward(self, node: str, exclude: str | None = None) -> float:
         """Median predicted time of `node`'s edges (but the one to `exclude`): how fast what reaches it
         travels on. A peer behind a slow link of its own passes things on slowly whatever edge they
@@ -343,7 +349,7 @@ def _plan_add(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> M
     view, cfg = s.view, s.cfg
     urgent = view.degree(s.me) < cfg.min_degree
     for n, est, t, _ in _by_speed_then_far(s, cands, rng, onward=True)[: cfg.max_evaluations]:
-        if not urgent and s.round_time > 0 and t > min(s.round_time, cfg.straggler_factor * s.typical_time):
+        if not urgent and s.round_time > 0 and t > min(s.round_time, s.straggler_time):
             continue  # above min_degree a link much slower than the usual one costs more than it mixes
         scored = s.score(view.with_edge(s.me, n, est))
         if scored is None:
@@ -425,13 +431,14 @@ def _plan_relink(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -
     view, cfg, me = s.view, s.cfg, s.me
     if s.typical_time <= 0 or not cands:
         return None
-    slow = cfg.straggler_factor * s.typical_time
+    slow = s.straggler_time
     if s.fastest(me) < slow:
         return None  # I am well linked: my slow edges are for sheds and swaps
     ranked = _by_speed_then_far(s, cands, rng, onward=True)
     budget = cfg.max_evaluations
     for other in _shuffled(sorted(view.neighbours(me)), rng):
-        t_old, old_margin = s.time(view.link(me, other)), s.margin(view.link(me, other))
+        link_old = view.link(me, other)
+        t_old, old_margin = s.time(link_old), s.margin(link_old)
         if (view.degree(other) < max(2, cfg.min_degree) or s.fastest(other, exclude=me) < slow
                 or t_old / old_margin < slow):
             continue
