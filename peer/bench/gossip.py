@@ -493,6 +493,11 @@ def run_topology(kind: str, plan: Plan, root: Path, lan) -> dict:
 
 # ---------------------------------------------------------------------------------------------- entry
 
+def per_run(result: dict, key: str) -> list:
+    """`key` of every run of a topology: its `_runs` list, or the one run's value if it ran once."""
+    return result.get(f"{key}_runs", [result.get(key)])
+
+
 def median_run(rs: list[dict]) -> dict:
     """The run with the median (lower median) seconds to target, plus every run's seconds; a failed run
     counts as slowest."""
@@ -570,6 +575,7 @@ def run(args) -> int:
     best_fixed_exact, speedup_exact = speedup("seconds_to_target_exact")
     rr_gap = random_regular_gap(plan.n, plan.degree)
     rew = results.get("rewired", {})
+    gap_runs = per_run(rew, "spectral_gap")
     out = {
         "n": plan.n, "payload_bytes": plan.size_bytes, "mode": plan.mode, "target": plan.target,
         "netns": plan.netns,
@@ -580,15 +586,12 @@ def run(args) -> int:
         "speedup_vs_best_fixed": speedup_published,
         **({"best_fixed_exact": best_fixed_exact, "speedup_vs_best_fixed_exact": speedup_exact} if plan.exact_every else {}),
         "random_regular_gap_expected": round(rr_gap, 4),
-        # the median over runs of the rewired graph's gap (the run with the median time may not have it)
-        "rewired_gap_vs_random_regular": (round(statistics.median(gaps) / rr_gap, 3)
-                                          if (gaps := [g for g in rew.get("spectral_gap_runs", [rew.get("spectral_gap")])
-                                                       if g is not None]) else None),
-        # the same, against random graphs with the rewired graph's own degrees (see same_degree_gap)
+        # medians over runs of the rewired graph's gap (the run with the median time may not have it),
+        # against random regular graphs and against random graphs of its own degrees (see same_degree_gap)
+        "rewired_gap_vs_random_regular": (round(statistics.median(g for g in gap_runs if g is not None) / rr_gap, 3)
+                                          if any(g is not None for g in gap_runs) else None),
         "rewired_gap_vs_same_degrees": (round(statistics.median(ratios), 3) if (ratios := [
-            g / same for g, same in zip(rew.get("spectral_gap_runs", [rew.get("spectral_gap")]),
-                                        rew.get("same_degree_gap_runs", [rew.get("same_degree_gap")]))
-            if g is not None and same]) else None),
+            g / same for g, same in zip(gap_runs, per_run(rew, "same_degree_gap")) if g is not None and same]) else None),
     }
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
     ok = all("error" not in r and r["seconds_to_target"] is not None for r in results.values())
