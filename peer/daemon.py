@@ -25,14 +25,14 @@ import msgpack
 import trio
 
 from peer import __version__
-from peer.cipher_choice import resolve_ciphers
+from peer.session.cipher_choice import resolve_ciphers
 from peer.config import Config, parse_hostport
 from peer.control import claim_socket_path, serve_control
 from peer.home import Home, atomic_write
-from peer.membership import Membership, parse_address
-from peer.router import Router
+from peer.membership.service import Membership, parse_address
+from peer.session.router import Router
 from peer.services import load_services
-from peer.transport import ListenerStats, TransportConfig, open_listeners, serve
+from peer.session.transport import ListenerStats, TransportConfig, open_listeners, serve
 from protocol import PROTOCOL_VERSION
 from protocol import identity as ident
 from protocol.limits import WireLimits
@@ -159,7 +159,7 @@ class Daemon:
                 self.request_stop(f"received {signal.Signals(signum).name}")
 
     async def _run_mdns(self) -> None:
-        from peer.discovery.mdns import MdnsDiscovery  # zeroconf is only imported when mDNS is on
+        from peer.membership.mdns import MdnsDiscovery  # zeroconf is only imported when mDNS is on
 
         cfg = self.config.discovery
         disc = MdnsDiscovery(peer_id=self.peer_id, swarm=self.config.daemon.swarm, port=self.listen_addr[1],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 def load_services(daemon) -> list:
     """The services this daemon's config asks for, in start order."""
-    from peer.gossip import GossipEngine
+    from peer.averaging.engine import GossipEngine
     from peer.topology.service import TopologyService
 
     topology = TopologyService(daemon)

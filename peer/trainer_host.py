@@ -23,7 +23,7 @@ from typing import Any
 
 import trio
 
-from peer.gossip import ExchangeResult, SharedTensors
+from peer.averaging.engine import ExchangeResult, SharedTensors
 from peer.home import atomic_write
 
 log = logging.getLogger("peertrain.trainer")

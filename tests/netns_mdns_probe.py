@@ -21,7 +21,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `peer` importable
 
-from peer.discovery.mdns import Announcement, MdnsDiscovery  # noqa: E402
+from peer.membership.mdns import Announcement, MdnsDiscovery  # noqa: E402
 
 
 def _in_named_netns() -> bool:

@@ -167,7 +167,7 @@ def test_status_json_and_rich_output(cluster, tmp_path):
              what="a probed neighbour")
     n = next(n for n in a.status()["topology"]["neighbours"] if n.get("bandwidth_bps"))
     assert n["bandwidth_spread"] >= 1.0
-    from peer.status_view import _mbit
+    from peer.cli.status_view import _mbit
 
     assert _mbit(n) == f"{n['bandwidth_bps'] / 1e6:.0f} ×÷{n['bandwidth_spread']:.1f}"
     assert _mbit({"bandwidth_bps": 9.5e8}) == "950"  # an older daemon's status has no spread

@@ -11,7 +11,7 @@ def test_readme_config_table_matches_the_code():
 
 
 def test_every_cli_command_is_in_the_readme():
-    from peer.cli import build_parser
+    from peer.cli.main import build_parser
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     sub = next(a for a in build_parser()._actions if a.dest == "command")

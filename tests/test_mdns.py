@@ -21,12 +21,12 @@ import pytest
 import trio
 from zeroconf import ServiceInfo, ServiceStateChange, Zeroconf
 
-from peer.discovery.mdns import SERVICE_TYPE, Announcement, MdnsDiscovery
-from peer.netns import ProcOutput
+from peer.membership.mdns import SERVICE_TYPE, Announcement, MdnsDiscovery
+from peer.testing.netns import ProcOutput
 
 LOOPBACK = ["127.0.0.1"]
 PROBE = Path(__file__).with_name("netns_mdns_probe.py")
-LOGGER = "peer.discovery.mdns"
+LOGGER = "peer.membership.mdns"
 
 
 def _tag() -> str:

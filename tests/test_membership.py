@@ -7,9 +7,9 @@ import socket
 import trio
 
 from peer.config import from_mapping
-from peer.membership import Membership
-from peer.router import Router
-from peer.transport import TransportConfig
+from peer.membership.service import Membership
+from peer.session.router import Router
+from peer.session.transport import TransportConfig
 from protocol.identity import generate_identity
 
 

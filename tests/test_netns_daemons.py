@@ -17,7 +17,7 @@ import pytest
 from peer.bench.harness import make_config
 from peer.config import to_toml
 from peer.control import call
-from peer.netns import netns_available, our_namespaces, virtual_lan
+from peer.testing.netns import netns_available, our_namespaces, virtual_lan
 from tests.daemons import unique_swarm, wait_for
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.netns import (
+from peer.testing.netns import (
     NetnsError,
     ProcOutput,
     cleanup_stale,

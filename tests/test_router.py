@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import trio
 
-from peer.router import Router
-from peer.transport import SessionClosed
+from peer.session.router import Router
+from peer.session.transport import SessionClosed
 from protocol.errors import ProtocolError
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import trio
 
-from peer.transport import ListenerStats, SessionClosed, TransportConfig, dial, open_listeners, serve
+from peer.session.transport import ListenerStats, SessionClosed, TransportConfig, dial, open_listeners, serve
 from protocol.cipher import CIPHERS
 from protocol.errors import HandshakeError, ProtocolError
 from protocol.identity import generate_identity, peer_id_from_public_bytes, public_key_bytes
@@ -201,7 +201,7 @@ def test_tensors_roundtrip_codecs_and_nan_rejection_keeps_session():
 
 RECEIVER = textwrap.dedent("""
     import hashlib, json, sys, trio
-    from peer.transport import TransportConfig, open_listeners, serve
+    from peer.session.transport import TransportConfig, open_listeners, serve
     from protocol.identity import generate_identity
     from protocol.schema import Ping, Pong
 
@@ -463,7 +463,7 @@ def test_unclaimed_tensors_make_room_instead_of_closing_the_session():
 def test_receive_buffers_are_recycled_once_the_consumer_drops_them():
     import gc
 
-    from peer.transport import _BufferPool
+    from peer.session.transport import _BufferPool
 
     pool = _BufferPool(max_idle_bytes=8 << 20)
     a = pool.array(np.float32, (1 << 20,))  # 4 MiB

@@ -229,7 +229,7 @@ def _r(x: float | None, nd: int = 4) -> float | None:
 
 def run(args) -> int:
     from peer.bench import parse_size
-    from peer.cipher_choice import seal_gbps
+    from peer.session.cipher_choice import seal_gbps
 
     if args.peers < 2:
         print("peer bench average: --peers must be at least 2", file=sys.stderr)

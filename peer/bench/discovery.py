@@ -24,7 +24,7 @@ def add_arguments(p) -> None:
 
 def _trial(n: int, config: Path, timeout: float) -> tuple[float | None, list[float]]:
     from peer.bench.harness import proc_status_mb
-    from peer.local import collect, start_daemons, stop_daemons
+    from peer.cli.local import collect, start_daemons, stop_daemons
 
     with tempfile.TemporaryDirectory(prefix="peertrain-bench-") as tmp:
         root = Path(tmp)
@@ -47,7 +47,7 @@ def _trial(n: int, config: Path, timeout: float) -> tuple[float | None, list[flo
 
 
 def run(args) -> int:
-    from peer.local import DEFAULT_CONFIG
+    from peer.cli.local import DEFAULT_CONFIG
 
     config = Path(args.config) if args.config else DEFAULT_CONFIG
     times, rss_all = [], []

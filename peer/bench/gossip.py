@@ -546,7 +546,7 @@ def run(args) -> int:
             root = Path(stack.enter_context(temp_root("peertrain-gossip-")))
         lan = None
         if args.netns:
-            from peer.netns import netns_available, tc_available, virtual_lan
+            from peer.testing.netns import netns_available, tc_available, virtual_lan
 
             if not (netns_available() and tc_available()):
                 print("--netns needs root, iproute2 (ip, tc) and network namespaces", file=sys.stderr)

@@ -43,7 +43,7 @@ class Node:
     home: Path
     proc: subprocess.Popen
     log_path: Path
-    host: Any = None  # peer.netns.Host when running inside a namespace
+    host: Any = None  # peer.testing.netns.Host when running inside a namespace
 
     def status(self, timeout: float = 5.0) -> dict | None:
         try:

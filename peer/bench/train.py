@@ -72,7 +72,7 @@ def add_arguments(p) -> None:
 
 @dataclass
 class Net:
-    """Where the peers run: 127.0.0.1, or host i of a virtual LAN (peer.netns.Lan)."""
+    """Where the peers run: 127.0.0.1, or host i of a virtual LAN (peer.testing.netns.Lan)."""
 
     lan: Any = None
     port: int = 29500  # next all-reduce rendezvous port inside the LAN
@@ -521,7 +521,7 @@ def run(args) -> int:
             root = Path(stack.enter_context(temp_root("peertrain-bench-train-")))
         net = Net()
         if a.netns:
-            from peer.netns import netns_available, virtual_lan
+            from peer.testing.netns import netns_available, virtual_lan
 
             if not netns_available():
                 raise RuntimeError("--netns needs root and permission to create network namespaces")

@@ -36,7 +36,7 @@ def add_arguments(p) -> None:
 
 
 def _transport_config(cipher: str, chunk: int, plain: bool):
-    from peer.transport import TransportConfig
+    from peer.session.transport import TransportConfig
     from protocol.identity import generate_identity
     from protocol.limits import WireLimits
 
@@ -53,7 +53,7 @@ async def _serve(cipher: str, chunk: int, size: int) -> None:
     import trio
 
     from peer.concurrency import together
-    from peer.transport import SessionClosed, open_listeners, serve
+    from peer.session.transport import SessionClosed, open_listeners, serve
     from protocol.schema import Ping, Pong
 
     async def on_session(session):
@@ -93,7 +93,7 @@ async def _client(port: int, cipher: str, chunk: int, plain: bool, tensor, round
     import trio
 
     from peer.concurrency import together
-    from peer.transport import dial
+    from peer.session.transport import dial
     from protocol.schema import Ping
 
     session = await dial("127.0.0.1", port, _transport_config(cipher, chunk, plain))
@@ -128,7 +128,7 @@ def run(args) -> int:
     import trio
 
     from peer.bench import parse_size
-    from peer.cipher_choice import resolve_ciphers, seal_gbps
+    from peer.session.cipher_choice import resolve_ciphers, seal_gbps
 
     size = parse_size(args.size)
     chunk = parse_size(args.chunk)

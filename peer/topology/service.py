@@ -27,7 +27,7 @@ from peer.topology.graph import GraphView, LinkEstimate, edge_key
 from peer.topology.links import LinkStats
 from peer.topology.mixing import graph_spectral_gap, metropolis_weight
 from peer.topology.rewire import RewireConfig, plan_move
-from peer.transport import SessionClosed
+from peer.session.transport import SessionClosed
 from protocol import identity as ident
 from protocol.schema.topology import (
     EdgeAccept, EdgeCommit, EdgeDrop, EdgePropose, EdgeReject, LinkReport, ProbeReply, ProbeRequest,

@@ -118,13 +118,13 @@ def cmd_status(args) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from peer.status_view import render_status
+    from peer.cli.status_view import render_status
 
     console = Console(width=None if sys.stdout.isatty() else 120)
 
     def render():
         if args.topology:
-            from peer.status_view import render_topology
+            from peer.cli.status_view import render_topology
 
             return render_topology(call(home, "topology"))
         return render_status(call(home, "status"))

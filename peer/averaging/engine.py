@@ -45,7 +45,7 @@ import numpy as np
 import trio
 
 from peer.concurrency import together
-from peer.transport import SessionClosed
+from peer.session.transport import SessionClosed
 from protocol.errors import ProtocolError
 from protocol.limits import WireLimits
 from protocol.schema.gossip import (

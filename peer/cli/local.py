@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.toml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.toml"
 
 
 def node_homes(root: Path) -> list[Path]:
@@ -117,7 +117,7 @@ def main(args) -> int:
         else:
             from rich.console import Console
 
-            from peer.status_view import render_local_summary
+            from peer.cli.status_view import render_local_summary
 
             Console(width=None if sys.stdout.isatty() else 120).print(render_local_summary(rows))
         return 0
@@ -148,7 +148,7 @@ def main(args) -> int:
             from rich.console import Console
             from rich.live import Live
 
-            from peer.status_view import render_local_summary
+            from peer.cli.status_view import render_local_summary
 
             with Live(render_local_summary(collect(root)), console=Console(), refresh_per_second=2) as live:
                 while deadline is None or time.monotonic() < deadline:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Awaitable, Callable
 
-from peer.transport import SessionClosed
+from peer.session.transport import SessionClosed
 from protocol.errors import ProtocolError
 
 log = logging.getLogger("peertrain.router")

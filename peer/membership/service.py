@@ -21,8 +21,8 @@ from typing import Callable
 import trio
 
 from peer.config import Config
-from peer.router import Router
-from peer.transport import Session, SessionClosed, TransportConfig, dial
+from peer.session.router import Router
+from peer.session.transport import Session, SessionClosed, TransportConfig, dial
 from protocol import identity as ident
 from protocol.errors import HandshakeError, ProtocolError
 from protocol.schema import Goodbye, PeerExchange, PeerRecord, Ping, Pong, peer_record_signing_bytes
