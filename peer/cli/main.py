@@ -92,15 +92,17 @@ def cmd_start(args) -> int:
 
 def cmd_stop(args) -> int:
     from peer.control import call
+    from peer.home import Home
 
     home = _home(args)
     reply = call(home, "stop")
     pid = reply.get("pid")
     # Wait (bounded) for the socket to disappear, so scripts can rely on "stopped" meaning stopped.
+    sock = Home(home).control_socket
     deadline = time.monotonic() + args.timeout
-    while time.monotonic() < deadline and (home / "control.sock").exists():
+    while time.monotonic() < deadline and sock.exists():
         time.sleep(0.1)
-    if (home / "control.sock").exists():
+    if sock.exists():
         print(f"daemon (pid {pid}) asked to stop but is still shutting down after {args.timeout:.0f}s", file=sys.stderr)
         return 1
     print(f"daemon (pid {pid}) stopped")
@@ -162,7 +164,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_local(args) -> int:
-    from peer import local
+    from peer.cli import local
 
     return local.main(args)
 
@@ -234,9 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     register_all(bsub)
     p.set_defaults(fn=cmd_bench)
 
-    from peer import extra_commands
+    from peer.cli import export
 
-    extra_commands.register(sub)
+    export.register(sub)
     return parser
 
 
