@@ -18,6 +18,8 @@ from typing import Any, Awaitable, Callable
 import msgpack
 import trio
 
+from peer.home import Home
+
 log = logging.getLogger("peertrain.control")
 
 MAX_REQUEST = 1 << 20
@@ -124,7 +126,7 @@ async def _recv_obj(stream: trio.SocketStream, limit: int) -> Any:
 
 def call(home: Path, cmd: str, args: dict | None = None, *, timeout: float = 10.0) -> Any:
     """Blocking client: send one command to the daemon at `home` and return its result."""
-    path = Path(home) / "control.sock"
+    path = Home(Path(home)).control_socket
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:

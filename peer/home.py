@@ -46,7 +46,8 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
 
 @dataclass(frozen=True)
 class Home:
-    """Paths inside one daemon's home directory (created on first use)."""
+    """Paths inside one daemon's home directory (created on first use): every file name in a home is
+    spelled here and nowhere else."""
 
     root: Path
 
@@ -76,7 +77,14 @@ class Home:
 
     @property
     def log_file(self) -> Path:
+        """The daemon's output, where a launcher (`peer local`, tests, benches) puts it."""
         return self.root / "daemon.log"
+
+    @property
+    def launch_config(self) -> Path:
+        """The config file a launcher wrote for this daemon (`peer start --config` reads it; the daemon's
+        own record of what it ran with is `config_snapshot`)."""
+        return self.root / "config.toml"
 
     def ensure(self) -> "Home":
         """Create the directory (mode 0700) or explain why it cannot be used."""
