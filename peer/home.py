@@ -51,6 +51,8 @@ class Home:
 
     root: Path
 
+    LATEST_CHECKPOINT = "latest.pt"  # a trainer's current state; `peer export` and restarts read it
+
     @property
     def identity_file(self) -> Path:
         return self.root / "identity.key"
@@ -70,6 +72,10 @@ class Home:
     @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
+
+    @property
+    def latest_checkpoint(self) -> Path:
+        return self.checkpoints / self.LATEST_CHECKPOINT
 
     @property
     def metrics_file(self) -> Path:

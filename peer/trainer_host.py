@@ -24,9 +24,12 @@ from typing import Any
 import trio
 
 from peer.averaging.engine import ExchangeResult, SharedTensors
-from peer.home import atomic_write
+from peer.home import Home, atomic_write
 
 log = logging.getLogger("peertrain.trainer")
+
+# A launcher that knows how it cut the data (`peer local`, tests, benches) tells each daemon its shard.
+RANK_ENV, WORLD_ENV = "PEERTRAIN_RANK", "PEERTRAIN_WORLD"
 
 
 class TrainerStopped(Exception):
@@ -76,9 +79,9 @@ class Swarm:
         return out
 
     def rank_and_world(self, world: int | None = None) -> tuple[int, int]:
-        """A data-shard index: PEERTRAIN_RANK/PEERTRAIN_WORLD if set (peer local sets them), else my
+        """A data-shard index: $PEERTRAIN_RANK/$PEERTRAIN_WORLD if set (peer local sets them), else my
         position among the sorted IDs of the peers I see (waiting up to 10 s to see `world` of them)."""
-        env_rank, env_world = os.environ.get("PEERTRAIN_RANK"), os.environ.get("PEERTRAIN_WORLD")
+        env_rank, env_world = os.environ.get(RANK_ENV), os.environ.get(WORLD_ENV)
         if env_rank is not None and env_world is not None:
             return int(env_rank), int(env_world)
         deadline = time.monotonic() + 10
@@ -93,7 +96,7 @@ class Swarm:
         """Metrics for `peer status` and one JSON line in HOME/metrics.jsonl."""
         self._host.publish(metrics)
 
-    def save_checkpoint(self, state: dict[str, Any], name: str = "latest.pt") -> Path:
+    def save_checkpoint(self, state: dict[str, Any], name: str = Home.LATEST_CHECKPOINT) -> Path:
         """torch.save to HOME/checkpoints/<name> atomically (a crash never leaves a torn file)."""
         import torch
 
@@ -103,7 +106,7 @@ class Swarm:
         atomic_write(path, buf.getvalue(), mode=0o600)
         return path
 
-    def load_checkpoint(self, name: str = "latest.pt", map_location: Any = "cpu") -> dict[str, Any] | None:
+    def load_checkpoint(self, name: str = Home.LATEST_CHECKPOINT, map_location: Any = "cpu") -> dict[str, Any] | None:
         import torch
 
         path = self.checkpoint_dir / name

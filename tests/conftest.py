@@ -1,6 +1,6 @@
 import pytest
 
-from tests.daemons import Cluster
+from peer.testing.swarm import LocalSwarm
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)
@@ -12,10 +12,11 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture
 def cluster(tmp_path, request):
-    """Real daemons for one test; their logs are printed if the test fails."""
-    c = Cluster(tmp_path)
-    yield c
+    """Real daemons for one test (`cluster.start(name, *args, config=...)`); their logs are printed if the
+    test fails, and they are always stopped."""
+    swarm = LocalSwarm(tmp_path)
+    yield swarm
     failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
     if failed:
-        c.dump_logs()
-    c.close()
+        swarm.dump_logs()
+    swarm.stop()

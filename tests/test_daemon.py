@@ -10,9 +10,15 @@ import time
 
 import pytest
 
-from tests.daemons import REPO, unique_swarm, wait_for, write_config
+from peer.home import Home
+from tests.daemons import QUICK_FAILURE_DETECTION, REPO, config_file, unique_swarm, wait_for
 
 pytestmark = pytest.mark.slow
+
+
+def quick_config(path, **kw):
+    """A config whose daemons notice a killed peer in about 2 s, with debug logs."""
+    return config_file(path, membership=QUICK_FAILURE_DETECTION, log_level="debug", **kw)
 
 
 def all_connected(daemons, n):
@@ -20,8 +26,8 @@ def all_connected(daemons, n):
 
 
 def test_four_daemons_find_each_other_by_mdns_then_survive_kill_and_rejoin(cluster, tmp_path):
-    cfg = write_config(tmp_path / "c.toml", swarm=unique_swarm())
-    ds = [cluster.daemon(f"d{i}", config=cfg) for i in range(4)]
+    cfg = quick_config(tmp_path / "c.toml", swarm=unique_swarm())
+    ds = [cluster.start(f"d{i}", config=cfg) for i in range(4)]
     for d in ds:
         d.wait_ready()
     wait_for(lambda: all_connected(ds, 4), timeout=30, what="4 daemons all connected to each other")
@@ -30,7 +36,7 @@ def test_four_daemons_find_each_other_by_mdns_then_survive_kill_and_rejoin(clust
 
     victim, rest = ds[3], ds[:3]
     victim_id = victim.peer_id
-    victim.kill9()
+    victim.kill()
     t0 = time.monotonic()
 
     def marked_dead():
@@ -47,10 +53,10 @@ def test_four_daemons_find_each_other_by_mdns_then_survive_kill_and_rejoin(clust
 
 
 def test_two_swarms_on_one_host_never_connect(cluster, tmp_path):
-    a = write_config(tmp_path / "a.toml", swarm=unique_swarm("a"))
-    b = write_config(tmp_path / "b.toml", swarm=unique_swarm("b"))
-    da = [cluster.daemon(f"a{i}", config=a) for i in range(2)]
-    db = [cluster.daemon(f"b{i}", config=b) for i in range(2)]
+    a = quick_config(tmp_path / "a.toml", swarm=unique_swarm("a"))
+    b = quick_config(tmp_path / "b.toml", swarm=unique_swarm("b"))
+    da = [cluster.start(f"a{i}", config=a) for i in range(2)]
+    db = [cluster.start(f"b{i}", config=b) for i in range(2)]
     for d in da + db:
         d.wait_ready()
     wait_for(lambda: all_connected(da, 2) and all_connected(db, 2), timeout=30, what="each swarm to connect internally")
@@ -64,11 +70,11 @@ def test_two_swarms_on_one_host_never_connect(cluster, tmp_path):
 
 
 def test_join_only_learns_everyone_by_peer_exchange(cluster, tmp_path):
-    cfg = write_config(tmp_path / "c.toml", swarm=unique_swarm(), mdns=False)
-    seed = cluster.daemon("seed", config=cfg)
+    cfg = quick_config(tmp_path / "c.toml", swarm=unique_swarm(), mdns=False)
+    seed = cluster.start("seed", config=cfg)
     st = seed.wait_ready()
     addr = st["listen"]
-    others = [cluster.daemon(f"j{i}", "--join", addr, config=cfg) for i in range(3)]
+    others = [cluster.start(f"j{i}", "--join", addr, config=cfg) for i in range(3)]
     for d in others:
         d.wait_ready()
     ds = [seed] + others
@@ -78,18 +84,18 @@ def test_join_only_learns_everyone_by_peer_exchange(cluster, tmp_path):
 
 
 def test_sigterm_is_graceful_and_leaves_nothing_behind(cluster, tmp_path):
-    cfg = write_config(tmp_path / "c.toml", swarm=unique_swarm())
-    a, b = cluster.daemon("a", config=cfg), cluster.daemon("b", config=cfg)
+    cfg = quick_config(tmp_path / "c.toml", swarm=unique_swarm())
+    a, b = cluster.start("a", config=cfg), cluster.start("b", config=cfg)
     a.wait_ready(), b.wait_ready()
     wait_for(lambda: all_connected([a, b], 2), timeout=30, what="two daemons to connect")
     b_id = b.peer_id
-    assert a.terminate() == 0
-    assert not (a.home / "control.sock").exists()
-    assert (a.home / "peers.msgpack").exists()  # peer cache saved on the way out
+    assert a.stop() == 0
+    assert not Home(a.home).control_socket.exists()
+    assert Home(a.home).peer_cache.exists()  # peer cache saved on the way out
     # b hears the goodbye (no need to wait for the heartbeat deadline)
     wait_for(lambda: any(p["state"] == "dead" and "goodbye" in p["reason"] for p in b.status()["peers"]),
              timeout=5, what="b to see a's goodbye")
-    assert b.terminate() == 0
+    assert b.stop() == 0
     out = subprocess.run(["pgrep", "-f", f"--home {a.home}"], capture_output=True, text=True)
     assert out.stdout.strip() == ""
     assert b_id
@@ -133,20 +139,20 @@ def test_stale_control_socket_is_replaced_and_second_daemon_refused(cluster, tmp
     home = tmp_path / "h"
     home.mkdir(mode=0o700)
     stale = socket.socket(socket.AF_UNIX)
-    stale.bind(str(home / "control.sock"))
+    stale.bind(str(Home(home).control_socket))
     stale.close()  # a socket file with nobody listening, as a crashed daemon leaves it
-    cfg = write_config(tmp_path / "c.toml", swarm=unique_swarm(), mdns=False)
-    d = cluster.daemon("d", config=cfg, home=home)
+    cfg = quick_config(tmp_path / "c.toml", swarm=unique_swarm(), mdns=False)
+    d = cluster.start("d", config=cfg, home=home)
     d.wait_ready()
-    assert oct(os.stat(home / "control.sock").st_mode & 0o777) == "0o600"
-    assert oct(os.stat(home / "identity.key").st_mode & 0o777) == "0o600"
+    assert oct(os.stat(Home(home).control_socket).st_mode & 0o777) == "0o600"
+    assert oct(os.stat(Home(home).identity_file).st_mode & 0o777) == "0o600"
     r = run_peer("start", "--home", str(home), "--config", str(cfg))
     assert r.returncode == 2 and "already running" in r.stderr
 
 
 def test_status_json_and_rich_output(cluster, tmp_path):
-    cfg = write_config(tmp_path / "c.toml", swarm=unique_swarm())
-    a, b = cluster.daemon("a", config=cfg), cluster.daemon("b", config=cfg)
+    cfg = quick_config(tmp_path / "c.toml", swarm=unique_swarm())
+    a, b = cluster.start("a", config=cfg), cluster.start("b", config=cfg)
     a.wait_ready(), b.wait_ready()
     wait_for(lambda: all_connected([a, b], 2), timeout=30, what="two daemons to connect")
     wait_for(lambda: all(p["rtt_ms"] is not None for p in a.status()["peers"]), timeout=10, what="an RTT sample")

@@ -62,7 +62,7 @@ def test_eight_daemons_keep_the_sum_and_reach_consensus_while_rewiring(cluster, 
                                 "rewire_interval": 0.5, "record_interval": 0.5},
                       gossip={"exchange_timeout": 10.0},
                       options={"size": 4096, "rounds": rounds, "world": n, "start_delay": 2.0})
-    ds = [cluster.daemon(f"d{i}", config=cfg, env=rank_env(i, n)) for i in range(n)]
+    ds = [cluster.start(f"d{i}", config=cfg, env=rank_env(i, n)) for i in range(n)]
     for d in ds:
         d.wait_ready()
     wait_for(lambda: all(d.status()["connected"] == n - 1 for d in ds), timeout=40, what="8 daemons to connect")
@@ -113,7 +113,7 @@ def test_fixed_ring_topology_is_the_ring_of_sorted_ids(cluster, tmp_path):
     n = 5
     cfg = config_file(tmp_path / "c.toml", swarm=unique_swarm(), trainer="",
                       topology={"kind": "ring", "rewire_interval": 0.5, "record_interval": 0.5, "target_degree": 2})
-    ds = [cluster.daemon(f"r{i}", config=cfg) for i in range(n)]
+    ds = [cluster.start(f"r{i}", config=cfg) for i in range(n)]
     for d in ds:
         d.wait_ready()
     wait_for(lambda: all(d.status()["connected"] == n - 1 for d in ds), timeout=40, what="5 daemons to connect")
@@ -131,7 +131,7 @@ def test_graph_stays_connected_while_peers_are_killed_and_restarted(cluster, tmp
     cfg = config_file(tmp_path / "c.toml", swarm=unique_swarm(), trainer="",
                       topology={"kind": "rewired", "target_degree": 2, "min_degree": 2, "max_degree": 4,
                                 "rewire_interval": 0.5, "record_interval": 0.5})
-    ds = [cluster.daemon(f"k{i}", config=cfg) for i in range(n)]
+    ds = [cluster.start(f"k{i}", config=cfg) for i in range(n)]
     for d in ds:
         d.wait_ready()
 
@@ -141,7 +141,7 @@ def test_graph_stays_connected_while_peers_are_killed_and_restarted(cluster, tmp
 
     wait_for(lambda: connected_graph(ds), timeout=40, what="a connected gossip graph of 6")
     for victim in ds[:2]:
-        victim.kill9()
+        victim.kill()
     live = ds[2:]
     wait_for(lambda: connected_graph(live), timeout=30, what="the 4 survivors to form a connected graph")
     for victim in ds[:2]:
@@ -158,7 +158,7 @@ def test_lossy_codecs_still_preserve_the_sum(cluster, tmp_path, codec):
     cfg = config_file(tmp_path / "c.toml", swarm=unique_swarm(), trainer="trainers.consensus",
                       topology={"kind": "full"}, gossip={"codec": codec, "exchange_timeout": 10.0},
                       options={"size": 20000, "rounds": 25, "world": n, "start_delay": 1.0})
-    ds = [cluster.daemon(f"q{i}", config=cfg, env=rank_env(i, n)) for i in range(n)]
+    ds = [cluster.start(f"q{i}", config=cfg, env=rank_env(i, n)) for i in range(n)]
     wait_for(lambda: all(d.status().get("trainer", {}).get("state") == "done" for d in ds), timeout=90,
              what=f"the {codec} consensus jobs to finish")
     wait_for(lambda: all(d.status()["gossip"]["inflight"] == 0 for d in ds), timeout=30, what="exchanges to drain")

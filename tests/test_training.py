@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from peer.home import Home
 from tests.daemons import config_file, rank_env, unique_swarm, wait_for
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,7 @@ def test_single_process_baseline_for_comparison():
 @pytest.mark.parametrize("mode", ["adpsgd", "dpsgd"])
 def test_four_daemons_train_digits_to_target(cluster, tmp_path, mode):
     cfg = digits_config(tmp_path / "c.toml", mode=mode)
-    ds = [cluster.daemon(f"t{i}", config=cfg, env=rank_env(i, 4)) for i in range(4)]
+    ds = [cluster.start(f"t{i}", config=cfg, env=rank_env(i, 4)) for i in range(4)]
     wait_for(lambda: done(ds), timeout=120, interval=0.5, what=f"4 {mode} peers to finish training")
     accs = [trainer(d)["accuracy"] for d in ds]
     print(f"{mode}: held-out accuracy per peer {[round(a * 100, 2) for a in accs]}, steps {[trainer(d)['step'] for d in ds]}")
@@ -53,9 +54,9 @@ def test_four_daemons_train_digits_to_target(cluster, tmp_path, mode):
 def test_training_survives_a_peer_killed_mid_run(cluster, tmp_path):
     # a slightly slower run (small per-step delay) so there is a "mid-run" to kill in
     cfg = digits_config(tmp_path / "c.toml", step_delay=0.004)
-    ds = [cluster.daemon(f"k{i}", config=cfg, env=rank_env(i, 4)) for i in range(4)]
+    ds = [cluster.start(f"k{i}", config=cfg, env=rank_env(i, 4)) for i in range(4)]
     wait_for(lambda: all(trainer(d).get("step", 0) >= 30 for d in ds), timeout=90, what="training to get going")
-    ds[3].kill9()
+    ds[3].kill()
     rest = ds[:3]
     wait_for(lambda: done(rest), timeout=120, interval=0.5, what="the 3 survivors to finish")
     assert all(trainer(d)["reached_target"] for d in rest), [trainer(d).get("accuracy") for d in rest]
@@ -63,9 +64,9 @@ def test_training_survives_a_peer_killed_mid_run(cluster, tmp_path):
 
 def test_late_joiner_downloads_parameters_and_catches_up(cluster, tmp_path):
     cfg = digits_config(tmp_path / "c.toml", step_delay=0.004, min_peers=2)
-    early = [cluster.daemon(f"e{i}", config=cfg, env=rank_env(i, 4)) for i in range(3)]
+    early = [cluster.start(f"e{i}", config=cfg, env=rank_env(i, 4)) for i in range(3)]
     wait_for(lambda: all(trainer(d).get("step", 0) >= 60 for d in early), timeout=90, what="the first 3 to train a while")
-    late = cluster.daemon("late", config=cfg, env=rank_env(3, 4))
+    late = cluster.start("late", config=cfg, env=rank_env(3, 4))
     wait_for(lambda: trainer(late).get("joined_at_step"), timeout=60, what="the late peer to download parameters")
     wait_for(lambda: done([late]), timeout=120, interval=0.5, what="the late peer to finish")
     assert trainer(late)["reached_target"], trainer(late).get("accuracy")
@@ -75,10 +76,10 @@ def test_restarted_peer_resumes_from_its_checkpoint(cluster, tmp_path):
     # no target: run the step budget, checkpoint every 20 steps, stop one peer half-way and restart it
     cfg = digits_config(tmp_path / "c.toml", target_accuracy=0.0, max_steps=400, checkpoint_every=20,
                         step_delay=0.01, min_peers=1)
-    ds = [cluster.daemon(f"r{i}", config=cfg, env=rank_env(i, 2)) for i in range(2)]
+    ds = [cluster.start(f"r{i}", config=cfg, env=rank_env(i, 2)) for i in range(2)]
     wait_for(lambda: trainer(ds[1]).get("step", 0) >= 60, timeout=90, what="some training")
-    assert ds[1].terminate() == 0  # graceful: the trainer saves its checkpoint on the way out
-    assert (ds[1].home / "checkpoints" / "latest.pt").exists()
+    assert ds[1].stop() == 0  # graceful: the trainer saves its checkpoint on the way out
+    assert Home(ds[1].home).latest_checkpoint.exists()
     ds[1].start()
     wait_for(lambda: trainer(ds[1]).get("resumed_from_step"), timeout=60, what="the restart to resume")
     assert trainer(ds[1])["resumed_from_step"] >= 60

@@ -138,11 +138,11 @@ def run(swarm, options: dict) -> dict:
             "resumed_from_step": resumed_from, "joined_at_step": joined_from, "state": "training"}
     swarm.publish(meta)
 
-    def save(name: str = "latest.pt") -> None:
+    def save() -> None:
         with lock:
             state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                      "model_name": o.model_factory or o.model, "options": asdict(o)}
-            swarm.save_checkpoint(state, name)
+            swarm.save_checkpoint(state)
 
     swarm.on_checkpoint_request(save)
     gen = torch.Generator().manual_seed(o.seed * 7919 + rank * 104729 + step)

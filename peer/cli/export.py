@@ -22,7 +22,7 @@ def cmd_export(args) -> int:
         call(home.root, "checkpoint", timeout=30)
     except ControlError:
         pass  # no daemon running (or no trainer): export what is on disk
-    path = home.checkpoints / "latest.pt"
+    path = home.latest_checkpoint
     if not path.exists():
         raise ValueError(f"no checkpoint in {home.checkpoints}; has a trainer run with this home?")
     ckpt = torch.load(path, map_location="cpu", weights_only=False)

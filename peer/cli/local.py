@@ -1,72 +1,22 @@
 """`peer local`: a whole swarm on one host, for trying peertrain out and for tests.
 
 Each daemon is a real `peer start` subprocess with its own home (`ROOT/nodeK`) and a free port on
-127.0.0.1; they find each other through mDNS bound to loopback (configs/local.toml). Their logs stream
-here with a `[nodeK]` prefix (or go to `ROOT/nodeK/daemon.log` with --demo, which shows a live table).
-Ctrl-C stops them all: SIGTERM, a bounded wait, then SIGKILL for any that hang.
+127.0.0.1; they find each other through mDNS bound to loopback (configs/local.toml). Their logs go to
+`ROOT/nodeK/daemon.log` and also stream here with a `[nodeK]` prefix (not with --demo, which shows a
+live table instead). Ctrl-C stops them all: SIGTERM, a bounded wait, then SIGKILL for any that hang.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
+from peer.testing.swarm import LocalSwarm, node_homes
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.toml"
-
-
-def node_homes(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("node")),
-                  key=lambda p: int(p.name[4:]) if p.name[4:].isdigit() else 0)
-
-
-def _pump(proc: subprocess.Popen, prefix: str, sink) -> None:
-    for line in iter(proc.stdout.readline, b""):
-        try:
-            sink(prefix + line.decode(errors="replace").rstrip("\n"))
-        except (ValueError, OSError):
-            return
-
-
-def start_daemons(n: int, root: Path, config: Path, *, extra_args: list[str] | None = None,
-                  to_files: bool = False) -> list[subprocess.Popen]:
-    root.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for i in range(1, n + 1):
-        home = root / f"node{i}"
-        home.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "peer", "start", "--home", str(home), "--config", str(config),
-                "--listen", "127.0.0.1:0", *(extra_args or [])]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PEERTRAIN_RANK=str(i - 1), PEERTRAIN_WORLD=str(n))
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        if to_files:
-            log = open(home / "daemon.log", "a", buffering=1)
-            threading.Thread(target=_pump, args=(proc, "", lambda s, f=log: f.write(s + "\n")), daemon=True).start()
-        else:
-            threading.Thread(target=_pump, args=(proc, f"[node{i}] ", print), daemon=True).start()
-        procs.append(proc)
-    return procs
-
-
-def stop_daemons(procs: list[subprocess.Popen], *, timeout: float = 20.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def collect(root: Path) -> list[dict]:
@@ -137,13 +87,15 @@ def main(args) -> int:
     config = Path(args.config) if args.config else DEFAULT_CONFIG
     if not config.exists():
         raise ValueError(f"config file {config} does not exist")
-    procs = start_daemons(args.n, root, config, to_files=args.demo)
-    print(f"started {args.n} daemons under {root} (config {config}); Ctrl-C stops them all.\n"
-          f"  watch one:   peer status --home {root}/node1 --watch\n"
-          f"  summary:     peer local status --root {root}", flush=True)
+    # --demo draws a table, so the daemons' output only goes to their log files; else it streams here too.
+    swarm = LocalSwarm(root, echo=None if args.demo else (lambda name, line: print(f"[{name}] {line}", flush=True)))
     deadline = time.monotonic() + args.timeout if args.timeout else None
     finished = False
     try:
+        swarm.start_nodes(args.n, config)
+        print(f"started {args.n} daemons under {root} (config {config}); Ctrl-C stops them all.\n"
+              f"  watch one:   peer status --home {root}/node1 --watch\n"
+              f"  summary:     peer local status --root {root}", flush=True)
         if args.demo:
             from rich.console import Console
             from rich.live import Live
@@ -158,20 +110,19 @@ def main(args) -> int:
                     if _training_finished(rows):
                         finished = True
                         break
-                    if all(p.poll() is not None for p in procs):
+                    if not any(d.running for d in swarm.daemons):
                         break
             if finished:
                 _print_result(rows)
         else:
             while deadline is None or time.monotonic() < deadline:
                 time.sleep(0.5)
-                if all(p.poll() is not None for p in procs):
+                if not any(d.running for d in swarm.daemons):
                     break
     except KeyboardInterrupt:
         print("\nstopping all daemons ...", flush=True)
     finally:
-        stop_daemons(procs)
-    codes = [p.returncode for p in procs]
+        codes = swarm.stop()
     bad = [c for c in codes if c not in (0, -signal.SIGTERM)]
     if bad:
         print(f"daemon exit codes: {codes} (logs under {root}/node*/)", file=sys.stderr)
