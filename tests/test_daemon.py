@@ -11,6 +11,7 @@ import time
 import pytest
 
 from peer.home import Home
+from peer.testing.daemon import DaemonProcess
 from tests.daemons import QUICK_FAILURE_DETECTION, REPO, config_file, unique_swarm, wait_for
 
 pytestmark = pytest.mark.slow
@@ -101,6 +102,15 @@ def test_sigterm_is_graceful_and_leaves_nothing_behind(cluster, tmp_path):
     assert b_id
 
 
+def start_and_fail(name, home, *args, config=None):
+    """`peer start` that should refuse to run: its exit code and output."""
+    d = DaemonProcess.create(name, home, config=config, args=args, log_path=home.parent / f"{name}.log").start()
+    try:
+        return d.wait_stopped(60), d.log_tail()
+    finally:
+        d.kill()
+
+
 def run_peer(*args, timeout=60, **kw):
     return subprocess.run([sys.executable, "-m", "peer", *args], capture_output=True, text=True, cwd=REPO,
                           timeout=timeout, **kw)
@@ -109,9 +119,9 @@ def run_peer(*args, timeout=60, **kw):
 def test_bad_config_is_a_one_line_error_naming_file_line_and_key(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('[daemon]\nswarm = "ok"\n\n[membership]\ndead_after = "soon"\n')
-    r = run_peer("start", "--home", str(tmp_path / "h"), "--config", str(bad))
-    assert r.returncode == 2
-    assert f"{bad}:5: [membership] dead_after: expected a number" in r.stderr
+    code, out = start_and_fail("bad", tmp_path / "h", config=bad)
+    assert code == 2
+    assert f"{bad}:5: [membership] dead_after: expected a number" in out
     bad.write_text("[daemon]\nswram = 'typo'\n")
     r = run_peer("config", "show", "--config", str(bad))
     assert r.returncode == 2 and "unknown key" in r.stderr and ":2:" in r.stderr
@@ -126,9 +136,9 @@ def test_occupied_port_and_missing_daemon_are_clear_errors(tmp_path):
     s.listen()
     port = s.getsockname()[1]
     try:
-        r = run_peer("start", "--home", str(tmp_path / "h"), "--listen", f"127.0.0.1:{port}", "--no-mdns")
-        assert r.returncode == 2
-        assert "cannot listen on 127.0.0.1" in r.stderr and "pick another" in r.stderr
+        code, out = start_and_fail("occupied", tmp_path / "h", "--listen", f"127.0.0.1:{port}", "--no-mdns")
+        assert code == 2
+        assert "cannot listen on 127.0.0.1" in out and "pick another" in out
     finally:
         s.close()
     r = run_peer("status", "--home", str(tmp_path / "nobody"))
@@ -146,8 +156,8 @@ def test_stale_control_socket_is_replaced_and_second_daemon_refused(cluster, tmp
     d.wait_ready()
     assert oct(os.stat(Home(home).control_socket).st_mode & 0o777) == "0o600"
     assert oct(os.stat(Home(home).identity_file).st_mode & 0o777) == "0o600"
-    r = run_peer("start", "--home", str(home), "--config", str(cfg))
-    assert r.returncode == 2 and "already running" in r.stderr
+    code, out = start_and_fail("second", home, config=cfg)
+    assert code == 2 and "already running" in out
 
 
 def test_status_json_and_rich_output(cluster, tmp_path):

@@ -50,10 +50,12 @@ class DaemonProcess(ManagedProcess):
     @classmethod
     def create(cls, name: str, home: Path, *, config: Path | None = None, args: list[str] | tuple[str, ...] = (),
                env: dict[str, str] | None = None, host: Any = None,
-               echo: Callable[[str], None] | None = None) -> "DaemonProcess":
+               echo: Callable[[str], None] | None = None, log_path: Path | None = None) -> "DaemonProcess":
+        """A daemon for `home`, not started yet; its output goes to the home's log file unless `log_path`
+        says otherwise (a second daemon tried on a home that has one running)."""
         home = Path(home)
         home.mkdir(parents=True, exist_ok=True)
-        return cls(name=name, argv=daemon_argv(home, config, args), log_path=Home(home).log_file,
+        return cls(name=name, argv=daemon_argv(home, config, args), log_path=log_path or Home(home).log_file,
                    env=dict(env or {}), host=host, echo=echo, home=home, config=config)
 
     # ---- the control socket --------------------------------------------------------------------------
