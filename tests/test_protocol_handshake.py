@@ -16,7 +16,8 @@ from protocol import PROTOCOL_VERSION
 from protocol.cipher import CIPHERS
 from protocol.errors import HandshakeError, LimitExceeded, ProtocolError
 from protocol.frames import KIND_MESSAGE, FrameReader, FrameWriter, encode_length_prefixed
-from protocol.handshake import Handshake, NoiseXXState, prologue_for
+from protocol.handshake import Handshake, prologue_for
+from protocol.noise import NoiseXXState
 from protocol.identity import (
     generate_identity,
     is_weak_public_key,
