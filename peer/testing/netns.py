@@ -32,7 +32,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from peer.testing.process import terminate_all
+
 _CMD_TIMEOUT = 15.0  # seconds for any single ip/tc invocation
+_PROC_GRACE = 3.0  # a process left running in a namespace at teardown gets this long after SIGTERM
 _BRIDGE = "br0"
 
 
@@ -150,15 +153,7 @@ class Host:
         return proc.returncode == 0
 
     def _kill_procs(self) -> None:
-        for proc in self._procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=3)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=3)
+        terminate_all(self._procs, _PROC_GRACE)  # the owner (e.g. a LocalSwarm) has normally stopped them
         self._procs.clear()
 
 

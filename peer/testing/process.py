@@ -134,32 +134,26 @@ class ManagedProcess:
             raise ProcessExited(f"{self.name} exited with code {self.proc.returncode}; "
                                 f"last lines of {self.log_path}:\n{self.log_tail()}")
 
-    # ---- stopping: one path ----------------------------------------------------------------------------
+    # ---- stopping: one path (terminate_all) ---------------------------------------------------------------
     def signal_stop(self) -> None:
-        """Ask it to stop (SIGTERM) without waiting, so many processes can stop side by side."""
+        """Ask it to stop (SIGTERM) without waiting."""
         if self.running:
             self.proc.send_signal(signal.SIGTERM)
 
     def wait_stopped(self, timeout: float = STOP_TIMEOUT) -> int:
-        """Wait for the exit that `signal_stop` asked for; past `timeout`, SIGKILL. Returns the exit code
-        (negative: the signal that ended it, so -9 says it had to be killed)."""
+        """Wait for it to exit by itself; past `timeout`, SIGKILL. Returns the exit code (negative: the
+        signal that ended it, so -9 says it had to be killed)."""
         if self.proc is None:
             raise RuntimeError(f"{self.name} was never started")
-        try:
-            return self.proc.wait(max(0.0, timeout))
-        except subprocess.TimeoutExpired:
-            return self.kill()
+        return terminate_all([self.proc], timeout, signal_first=False)[0]
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> int:
         """SIGTERM, wait up to `timeout`, then SIGKILL: the exit code (0 for a graceful stop)."""
-        self.signal_stop()
-        return self.wait_stopped(timeout)
+        return stop_all([self], timeout)[0]
 
     def kill(self) -> int:
         """SIGKILL at once (a crash, as far as its peers can tell); the exit code."""
-        if self.running:
-            self.proc.kill()
-        return self.proc.wait(KILL_TIMEOUT)
+        return terminate_all([self.proc], 0.0, signal_first=False)[0]
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
@@ -168,11 +162,27 @@ class ManagedProcess:
             return "(no log)"
 
 
-def stop_all(processes: list[ManagedProcess], timeout: float = STOP_TIMEOUT) -> list[int | None]:
-    """Stop many at once: SIGTERM to each, then one shared deadline before SIGKILL. Exit codes in order
-    (None for one never started)."""
-    for p in processes:
-        if p.proc is not None:
-            p.signal_stop()
+def terminate_all(procs: list[subprocess.Popen], timeout: float, *, signal_first: bool = True) -> list[int]:
+    """The one stop path for child processes: SIGTERM to each (unless `signal_first` is False), one
+    shared deadline for all of them, then SIGKILL for any still running. Their exit codes, in order."""
+    if signal_first:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    return [p.wait_stopped(deadline - time.monotonic()) if p.proc is not None else None for p in processes]
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait(KILL_TIMEOUT))
+    return codes
+
+
+def stop_all(processes: list[ManagedProcess], timeout: float = STOP_TIMEOUT) -> list[int | None]:
+    """Stop many at once, side by side (SIGTERM, one deadline, SIGKILL). Exit codes in order (None for
+    one never started)."""
+    started = [p.proc for p in processes if p.proc is not None]
+    codes = iter(terminate_all(started, timeout))
+    return [next(codes) if p.proc is not None else None for p in processes]
