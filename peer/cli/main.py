@@ -162,7 +162,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_local(args) -> int:
-    from peer import local
+    from peer.cli import local
 
     return local.main(args)
 
@@ -234,9 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     register_all(bsub)
     p.set_defaults(fn=cmd_bench)
 
-    from peer import extra_commands
+    from peer.cli import export
 
-    extra_commands.register(sub)
+    export.register(sub)
     return parser
 
 
