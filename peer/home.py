@@ -1,7 +1,7 @@
 """A daemon's home directory: identity key, config snapshot, peer cache, checkpoints, logs, control socket.
 
 Everything written here goes through `atomic_write` (temp file, fsync, rename, fsync dir), so a crash
-at any moment leaves either the old file or the new one, never a torn one (invariant 7 in DESIGN.md).
+at any moment leaves either the old file or the new one, never a torn one (docs/design.md, "Invariants", 7).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A peer is anyone who completed the handshake, including a buggy or hostile one.
 Everything it sends is a request for us to allocate: a frame buffer, a decoded
 message, a tensor. `WireLimits` bounds each of those requests so that the memory
-a session can pin is bounded no matter what arrives (the bounded-memory
-invariant); the decoders check the limits *before* they allocate.
+a session can pin is bounded no matter what arrives (docs/design.md, "Invariants",
+6); the decoders check the limits *before* they allocate.
 """
 
 from __future__ import annotations

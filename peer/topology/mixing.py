@@ -1,8 +1,9 @@
 """Gossip mixing weights and the two numbers that judge a topology.
 
 Peers average parameters pairwise: in an exchange over edge i-j both sides apply
-x += w_ij (x_other - x) with the *same* w_ij, so the swarm's sum is preserved. We
-use Metropolis-Hastings weights
+x += w_ij (x_other - x) with the *same* w_ij, so the swarm's sum is preserved. The
+topology's W, and D-PSGD's all-neighbour rounds, use Metropolis-Hastings weights
+(one-neighbour exchanges use the pairwise 1/3: docs/design.md, "Which weight")
 
     w_ij = 1 / (1 + max(d_i, d_j)),    w_ii = 1 - sum_j w_ij,
 
