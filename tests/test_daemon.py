@@ -12,6 +12,7 @@ import pytest
 
 from peer.home import Home
 from peer.testing.daemon import DaemonProcess
+from peer.testing.process import ManagedProcess
 from tests.daemons import QUICK_FAILURE_DETECTION, REPO, config_file, unique_swarm, wait_for
 
 pytestmark = pytest.mark.slow
@@ -189,3 +190,25 @@ def test_status_json_and_rich_output(cluster, tmp_path):
     assert _mbit({"bandwidth_bps": 9.5e8}) == "950"  # an older daemon's status has no spread
     r = run_peer("id", "--home", str(a.home))
     assert r.stdout.strip() == st["peer_id"]
+
+
+def test_status_views_and_peer_stop(cluster, tmp_path):
+    """`peer status --topology`, `peer status --watch` (until stopped) and `peer stop`, as the README shows them."""
+    cfg = quick_config(tmp_path / "c.toml", swarm=unique_swarm())
+    a, b = cluster.start("a", config=cfg), cluster.start("b", config=cfg)
+    wait_for(lambda: all_connected([a, b], 2), timeout=30, what="two daemons to connect")
+    a_id, b_id = a.peer_id, b.peer_id
+    wait_for(lambda: a.status()["topology"]["degree"] == 1, timeout=30, what="an edge between them")
+    r = run_peer("status", "--home", str(a.home), "--topology")
+    assert r.returncode == 0 and a_id[:8] in r.stdout and b_id[:8] in r.stdout, r.stdout + r.stderr
+    watch = ManagedProcess("watch", [sys.executable, "-m", "peer", "status", "--home", str(a.home), "--watch",
+                                     "--interval", "0.2"], log_path=tmp_path / "watch.out", cwd=REPO).start()
+    try:
+        wait_for(lambda: watch.log_path.read_text(errors="replace").count(a_id) >= 2, timeout=30,
+                 what="two refreshes of peer status --watch")
+        assert watch.running
+    finally:
+        watch.stop()
+    r = run_peer("stop", "--home", str(a.home))
+    assert r.returncode == 0 and "stopped" in r.stdout, r.stdout + r.stderr
+    assert a.wait_stopped(10) == 0 and not Home(a.home).control_socket.exists()

@@ -4,10 +4,13 @@ model and recipe runs first, so a regression in either shows up side by side."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from peer.home import Home
-from tests.daemons import config_file, rank_env, unique_swarm, wait_for
+from tests.daemons import REPO, config_file, rank_env, unique_swarm, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +83,22 @@ def test_restarted_peer_resumes_from_its_checkpoint(cluster, tmp_path):
     wait_for(lambda: trainer(ds[1]).get("step", 0) >= 60, timeout=90, what="some training")
     assert ds[1].stop() == 0  # graceful: the trainer saves its checkpoint on the way out
     assert Home(ds[1].home).latest_checkpoint.exists()
+    export_and_load(ds[1].home, tmp_path / "model.pt")  # `peer export` with no daemon running: from disk
     ds[1].start()
     wait_for(lambda: trainer(ds[1]).get("resumed_from_step"), timeout=60, what="the restart to resume")
     assert trainer(ds[1])["resumed_from_step"] >= 60
+    export_and_load(ds[1].home, tmp_path / "live.pt")  # with the daemon running: it checkpoints first
+
+
+def export_and_load(home, out):
+    """`peer export` as the README shows it; the file loads into the model it names."""
+    import torch
+
+    from trainers.models import build_model
+
+    r = subprocess.run([sys.executable, "-m", "peer", "export", "--home", str(home), str(out)],
+                       capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0 and "wrote" in r.stdout, r.stdout + r.stderr
+    saved = torch.load(out, weights_only=False)
+    build_model(saved["model_name"]).load_state_dict(saved["state_dict"])
+    assert saved["step"] > 0

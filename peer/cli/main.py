@@ -134,6 +134,14 @@ def cmd_status(args) -> int:
     if not args.watch:
         console.print(render())
         return 0
+    if not console.is_terminal:  # piped or logged: Live would print nothing until Ctrl-C; print each refresh
+        try:
+            while True:
+                console.print(render())
+                time.sleep(args.interval)
+        except KeyboardInterrupt:
+            pass
+        return 0
     with Live(render(), console=console, refresh_per_second=2, screen=False) as live:
         try:
             while True:
