@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from peer.bench.train import _peer_summary, summarise_gossip
+from peer.bench.train_gossip import peer_summary, summarise_gossip
 
 
 def _lines(start: float, evals: list[tuple[int, float, float]]) -> list[dict]:
-    """metrics.jsonl lines of one peer: the meta line, then (step, elapsed_s, accuracy) per evaluation."""
+    """The metrics lines one peer publishes: the meta line, then (step, elapsed_s, accuracy) per evaluation."""
     out = [{"trainer": "trainers.gossip_sgd", "parameters": 10, "state": "training", "ts": start}]
     for step, elapsed, acc in evals:
         out.append({"step": step, "epoch": step / 10, "elapsed_s": elapsed, "accuracy": acc,
@@ -21,8 +21,8 @@ def _lines(start: float, evals: list[tuple[int, float, float]]) -> list[dict]:
 
 
 def test_time_to_target_is_until_the_last_peer_from_the_first_start() -> None:
-    fast = _peer_summary(_lines(100.0, [(10, 1.0, 0.5), (20, 2.0, 0.96), (30, 3.0, 0.94)]), 0.95)
-    slow = _peer_summary(_lines(100.5, [(10, 1.0, 0.5), (20, 2.0, 0.90), (30, 3.0, 0.951)]), 0.95)
+    fast = peer_summary(_lines(100.0, [(10, 1.0, 0.5), (20, 2.0, 0.96), (30, 3.0, 0.94)]), 0.95)
+    slow = peer_summary(_lines(100.5, [(10, 1.0, 0.5), (20, 2.0, 0.90), (30, 3.0, 0.951)]), 0.95)
     assert fast["reached"] and fast["seconds_to_target"] == 2.0 and fast["epochs_to_target"] == 2.0
     assert slow["steps_to_target"] == 30
     run = {"peers": [fast, slow], "wire_bytes_out": [100, 300], "gossip_payload_bytes_sent": [50, 150],
@@ -36,8 +36,8 @@ def test_time_to_target_is_until_the_last_peer_from_the_first_start() -> None:
 
 
 def test_a_peer_that_never_reaches_the_target_means_no_time() -> None:
-    a = _peer_summary(_lines(0.0, [(10, 1.0, 0.97)]), 0.95)
-    b = _peer_summary(_lines(0.0, [(10, 1.0, 0.80)]), 0.95)
+    a = peer_summary(_lines(0.0, [(10, 1.0, 0.97)]), 0.95)
+    b = peer_summary(_lines(0.0, [(10, 1.0, 0.80)]), 0.95)
     run = {"peers": [a, b], "wire_bytes_out": [1, 1], "gossip_payload_bytes_sent": [1, 1], "exchanges": [1, 1],
            "failed_exchanges": [0, 0], "recent_exchange_s": [], "netdev_tx_bytes": None, "bench_wall_s": 1.0}
     s = summarise_gossip(run, 2)

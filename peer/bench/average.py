@@ -17,47 +17,33 @@ Nothing here runs concurrently with a measurement: swarms and gloo run one after
 
 from __future__ import annotations
 
+import datetime
 import json
 import multiprocessing
 import os
-import socket
+import queue
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from protocol.cipher import CIPHERS
+from peer.bench.args import parse_size
+from peer.bench.hosts import free_port
+from peer.control import ControlError
+from peer.session.cipher_choice import seal_gbps
+from peer.testing.process import proc_status_mb
+from peer.testing.swarm import LocalSwarm, rank_env, swarm_config, unique_swarm
 
 
 class BenchFailed(Exception):
-    """A run that cannot give a figure; the message carries the daemon log tails."""
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--peers", type=int, default=2, help="daemons on this host (default 2)")
-    p.add_argument("--size", default="64MiB", help="float32 tensor size (e.g. 64MiB, 1GiB); default 64MiB")
-    p.add_argument("--rounds", type=int, default=7,
-                   help="measured exchanges after one warm-up (default 7; at most 19: a daemon reports its last 20)")
-    p.add_argument("--cipher", choices=["auto", *CIPHERS], default="auto",
-                   help="session cipher (default auto: the fastest on this machine)")
-    p.add_argument("--chunk", default="1MiB", help="tensor chunk (frame) size (default 1MiB)")
-    p.add_argument("--codec", choices=["raw", "float16", "q8"], default="raw",
-                   help="gossip codec (default raw: float32 bytes as they are)")
-    p.add_argument("--settle", type=float, default=2.0,
-                   help="seconds node 0 waits before its first exchange, so the topology is complete (default 2)")
-    p.add_argument("--timeout", type=float, default=120.0, help="give up on one swarm after this many seconds")
-    p.add_argument("--no-all", action="store_true", help="with more than 2 peers, skip the all-neighbours swarm")
-    p.add_argument("--no-gloo", action="store_true", help="with more than 2 peers, skip the gloo all_reduce")
-    p.add_argument("--json", action="store_true", help="print only the JSON object")
+    """A run that cannot give a figure (the swarm has printed its daemons' log tails to stderr)."""
 
 
 # ---- one swarm ------------------------------------------------------------------------------------
 
 def _configs(args, swarm: str, elements: int, mode: str, target: int) -> list:
     """Node 0 initiates `target` exchanges; the others only serve. Full graph, settled fast."""
-    from peer.bench import parse_size
-    from peer.bench.harness import make_config
-
     n = args.peers
     topology = {"kind": "full", "target_degree": n - 1, "min_degree": n - 1, "max_degree": max(8, n - 1)}
     gossip = {"exchange_timeout": 60.0, "chunk_kib": max(1, parse_size(args.chunk) // 1024),
@@ -66,35 +52,20 @@ def _configs(args, swarm: str, elements: int, mode: str, target: int) -> list:
     for i in range(n):
         options = {"size": elements, "rounds": target, "initiate": i == 0, "mode": mode, "world": n,
                    "start_delay": args.settle if i == 0 else 0.0, "track_error": False, "seed": 0}
-        cfg = make_config(swarm=swarm, trainer="trainers.consensus", options=options, topology=topology,
+        cfg = swarm_config(swarm=swarm, trainer="trainers.consensus", options=options, topology=topology,
                           gossip=gossip, log_level="info")
         out.append(cfg.replace(security={"ciphers": [args.cipher]}))
     return out
 
 
-def _metric_lines(home: Path) -> list[dict]:
-    try:
-        return [json.loads(line) for line in (home / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
-        return []
-
-
-def _logs(swarm) -> str:
-    from peer.bench.harness import tail
-
-    return "\n".join(f"--- {n.name} ({n.log_path}) ---\n{tail(n.log_path, 25)}" for n in swarm.nodes)
-
-
 def _run_swarm(args, elements: int, mode: str, target: int) -> dict:
-    """Start the swarm, wait for node 0's `target` exchanges, check the sum; stats of node 0 and all."""
-    from peer.bench.harness import Swarm, proc_status_mb, temp_root, unique_swarm
-    from peer.control import ControlError
-
+    """Start the swarm, wait for node 0's `target` exchanges, check the sum; stats of node 0 and all.
+    On failure the swarm prints its daemons' log tails to stderr as it stops."""
     n = args.peers
-    with temp_root("peertrain-bench-average-") as tmp, Swarm(Path(tmp)) as swarm:
+    with tempfile.TemporaryDirectory(prefix="peertrain-bench-average-") as tmp, LocalSwarm(Path(tmp)) as swarm:
         name = unique_swarm("avg")
         for i, cfg in enumerate(_configs(args, name, elements, mode, target)):
-            swarm.start(f"n{i}", cfg, env={"PEERTRAIN_RANK": str(i), "PEERTRAIN_WORLD": str(n)})
+            swarm.start(f"n{i}", config=cfg, env=rank_env(i, n))
         t0 = time.monotonic()
         try:
             swarm.wait_connected(timeout=args.timeout)
@@ -119,11 +90,11 @@ def _run_swarm(args, elements: int, mode: str, target: int) -> dict:
             statuses = swarm.statuses()
             if not all(statuses):
                 raise BenchFailed("a daemon stopped answering its control socket")
-            stats = [node.command("group_stats", {"values": False}, timeout=60.0)["vector"] for node in swarm.nodes]
+            stats = [d.command("group_stats", {"values": False}, timeout=60.0)["vector"] for d in swarm.daemons]
         except (TimeoutError, RuntimeError, BenchFailed, KeyError, ControlError, OSError) as exc:
-            raise BenchFailed(f"{mode} swarm of {n}: {exc}\n{_logs(swarm)}") from None
-        lines = _metric_lines(swarm.nodes[0].home)
-        peak = [proc_status_mb(node.proc.pid, "VmHWM") for node in swarm.nodes]
+            raise BenchFailed(f"{mode} swarm of {n}: {exc}") from None
+        lines = swarm.daemons[0].metrics()
+        peak = [proc_status_mb(d.pid, "VmHWM") for d in swarm.daemons]
     initial = sum(float(s["trainer"]["initial_sum"]) for s in statuses)
     final = sum(float(g["sum"]) for g in stats)
     rel = abs(final - initial) / max(abs(initial), 1.0)
@@ -152,16 +123,10 @@ def _per_round_seconds(lines: list[dict], per_round: int) -> list[float]:
 
 # ---- gloo -----------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_worker(rank: int, world: int, port: int, elements: int, rounds: int, queue) -> None:
+def _gloo_worker(rank: int, world: int, port: int, elements: int, rounds: int, results) -> None:
     """One rank: warm-up, then `rounds` timed all_reduce(SUM) + divide; sends its times to the parent."""
-    import datetime
-
+    # torch only here, in the spawned ranks: the bench process never uses it, and importing it costs
+    # seconds of start-up (and every `peer bench average` run would pay them, gloo or not)
     import torch
     import torch.distributed as dist
 
@@ -180,18 +145,16 @@ def _gloo_worker(rank: int, world: int, port: int, elements: int, rounds: int, q
                 times.append(time.perf_counter() - t0)
         dist.barrier()
         dist.destroy_process_group()
-        queue.put((rank, times, None))
+        results.put((rank, times, None))
     except Exception as exc:  # reported by the parent; a worker must never hang it
-        queue.put((rank, None, f"{type(exc).__name__}: {exc}"))
+        results.put((rank, None, f"{type(exc).__name__}: {exc}"))
 
 
 def _gloo(world: int, elements: int, rounds: int, timeout: float) -> list[float]:
     """Per-round seconds of gloo all_reduce across `world` processes: the slowest rank of each round."""
-    import queue as queue_mod
-
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, elements, rounds, q), daemon=True)
              for r in range(world)]
     for p in procs:
@@ -204,7 +167,7 @@ def _gloo(world: int, elements: int, rounds: int, timeout: float) -> list[float]
                 raise BenchFailed(f"gloo all_reduce: no result after {timeout:.0f}s")
             try:
                 rank, times, err = q.get(timeout=1.0)
-            except queue_mod.Empty:
+            except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
                 if dead:
                     raise BenchFailed(f"gloo rank {dead[0]} exited with {procs[dead[0]].exitcode}") from None
@@ -228,9 +191,6 @@ def _r(x: float | None, nd: int = 4) -> float | None:
 
 
 def run(args) -> int:
-    from peer.bench import parse_size
-    from peer.session.cipher_choice import seal_gbps
-
     if args.peers < 2:
         print("peer bench average: --peers must be at least 2", file=sys.stderr)
         return 1

@@ -1,6 +1,6 @@
 """`peer bench discovery`: seconds until N fresh local daemons are all connected, and idle memory.
 
-Each trial starts N real daemons (`peer local` machinery, mDNS bound to 127.0.0.1) with new homes,
+Each trial starts N real daemons (`peer local`'s config: mDNS bound to 127.0.0.1) with new homes,
 polls their control sockets until every daemon reports N-1 connected peers, then reads each daemon's
 resident memory from /proc. The figure reported is the median of the trials.
 """
@@ -9,46 +9,37 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+from peer.cli.local import DEFAULT_CONFIG
+from peer.testing.process import ProcessExited, proc_status_mb
+from peer.testing.swarm import LocalSwarm
 
-def add_arguments(p) -> None:
-    p.add_argument("--n", type=int, default=8, help="daemons per trial (default 8)")
-    p.add_argument("--trials", type=int, default=3, help="trials; the median is reported (default 3)")
-    p.add_argument("--timeout", type=float, default=60.0, help="give up on a trial after this many seconds")
-    p.add_argument("--config", default=None, help="config for the daemons (default configs/local.toml)")
-    p.add_argument("--json", action="store_true", help="print only the JSON object")
+POLL_S = 0.05  # the clock's resolution: a twentieth of a second on a figure of a few seconds
+IDLE_AFTER_S = 2.0  # what "idle" means here: memory is read this long after the last one connected
 
 
 def _trial(n: int, config: Path, timeout: float) -> tuple[float | None, list[float]]:
-    from peer.bench.harness import proc_status_mb
-    from peer.cli.local import collect, start_daemons, stop_daemons
-
-    with tempfile.TemporaryDirectory(prefix="peertrain-bench-") as tmp:
-        root = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="peertrain-bench-") as tmp, LocalSwarm(Path(tmp)) as swarm:
         t0 = time.monotonic()
-        procs = start_daemons(n, root, config, to_files=True)
+        swarm.start_nodes(n, config)
         try:
+            swarm.wait(lambda sts: all(s and s["connected"] == n - 1 for s in sts), timeout=timeout,
+                       what=f"{n} daemons to connect", interval=POLL_S)
+            elapsed = time.monotonic() - t0
+        except (TimeoutError, ProcessExited) as exc:
+            print(f"peer bench discovery: {exc}", file=sys.stderr)
             elapsed = None
-            while time.monotonic() - t0 < timeout:
-                rows = collect(root)
-                if len(rows) == n and all(r["status"] and r["status"]["connected"] == n - 1 for r in rows):
-                    elapsed = time.monotonic() - t0
-                    break
-                time.sleep(0.05)
-            time.sleep(2.0)  # let them settle into idle before reading memory
-            rss = [mb if (mb := proc_status_mb(p.pid, "VmRSS")) is not None else float("nan")
-                   for p in procs if p.poll() is None]
-        finally:
-            stop_daemons(procs)
+        time.sleep(IDLE_AFTER_S)
+        rss = [mb if (mb := proc_status_mb(d.pid, "VmRSS")) is not None else float("nan")
+               for d in swarm.daemons if d.running]
     return elapsed, rss
 
 
 def run(args) -> int:
-    from peer.cli.local import DEFAULT_CONFIG
-
     config = Path(args.config) if args.config else DEFAULT_CONFIG
     times, rss_all = [], []
     for _ in range(args.trials):

@@ -6,8 +6,8 @@ until stopped. The job waits `--settle` seconds before its first round so the gr
 `rewired`, its probes) exists; fixed kinds get the same delay so all start alike. The bench polls the
 control sockets every 0.1 s and stops the clock when the published consensus error
 sum(err_num) / sum(err_den) first drops to `--target`. The clock starts when the earliest peer began
-its rounds (ts - elapsed_s in its metrics.jsonl), or when all peers were connected if that came later
-(a loaded machine can take longer to start 8 daemons than the settle delay).
+its rounds (ts - elapsed_s in its published metrics), or when all peers were connected if that came
+later (a loaded machine can take longer to start 8 daemons than the settle delay).
 
 A second clock (`--exact-every`, on by default with --netns) takes group_stats cuts and computes the
 error from sums of squares: a peer publishes err_num only between its own rounds, so while it waits
@@ -16,11 +16,12 @@ on a slow exchange its figure is stale, which inflates the published clock where
 Alongside the time it reports the graph really used (the union of the neighbour lists every daemon
 reports; its Metropolis-Hastings W is checked to be doubly stochastic and every edge to be listed by
 both ends), bytes sent per peer, and whether the swarm-wide sum survived. The rewired gap is set against
-two yardsticks: random regular graphs of the target degree, and random graphs with the rewired graph's
-own degree sequence (`same_degree_gap`), the fair one where rewiring keeps slow hosts at low degree. With `--netns` every daemon
-gets its own network namespace on one virtual LAN; `--slow-links K` puts K hosts behind a tbf-limited
-link (every edge of a slow host is slow, so no topology can avoid it), `--slow-pairs F` gives a
-random fraction of host pairs a slow path of their own (which a topology can route around).
+two yardsticks (peer/topology/yardsticks.py): random regular graphs of the target degree, and random
+graphs with the rewired graph's own degree sequence (`same_degree_gap`), the fair one where rewiring
+keeps slow hosts at low degree. With `--netns` every daemon gets its own network namespace on one
+virtual LAN (slow_paths.py); `--slow-links K` puts K hosts behind a tbf-limited link (every edge of a
+slow host is slow, so no topology can avoid it), `--slow-pairs F` gives a random fraction of host pairs
+a slow path of their own (which a topology can route around).
 
 Why the sum check takes the best of several cuts: with rounds = 0 exchanges never pause, and a cut
 taken while an exchange is applied at one end but not yet at the other is off by w * sum(b - a);
@@ -35,6 +36,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -43,50 +45,21 @@ from pathlib import Path
 
 import numpy as np
 
-FIXED = ("ring", "exponential", "random_regular", "full")
-KINDS = ("rewired", *FIXED)
-NETNS_PORT = 7100
+from peer.bench.args import parse_size
+from peer.bench.hosts import DAEMON_PORT
+from peer.bench.slow_paths import SlowEdges, link_summary, shape_pairs, slow_share
+from peer.control import ControlError
+from peer.testing.daemon import DaemonProcess
+from peer.testing.netns import netns_available, tc_available, virtual_lan
+from peer.testing.swarm import LocalSwarm, rank_env, swarm_config, unique_swarm
+from peer.topology.fixed import FIXED_KINDS, build_fixed
+from peer.topology.mixing import mixing_matrix, spectral_gap
+from peer.topology.yardsticks import checked_gap, graph_of, random_regular_gap, same_degree_gap
+
+KINDS = ("rewired", *FIXED_KINDS)
 SUM_TOL = 1e-5  # relative to |sum of initial sums|
-SUM_CUTS = 10
+SUM_CUTS = 10  # cuts the sum check may take before calling a drift a leak (see "best of several cuts")
 EXACT_GRACE_S = 15.0  # after the published error hits the target, how long exact cuts may still try
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--n", type=int, default=8, help="daemons per topology (default 8)")
-    p.add_argument("--size", default=None,
-                   help="vector per peer, e.g. 16MiB (default 16MiB; 2MiB with --netns, so slow links finish in minutes)")
-    p.add_argument("--topologies", default="rewired,ring,exponential,random_regular",
-                   help="comma-separated kinds to run, in order (default rewired,ring,exponential,random_regular)")
-    p.add_argument("--degree", type=int, default=4, help="target degree for rewired and random_regular (default 4)")
-    p.add_argument("--target", type=float, default=1e-3, help="relative consensus error to reach (default 1e-3)")
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="give up on one topology's consensus after this many seconds (default 120)")
-    p.add_argument("--settle", type=float, default=None,
-                   help="start_delay of the job: seconds for the graph to form (and rewiring to settle) before "
-                        "averaging (default 6; 25 with --netns, where probing slow paths and rewiring around them "
-                        "takes longer: with 10 s the rewired gap was still rising)")
-    p.add_argument("--mode", choices=["one", "all"], default="one",
-                   help="one neighbour per round (AD-PSGD) or all (D-PSGD); default one")
-    p.add_argument("--rewire-interval", type=float, default=None, help="[topology] rewire_interval (default: the daemon's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the start vectors and of random_regular")
-    p.add_argument("--netns", action="store_true", help="one network namespace per daemon on a virtual LAN (needs root)")
-    p.add_argument("--slow-links", type=int, default=None, metavar="K",
-                   help="with --netns: hosts whose own link is slow, tbf both ways (default 2; 0 with --slow-pairs)")
-    p.add_argument("--slow-pairs", type=float, default=0.0, metavar="FRAC",
-                   help="with --netns: this fraction of host pairs (random, --seed) get a slow path of their own, "
-                        "shaped per destination: slowness a topology can route around, unlike a slow host")
-    p.add_argument("--slow-mbit", type=float, default=20.0,
-                   help="with --netns: the slow rate in Mbit/s, both ways (default 20)")
-    p.add_argument("--logs", default=None, metavar="DIR",
-                   help="keep daemon homes and logs under DIR (default: a temp dir, removed)")
-    p.add_argument("--exact-every", type=float, default=None, metavar="S",
-                   help="also time the target on exact errors from group_stats cuts taken every S seconds "
-                        "(default 0.5 with --netns, off otherwise: a cut copies every vector)")
-    p.add_argument("--repeat", type=int, default=1, metavar="R",
-                   help="run every topology R times (interleaved) and report each one's median run: a fixed "
-                        "graph's luck with slow pairs depends on the random peer IDs (default 1)")
-    p.add_argument("--trace", action="store_true", help="add the error trace [[seconds, error], ...] per topology")
-    p.add_argument("--json", action="store_true", help="print only the JSON object (compact)")
 
 
 @dataclass(frozen=True)
@@ -110,135 +83,11 @@ class Plan:
     exact_every: float  # 0: off
 
 
-# ---------------------------------------------------------------------------------------------- graphs
+# ---------------------------------------------------------------------------------------------- swarm
 
 def neighbour_lists(statuses: list[dict]) -> dict[str, set[str]]:
+    """peer ID -> the neighbours its status lists."""
     return {s["peer_id"]: {nb["peer_id"] for nb in s["topology"]["neighbours"]} for s in statuses}
-
-
-def graph_of(lists: dict[str, set[str]]) -> tuple[list[str], np.ndarray, int]:
-    """(sorted ids, adjacency of the union of neighbour lists, edges listed by one end only)."""
-    ids = sorted(lists)
-    index = {p: i for i, p in enumerate(ids)}
-    a = np.zeros((len(ids), len(ids)))
-    one_sided = 0
-    for p, nbrs in lists.items():
-        for q in nbrs:
-            if q not in index:
-                continue
-            a[index[p], index[q]] = a[index[q], index[p]] = 1.0
-            if p not in lists[q]:
-                one_sided += 1
-    return ids, a, one_sided
-
-
-def checked_gap(adj: np.ndarray) -> float:
-    """Spectral gap of the MH matrix W of `adj`, after checking W is doubly stochastic (raises if not)."""
-    from peer.topology.mixing import check_doubly_stochastic, mixing_matrix, spectral_gap
-
-    w = mixing_matrix(adj)
-    check_doubly_stochastic(w)
-    return spectral_gap(w)
-
-
-def same_degree_graphs(adj: np.ndarray, samples: int, seed: int = 0):
-    """Random simple graphs with `adj`'s degree sequence, as adjacency matrices (a fresh one per sample).
-
-    A Markov chain of double-edge swaps (a-b, c-d -> a-d, c-b; a swap that would make a loop or a double
-    edge is skipped), started from `adj` itself: after a burn-in it samples the graphs with those degrees
-    near-uniformly, which a configuration model with rejection only does for small n.
-    """
-    rng = np.random.default_rng(seed)
-    a = (np.asarray(adj) != 0).astype(np.int8)
-    edges = [tuple(e) for e in np.argwhere(np.triu(a))]
-    if len(edges) < 2:
-        return
-    burn_in, every = 10 * len(edges), 2 * len(edges)
-    for step in range(burn_in + every * samples):
-        i, j = rng.choice(len(edges), size=2, replace=False)
-        (p, q), (r, t) = edges[i], edges[j]
-        if rng.random() < 0.5:
-            r, t = t, r
-        if len({p, q, r, t}) == 4 and not a[p, t] and not a[r, q]:
-            a[p, q] = a[q, p] = a[r, t] = a[t, r] = 0
-            a[p, t] = a[t, p] = a[r, q] = a[q, r] = 1
-            edges[i], edges[j] = (p, t), (r, q)
-        if step >= burn_in and (step - burn_in) % every == every - 1:
-            yield a.astype(float)
-
-
-def same_degree_gap(adj: np.ndarray, samples: int = 100, seed: int = 0) -> float | None:
-    """Median gap of random connected graphs with `adj`'s degrees: the yardstick when degrees differ.
-
-    A rewired graph is not regular where it keeps slow hosts at low degree on purpose, so "a random
-    regular graph of the same degree" has no single degree to take; the same degree *sequence* does.
-    Disconnected samples (gap 0) are left out: a swarm gossips on a connected graph.
-    """
-    from peer.topology.mixing import mixing_matrix, spectral_gap
-
-    gaps = [g for g in (spectral_gap(mixing_matrix(a)) for a in same_degree_graphs(adj, samples, seed)) if g > 0]
-    return statistics.median(gaps) if gaps else None
-
-
-def random_regular_gap(n: int, degree: int, seeds: int = 20) -> float:
-    """Mean gap of `seeds` random `degree`-regular graphs on n nodes: the yardstick for rewired."""
-    from peer.topology.fixed import random_regular
-    from peer.topology.graph import GraphView
-    from peer.topology.mixing import graph_spectral_gap
-
-    ids = [f"p{i:03d}" for i in range(n)]
-    return statistics.mean(graph_spectral_gap(GraphView.from_edges(ids, random_regular(ids, degree, s)))
-                           for s in range(seeds))
-
-
-@dataclass(frozen=True)
-class SlowEdges:
-    """Which peer pairs have a slow path: one end is a slow host, or the pair itself is shaped."""
-
-    hosts: frozenset[str] = frozenset()
-    pairs: frozenset[frozenset[str]] = frozenset()
-
-    def __call__(self, a: str, b: str) -> bool:
-        return a in self.hosts or b in self.hosts or frozenset((a, b)) in self.pairs
-
-    def __bool__(self) -> bool:
-        return bool(self.hosts or self.pairs)
-
-
-def slow_share(ids: list[str], adj: np.ndarray, slow: SlowEdges) -> float | None:
-    edges = [(i, j) for i in range(len(ids)) for j in range(i + 1, len(ids)) if adj[i, j]]
-    if not edges or not slow:
-        return None
-    return sum(1 for i, j in edges if slow(ids[i], ids[j])) / len(edges)
-
-
-def shape_pairs(lan, pairs: frozenset[frozenset[int]], mbit: float) -> None:
-    """Per-destination htb classes: host i sends to j at `mbit` for every slow pair {i, j} (so both ways).
-
-    `Lan.limit` shapes a whole host; a slow *path* between two otherwise fast hosts needs a class per
-    destination, selected by a u32 match on the destination address.
-    """
-    import subprocess
-
-    def tc(ns: str, *argv: str) -> None:
-        proc = subprocess.run(["tc", "-n", ns, *argv], capture_output=True, text=True, timeout=15)
-        if proc.returncode != 0:
-            raise RuntimeError(f"tc -n {ns} {' '.join(argv)}: {proc.stderr.strip()}")
-
-    for i, host in enumerate(lan.hosts):
-        peers = sorted(j for p in pairs if i in p for j in p if j != i)
-        if not peers:
-            continue
-        tc(host.name, "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1")
-        tc(host.name, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate", "10gbit")
-        for j in peers:
-            tc(host.name, "class", "add", "dev", "eth0", "parent", "1:", "classid", f"1:{100 + j}", "htb",
-               "rate", f"{max(1, round(mbit * 1000))}kbit")
-            tc(host.name, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-               "match", "ip", "dst", f"{lan.hosts[j].ip}/32", "flowid", f"1:{100 + j}")
-
-
-# ---------------------------------------------------------------------------------------------- swarm
 
 def consensus_error(statuses: list[dict | None], n: int) -> float | None:
     """sum(err_num) / sum(err_den) once all n peers have published, else None."""
@@ -248,27 +97,23 @@ def consensus_error(statuses: list[dict | None], n: int) -> float | None:
     return sum(t["err_num"] for t in trs) / sum(t["err_den"] for t in trs)
 
 
-def round_starts(homes: list[Path]) -> list[float | None]:
-    """Wall-clock second each peer began its rounds: ts - elapsed_s of its first published round."""
-    out: list[float | None] = []
-    for home in homes:
-        start = None
-        try:
-            for line in (home / "metrics.jsonl").read_text().splitlines():
-                rec = json.loads(line)
-                if rec.get("elapsed_s") is not None and rec.get("ts") is not None:
-                    start = rec["ts"] - rec["elapsed_s"]
-                    break
-        except (OSError, ValueError):
-            pass
-        out.append(start)
-    return out
+class RoundStarts:
+    """Wall-clock second each peer began its rounds: ts - elapsed_s of its first published round. A
+    peer's start never changes, so its metrics are read only until it is known."""
 
+    def __init__(self, daemons: list[DaemonProcess]):
+        self.daemons = daemons
+        self.known: dict[str, float] = {}
 
-def expected_edges(kind: str, ids: list[str], degree: int, seed: int) -> set[frozenset[str]]:
-    from peer.topology.fixed import build_fixed
-
-    return set(build_fixed(kind, ids, degree=degree, seed=seed))
+    def __call__(self) -> list[float]:
+        """The starts known so far (peers that have not begun are left out)."""
+        for d in self.daemons:
+            if d.name not in self.known:
+                start = next((m["ts"] - m["elapsed_s"] for m in d.metrics()
+                              if m.get("elapsed_s") is not None and m.get("ts") is not None), None)
+                if start is not None:
+                    self.known[d.name] = start
+        return list(self.known.values())
 
 
 def settled(kind: str, statuses: list[dict | None], plan: Plan) -> bool:
@@ -279,39 +124,27 @@ def settled(kind: str, statuses: list[dict | None], plan: Plan) -> bool:
     ids, adj, one_sided = graph_of(lists)
     if one_sided:
         return False
-    if kind in FIXED:
+    if kind in FIXED_KINDS:
         have = {frozenset((ids[i], ids[j])) for i in range(len(ids)) for j in range(i + 1, len(ids)) if adj[i, j]}
-        return have == expected_edges(kind, ids, plan.degree, plan.seed)
+        return have == set(build_fixed(kind, ids, degree=plan.degree, seed=plan.seed))
     deg = adj.sum(axis=1)
     return bool(deg.min() >= min(plan.degree, plan.n - 1)) and checked_gap(adj) > 0
 
 
-def group_cut(nodes) -> list[dict]:
-    """group_stats of every node, asked concurrently so the cut is as narrow as it can be."""
-    with ThreadPoolExecutor(len(nodes)) as pool:
-        return list(pool.map(lambda nd: nd.command("group_stats", timeout=30)["vector"], nodes))
+def group_cut(daemons: list[DaemonProcess]) -> list[dict]:
+    """group_stats of every daemon, asked concurrently so the cut is as narrow as it can be."""
+    with ThreadPoolExecutor(len(daemons)) as pool:
+        return list(pool.map(lambda d: d.command("group_stats", timeout=30)["vector"], daemons))
 
 
 def wire_bytes_out(statuses: list[dict]) -> int:
     return sum(p["bytes_out"] for s in statuses for p in s.get("peers", []))
 
 
-def link_summary(node, slow_edge: SlowEdges) -> dict:
-    """Median measured bandwidth (Mbit/s) of the current edges, split by whether their path is slow."""
-    topo = node.command("topology", timeout=30)
-    fast, slow = [], []
-    for link in topo.get("links", []):
-        if link.get("bandwidth_bps"):
-            (slow if slow_edge(link["a"], link["b"]) else fast).append(link["bandwidth_bps"] / 1e6)
-    med = lambda xs: round(statistics.median(xs), 1) if xs else None  # noqa: E731
-    return {"measured_edges": len(fast) + len(slow), "fast_edge_mbit_median": med(fast),
-            "slow_edge_mbit_median": med(slow), "view_spectral_gap": topo.get("spectral_gap")}
-
-
-def exact_error(nodes, statuses: list[dict], plan: Plan, mean_sq: float) -> float:
+def exact_error(daemons: list[DaemonProcess], statuses: list[dict], plan: Plan, mean_sq: float) -> float:
     """sum_i ||x_i - mean||^2 / sum(err_den) from one group_stats cut: the trainers' published
     err_num is only refreshed between their own rounds, so it lags while a peer waits on a slow exchange."""
-    cut = group_cut(nodes)
+    cut = group_cut(daemons)
     return (sum(c["sumsq"] for c in cut) - plan.n * mean_sq) / sum(s["trainer"]["err_den"] for s in statuses)
 
 
@@ -320,10 +153,9 @@ def mean_norm_sq(statuses: list[dict]) -> float:
     return float(next(s["trainer"]["mean_norm_sq"] for s in statuses if s and s.get("trainer", {}).get("mean_norm_sq") is not None))
 
 
-def run_topology(kind: str, plan: Plan, root: Path, lan) -> dict:
-    """One topology: start the swarm, wait for the target error, measure, verify, stop."""
-    from peer.bench.harness import Swarm, make_config, tail, unique_swarm
-
+def start_daemons(swarm: LocalSwarm, kind: str, plan: Plan, lan) -> None:
+    """n daemons running the consensus job on one topology kind: on 127.0.0.1 (mDNS on loopback), or
+    one per host of `lan`, each told the others' addresses."""
     topo = {"kind": kind, "target_degree": plan.degree, "min_degree": min(2, plan.degree),
             "max_degree": max(8, plan.degree + 2)}
     if plan.rewire_interval is not None:
@@ -331,20 +163,25 @@ def run_topology(kind: str, plan: Plan, root: Path, lan) -> dict:
     options = {"size": plan.elements, "rounds": 0, "mode": plan.mode, "start_delay": plan.settle,
                "world": plan.n, "seed": plan.seed}
     swarm_name = unique_swarm(f"gb{kind[:3]}")
-    run_root = root / kind
+    for i in range(plan.n):
+        if lan is None:
+            cfg = swarm_config(swarm=swarm_name, topology=topo, trainer="trainers.consensus", options=options)
+            host = None
+        else:
+            host = lan.hosts[i]
+            join = [f"{h.ip}:{DAEMON_PORT}" for h in lan.hosts if h is not host]
+            cfg = swarm_config(swarm=swarm_name, listen=f"0.0.0.0:{DAEMON_PORT}", mdns=False, interfaces=[],
+                               join=join, topology=topo, trainer="trainers.consensus", options=options)
+        swarm.start(f"n{i}", config=cfg, host=host, env=rank_env(i, plan.n))
+
+
+def run_topology(kind: str, plan: Plan, root: Path, lan) -> dict:
+    """One topology: start the swarm, wait for the target error, measure, verify, stop."""
     t_launch = time.time()
     load0 = os.getloadavg()[0]
-    with Swarm(run_root) as swarm:
-        for i in range(plan.n):
-            if lan is None:
-                cfg = make_config(swarm=swarm_name, topology=topo, trainer="trainers.consensus", options=options)
-                host = None
-            else:
-                host = lan.hosts[i]
-                join = [f"{h.ip}:{NETNS_PORT}" for h in lan.hosts if h is not host]
-                cfg = make_config(swarm=swarm_name, listen=f"0.0.0.0:{NETNS_PORT}", mdns=False, interfaces=[],
-                                  join=join, topology=topo, trainer="trainers.consensus", options=options)
-            swarm.start(f"n{i}", cfg, host=host, env={"PEERTRAIN_RANK": str(i), "PEERTRAIN_WORLD": str(plan.n)})
+    with LocalSwarm(root / kind) as swarm:
+        start_daemons(swarm, kind, plan, lan)
+        round_starts = RoundStarts(swarm.daemons)
         # ---- one loop from launch: connected, settled, averaging started, target reached
         connect_s = settle_s = base_wire = hit_at = exact_hit = err = err_hit = final = None
         trace: list[tuple[float, float]] = []
@@ -355,9 +192,8 @@ def run_topology(kind: str, plan: Plan, root: Path, lan) -> dict:
         sts: list = []
         deadline = time.monotonic() + 60 + 5 * plan.n + plan.settle + plan.timeout
         while time.monotonic() < deadline:
-            for nd in swarm.nodes:
-                if nd.proc.poll() is not None:
-                    raise RuntimeError(f"{nd.name} exited with {nd.proc.returncode}; log:\n{tail(nd.log_path)}")
+            for d in swarm.daemons:
+                d.check_alive()
             polled = swarm.statuses()
             now = time.time()
             if any(s is None for s in polled):
@@ -389,7 +225,7 @@ def run_topology(kind: str, plan: Plan, root: Path, lan) -> dict:
                     trace.append((now, err))
             if plan.exact_every and started and err is not None and exact_hit is None and now - last_cut >= plan.exact_every:
                 last_cut = now
-                ex = exact_error(swarm.nodes, sts, plan, mean_norm_sq(sts))
+                ex = exact_error(swarm.daemons, sts, plan, mean_norm_sq(sts))
                 exact_trace.append((now, ex))
                 if ex <= plan.target:
                     exact_hit = now
@@ -397,15 +233,14 @@ def run_topology(kind: str, plan: Plan, root: Path, lan) -> dict:
                 hit_at, final, err_hit = now, sts, err
             if hit_at is not None and (not plan.exact_every or exact_hit is not None or now - hit_at > EXACT_GRACE_S):
                 break
-            known = [t for t in round_starts([nd.home for nd in swarm.nodes]) if t is not None] if started else []
+            known = round_starts() if started else []
             if known and now - min(known) > plan.timeout:
                 break
             time.sleep(0.1)
         if connect_s is None:
             raise TimeoutError(f"{plan.n} daemons did not all connect")
         final = final or sts
-        starts = round_starts([nd.home for nd in swarm.nodes])
-        known = [t for t in starts if t is not None]
+        known = round_starts()
         # the clock starts with the first round, or once all are connected if that came later (slow starts)
         t0 = max(min(known), t_launch + connect_s) if known else None
 
@@ -422,11 +257,9 @@ def run_topology(kind: str, plan: Plan, root: Path, lan) -> dict:
         try:
             gap, ds_ok = checked_gap(adj), True
         except ValueError:
-            from peer.topology.mixing import mixing_matrix, spectral_gap
-
             gap, ds_ok = spectral_gap(mixing_matrix(adj)), False
         degs = adj.sum(axis=1)
-        links = link_summary(swarm.nodes[0], slow) if kind == "rewired" or slow else None
+        links = link_summary(swarm.daemons[0], slow) if kind == "rewired" or slow else None
 
         trainers = [s.get("trainer") or {} for s in final]
         if any(t.get("initial_sum") is None or not t.get("err_den") for t in trainers):
@@ -435,7 +268,7 @@ def run_topology(kind: str, plan: Plan, root: Path, lan) -> dict:
         err_den = sum(t["err_den"] for t in trainers)
         drifts, exact = [], []
         for _ in range(SUM_CUTS):  # spaced out: a commit queued behind a slow link keeps one cut off for seconds
-            cut = group_cut(swarm.nodes)
+            cut = group_cut(swarm.daemons)
             drifts.append(abs(sum(c["sum"] for c in cut) - initial_sum) / max(1.0, abs(initial_sum)))
             exact.append((sum(c["sumsq"] for c in cut) - plan.n * mean_norm_sq(final)) / err_den)
             if drifts[-1] <= SUM_TOL:
@@ -515,10 +348,6 @@ def median_run(rs: list[dict]) -> dict:
 
 
 def run(args) -> int:
-    from peer.bench import parse_size
-    from peer.bench.harness import temp_root
-    from peer.control import ControlError
-
     kinds = [k.strip() for k in args.topologies.split(",") if k.strip()]
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
@@ -543,11 +372,9 @@ def run(args) -> int:
             root = Path(args.logs).resolve()
             root.mkdir(parents=True, exist_ok=True)
         else:
-            root = Path(stack.enter_context(temp_root("peertrain-gossip-")))
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="peertrain-gossip-")))
         lan = None
         if args.netns:
-            from peer.testing.netns import netns_available, tc_available, virtual_lan
-
             if not (netns_available() and tc_available()):
                 print("--netns needs root, iproute2 (ip, tc) and network namespaces", file=sys.stderr)
                 return 2
@@ -566,7 +393,7 @@ def run(args) -> int:
 
     def speedup(key: str) -> tuple[str | None, float | None]:
         """(best fixed kind, its seconds / rewired seconds) on one of the two clocks."""
-        fixed = {k: results[k].get(key) for k in kinds if k in FIXED and results[k].get(key) is not None}
+        fixed = {k: results[k].get(key) for k in kinds if k in FIXED_KINDS and results[k].get(key) is not None}
         best = min(fixed, key=fixed.get) if fixed else None
         rewired = results.get("rewired", {}).get(key)
         return best, (round(fixed[best] / rewired, 3) if best and rewired else None)

@@ -14,7 +14,6 @@ floor under `peer bench average --peers 2` on the same machine.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -22,24 +21,19 @@ import subprocess
 import sys
 import time
 
-from protocol.cipher import CIPHERS
+import numpy as np
+import trio
+
+from peer.bench.args import parse_size
+from peer.concurrency import together
+from peer.session.cipher_choice import resolve_ciphers, seal_gbps
+from peer.session.transport import SessionClosed, TransportConfig, dial, open_listeners, serve
+from protocol.identity import generate_identity
+from protocol.limits import WireLimits
+from protocol.schema import Ping, Pong
 
 
-def add_arguments(p) -> None:
-    p.add_argument("--size", default="64MiB", help="tensor size (e.g. 64MiB, 1GiB); default 64MiB")
-    p.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up (default 5)")
-    p.add_argument("--cipher", choices=["auto", *CIPHERS], default="auto",
-                   help="session cipher (default auto: the fastest on this machine)")
-    p.add_argument("--chunk", default="1MiB", help="frame size for tensor chunks (default 1MiB)")
-    p.add_argument("--json", action="store_true", help="print only the JSON object")
-    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child side of the benchmark
-
-
-def _transport_config(cipher: str, chunk: int, plain: bool):
-    from peer.session.transport import TransportConfig
-    from protocol.identity import generate_identity
-    from protocol.limits import WireLimits
-
+def _transport_config(cipher: str, chunk: int, plain: bool) -> TransportConfig:
     return TransportConfig(identity=generate_identity(), swarm="bench", ciphers=(cipher,),
                            limits=WireLimits(max_frame_bytes=max(chunk, 1 << 16) + 64),
                            chunk_bytes=chunk, insecure_plaintext_for_benchmark=plain)
@@ -49,13 +43,6 @@ BOTH_WAYS = -1.0  # a Ping with this `sent` asks the child to send its own tenso
 
 
 async def _serve(cipher: str, chunk: int, size: int) -> None:
-    import numpy as np
-    import trio
-
-    from peer.concurrency import together
-    from peer.session.transport import SessionClosed, open_listeners, serve
-    from protocol.schema import Ping, Pong
-
     async def on_session(session):
         mine = None
         async with trio.open_nursery() as n:
@@ -90,12 +77,6 @@ async def _serve(cipher: str, chunk: int, size: int) -> None:
 
 async def _client(port: int, cipher: str, chunk: int, plain: bool, tensor, rounds: int,
                   both_ways: bool = False) -> list[float]:
-    import trio
-
-    from peer.concurrency import together
-    from peer.session.transport import dial
-    from protocol.schema import Ping
-
     session = await dial("127.0.0.1", port, _transport_config(cipher, chunk, plain))
     times = []
     async with trio.open_nursery() as n:
@@ -118,22 +99,14 @@ async def _client(port: int, cipher: str, chunk: int, plain: bool, tensor, round
 
 def run(args) -> int:
     if args.serve:
-        import trio
-
-        from peer.bench import parse_size
-
         trio.run(_serve, args.cipher, parse_size(args.chunk), parse_size(args.size))
         return 0
-    import numpy as np
-    import trio
-
-    from peer.bench import parse_size
-    from peer.session.cipher_choice import resolve_ciphers, seal_gbps
-
     size = parse_size(args.size)
     chunk = parse_size(args.chunk)
     cipher = resolve_ciphers([args.cipher])[0]
     tensor = np.random.default_rng(0).standard_normal(size // 4, dtype=np.float32)
+    # Not a ManagedProcess: the child talks to us over its stdin/stdout pipes (its ports out, and closing
+    # its stdin is how it is told to stop), where a ManagedProcess sends its output to a log file.
     child = subprocess.Popen([sys.executable, "-m", "peer", "bench", "transport", "--serve", "--cipher", cipher,
                               "--chunk", str(chunk), "--size", str(size)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              env=dict(os.environ, PYTHONUNBUFFERED="1"))

@@ -32,12 +32,14 @@ def daemon_argv(home: Path, config: Path | None = None, args: list[str] | tuple[
 
 
 def read_metrics(home: Path) -> list[dict]:
-    """Every JSON line a trainer published into the home's metrics file (empty if none yet)."""
+    """Every JSON line a trainer published into the home's metrics file (empty if none yet). A last line
+    without its newline is still being appended (benches read while the trainer writes): it is left out."""
     try:
         text = Home(Path(home)).metrics_file.read_text()
     except FileNotFoundError:
         return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    complete = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 @dataclass

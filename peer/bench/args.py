@@ -1,0 +1,167 @@
+"""Every `peer bench` command's arguments and one-line description, declared without the benches.
+
+`peer --help` and `peer bench X --help` build their parsers from here, so this module imports nothing
+heavy; a bench module (numpy, torch, trio, daemons) is imported only when that bench runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable
+
+from protocol.cipher import CIPHERS
+
+Parser = argparse.ArgumentParser
+
+TRAIN_MODES = ("adpsgd", "dpsgd", "allreduce")
+TRAIN_DEGREE = 2  # gossip target degree of `peer bench train`, as configs/train-digits.toml
+
+
+def parse_size(text: str) -> int:
+    """'64MiB', '1GiB', '512KiB', '1000000' -> bytes."""
+    t = text.strip()
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9, "b": 1}
+    for suffix, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.lower().endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(t)
+
+
+def transport_arguments(p: Parser) -> None:
+    p.add_argument("--size", default="64MiB", help="tensor size (e.g. 64MiB, 1GiB); default 64MiB")
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up (default 5)")
+    p.add_argument("--cipher", choices=["auto", *CIPHERS], default="auto",
+                   help="session cipher (default auto: the fastest on this machine)")
+    p.add_argument("--chunk", default="1MiB", help="frame size for tensor chunks (default 1MiB)")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child side of the benchmark
+
+
+def discovery_arguments(p: Parser) -> None:
+    p.add_argument("--n", type=int, default=8, help="daemons per trial (default 8)")
+    p.add_argument("--trials", type=int, default=3, help="trials; the median is reported (default 3)")
+    p.add_argument("--timeout", type=float, default=60.0, help="give up on a trial after this many seconds")
+    p.add_argument("--config", default=None, help="config for the daemons (default configs/local.toml)")
+
+
+def average_arguments(p: Parser) -> None:
+    p.add_argument("--peers", type=int, default=2, help="daemons on this host (default 2)")
+    p.add_argument("--size", default="64MiB", help="float32 tensor size (e.g. 64MiB, 1GiB); default 64MiB")
+    p.add_argument("--rounds", type=int, default=7,
+                   help="measured exchanges after one warm-up (default 7; at most 19: a daemon reports its last 20)")
+    p.add_argument("--cipher", choices=["auto", *CIPHERS], default="auto",
+                   help="session cipher (default auto: the fastest on this machine)")
+    p.add_argument("--chunk", default="1MiB", help="tensor chunk (frame) size (default 1MiB)")
+    p.add_argument("--codec", choices=["raw", "float16", "q8"], default="raw",
+                   help="gossip codec (default raw: float32 bytes as they are)")
+    p.add_argument("--settle", type=float, default=2.0,
+                   help="seconds node 0 waits before its first exchange, so the topology is complete (default 2)")
+    p.add_argument("--timeout", type=float, default=120.0, help="give up on one swarm after this many seconds")
+    p.add_argument("--no-all", action="store_true", help="with more than 2 peers, skip the all-neighbours swarm")
+    p.add_argument("--no-gloo", action="store_true", help="with more than 2 peers, skip the gloo all_reduce")
+
+
+def gossip_arguments(p: Parser) -> None:
+    p.add_argument("--n", type=int, default=8, help="daemons per topology (default 8)")
+    p.add_argument("--size", default=None,
+                   help="vector per peer, e.g. 16MiB (default 16MiB; 2MiB with --netns, so slow links finish in minutes)")
+    p.add_argument("--topologies", default="rewired,ring,exponential,random_regular",
+                   help="comma-separated kinds to run, in order (default rewired,ring,exponential,random_regular)")
+    p.add_argument("--degree", type=int, default=4, help="target degree for rewired and random_regular (default 4)")
+    p.add_argument("--target", type=float, default=1e-3, help="relative consensus error to reach (default 1e-3)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="give up on one topology's consensus after this many seconds (default 120)")
+    p.add_argument("--settle", type=float, default=None,
+                   help="start_delay of the job: seconds for the graph to form (and rewiring to settle) before "
+                        "averaging (default 6; 25 with --netns, where probing slow paths and rewiring around them "
+                        "takes longer: with 10 s the rewired gap was still rising)")
+    p.add_argument("--mode", choices=["one", "all"], default="one",
+                   help="one neighbour per round (AD-PSGD) or all (D-PSGD); default one")
+    p.add_argument("--rewire-interval", type=float, default=None, help="[topology] rewire_interval (default: the daemon's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the start vectors and of random_regular")
+    p.add_argument("--netns", action="store_true", help="one network namespace per daemon on a virtual LAN (needs root)")
+    p.add_argument("--slow-links", type=int, default=None, metavar="K",
+                   help="with --netns: hosts whose own link is slow, tbf both ways (default 2; 0 with --slow-pairs)")
+    p.add_argument("--slow-pairs", type=float, default=0.0, metavar="FRAC",
+                   help="with --netns: this fraction of host pairs (random, --seed) get a slow path of their own, "
+                        "shaped per destination: slowness a topology can route around, unlike a slow host")
+    p.add_argument("--slow-mbit", type=float, default=20.0,
+                   help="with --netns: the slow rate in Mbit/s, both ways (default 20)")
+    p.add_argument("--logs", default=None, metavar="DIR",
+                   help="keep daemon homes and logs under DIR (default: a temp dir, removed)")
+    p.add_argument("--exact-every", type=float, default=None, metavar="S",
+                   help="also time the target on exact errors from group_stats cuts taken every S seconds "
+                        "(default 0.5 with --netns, off otherwise: a cut copies every vector)")
+    p.add_argument("--repeat", type=int, default=1, metavar="R",
+                   help="run every topology R times (interleaved) and report each one's median run: a fixed "
+                        "graph's luck with slow pairs depends on the random peer IDs (default 1)")
+    p.add_argument("--trace", action="store_true", help="add the error trace [[seconds, error], ...] per topology")
+
+
+def train_arguments(p: Parser) -> None:
+    p.add_argument("--n", type=int, default=4, help="peers / ranks (default 4)")
+    p.add_argument("--model", default=None,
+                   help="digits_mlp (default), digits_cnn, digits_wide_mlp (default with --netns: 9.9 MB of parameters)")
+    p.add_argument("--target", type=float, default=None, help="held-out accuracy to reach (default 0.95)")
+    p.add_argument("--modes", default=",".join(TRAIN_MODES), help="comma-separated subset of adpsgd,dpsgd,allreduce")
+    p.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (default 20; 5 for digits_wide_mlp)")
+    p.add_argument("--epochs", type=float, default=0.0,
+                   help="budget: most passes over a peer's own shard (default: twice the model recipe's, so a "
+                        "peer slower than the recipe is still timed)")
+    p.add_argument("--batch-size", type=int, default=0, help="per-worker batch (default: the model's recipe)")
+    p.add_argument("--lr", type=float, default=0.0, help="learning rate (default: the model's recipe)")
+    p.add_argument("--degree", type=int, default=TRAIN_DEGREE,
+                   help="gossip target degree (default 2, as configs/train-digits.toml)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--codec", default="raw", choices=["raw", "float16", "q8"], help="gossip tensor codec (default raw)")
+    p.add_argument("--trainer", default="trainers.gossip_sgd",
+                   help="trainer module our daemons host (a gossip_sgd variant taking the same options)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per mode, interleaved; medians are reported")
+    p.add_argument("--netns", action="store_true", help="one network namespace per peer/rank (needs root)")
+    p.add_argument("--slow-link", type=float, default=0.0, metavar="MBIT",
+                   help="with --netns: limit the last host's link to MBIT (tbf, both directions)")
+    p.add_argument("--straggler", type=float, default=0.0, metavar="F",
+                   help="instead of time-to-target: slow the last peer's steps F-fold and compare the others' steps/s")
+    p.add_argument("--no-caps", action="store_true",
+                   help="with --straggler: do not cap each peer at cpus/n CPUs (cgroup cpu quota)")
+    p.add_argument("--straggler-steps", type=int, default=800,
+                   help="steps per gossip peer in --straggler runs (all-reduce ranks run a quarter of them)")
+    p.add_argument("--stop-at-target", action="store_true",
+                   help="let each peer stop at its own target (gossip_sgd target_accuracy) instead of all training "
+                        "until every peer has reached it")
+    p.add_argument("--timeout", type=float, default=240.0, help="give up on one run after this many seconds")
+    p.add_argument("--keep", default="", help="keep homes and logs under this directory")
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One `peer bench` command: the module whose `run(args) -> int` it calls, and how it is described."""
+
+    module: str
+    doc: str
+    add_arguments: Callable[[Parser], None]
+
+    def build(self, p: Parser) -> None:
+        """Its own arguments, then the --json flag every bench shares."""
+        self.add_arguments(p)
+        p.add_argument("--json", action="store_true",
+                       help="print the JSON object compact, on one line (default: indented)")
+
+
+BENCHES = {
+    "transport": Bench("peer.bench.transport",
+                       "encrypted vs plain TCP vs in-memory AEAD throughput between two processes",
+                       transport_arguments),
+    "discovery": Bench("peer.bench.discovery",
+                       "time until N local daemons are all connected, and idle daemon memory",
+                       discovery_arguments),
+    "average": Bench("peer.bench.average",
+                     "one pairwise average of a big tensor through the real engine (and gloo all_reduce)",
+                     average_arguments),
+    "gossip": Bench("peer.bench.gossip",
+                    "time to consensus per topology (rewired, ring, exponential, random_regular)",
+                    gossip_arguments),
+    "train": Bench("peer.bench.train",
+                   "AD-PSGD vs D-PSGD vs gloo all-reduce data parallel: time to target accuracy",
+                   train_arguments),
+}
