@@ -52,12 +52,11 @@ DAEMON_COMMANDS = {
     "local stop": "tests/test_local.py::test_peer_local_streams_logs_and_is_stopped_by_peer_local_stop",
     "export": "tests/test_training.py::test_restarted_peer_resumes_from_its_checkpoint",
     "bench transport": "tests/test_bench_transport.py::test_small_tensor_one_way_and_both_ways",
+    "bench discovery": "tests/test_bench_discovery.py::test_three_daemons_one_trial",
     "bench average": "tests/test_bench_average.py::test_two_peers_small_tensor",
     "bench gossip": "tests/test_bench_gossip.py::test_bench_gossip_small_swarm_reports_every_topology",
     "bench train": "tests/test_bench_train.py::test_bench_train_smoke",
 }
-# README commands no test runs yet (only parsed here). Name a test in DAEMON_COMMANDS once one does.
-NOT_YET_RUN_BY_A_TEST = {"bench discovery"}
 NEEDS_A_DAEMON = {"start", "stop", "status", "local", "export", "bench"}
 MODE_FLAGS = {"--json", "--watch", "--topology"}
 
@@ -202,7 +201,7 @@ def test_commands_that_need_a_daemon_are_run_by_a_named_test():
     keys = {k for c in COMMANDS for k in _keys(c) if k.split()[0] in NEEDS_A_DAEMON}
     assert {"start", "status --watch", "local status", "export", "bench train"} <= keys  # extraction works
     for k in sorted(keys - {"bench"}):
-        assert k in DAEMON_COMMANDS or k in NOT_YET_RUN_BY_A_TEST, (
+        assert k in DAEMON_COMMANDS, (
             f"`peer {k}` is in the README; name the test that runs it in DAEMON_COMMANDS")
     for k, where in DAEMON_COMMANDS.items():
         path, test = where.split("::")
