@@ -49,10 +49,16 @@ def sparkline(values: list[float], width: int = 24) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * (len(SPARK) - 1)))] for v in vals)
 
 
+def _facts() -> Table:
+    """A grid of labelled facts: the label in bold, its value beside it."""
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    return t
+
+
 def render_status(st: dict):
-    head = Table.grid(padding=(0, 2))
-    head.add_column(style="bold")
-    head.add_column()
+    head = _facts()
     head.add_row("peer", st["peer_id"])
     head.add_row("swarm", f"{st['swarm']}   (protocol v{st['protocol_version']}, peertrain {st['version']})")
     head.add_row("listen", f"{st['listen']}   mDNS {'on' if st['mdns'] else 'off'}   cipher {'/'.join(st['ciphers'])}")
@@ -80,9 +86,7 @@ def render_status(st: dict):
     parts.append(table)
 
     if topo:
-        t = Table.grid(padding=(0, 2))
-        t.add_column(style="bold")
-        t.add_column()
+        t = _facts()
         t.add_row("topology", f"{topo.get('kind')}   degree {topo.get('degree')}   view {topo.get('view_nodes')} peers / {topo.get('view_edges')} edges")
         t.add_row("spectral gap", f"{topo.get('spectral_gap', 0):.3f}")
         if topo.get("last_move"):
@@ -91,9 +95,7 @@ def render_status(st: dict):
 
     tr = st.get("trainer")
     if tr:
-        t = Table.grid(padding=(0, 2))
-        t.add_column(style="bold")
-        t.add_column()
+        t = _facts()
         t.add_row("job", f"{tr.get('trainer')}  mode {tr.get('mode')}  model {tr.get('model')}  device {tr.get('device')}")
         t.add_row("progress", f"step {tr.get('step')}   epoch {tr.get('epoch', 0):.2f}   {tr.get('samples_per_s', 0):.0f} samples/s   {tr.get('state', '')}")
         loss = tr.get("loss")
