@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from protocol.errors import LimitExceeded, ProtocolError
-from protocol.limits import WireLimits
+from protocol.limits import DEFAULT_LIMITS, WireLimits
 from protocol.schema.tensor import TensorHeader
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "DecodedTensor",
     "TensorDecoder",
     "TensorEncoder",
+    "round_trip",
     "tensor_nbytes",
 ]
 
@@ -572,3 +573,19 @@ class TensorDecoder:
         if self.dtype == "bfloat16":
             return not ((part.view(np.uint16) & 0x7F80) == 0x7F80).any()
         return bool(np.isfinite(part).all())
+
+
+# --- both ways ------------------------------------------------------------------
+
+
+def round_trip(tensor: Any, codec: str) -> DecodedTensor:
+    """What a receiver decodes from `tensor` sent with `codec`: encoded and decoded in memory.
+
+    Bit-exact for raw; for float16 and q8 the error the module docstring states. NaN/Inf are kept
+    (a receiver would refuse them; here the caller decides).
+    """
+    encoder = TensorEncoder("x", tensor, codec=codec)
+    decoder = TensorDecoder(encoder.header(0), DEFAULT_LIMITS, allow_nonfinite=True)
+    for chunk in encoder.chunks():
+        decoder.write(chunk)
+    return decoder.finish()

@@ -8,6 +8,7 @@ import pytest
 import trio
 import trio.testing
 
+from peer.averaging.shared import SharedTensors
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import TransportConfig, dial, open_listeners, serve
 from protocol.errors import ProtocolError
@@ -177,4 +178,20 @@ def test_receive_waits_at_most_its_timeout_for_each_tensor_and_a_late_one_is_abs
         await until(lambda: not b._streams)
         with pytest.raises(RuntimeError, match="already received or discarded"):
             await theirs.receive(timeout=1)
+    in_pair(body)
+
+
+@pytest.mark.parametrize("codec", ["float16", "q8"])
+def test_as_sent_is_exactly_what_the_neighbour_decodes(codec):
+    """Each side applies w * (received - as_sent(own)); the sum is kept only if as_sent(own) is bit for bit
+    what the other side received."""
+    async def body(a, b):
+        x = np.random.default_rng(5).standard_normal((300, 70)).astype(np.float32)
+        group = SharedTensors("g", {"x": x})
+        out = OutgoingGroup(a, group.specs)
+        await out.send([x], codec=codec)
+        (received,) = await IncomingGroup(b, out.streams, group.specs).receive(timeout=5)
+        (as_sent,) = group.as_sent([x.copy()], codec)
+        assert not np.array_equal(as_sent, x)  # lossy
+        np.testing.assert_array_equal(as_sent, received)
     in_pair(body)
