@@ -269,29 +269,29 @@ def test_a_failed_snapshot_gives_the_reservation_back():
 def test_a_bad_tensor_from_the_server_changes_nothing():
     """A server whose tensor turns out short, or holds an Inf near its end, fails the exchange with the
     reason; neither side applies anything, and the pair exchanges normally afterwards."""
-    import peer.averaging.engine as gossip
+    from peer.session.groups import OutgoingGroup
 
-    real_send = gossip._send_group
+    real_send = OutgoingGroup.send
 
     async def body(a, b):
-        bad_group = b.groups["params"]
+        bad_session = b.membership.connected()[a.me]
         before_a, before_b = total(a), total(b)
         for lie, reason in (("short", "does not match"), ("inf", "NaN/Inf")):
-            async def lying_send(session, group, arrays, streams, codec="raw"):
-                if group is bad_group:
+            async def lying_send(group, arrays, codec="raw"):
+                if group.session is bad_session:
                     arr = arrays[0].copy()
                     if lie == "short":
                         arr = arr[:-10]
                     else:
                         arr[-3] = np.inf
                     arrays = [arr]
-                await real_send(session, group, arrays, streams, codec)
+                await real_send(group, arrays, codec=codec)
 
-            gossip._send_group = lying_send
+            OutgoingGroup.send = lying_send
             try:
                 result = await a.exchange(b.me, "params")
             finally:
-                gossip._send_group = real_send
+                OutgoingGroup.send = real_send
             assert not result.ok and reason in result.reason, (lie, result)
             await until(lambda: not b.inflight, 3)
             assert (total(a), total(b)) == (before_a, before_b), lie
