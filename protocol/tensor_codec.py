@@ -85,6 +85,10 @@ FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 CODECS = ("raw", "float16", "q8")
 MAX_NDIM = 8
 DEFAULT_CHUNK_SIZE = 1 << 20
+"""Body bytes per chunk frame unless the sender says otherwise; the transport's and the daemon's default
+(`[gossip] chunk_kib`) too. 1 MiB: 2 and 4 MiB chunks made an averaging exchange no faster (README,
+performance), and a smaller frame lets messages queued behind a bulk transfer go sooner (a session's
+send lock is taken per frame). Receivers accept chunks up to `WireLimits.max_frame_bytes`."""
 DEFAULT_Q8_BLOCK = 4096
 MAX_Q8_BLOCK = 1 << 20
 """Largest q8 block: one block must fit in one conversion step."""

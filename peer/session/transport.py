@@ -32,7 +32,7 @@ from protocol.identity import short_id
 from protocol.limits import WireLimits
 from protocol.messages import Envelope, Registry
 from protocol.schema import DEFAULT_REGISTRY, TensorCancel, TensorHeader
-from protocol.tensor_codec import DecodedTensor, TensorEncoder
+from protocol.tensor_codec import DEFAULT_CHUNK_SIZE, DecodedTensor, TensorEncoder
 
 log = logging.getLogger("peertrain.transport")
 
@@ -53,7 +53,7 @@ class TransportConfig:
     limits: WireLimits = field(default_factory=WireLimits)
     handshake_timeout: float = 5.0
     app_payload: dict = field(default_factory=dict)
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_SIZE
     registry: Registry = DEFAULT_REGISTRY
     # Benchmark baseline only: after a normal authenticated handshake, send frames unencrypted.
     # Never set by the daemon; both ends must set it. See protocol.cipher.NullCipher.
