@@ -69,8 +69,9 @@ class MembershipSection:
 
 @dataclass(frozen=True)
 class LimitsSection:
-    # The defaults are protocol.limits.WireLimits' (where they are defined, with why), in this section's units.
-    max_frame_kib: int = _f(4100, "Largest sealed frame accepted, in KiB.")
+    # The defaults are protocol.limits.WireLimits' (where they are defined, with why), in this section's units
+    # (the frame's rounded up to whole KiB: 4 MiB + 64 B is 4097 KiB).
+    max_frame_kib: int = _f(-(-DEFAULT_LIMITS.max_frame_bytes // KiB), "Largest sealed frame accepted, in KiB.")
     max_message_kib: int = _f(DEFAULT_LIMITS.max_message_bytes // KiB, "Largest control message accepted, in KiB.")
     max_tensor_mib: int = _f(DEFAULT_LIMITS.max_tensor_bytes // MiB, "Largest tensor a peer may send us, in MiB.")
     max_inflight_tensor_mib: int = _f(DEFAULT_LIMITS.max_inflight_tensor_bytes // MiB,
