@@ -13,15 +13,16 @@ from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import TransportConfig, dial, open_listeners, serve
 from protocol.errors import ProtocolError
 from protocol.identity import generate_identity
+from protocol.limits import WireLimits
 from protocol.schema.gossip import TensorSpec
 
 
-def tcfg() -> TransportConfig:
-    return TransportConfig(identity=generate_identity(), swarm="groups", handshake_timeout=2.0)
+def tcfg(**kw) -> TransportConfig:
+    return TransportConfig(identity=generate_identity(), swarm="groups", handshake_timeout=2.0, **kw)
 
 
-async def connected(nursery):
-    """Two running ends of one session: (ours, theirs)."""
+async def connected(nursery, **theirs):
+    """Two running ends of one session: (ours, theirs); `theirs` configures the second end."""
     listeners, (_, port) = await open_listeners("127.0.0.1", 0)
     box: dict = {}
     ready = trio.Event()
@@ -31,7 +32,7 @@ async def connected(nursery):
         ready.set()
         await session.run()
 
-    nursery.start_soon(lambda: serve(listeners, tcfg(), on_session))
+    nursery.start_soon(lambda: serve(listeners, tcfg(**theirs), on_session))
     ours = await dial("127.0.0.1", port, tcfg())
     nursery.start_soon(ours.run)
     with trio.fail_after(5):
@@ -45,10 +46,10 @@ async def until(condition, timeout: float = 5) -> None:
             await trio.sleep(0.01)
 
 
-def in_pair(body):
+def in_pair(body, **theirs):
     async def main():
         async with trio.open_nursery() as n:
-            a, b = await connected(n)
+            a, b = await connected(n, **theirs)
             await body(a, b)
             n.cancel_scope.cancel()
     trio.run(main)
@@ -179,6 +180,21 @@ def test_receive_waits_at_most_its_timeout_for_each_tensor_and_a_late_one_is_abs
         with pytest.raises(RuntimeError, match="already received or discarded"):
             await theirs.receive(timeout=1)
     in_pair(body)
+
+
+def test_discarding_a_peers_stream_ids_holds_no_more_than_the_stream_limit():
+    """The ids of a group come from the peer: a refused offer may name 100,000 streams. Discarding them marks
+    no more streams than a session may have open, and marks for tensors that never come (here: all of them)
+    give way to new streams instead of closing the session."""
+    async def body(a, b):
+        IncomingGroup(b, range(1000, 101_000), SPECS).discard()
+        assert len(b._streams) == 8
+        out = OutgoingGroup(a, SPECS)
+        await out.send(arrays())
+        got = await IncomingGroup(b, out.streams, SPECS).receive(timeout=5)
+        assert np.array_equal(got[1], arrays()[1]) and not b.closed.is_set()
+        assert len(b._streams) <= 8
+    in_pair(body, limits=WireLimits(max_queued_messages=8))
 
 
 @pytest.mark.parametrize("codec", ["float16", "q8"])

@@ -116,11 +116,20 @@ class IncomingStreams(Mapping[int, StreamSlot]):
                 slot.discard = True
 
     def discard(self, streams: Iterable[int]) -> None:
-        """Nobody will read these streams: drop them as they complete."""
+        """Nobody will read these streams: drop them as they complete.
+
+        A stream whose header has not come yet gets a mark, within the same bound on open streams as a
+        header (the ids may come from a peer: a refused offer can name 100,000). When the table is full, a
+        stream is left unmarked: its tensor, if it ever comes, is an unclaimed one, dropped first for room.
+        """
+        full = False
         for stream in streams:
             slot = self._slots.get(stream)
             if slot is None:
-                if stream in self._evicted:
+                if full or stream in self._evicted:
+                    continue
+                if not self._room_for_a_stream():
+                    full = True  # (nothing frees a slot before this loop ends)
                     continue
                 slot = self._slots[stream] = StreamSlot()
             if slot.pending.event.is_set():
@@ -142,9 +151,7 @@ class IncomingStreams(Mapping[int, StreamSlot]):
     def on_header(self, header: TensorHeader) -> None:
         slot = self._slots.get(header.stream)
         if slot is None:
-            if len(self._slots) >= self.limits.max_queued_messages:
-                self._evict_unclaimed(streams=len(self._slots) + 1 - self.limits.max_queued_messages)
-            if len(self._slots) >= self.limits.max_queued_messages:
+            if not self._room_for_a_stream():
                 raise LimitExceeded(f"too many tensor streams open ({len(self._slots)})")
             slot = self._slots[header.stream] = StreamSlot()
         if slot.decoder is not None or slot.pending.event.is_set():
@@ -200,22 +207,37 @@ class IncomingStreams(Mapping[int, StreamSlot]):
             slot.pending.fail(exc)
 
     # ---- the budget ---------------------------------------------------------------------------------
+    def _room_for_a_stream(self) -> bool:
+        """Is there room for one more open stream (after dropping what nobody will claim)?"""
+        excess = len(self._slots) + 1 - self.limits.max_queued_messages
+        if excess > 0:
+            self._evict_unclaimed(streams=excess)
+        return len(self._slots) < self.limits.max_queued_messages
+
     def _evict_unclaimed(self, *, streams: int = 0, nbytes: int = 0) -> None:
-        """Make room by forgetting finished tensors nobody has asked for, oldest first.
+        """Make room by forgetting finished tensors nobody has asked for, oldest first, and (for room in
+        the stream count) discard marks of tensors that have not begun.
 
         Why: a tensor can arrive for a receiver that gave up before it learnt the stream's id (a reply
         that came after its deadline); nobody will ever claim it. Such tensors are the first to go when
-        the stream count or the in-flight budget is full, instead of the session being closed.
+        the stream count or the in-flight budget is full, instead of the session being closed. A mark may
+        wait for a tensor that never comes (its call-off arrived before the mark); dropping it costs at
+        most holding that tensor as an unclaimed one if it does come.
         """
         for sid, slot in list(self._slots.items()):
             if streams <= 0 and nbytes <= 0:
                 return
-            if slot.pending.event.is_set() and not slot.waiting:
+            if slot.waiting:
+                continue
+            if slot.pending.event.is_set():
                 log.info("dropping unclaimed tensor stream %d from %s (%d bytes) to make room", sid, self._peer, slot.nbytes)
                 nbytes -= slot.nbytes
                 streams -= 1
                 self._release(sid)
                 self._evicted.append(sid)  # so a late receive fails at once instead of waiting
+            elif streams > 0 and slot.discard and slot.decoder is None:
+                streams -= 1
+                self._release(sid)
 
     def _reserve(self, name: str, need: int) -> None:
         """Make sure `need` more bytes fit the in-flight budget (dropping unclaimed tensors), or raise."""
