@@ -46,6 +46,13 @@ async def until(condition, timeout: float = 5) -> None:
             await trio.sleep(0.01)
 
 
+async def cancel_once_sent(scope: trio.CancelScope, session, nbytes: int) -> None:
+    """Cancel `scope` as soon as `session` has written `nbytes` in all."""
+    while session.stats.bytes_out < nbytes and not scope.cancel_called:
+        await trio.sleep(0)
+    scope.cancel()
+
+
 def in_pair(body, **theirs):
     async def main():
         async with trio.open_nursery() as n:
@@ -143,16 +150,10 @@ def test_a_group_cut_short_calls_off_the_tensors_it_had_not_begun():
             n.start_soon(wait_for_the_last)
             b.discard(out.streams[:2])
             await trio.testing.wait_all_tasks_blocked()
-            start = a.stats.bytes_out
-            async with trio.open_nursery() as inner:
-                async def cancel_part_way():
-                    while a.stats.bytes_out < start + (5 << 20):
-                        await trio.sleep(0)
-                    inner.cancel_scope.cancel()
-
-                inner.start_soon(cancel_part_way)
+            with trio.CancelScope() as cut:
+                n.start_soon(cancel_once_sent, cut, a, a.stats.bytes_out + (5 << 20))
                 await out.send([np.ones(8 << 20, np.float32)] * 3)
-                raise AssertionError("the whole group went out before the cancel: the test proved nothing")
+            assert cut.cancelled_caught, "the whole group went out before the cancel: the test proved nothing"
             with trio.fail_after(5):
                 while "last" not in got:
                     await trio.sleep(0.01)
