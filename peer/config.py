@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.cipher import CIPHERS
-from protocol.limits import DEFAULT_LIMITS, KiB, MiB
-from protocol.tensor_codec import DEFAULT_CHUNK_SIZE
+from protocol.limits import DEFAULT_CHUNK_SIZE, DEFAULT_LIMITS, KiB, MiB
 
 
 class ConfigError(Exception):
@@ -103,7 +102,7 @@ class GossipSection:
     exchange_timeout: float = _f(30.0, "Deadline for one averaging exchange; a slow or dead neighbour is skipped.")
     max_concurrent_exchanges: int = _f(4, "Most averaging exchanges this peer serves at once.")
     codec: str = _f("raw", "Tensor codec for averaging: raw, float16 or q8.")
-    # (the default is protocol.tensor_codec.DEFAULT_CHUNK_SIZE, defined there with why)
+    # (the default is protocol.limits.DEFAULT_CHUNK_SIZE, defined there with why)
     chunk_kib: int = _f(DEFAULT_CHUNK_SIZE // KiB, "Tensor chunk (frame) size in KiB.")
 
 

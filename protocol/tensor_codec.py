@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from protocol.errors import LimitExceeded, ProtocolError
-from protocol.limits import DEFAULT_LIMITS, WireLimits
+from protocol.limits import DEFAULT_CHUNK_SIZE, WireLimits
 from protocol.schema.tensor import TensorHeader
 
 __all__ = [
@@ -63,7 +63,6 @@ __all__ = [
     "DecodedTensor",
     "TensorDecoder",
     "TensorEncoder",
-    "round_trip",
     "tensor_nbytes",
 ]
 
@@ -84,11 +83,6 @@ DTYPES: types.MappingProxyType[str, np.dtype[Any]] = types.MappingProxyType(
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 CODECS = ("raw", "float16", "q8")
 MAX_NDIM = 8
-DEFAULT_CHUNK_SIZE = 1 << 20
-"""Body bytes per chunk frame unless the sender says otherwise; the transport's and the daemon's default
-(`[gossip] chunk_kib`) too. 1 MiB: 2 and 4 MiB chunks made an averaging exchange no faster (README,
-performance), and a smaller frame lets messages queued behind a bulk transfer go sooner (a session's
-send lock is taken per frame). Receivers accept chunks up to `WireLimits.max_frame_bytes`."""
 DEFAULT_Q8_BLOCK = 4096
 MAX_Q8_BLOCK = 1 << 20
 """Largest q8 block: one block must fit in one conversion step."""
@@ -577,19 +571,3 @@ class TensorDecoder:
         if self.dtype == "bfloat16":
             return not ((part.view(np.uint16) & 0x7F80) == 0x7F80).any()
         return bool(np.isfinite(part).all())
-
-
-# --- both ways ------------------------------------------------------------------
-
-
-def round_trip(tensor: Any, codec: str) -> DecodedTensor:
-    """What a receiver decodes from `tensor` sent with `codec`: encoded and decoded in memory.
-
-    Bit-exact for raw; for float16 and q8 the error the module docstring states. NaN/Inf are kept
-    (a receiver would refuse them; here the caller decides).
-    """
-    encoder = TensorEncoder("x", tensor, codec=codec)
-    decoder = TensorDecoder(encoder.header(0), DEFAULT_LIMITS, allow_nonfinite=True)
-    for chunk in encoder.chunks():
-        decoder.write(chunk)
-    return decoder.finish()

@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from protocol.limits import DEFAULT_LIMITS
 from protocol.schema.gossip import TensorSpec
 from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
-from protocol.tensor_codec import FLOAT_DTYPES, round_trip
+from protocol.tensor_codec import FLOAT_DTYPES, TensorDecoder, TensorEncoder
 
 MAX_SPARE = 1  # idle buffer sets kept per group: bounds the memory this costs to one copy
 APPLY_BLOCK_BYTES = 1 << 20  # a block and its two operands stay in L2
@@ -83,8 +84,15 @@ class SharedTensors:
         """
         if codec == "raw":
             return values
-        decoded = [round_trip(v, codec) for v in values]
-        return [d.to_torch() if self.is_torch else d.array for d in decoded]
+        out = []
+        for v in values:  # encode and decode in memory; NaN/Inf kept (the receiver judges those)
+            encoder = TensorEncoder("x", v, codec=codec)
+            decoder = TensorDecoder(encoder.header(0), DEFAULT_LIMITS, allow_nonfinite=True)
+            for chunk in encoder.chunks():
+                decoder.write(chunk)
+            got = decoder.finish()
+            out.append(got.to_torch() if self.is_torch else got.array)
+        return out
 
     def release(self, bufs: list[Any]) -> None:
         """Hand back a snapshot, or received tensors of the same specs, once nothing reads them anymore."""

@@ -29,10 +29,10 @@ from protocol.errors import HandshakeError, ProtocolError
 from protocol.frames import KIND_CHUNK, KIND_MESSAGE, FrameReader, FrameWriter
 from protocol.handshake import Handshake
 from protocol.identity import short_id
-from protocol.limits import WireLimits
+from protocol.limits import DEFAULT_CHUNK_SIZE, WireLimits
 from protocol.messages import Envelope, Registry
 from protocol.schema import DEFAULT_REGISTRY, TensorCancel, TensorHeader
-from protocol.tensor_codec import DEFAULT_CHUNK_SIZE, DecodedTensor, TensorEncoder
+from protocol.tensor_codec import DecodedTensor, TensorEncoder
 
 log = logging.getLogger("peertrain.transport")
 
