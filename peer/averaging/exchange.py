@@ -66,27 +66,27 @@ GO_ON = None  # not an ending: nothing owed yet
 
 S, E = State, Event
 _INITIATOR = (
-    # from        step          to            an ending here owes
-    (S.RESERVED, E.OFFER, S.OFFERED, GO_ON),
-    (S.RESERVED, E.FAIL, S.FAILED, NOTHING),  # nothing went out (also: their offer won a collision)
-    (S.OFFERED, E.REFUSE, S.REFUSED, NOTHING),  # they drop our tensors
-    (S.OFFERED, E.ACCEPT, S.TRANSFER, GO_ON),
-    (S.OFFERED, E.FAIL, S.FAILED, ABORT),  # they may have accepted and wait for our tensors or verdict
-    (S.TRANSFER, E.RECEIVED, S.DECIDING, GO_ON),
-    (S.TRANSFER, E.FAIL, S.FAILED, ABORT_AND_DISCARD),  # their tensors keep coming
-    (S.DECIDING, E.COMMIT, S.COMMITTED, NOTHING),
-    (S.DECIDING, E.FAIL, S.FAILED, ABORT),  # the commit did not go out
+    # from        step        to            an ending here owes
+    (S.RESERVED,  E.OFFER,    S.OFFERED,   GO_ON),
+    (S.RESERVED,  E.FAIL,     S.FAILED,    NOTHING),  # nothing went out (also: their offer won a collision)
+    (S.OFFERED,   E.REFUSE,   S.REFUSED,   NOTHING),  # they drop our tensors
+    (S.OFFERED,   E.ACCEPT,   S.TRANSFER,  GO_ON),
+    (S.OFFERED,   E.FAIL,     S.FAILED,    ABORT),  # they may have accepted and wait for our tensors or verdict
+    (S.TRANSFER,  E.RECEIVED, S.DECIDING,  GO_ON),
+    (S.TRANSFER,  E.FAIL,     S.FAILED,    ABORT_AND_DISCARD),  # their tensors keep coming
+    (S.DECIDING,  E.COMMIT,   S.COMMITTED, NOTHING),
+    (S.DECIDING,  E.FAIL,     S.FAILED,    ABORT),  # the commit did not go out
 )
 _SERVER = (
-    (S.OFFERED, E.REFUSE, S.REFUSED, DISCARD),  # their tensors come with the offer
-    (S.OFFERED, E.ABORT, S.ABORTED, DISCARD),  # they gave up before we accepted: we send nothing
-    (S.OFFERED, E.ACCEPT, S.TRANSFER, GO_ON),
-    (S.OFFERED, E.FAIL, S.FAILED, DISCARD),
-    (S.TRANSFER, E.RECEIVED, S.DECIDING, GO_ON),  # (an abort that comes meanwhile waits: both transfers end whole)
-    (S.TRANSFER, E.FAIL, S.FAILED, DISCARD),
-    (S.DECIDING, E.COMMIT, S.COMMITTED, NOTHING),
-    (S.DECIDING, E.ABORT, S.ABORTED, NOTHING),
-    (S.DECIDING, E.FAIL, S.FAILED, NOTHING),  # no verdict before the deadline; all of theirs is in
+    (S.OFFERED,   E.REFUSE,   S.REFUSED,   DISCARD),  # their tensors come with the offer
+    (S.OFFERED,   E.ABORT,    S.ABORTED,   DISCARD),  # they gave up before we accepted: we send nothing
+    (S.OFFERED,   E.ACCEPT,   S.TRANSFER,  GO_ON),
+    (S.OFFERED,   E.FAIL,     S.FAILED,    DISCARD),
+    (S.TRANSFER,  E.RECEIVED, S.DECIDING,  GO_ON),  # (an abort that comes meanwhile waits: both transfers end whole)
+    (S.TRANSFER,  E.FAIL,     S.FAILED,    DISCARD),
+    (S.DECIDING,  E.COMMIT,   S.COMMITTED, NOTHING),
+    (S.DECIDING,  E.ABORT,    S.ABORTED,   NOTHING),
+    (S.DECIDING,  E.FAIL,     S.FAILED,    NOTHING),  # no verdict before the deadline; all of theirs is in
 )
 del S, E
 
