@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.cipher import CIPHERS
+from protocol.limits import DEFAULT_CHUNK_SIZE, DEFAULT_LIMITS, KiB, MiB
 
 
 class ConfigError(Exception):
@@ -67,11 +68,15 @@ class MembershipSection:
 
 @dataclass(frozen=True)
 class LimitsSection:
-    max_frame_kib: int = _f(4100, "Largest sealed frame accepted, in KiB.")
-    max_message_kib: int = _f(1024, "Largest control message accepted, in KiB.")
-    max_tensor_mib: int = _f(8192, "Largest tensor a peer may send us, in MiB.")
-    max_inflight_tensor_mib: int = _f(16384, "Most tensor bytes a single session may have in flight, in MiB.")
-    max_queued_messages: int = _f(1024, "Messages buffered per session before reading pauses (backpressure).")
+    # The defaults are protocol.limits.WireLimits' (where they are defined, with why), in this section's units
+    # (the frame's rounded up to whole KiB: 4 MiB + 64 B is 4097 KiB).
+    max_frame_kib: int = _f(-(-DEFAULT_LIMITS.max_frame_bytes // KiB), "Largest sealed frame accepted, in KiB.")
+    max_message_kib: int = _f(DEFAULT_LIMITS.max_message_bytes // KiB, "Largest control message accepted, in KiB.")
+    max_tensor_mib: int = _f(DEFAULT_LIMITS.max_tensor_bytes // MiB, "Largest tensor a peer may send us, in MiB.")
+    max_inflight_tensor_mib: int = _f(DEFAULT_LIMITS.max_inflight_tensor_bytes // MiB,
+                                      "Most tensor bytes a single session may have in flight, in MiB.")
+    max_queued_messages: int = _f(DEFAULT_LIMITS.max_queued_messages,
+                                  "Messages buffered per session before reading pauses (backpressure).")
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,8 @@ class GossipSection:
     exchange_timeout: float = _f(30.0, "Deadline for one averaging exchange; a slow or dead neighbour is skipped.")
     max_concurrent_exchanges: int = _f(4, "Most averaging exchanges this peer serves at once.")
     codec: str = _f("raw", "Tensor codec for averaging: raw, float16 or q8.")
-    chunk_kib: int = _f(1024, "Tensor chunk (frame) size in KiB.")
+    # (the default is protocol.limits.DEFAULT_CHUNK_SIZE, defined there with why)
+    chunk_kib: int = _f(DEFAULT_CHUNK_SIZE // KiB, "Tensor chunk (frame) size in KiB.")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from peer.services import load_services
 from peer.session.transport import ListenerStats, TransportConfig, open_listeners, serve
 from protocol import PROTOCOL_VERSION
 from protocol import identity as ident
-from protocol.limits import WireLimits
+from protocol.limits import KiB, MiB, WireLimits
 
 log = logging.getLogger("peertrain.daemon")
 
@@ -43,10 +43,10 @@ log = logging.getLogger("peertrain.daemon")
 def wire_limits(cfg: Config) -> WireLimits:
     lim = cfg.limits
     return WireLimits(
-        max_frame_bytes=lim.max_frame_kib * 1024,
-        max_message_bytes=lim.max_message_kib * 1024,
-        max_tensor_bytes=lim.max_tensor_mib * (1 << 20),
-        max_inflight_tensor_bytes=lim.max_inflight_tensor_mib * (1 << 20),
+        max_frame_bytes=lim.max_frame_kib * KiB,
+        max_message_bytes=lim.max_message_kib * KiB,
+        max_tensor_bytes=lim.max_tensor_mib * MiB,
+        max_inflight_tensor_bytes=lim.max_inflight_tensor_mib * MiB,
         max_queued_messages=lim.max_queued_messages,
     )
 
@@ -108,7 +108,7 @@ class Daemon:
             allowed_peer_ids=frozenset(cfg.security.allow_peers) or None, limits=wire_limits(cfg),
             handshake_timeout=cfg.membership.handshake_timeout,
             app_payload={"port": self.listen_addr[1], "ver": __version__},
-            chunk_bytes=cfg.gossip.chunk_kib * 1024)
+            chunk_bytes=cfg.gossip.chunk_kib * KiB)
         self.transport = transport
         self.membership = m = Membership(config=cfg, transport=transport, peer_id=self.peer_id,
                                          router=self.router, listen_port=lambda: self.listen_addr[1])

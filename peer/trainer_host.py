@@ -23,7 +23,8 @@ from typing import Any
 
 import trio
 
-from peer.averaging.engine import ExchangeResult, SharedTensors
+from peer.averaging.engine import ExchangeResult
+from peer.averaging.shared import SharedTensors
 from peer.home import Home, atomic_write
 
 log = logging.getLogger("peertrain.trainer")

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from protocol.errors import LimitExceeded, ProtocolError
-from protocol.limits import WireLimits
+from protocol.limits import DEFAULT_CHUNK_SIZE, WireLimits
 from protocol.schema.tensor import TensorHeader
 
 __all__ = [
@@ -83,7 +83,6 @@ DTYPES: types.MappingProxyType[str, np.dtype[Any]] = types.MappingProxyType(
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 CODECS = ("raw", "float16", "q8")
 MAX_NDIM = 8
-DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_Q8_BLOCK = 4096
 MAX_Q8_BLOCK = 1 << 20
 """Largest q8 block: one block must fit in one conversion step."""

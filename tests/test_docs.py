@@ -290,14 +290,10 @@ def test_code_citations_of_docs_name_real_sections():
     assert cited
 
 
-# Files others are editing that still cite the old name; they are listed in the docs change's report.
-DESIGN_MD_PENDING = {"peer/averaging/engine.py", "tests/test_gossip.py"}
-
-
 def test_no_code_cites_a_design_file_the_repository_lacks():
     for p in _sources():
         rel = str(p.relative_to(REPO))
-        if rel == "tests/test_docs.py" or rel in DESIGN_MD_PENDING:
+        if rel == "tests/test_docs.py":
             continue
         assert "DESIGN.md" not in p.read_text(errors="replace"), f"{rel}: cite docs/design.md instead"
 

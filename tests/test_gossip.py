@@ -1,4 +1,4 @@
-"""Gossip averaging and topology with real daemons: the invariants of DESIGN.md, sampled live.
+"""Gossip averaging and topology with real daemons: the invariants (docs/design.md, "Invariants"), sampled live.
 
   * the swarm-wide sum never changes through 1,000+ concurrent exchanges while rewiring runs;
   * consensus error falls geometrically;

@@ -15,7 +15,8 @@ import numpy as np
 import trio
 
 from peer.config import GossipSection
-from peer.averaging.engine import GossipEngine, SharedTensors
+from peer.averaging.engine import GossipEngine
+from peer.averaging.shared import SharedTensors
 from peer.session.router import Router
 from peer.session.transport import TransportConfig, dial, open_listeners, serve
 from protocol.identity import generate_identity, peer_id_from_public_bytes, public_key_bytes
@@ -268,29 +269,29 @@ def test_a_failed_snapshot_gives_the_reservation_back():
 def test_a_bad_tensor_from_the_server_changes_nothing():
     """A server whose tensor turns out short, or holds an Inf near its end, fails the exchange with the
     reason; neither side applies anything, and the pair exchanges normally afterwards."""
-    import peer.averaging.engine as gossip
+    from peer.session.groups import OutgoingGroup
 
-    real_send = gossip._send_group
+    real_send = OutgoingGroup.send
 
     async def body(a, b):
-        bad_group = b.groups["params"]
+        bad_session = b.membership.connected()[a.me]
         before_a, before_b = total(a), total(b)
         for lie, reason in (("short", "does not match"), ("inf", "NaN/Inf")):
-            async def lying_send(session, group, arrays, streams, codec="raw"):
-                if group is bad_group:
+            async def lying_send(group, arrays, codec="raw"):
+                if group.session is bad_session:
                     arr = arrays[0].copy()
                     if lie == "short":
                         arr = arr[:-10]
                     else:
                         arr[-3] = np.inf
                     arrays = [arr]
-                await real_send(session, group, arrays, streams, codec)
+                await real_send(group, arrays, codec=codec)
 
-            gossip._send_group = lying_send
+            OutgoingGroup.send = lying_send
             try:
                 result = await a.exchange(b.me, "params")
             finally:
-                gossip._send_group = real_send
+                OutgoingGroup.send = real_send
             assert not result.ok and reason in result.reason, (lie, result)
             await until(lambda: not b.inflight, 3)
             assert (total(a), total(b)) == (before_a, before_b), lie
@@ -339,9 +340,9 @@ def test_an_initiator_that_gives_up_before_the_reply_still_calls_the_exchange_of
 
 def test_apply_adds_the_weighted_difference_block_by_block_and_leaves_the_received_copy_alone(monkeypatch):
     """Blocks smaller than the tensor, and a last block shorter than the others, give the whole-tensor result."""
-    import peer.averaging.engine
+    import peer.averaging.shared
 
-    monkeypatch.setattr(peer.averaging.engine, "APPLY_BLOCK_BYTES", 4 * 1000)  # 1000 floats a block, 3 blocks and a tail
+    monkeypatch.setattr(peer.averaging.shared, "APPLY_BLOCK_BYTES", 4 * 1000)  # 1000 floats a block, 3 blocks and a tail
     rng = np.random.default_rng(3)
     x, other = rng.standard_normal(3500).astype(np.float32), rng.standard_normal(3500).astype(np.float32)
     own, received, start = x.copy(), other.copy(), x.copy()
@@ -356,9 +357,9 @@ def test_apply_adds_the_weighted_difference_block_by_block_and_leaves_the_receiv
 def test_torch_cpu_tensors_take_the_blocked_update_and_give_the_same_result(monkeypatch):
     import torch
 
-    import peer.averaging.engine
+    import peer.averaging.shared
 
-    monkeypatch.setattr(peer.averaging.engine, "APPLY_BLOCK_BYTES", 4 * 1000)
+    monkeypatch.setattr(peer.averaging.shared, "APPLY_BLOCK_BYTES", 4 * 1000)
     rng = np.random.default_rng(4)
     start, other = rng.standard_normal((50, 70)).astype(np.float32), rng.standard_normal((50, 70)).astype(np.float32)
     param = torch.nn.Parameter(torch.from_numpy(start.copy()))  # requires grad, as a model's would

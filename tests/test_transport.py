@@ -170,7 +170,7 @@ def test_tensors_roundtrip_codecs_and_nan_rejection_keeps_session():
                         got[stream] = (await session.receive_tensor(stream, timeout=10)).array
                     except Exception as exc:  # noqa: BLE001 - recorded for the assertions
                         got[stream] = exc
-                got["inflight"] = session._inflight_bytes  # every byte accounted for is released again
+                got["inflight"] = session._streams.inflight_bytes  # every byte accounted for is released again
                 n.cancel_scope.cancel()
 
         async with trio.open_nursery() as n:
@@ -378,7 +378,7 @@ def test_a_tensor_abandoned_part_way_fails_at_the_receiver_at_once_and_frees_its
                     await session.receive_tensor(1, timeout=30)
                 except ProtocolError as exc:
                     got["error"] = exc
-                    got["inflight"] = session._inflight_bytes
+                    got["inflight"] = session._streams.inflight_bytes
                 got["next"] = (await session.receive_tensor(2, timeout=10)).array
                 got["open"] = sorted(session._streams)
                 n.cancel_scope.cancel()
@@ -463,9 +463,9 @@ def test_unclaimed_tensors_make_room_instead_of_closing_the_session():
 def test_receive_buffers_are_recycled_once_the_consumer_drops_them():
     import gc
 
-    from peer.session.transport import _BufferPool
+    from peer.session.buffers import ReceiveBufferPool
 
-    pool = _BufferPool(max_idle_bytes=8 << 20)
+    pool = ReceiveBufferPool(max_idle_bytes=8 << 20)
     a = pool.array(np.float32, (1 << 20,))  # 4 MiB
     addr_a = a.ctypes.data
     view = a[10:]

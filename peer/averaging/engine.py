@@ -1,27 +1,9 @@
 """The averaging engine: symmetric pairwise gossip exchanges of a trainer's tensors with neighbours.
 
-An exchange between initiator i and neighbour j (messages in protocol/schema/gossip.py):
-
-    i: snapshot a = x_i, set aside m      j: (on offer) w = min(m, j's cap, j's room), snapshot b = x_j
-    i → j  offer(m) + a                   j → i  accept(w) + b
-    i: got b → commit, x_i += w (b - a)      j: got a and commit → x_j += w (a - b)
-    (i gives up after its offer → abort)     j: abort → finish the transfers (or, not yet accepted, send nothing), apply nothing
-
-Both sides add `w * (other snapshot - own snapshot)`, so the swarm-wide sum is unchanged by averaging
-however the trainers' own updates interleave (DESIGN.md invariant 1). A side that does not reach the
-commit applies nothing. Every exchange has a deadline; a slow or dead neighbour is skipped.
-
-Which weight (`rule_cap`): an exchange with one random neighbour (AD-PSGD, `mode="one"`) uses the
-pairwise rule, w = 1/3, whatever the degrees. The exchange's matrix I - w (e_i - e_j)(e_i - e_j)^T
-removes a share 2w(1 - w) of the pair's squared disagreement: 0.44 at 1/3, 0.5 at the optimum 1/2 that
-AD-PSGD and randomized gossip (Boyd et al. 2006) use, and only 0.32 at Metropolis-Hastings' 1/5 on a
-degree-4 graph (MH shrinks with the degree, so a better-connected graph mixed hardly faster than a
-ring). 1/3 rather than 1/2 because the weight stays set aside while a transfer runs: at 1/2 two
-exchanges fill a peer's budget, so one slow neighbour blocks half of it; at 1/3 three fit (measured in
-`peer bench gossip --netns --slow-pairs 0.4`: fixed graphs with slow edges reached consensus faster at
-1/3 than at 1/2). Averaging with all neighbours at once (D-PSGD, `mode="all"`) uses MH weights: there a
-peer's weights over all its exchanges must stay <= 1, and each side capping at 1/(1+own degree) makes
-the smaller of the two caps exactly the MH weight.
+The modules beside it hold the pieces: what an exchange is and what each of its endings owes
+(exchange.py, with why it keeps the swarm-wide sum), which weight it carries (weights.py), the tensors a
+trainer shares and the exchange's update (shared.py). This module does the I/O of both sides of an
+exchange, over tensor groups (peer/session/groups.py), and keeps each peer's budget of weight in flight.
 
 Convexity under concurrency: a peer runs at most one exchange per neighbour at a time (when both
 initiate at once, the smaller peer ID's offer wins) and never lets the weights of exchanges in flight add
@@ -37,201 +19,22 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import trio
 
+from peer.averaging.exchange import Event, Exchange, Role, State
+from peer.averaging.shared import SharedTensors
+from peer.averaging.weights import MIN_WEIGHT_SHARE, WEIGHT_RULES, rule_cap
 from peer.concurrency import together
+from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
 from protocol.errors import ProtocolError
-from protocol.limits import WireLimits
 from protocol.schema.gossip import (
-    AverageAbort, AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsReply, ParamsRequest, TensorSpec)
-from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
-from protocol.tensor_codec import FLOAT_DTYPES, TensorDecoder, TensorEncoder
+    AverageAbort, AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsReply, ParamsRequest)
 
 log = logging.getLogger("peertrain.gossip")
-
-
-def _dtype_name(t: Any) -> str:
-    if isinstance(t, np.ndarray):
-        return str(t.dtype)
-    return str(t.dtype).removeprefix("torch.")
-
-
-class SharedTensors:
-    """A named group of tensors a trainer shares for averaging, guarded by one lock.
-
-    Holds numpy arrays or torch tensors (CPU or CUDA). The trainer takes `lock` while it changes them
-    (an optimizer step); the engine takes it to snapshot them and to add an exchange's update.
-    """
-
-    def __init__(self, name: str, tensors: dict[str, Any], *, lock: threading.Lock | None = None):
-        for key, t in tensors.items():
-            if not (t.flags.c_contiguous if isinstance(t, np.ndarray) else t.is_contiguous()):
-                raise ValueError(f"tensor {key!r} of group {name!r} is not contiguous: the engine updates it in "
-                                 "place, so pass a contiguous one (np.ascontiguousarray / .contiguous())")
-            if _dtype_name(t) not in FLOAT_DTYPES:
-                raise ValueError(f"tensor {key!r} of group {name!r} is {_dtype_name(t)}: averaging adds fractional "
-                                 f"weights in place, so share only floating-point tensors ({', '.join(sorted(FLOAT_DTYPES))}); "
-                                 "keep counters such as BatchNorm's num_batches_tracked out of the group")
-        self.name = name
-        self.tensors = dict(tensors)
-        self.lock = lock or threading.Lock()
-        self.step = 0  # the trainer's step, shared in offers so late joiners can tell who is ahead
-        self.is_torch = not all(isinstance(t, np.ndarray) for t in self.tensors.values())
-        self.specs = [TensorSpec(name=k, dtype=_dtype_name(t), shape=list(t.shape)) for k, t in self.tensors.items()]
-        self.nbytes = sum(int(np.prod(s.shape)) * TENSOR_DTYPES[s.dtype].itemsize for s in self.specs)
-        self.last_distance: float | None = None  # ||x_other - x_own|| / ||x_own|| at the last exchange
-        self._spare: list[list[Any]] = []  # CPU buffers shaped like `tensors`, reused by snapshot()
-        self._spare_lock = threading.Lock()
-
-    def snapshot(self) -> list[Any]:
-        """Copies of every tensor, on the CPU (a consistent cut: taken under the lock).
-
-        The copies go into spare buffers when there are some (`release`): a fresh array costs page
-        faults and kernel zeroing on every exchange (about as much as the copy itself), a reused one only the copy.
-        """
-        with self._spare_lock:
-            bufs = self._spare.pop() if self._spare else None
-        with self.lock:
-            if bufs is None:
-                if self.is_torch:
-                    return [t.detach().to("cpu", copy=True) for t in self.tensors.values()]
-                return [t.copy() for t in self.tensors.values()]
-            for buf, t in zip(bufs, self.tensors.values()):
-                if self.is_torch:
-                    buf.copy_(t.detach())
-                else:
-                    np.copyto(buf, t)
-            return bufs
-
-    def release(self, bufs: list[Any]) -> None:
-        """Hand back a snapshot, or received tensors of the same specs, once nothing reads them anymore."""
-        if len(bufs) != len(self.tensors) or not all(_fits(buf, t) for buf, t in zip(bufs, self.tensors.values())):
-            return
-        with self._spare_lock:
-            if len(self._spare) < MAX_SPARE:
-                self._spare.append(bufs)
-
-    def apply(self, weight: float, others: list[Any], own: list[Any]) -> None:
-        """x += weight * (other - own) for every tensor, in place (the exchange's whole effect).
-
-        Why blocks: one pass over cache-sized blocks (difference, both norms, scale, add) moves a third of
-        the memory of five whole-tensor passes. The difference goes to one small scratch block that stays in
-        cache, so `others` (the received copy) is only read: writing it back would cost one more pass. The
-        lock is taken per block, so a trainer step waits for one block at most; both are additions, so how
-        they interleave does not change the result. Torch tensors in CPU memory take the same path through
-        numpy views of their memory; only device tensors and bfloat16 (no numpy dtype) use whole-tensor
-        torch operations.
-        """
-        diff_sq = own_sq = 0.0
-        arrays = _host_arrays(self.tensors.values(), others, own)
-        if arrays is None:
-            import torch
-
-            deltas = []
-            for o, a in zip(others, own):
-                d = o.to(a.dtype) if isinstance(o, torch.Tensor) else torch.from_numpy(np.asarray(o)).to(a.dtype)
-                d.sub_(a)
-                diff_sq += float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2
-                own_sq += float(torch.linalg.vector_norm(a, dtype=torch.float64)) ** 2
-                deltas.append(d)
-            with self.lock:
-                for t, d in zip(self.tensors.values(), deltas):
-                    t.data.add_(d.to(t.device, non_blocking=False), alpha=weight)
-        else:
-            for t, o, a in zip(*arrays):
-                tf, of, af = t.reshape(-1), o.reshape(-1), a.reshape(-1)
-                step = max(1, APPLY_BLOCK_BYTES // tf.itemsize)
-                scratch = np.empty(min(step, tf.shape[0]), dtype=tf.dtype)
-                for i in range(0, tf.shape[0], step):
-                    ab, tb = af[i:i + step], tf[i:i + step]
-                    d = scratch[:ab.shape[0]]
-                    np.subtract(of[i:i + step], ab, out=d)
-                    diff_sq += _sum_sq(d)
-                    own_sq += _sum_sq(ab)
-                    d *= weight
-                    with self.lock:
-                        np.add(tb, d, out=tb)
-        self.last_distance = (diff_sq / own_sq) ** 0.5 if own_sq > 0 else diff_sq ** 0.5
-
-    def stats(self, *, values: bool = False) -> dict:
-        """Sum and squared norm (float64) of the whole group now; with `values`, the raw bytes too."""
-        snap = self.snapshot()
-        arrs = [t.numpy() if not isinstance(t, np.ndarray) else t for t in snap] if self.is_torch else snap
-        out = {"sum": float(sum(np.sum(a, dtype=np.float64) for a in arrs)),
-               "sumsq": float(sum(np.dot(a.ravel().astype(np.float64), a.ravel().astype(np.float64)) for a in arrs)),
-               "nbytes": self.nbytes, "step": self.step}
-        if values:
-            out["values"] = [np.ascontiguousarray(a).tobytes() for a in arrs]
-            out["dtypes"] = [str(a.dtype) for a in arrs]
-        return out
-
-    def load(self, values: list[Any]) -> None:
-        """Replace every tensor's value (a joining peer adopting a neighbour's parameters)."""
-        with self.lock:
-            for t, v in zip(self.tensors.values(), values):
-                if self.is_torch:
-                    t.data.copy_(v.to(t.device))
-                else:
-                    t[...] = v
-
-
-MAX_SPARE = 1  # idle buffer sets kept per group: bounds the memory this costs to one copy
-APPLY_BLOCK_BYTES = 1 << 20  # a block and its two operands stay in L2
-WEIGHT_RULES = ("pairwise", "metropolis")
-PAIRWISE_WEIGHT = 1.0 / 3.0  # see the module docstring: 89% of the optimum 1/2's effect, three exchanges at once
-MIN_WEIGHT_SHARE = 0.25  # an exchange with less than this share of its rule's weight is not worth its bytes
-
-
-def rule_cap(rule: str, degree: int) -> float:
-    """The most weight one exchange may carry under `rule`, as one side with `degree` neighbours sees it."""
-    if rule == "pairwise":
-        return PAIRWISE_WEIGHT
-    if rule == "metropolis":
-        return 1.0 / (1.0 + max(1, degree))
-    raise ValueError(f"unknown weight rule {rule!r} (choose from {', '.join(WEIGHT_RULES)})")
-
-
-def _sum_sq(v: np.ndarray) -> float:
-    """Sum of squares; float16 is widened first (its own dot product overflows past 65504)."""
-    if v.dtype.itemsize < 4:
-        v = v.astype(np.float64)
-    return float(np.dot(v, v))
-
-
-def _host_arrays(*groups) -> tuple[list[np.ndarray], ...] | None:
-    """numpy arrays sharing the memory of every tensor in `groups` (numpy arrays as they are, torch CPU
-    tensors through `.numpy()`), or None if one cannot be viewed so (on a device, or bfloat16).
-
-    No contiguity check here: a group's own tensors are contiguous (`SharedTensors` refuses others), and
-    snapshots and received copies are fresh arrays. Returning None for a numpy array would send a numpy
-    group down the torch path, which cannot take it."""
-    out: tuple[list[np.ndarray], ...] = tuple([] for _ in groups)
-    for views, tensors in zip(out, groups):
-        for t in tensors:
-            if not isinstance(t, np.ndarray):
-                if getattr(getattr(t, "device", None), "type", None) != "cpu":
-                    return None
-                try:
-                    t = t.detach().numpy()
-                except (TypeError, RuntimeError):  # a dtype numpy lacks
-                    return None
-            views.append(t)
-    return out
-
-
-def _fits(buf: Any, t: Any) -> bool:
-    """Can `buf` hold a CPU snapshot of `t`: same dtype and shape, contiguous, writable, on the CPU?"""
-    if isinstance(t, np.ndarray):
-        return (isinstance(buf, np.ndarray) and buf.dtype == t.dtype and buf.shape == t.shape
-                and buf.flags.c_contiguous and buf.flags.writeable)
-    return (not isinstance(buf, np.ndarray) and buf.dtype == t.dtype and tuple(buf.shape) == tuple(t.shape)
-            and buf.device.type == "cpu" and buf.is_contiguous())
 
 
 @dataclass
@@ -258,8 +61,10 @@ class GossipStats:
 
 @dataclass
 class _Served:
-    """An exchange we accepted and serve, waiting for the initiator's verdict."""
+    """An exchange we accepted and serve: where it stands, the initiator's tensors, and its verdict."""
 
+    exchange: Exchange
+    theirs: IncomingGroup
     decided: trio.Event = field(default_factory=trio.Event)  # set by the commit or the abort
     abort_reason: str | None = None
 
@@ -338,54 +143,57 @@ class GossipEngine:
         if max_weight < MIN_WEIGHT_SHARE * cap - 1e-12:
             return ExchangeResult(peer_id, False, "too much weight in flight")
         self.initiating[peer_id] = max_weight  # set aside now: exchanges we serve meanwhile cannot take it
+        x = Exchange(Role.INITIATOR)
         t0 = trio.current_time()
         own: list[Any] | None = None
-        reply_streams: list[int] = []
-        offer_rid: int | None = None  # set as the offer goes out: unless refused, we owe them a commit or abort
-        committed = False
-        abort_reason = "cancelled"
+        theirs: IncomingGroup | None = None
+        offer_rid = 0
         w = 0.0
         try:  # from the reservation on: whatever happens, the finally below gives it back
             own = await trio.to_thread.run_sync(group.snapshot)
-            sent = await trio.to_thread.run_sync(_as_sent, own, self.cfg.codec, group.is_torch)
+            sent = await trio.to_thread.run_sync(group.as_sent, own, self.cfg.codec)
             if peer_id in self.inflight:  # their offer won a collision while we took the snapshot
+                x.handle(Event.FAIL, "lost a collision")
                 return ExchangeResult(peer_id, False, "exchange with this peer already in flight")
-            streams = [session.new_stream_id() for _ in own]
-            offer = AverageOffer(group=group_name, tensors=group.specs, streams=streams, max_weight=max_weight,
+            ours = OutgoingGroup(session, group.specs)
+            offer = AverageOffer(group=group_name, tensors=group.specs, streams=ours.streams, max_weight=max_weight,
                                  rule=rule, codec=self.cfg.codec, step=group.step)
             with trio.fail_after(self.cfg.exchange_timeout):
                 replies: list = []
                 offer_rid = session.new_request_id()
+                x.handle(Event.OFFER)
 
                 async def ask() -> None:
                     replies.append(await session.request(offer, timeout=self.cfg.exchange_timeout, rid=offer_rid))
 
-                await together(ask, lambda: _send_group(session, group, own, streams, self.cfg.codec))
+                await together(ask, lambda: ours.send(own, codec=self.cfg.codec))
                 env = replies[0]
                 reply = env.message
                 if isinstance(reply, AverageReject):
-                    offer_rid = None  # nothing to call off
+                    x.handle(Event.REFUSE)
                     self.stats.rejected += 1
                     return ExchangeResult(peer_id, False, f"refused: {reply.reason}")
                 if not isinstance(reply, AverageAccept):
                     raise ProtocolError(f"expected avg_accept, got {type(reply).__name__}")
-                reply_streams = list(reply.streams)
+                theirs = IncomingGroup(session, reply.streams, group.specs, as_torch=group.is_torch)
+                x.handle(Event.ACCEPT)
                 if len(reply.streams) != len(own) or not 0.0 < reply.weight <= max_weight:
-                    abort_reason = f"inconsistent accept (weight {reply.weight}, offered at most {max_weight})"
-                    raise ProtocolError(abort_reason)
+                    raise ProtocolError(f"inconsistent accept (weight {reply.weight}, offered at most {max_weight})")
                 w = reply.weight
                 self.initiating[peer_id] = w  # the rest of what we set aside is free again
-                others = await _receive_group(session, group, reply_streams, self.cfg.exchange_timeout)
+                others = await theirs.receive(timeout=self.cfg.exchange_timeout)
+                x.handle(Event.RECEIVED)
                 # Shielded: a commit cut off mid-write would still reach them ahead of any later frame (its
                 # sealed tail is kept, see Session._write) and they would apply while we did not.
                 with trio.CancelScope(shield=True):
                     await session.send_message(AverageCommit(exchange=env.reply_to))
-                committed = True
+                x.handle(Event.COMMIT)
             with trio.CancelScope(shield=True):  # committed: the server applies, so we must too (the sum)
                 await trio.to_thread.run_sync(group.apply, w, others, sent)
             group.release(others)  # the received copies become later snapshots' buffers
         except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
-            reason = abort_reason = "deadline passed" if isinstance(exc, trio.TooSlowError) else str(exc)
+            reason = "deadline passed" if isinstance(exc, trio.TooSlowError) else str(exc)
+            x.end(reason)
             if isinstance(exc, ProtocolError):
                 log.warning("exchange with %s failed: %s", session.short, exc)
             self.stats.failed += 1
@@ -393,13 +201,14 @@ class GossipEngine:
             return ExchangeResult(peer_id, False, reason)
         finally:
             # Also when we give up before their reply: they may have accepted and be waiting for our tensor
-            # (cut short, it is cancelled: see Session.send_tensor) or for our verdict. An abort for an
+            # (cut short, it is called off: see OutgoingGroup.send) or for our verdict. An abort for an
             # offer they never saw is ignored.
-            if offer_rid is not None and not committed:
-                await session.send_best_effort(AverageAbort(exchange=offer_rid, reason=abort_reason))
+            owed = x.end("cancelled")
+            if owed.send_abort:
+                await session.send_best_effort(AverageAbort(exchange=offer_rid, reason=x.reason))
             self.initiating.pop(peer_id, None)
-            if not committed:
-                session.discard(reply_streams)
+            if owed.discard_incoming and theirs is not None:
+                theirs.discard()
             if own is not None:
                 group.release(own)  # sent, and applied or abandoned: nothing reads it anymore
         seconds = trio.current_time() - t0
@@ -444,69 +253,78 @@ class GossipEngine:
             w = min(offer.max_weight, full, room)
             if w < MIN_WEIGHT_SHARE * full - 1e-12:
                 reason = "too much weight in flight"
+        x = Exchange(Role.SERVER)
+        theirs = IncomingGroup(session, offer.streams, group.specs if group is not None else [],
+                               as_torch=group is not None and group.is_torch)
         if reason is not None:
-            session.discard(offer.streams)
+            x.handle(Event.REFUSE, reason)
+            if x.cleanup.discard_incoming:
+                theirs.discard()  # their tensors follow the offer: drop them as they come
             self.stats.rejected += 1
             await session.reply(env, AverageReject(reason=reason))
             return
         self.inflight[peer_id] = w
         self._serving += 1
         key = (peer_id, env.rid)
-        self.served[key] = _Served()
+        self.served[key] = _Served(x, theirs)
         self._nursery.start_soon(self._serve_exchange, session, env, group, w, key)
 
     async def _serve_exchange(self, session, env, group: SharedTensors, w: float, key) -> None:
-        offer: AverageOffer = env.message
         served = self.served[key]
+        x, theirs = served.exchange, served.theirs
         t0 = trio.current_time()
-        got_all = False
+        own: list[Any] | None = None
         try:
             with trio.fail_after(self.cfg.exchange_timeout + 5.0):
                 own = await trio.to_thread.run_sync(group.snapshot)
-                sent = await trio.to_thread.run_sync(_as_sent, own, self.cfg.codec, group.is_torch)
+                sent = await trio.to_thread.run_sync(group.as_sent, own, self.cfg.codec)
                 if served.abort_reason is not None:  # they gave up while we took the snapshot: send nothing
+                    x.handle(Event.ABORT, served.abort_reason)
                     self.stats.failed += 1
                     self.stats.last_error = f"{session.short}: aborted by them before we accepted: {served.abort_reason}"
-                    session.discard(offer.streams)
-                    group.release(own)
                     return
-                streams = [session.new_stream_id() for _ in own]
-                await session.reply(env, AverageAccept(weight=w, streams=streams, step=group.step))
+                ours = OutgoingGroup(session, group.specs)
+                x.handle(Event.ACCEPT)
+                await session.reply(env, AverageAccept(weight=w, streams=ours.streams, step=group.step))
                 others: list = []
 
                 async def receive() -> None:
-                    others.extend(await _receive_group(session, group, offer.streams, self.cfg.exchange_timeout))
+                    others.extend(await theirs.receive(timeout=self.cfg.exchange_timeout))
 
                 # Even after an abort both transfers run to their end (the initiator's is already
                 # complete by then): a tensor cut off mid-stream would stay half-received at the other end.
-                await together(receive, lambda: _send_group(session, group, own, streams, self.cfg.codec))
-                got_all = True
+                await together(receive, lambda: ours.send(own, codec=self.cfg.codec))
+                x.handle(Event.RECEIVED)
                 await served.decided.wait()
             if served.abort_reason is not None:
+                x.handle(Event.ABORT, served.abort_reason)
                 self.stats.failed += 1
                 self.stats.last_error = f"{session.short}: aborted by them: {served.abort_reason}"
-                group.release(own)  # nothing reads our cut anymore: a later snapshot reuses it
                 return
+            x.handle(Event.COMMIT)
             with trio.CancelScope(shield=True):  # the initiator committed and applies: so must we (the sum)
                 await trio.to_thread.run_sync(group.apply, w, others, sent)
             group.release(others)
-            group.release(own)
             seconds = trio.current_time() - t0
             self.stats.served += 1
             self.topology.record_transfer(session.peer_id, group.nbytes, seconds)
             self._count(seconds, group.nbytes)
         except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
+            reason = "no commit before the deadline" if x.state is State.DECIDING else str(exc) or "deadline passed"
+            x.end(reason)
             self.stats.failed += 1
-            self.stats.last_error = f"{session.short}: {'no commit before the deadline' if got_all else exc or 'deadline passed'}"
+            self.stats.last_error = f"{session.short}: {reason}"
             if isinstance(exc, ProtocolError):
                 log.warning("exchange served to %s failed: %s", session.short, exc)
-            if not got_all:
-                session.discard(offer.streams)
-        except Exception:  # a bug here must not take the daemon down: this exchange just fails
+        except Exception as exc:  # a bug here must not take the daemon down: this exchange just fails
             log.exception("exchange served to %s failed unexpectedly", session.short)
+            x.end(f"internal error: {type(exc).__name__}")
             self.stats.failed += 1
-            session.discard(offer.streams)
         finally:
+            if x.end("cancelled").discard_incoming:
+                theirs.discard()
+            if own is not None:
+                group.release(own)  # sent, and applied or abandoned: nothing reads our cut anymore
             self.served.pop(key, None)
             self.inflight.pop(session.peer_id, None)
             self._serving -= 1
@@ -529,9 +347,9 @@ class GossipEngine:
             await session.reply(env, ParamsReply(tensors=[], streams=[], available=False))
             return
         own = await trio.to_thread.run_sync(group.snapshot)
-        streams = [session.new_stream_id() for _ in own]
-        await session.reply(env, ParamsReply(tensors=group.specs, streams=streams, step=group.step))
-        await _send_group(session, group, own, streams)
+        ours = OutgoingGroup(session, group.specs)
+        await session.reply(env, ParamsReply(tensors=group.specs, streams=ours.streams, step=group.step))
+        await ours.send(own)
 
     async def fetch_params(self, group_name: str, peer_id: str) -> tuple[list[Any], int] | None:
         """Download `peer_id`'s current tensors of a group (None if it has none or the deadline passes)."""
@@ -539,21 +357,22 @@ class GossipEngine:
         session = self.membership.connected().get(peer_id)
         if session is None:
             return None
-        streams: list[int] = []
+        theirs: IncomingGroup | None = None
         try:
             with trio.fail_after(self.cfg.exchange_timeout * 2):
                 env = await session.request(ParamsRequest(group=group_name), timeout=self.cfg.exchange_timeout)
                 reply = env.message
                 if not isinstance(reply, ParamsReply) or not reply.available:
                     return None
-                streams = list(reply.streams)
-                if len(streams) != len(group.specs):
+                theirs = IncomingGroup(session, reply.streams, group.specs, as_torch=group.is_torch)
+                if len(reply.streams) != len(group.specs):
                     raise ProtocolError("params reply has the wrong number of tensors")
-                values = await _receive_group(session, group, streams, self.cfg.exchange_timeout)
+                values = await theirs.receive(timeout=self.cfg.exchange_timeout)
                 return values, reply.step
         except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
             log.warning("could not download parameters from %s: %s", session.short, exc)
-            session.discard(streams)
+            if theirs is not None:
+                theirs.discard()
             return None
 
     def commands(self) -> dict:
@@ -574,50 +393,3 @@ class GossipEngine:
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_sent,  # symmetric exchanges: as many in as out
                 "last_exchange_s": round(s.last_seconds, 4), "recent_s": s.recent, "last_error": s.last_error,
                 "inflight": len(self.inflight.keys() | self.initiating.keys())}
-
-
-async def _send_group(session, group: SharedTensors, arrays: list[Any], streams: list[int], codec: str = "raw") -> None:
-    """Stream every tensor of a group snapshot, one per stream id. Cut short, the tensors not begun are
-    called off too (the one cut calls itself off), so the receiver holds no slot waiting for them."""
-    for i, (spec, arr, sid) in enumerate(zip(group.specs, arrays, streams)):
-        try:
-            await session.send_tensor(spec.name, arr, codec=codec, stream=sid)
-        except BaseException as exc:
-            await session.call_off(streams[i + 1:], type(exc).__name__)
-            raise
-
-
-async def _receive_group(session, group: SharedTensors, streams: list[int], timeout: float) -> list[Any]:
-    """Receive one tensor per stream and check each against the group's specs (name, dtype, shape)."""
-    out = []
-    for spec, sid in zip(group.specs, streams):
-        dec = await session.receive_tensor(sid, timeout=timeout)
-        _check_spec(spec, dec)
-        out.append(dec.to_torch() if group.is_torch else dec.array)
-    return out
-
-
-def _as_sent(values: list[Any], codec: str, is_torch: bool) -> list[Any]:
-    """What a neighbour decodes from `values` sent with `codec`.
-
-    Why: each side adds w * (received - own). With a lossy codec the received copy of our snapshot is
-    q(own), not own, so only w * (q(b) - q(a)) on one side and w * (q(a) - q(b)) on the other cancel;
-    using the exact snapshot would change the swarm-wide sum by w * ((q(a) - a) + (q(b) - b)) per exchange.
-    """
-    if codec == "raw":
-        return values
-    out = []
-    for v in values:
-        enc = TensorEncoder("x", v, codec=codec)
-        dec = TensorDecoder(enc.header(0), WireLimits(), allow_nonfinite=True)
-        for chunk in enc.chunks():
-            dec.write(chunk)
-        got = dec.finish()
-        out.append(got.to_torch() if is_torch else got.array)
-    return out
-
-
-def _check_spec(spec: TensorSpec, dec) -> None:
-    if dec.name != spec.name or list(dec.array.shape) != list(spec.shape) or dec.dtype != spec.dtype:
-        raise ProtocolError(f"tensor {dec.name!r} {dec.dtype}{list(dec.array.shape)} does not match "
-                            f"{spec.name!r} {spec.dtype}{list(spec.shape)}")

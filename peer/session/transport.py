@@ -8,31 +8,31 @@ Why raw sockets and reused buffers: the reader `recv_into`s a buffer owned by `p
 tensor chunk is decrypted straight into the destination array, so a 1 GiB shard costs one cipher pass and
 no extra allocations. The sender seals each chunk into one reused buffer. A send lock is held per frame,
 not per tensor, so heartbeats and small messages interleave with bulk transfers.
+
+The receiving side of tensor streams (slots, in-flight budget, eviction) is `peer.session.streams`; groups
+of tensors sent or received together are `peer.session.groups`.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import math
-import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import trio
 
+from peer.session.streams import IncomingStreams, Pending
 from protocol.cipher import CIPHERS, NullCipher
-from protocol.errors import HandshakeError, LimitExceeded, ProtocolError
+from protocol.errors import HandshakeError, ProtocolError
 from protocol.frames import KIND_CHUNK, KIND_MESSAGE, FrameReader, FrameWriter
 from protocol.handshake import Handshake
 from protocol.identity import short_id
-from protocol.limits import WireLimits
+from protocol.limits import DEFAULT_CHUNK_SIZE, WireLimits
 from protocol.messages import Envelope, Registry
 from protocol.schema import DEFAULT_REGISTRY, TensorCancel, TensorHeader
-from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
-from protocol.tensor_codec import DecodedTensor, TensorDecoder, TensorEncoder
+from protocol.tensor_codec import DecodedTensor, TensorEncoder
 
 log = logging.getLogger("peertrain.transport")
 
@@ -53,7 +53,7 @@ class TransportConfig:
     limits: WireLimits = field(default_factory=WireLimits)
     handshake_timeout: float = 5.0
     app_payload: dict = field(default_factory=dict)
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_SIZE
     registry: Registry = DEFAULT_REGISTRY
     # Benchmark baseline only: after a normal authenticated handshake, send frames unencrypted.
     # Never set by the daemon; both ends must set it. See protocol.cipher.NullCipher.
@@ -69,88 +69,6 @@ class SessionStats:
     tensors_in: int = 0
     tensors_out: int = 0
     last_recv: float = 0.0  # trio.current_time() of the last byte received
-
-
-class _Pending:
-    """A request awaiting its reply, or a tensor stream awaiting completion."""
-
-    __slots__ = ("event", "value", "error")
-
-    def __init__(self) -> None:
-        self.event = trio.Event()
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-    def set(self, value: Any) -> None:
-        self.value = value
-        self.event.set()
-
-    def fail(self, error: BaseException) -> None:
-        if not self.event.is_set():
-            self.error = error
-            self.event.set()
-
-    async def wait(self) -> Any:
-        await self.event.wait()
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-class _BufferPool:
-    """Recycled receive buffers, so a large tensor does not cost fresh pages (faults + zeroing) each time.
-
-    A decoded tensor is a view of a pooled bytearray; when that array and every view of it are gone,
-    `weakref.finalize` hands the bytearray back. Idle memory is bounded by `max_idle_bytes`.
-    """
-
-    MIN_BYTES = 1 << 20  # below this, allocation is cheap and pooling not worth it
-
-    def __init__(self, max_idle_bytes: int = 256 << 20):
-        self._idle: dict[int, list[bytearray]] = {}
-        self._idle_bytes = 0
-        self.max_idle_bytes = max_idle_bytes
-        self._lock = threading.Lock()  # arrays may die (and give back) in worker threads
-
-    def array(self, dtype, shape) -> Any:
-        import numpy as np
-
-        count = math.prod(shape)
-        nbytes = count * np.dtype(dtype).itemsize
-        if nbytes < self.MIN_BYTES:
-            return None
-        with self._lock:
-            free = self._idle.get(nbytes)
-            backing = free.pop() if free else None
-            if backing is not None:
-                self._idle_bytes -= nbytes
-        if backing is None:
-            backing = bytearray(nbytes)
-        flat = np.frombuffer(backing, dtype=dtype, count=count)
-        # Every view of `flat` (the reshape below, slices of it, torch.from_numpy) has `flat` as its
-        # base, so `flat` dies only when nothing can see the buffer anymore.
-        weakref.finalize(flat, self._give_back, backing)
-        return flat.reshape(shape)
-
-    def _give_back(self, backing: bytearray) -> None:
-        n = len(backing)
-        with self._lock:
-            if self._idle_bytes + n <= self.max_idle_bytes and len(self._idle.get(n, ())) < 2:
-                self._idle.setdefault(n, []).append(backing)
-                self._idle_bytes += n
-
-
-class _Stream:
-    """A tensor being received: the decoder, whoever waits for it, and whether nobody wants it anymore."""
-
-    __slots__ = ("decoder", "pending", "nbytes", "discard", "waiting")
-
-    def __init__(self) -> None:
-        self.decoder: TensorDecoder | None = None
-        self.pending = _Pending()
-        self.nbytes = 0
-        self.discard = False  # the waiter gave up: absorb the remaining chunks, then forget the stream
-        self.waiting = False  # someone is in receive_tensor for it
 
 
 async def _send_all(sock: trio.socket.SocketType, data: memoryview) -> None:
@@ -193,11 +111,8 @@ class Session:
         self._unsent = b""  # the tail of a sealed frame whose sender was cancelled mid-write
         self._rids = itertools.count(1)
         self._streams_out = itertools.count(1)
-        self._requests: dict[int, _Pending] = {}
-        self._streams: dict[int, _Stream] = {}
-        self._inflight_bytes = 0
-        self._evicted: collections.deque[int] = collections.deque(maxlen=1024)  # stream ids dropped unclaimed
-        self._pool = _BufferPool()
+        self._requests: dict[int, Pending] = {}
+        self._streams = IncomingStreams(limits, self.stats, self.short)  # tensors being received, by stream id
         self._incoming_send, self.incoming = trio.open_memory_channel[Envelope](limits.max_queued_messages)
         self.closed = trio.Event()
         self.close_reason: str = ""
@@ -256,7 +171,7 @@ class Session:
     async def request(self, message: Any, *, timeout: float, rid: int | None = None) -> Envelope:
         """Send `message` and wait for the reply that names its request id (TooSlowError on timeout)."""
         rid = next(self._rids) if rid is None else rid
-        pending = self._requests[rid] = _Pending()
+        pending = self._requests[rid] = Pending()
         try:
             with trio.fail_after(timeout):
                 await self.send_message(message, rid=rid)
@@ -315,42 +230,11 @@ class Session:
         On timeout or cancellation the stream is discarded: chunks still on their way are absorbed and
         dropped, so a late sender never breaks the session.
         """
-        slot = self._streams.get(stream)
-        if slot is None:
-            if stream in self._evicted:
-                raise ProtocolError(f"tensor stream {stream} was dropped to make room (in-flight budget full)")
-            slot = self._streams[stream] = _Stream()
-        done = False
-        slot.waiting = True
-        try:
-            with trio.fail_after(timeout):
-                value = await slot.pending.wait()
-            done = True
-            return value
-        finally:
-            slot.waiting = False
-            if done or slot.pending.event.is_set():
-                self._release_stream(stream)
-            else:
-                slot.discard = True
+        return await self._streams.receive(stream, timeout=timeout)
 
     def discard(self, streams) -> None:
         """Nobody will read these streams (a refused or failed exchange): drop them as they complete."""
-        for stream in streams:
-            slot = self._streams.get(stream)
-            if slot is None:
-                if stream in self._evicted:
-                    continue
-                slot = self._streams[stream] = _Stream()
-            if slot.pending.event.is_set():
-                self._release_stream(stream)
-            else:
-                slot.discard = True
-
-    def _release_stream(self, stream: int) -> None:
-        slot = self._streams.pop(stream, None)
-        if slot is not None:
-            self._inflight_bytes -= slot.nbytes
+        self._streams.discard(streams)
 
     # ---- receiving --------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -378,7 +262,7 @@ class Session:
                 if frame.kind == KIND_MESSAGE:
                     await self._on_message(frame.open())
                 elif frame.kind == KIND_CHUNK:
-                    self._on_chunk(frame)
+                    self._streams.on_chunk(frame)
                 else:  # the reader already rejects unknown kinds; keep the invariant explicit
                     raise ProtocolError(f"unexpected frame kind {frame.kind}")
             view = reader.want()
@@ -394,10 +278,10 @@ class Session:
         self.stats.messages_in += 1
         msg = env.message
         if isinstance(msg, TensorHeader):
-            self._on_tensor_header(msg)
+            self._streams.on_header(msg)
             return
         if isinstance(msg, TensorCancel):
-            self._on_tensor_cancel(msg)
+            self._streams.on_cancel(msg)
             return
         if env.reply_to:
             pending = self._requests.get(env.reply_to)
@@ -411,105 +295,6 @@ class Session:
         except trio.WouldBlock:
             await self._incoming_send.send(env)  # backpressure: stop reading until the consumer catches up
 
-    def _on_tensor_header(self, header: TensorHeader) -> None:
-        slot = self._streams.get(header.stream)
-        if slot is None:
-            if len(self._streams) >= self.cfg.limits.max_queued_messages:
-                self._evict_unclaimed(streams=len(self._streams) + 1 - self.cfg.limits.max_queued_messages)
-            if len(self._streams) >= self.cfg.limits.max_queued_messages:
-                raise LimitExceeded(f"too many tensor streams open ({len(self._streams)})")
-            slot = self._streams[header.stream] = _Stream()
-        if slot.decoder is not None or slot.pending.event.is_set():
-            raise ProtocolError(f"tensor stream {header.stream} reused")
-        estimate = self._decoded_bytes(header)
-        if estimate <= self.cfg.limits.max_tensor_bytes:  # (a bigger one the decoder refuses with its own reason)
-            self._reserve(header.name, estimate)  # before anything is allocated
-        out = self._pooled(header, estimate)
-        decoder = TensorDecoder(header, self.cfg.limits, out=out)  # validates before allocating
-        # decoded size (a float16 body of a float64 tensor needs 4x its wire size), pooled or not
-        need = decoder.memory_bytes + (out.nbytes if out is not None else 0)
-        self._reserve(header.name, need)
-        slot.decoder = decoder
-        slot.nbytes = need
-        self._inflight_bytes += need
-        if decoder.done:  # zero-size tensor
-            self._complete(header.stream, slot)
-
-    def _on_tensor_cancel(self, msg: TensorCancel) -> None:
-        slot = self._streams.get(msg.stream)
-        if slot is None or slot.pending.event.is_set():
-            log.debug("cancel of tensor stream %d from %s ignored (nobody waits for it)", msg.stream, self.short)
-            return
-        what = f"tensor {slot.decoder.name!r}" if slot.decoder is not None else f"the tensor on stream {msg.stream}"
-        slot.decoder = None  # a chunk for it now is a protocol error
-        self._inflight_bytes -= slot.nbytes
-        slot.nbytes = 0
-        if slot.discard:
-            self._streams.pop(msg.stream, None)
-            return
-        slot.pending.fail(ProtocolError(f"{what} was abandoned by its sender ({msg.reason[:80] or 'no reason'})"))
-
-    def _evict_unclaimed(self, *, streams: int = 0, nbytes: int = 0) -> None:
-        """Make room by forgetting finished tensors nobody has asked for, oldest first.
-
-        Why: a tensor can arrive for a receiver that gave up before it learnt the stream's id (a reply
-        that came after its deadline); nobody will ever claim it. Such tensors are the first to go when
-        the stream count or the in-flight budget is full, instead of the session being closed.
-        """
-        for sid, slot in list(self._streams.items()):
-            if streams <= 0 and nbytes <= 0:
-                return
-            if slot.pending.event.is_set() and not slot.waiting:
-                log.info("dropping unclaimed tensor stream %d from %s (%d bytes) to make room", sid, self.short, slot.nbytes)
-                nbytes -= slot.nbytes
-                streams -= 1
-                self._release_stream(sid)
-                self._evicted.append(sid)  # so a late receive_tensor fails at once instead of waiting
-
-    def _reserve(self, name: str, need: int) -> None:
-        """Make sure `need` more bytes fit the in-flight budget (dropping unclaimed tensors), or raise."""
-        budget = self.cfg.limits.max_inflight_tensor_bytes
-        if self._inflight_bytes + need > budget:
-            self._evict_unclaimed(nbytes=self._inflight_bytes + need - budget)
-        if self._inflight_bytes + need > budget:
-            raise LimitExceeded(f"tensor '{str(name)[:64]}' would put {self._inflight_bytes + need} bytes in flight "
-                                f"(limit {budget})")
-
-    def _decoded_bytes(self, header: TensorHeader) -> int:
-        """The size of the array a header asks for (0 if it is malformed: the decoder rejects it then)."""
-        wire = TENSOR_DTYPES.get(header.dtype)
-        if wire is None or not all(isinstance(d, int) and d >= 0 for d in header.shape) or len(header.shape) > 8:
-            return 0
-        return math.prod(header.shape) * wire.itemsize
-
-    def _pooled(self, header: TensorHeader, nbytes: int) -> Any:
-        """A recycled output array of `nbytes` (`_decoded_bytes`) for this tensor, or None (the decoder then allocates)."""
-        if nbytes == 0 or nbytes > self.cfg.limits.max_tensor_bytes:
-            return None  # let the decoder reject the header with its own precise error
-        return self._pool.array(TENSOR_DTYPES[header.dtype], tuple(header.shape))
-
-    def _on_chunk(self, frame) -> None:
-        slot = self._streams.get(frame.stream)
-        if slot is None or slot.decoder is None:
-            raise ProtocolError(f"chunk for unknown tensor stream {frame.stream}")
-        n = frame.open_into(slot.decoder.slot(frame.size))
-        slot.decoder.advance(n)
-        if slot.decoder.done:
-            self._complete(frame.stream, slot)
-
-    def _complete(self, stream: int, slot: _Stream) -> None:
-        if slot.discard:
-            self._release_stream(stream)
-            return
-        try:
-            slot.pending.set(slot.decoder.finish())
-            self.stats.tensors_in += 1
-        except ProtocolError as exc:
-            # A bad tensor (NaN/Inf, ...) is the sender's fault for this one tensor; the frame stream is
-            # intact, so fail the waiter and keep the session.
-            log.warning("rejected tensor from %s: %s", self.short, exc)
-            slot.pending.fail(exc)
-
     # ---- closing ----------------------------------------------------------------------------------
     def _mark_closed(self, reason: str) -> None:
         if self.closed.is_set():
@@ -519,8 +304,7 @@ class Session:
         err = SessionClosed(reason)
         for p in self._requests.values():
             p.fail(err)
-        for s in self._streams.values():
-            s.pending.fail(err)
+        self._streams.fail_all(err)
         self._incoming_send.close()
 
     async def aclose(self, reason: str = "closed locally") -> None:

@@ -9,7 +9,7 @@ An exchange between i (initiator) and j:
 Both apply x += w * (x_other_snapshot - x_own_snapshot) with the same w, so the swarm sum is unchanged.
 
 The weight is the smaller of what each side allows under the offer's `rule` ("pairwise": a fixed
-share, 1/3 in peer/averaging/engine.py; "metropolis": 1/(1+degree), so the two sides' minimum is the
+share, 1/3 in peer/averaging/weights.py; "metropolis": 1/(1+degree), so the two sides' minimum is the
 Metropolis-Hastings weight) and of the room left in each side's budget of weight in flight.
 """
 

@@ -1,0 +1,203 @@
+"""The tensors a trainer shares for averaging, and how an exchange reads and updates them.
+
+A trainer keeps training while exchanges run, so the engine works on snapshots: each side sends a copy of
+its tensors taken under the trainer's lock, and the exchange's whole effect is one in-place addition,
+x += w * (other's snapshot - own snapshot), made block by block. Both are additions, so a trainer step
+and an update can interleave in any order without changing the sum (peer/averaging/exchange.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from protocol.limits import DEFAULT_LIMITS
+from protocol.schema.gossip import TensorSpec
+from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
+from protocol.tensor_codec import FLOAT_DTYPES, TensorDecoder, TensorEncoder
+
+MAX_SPARE = 1  # idle buffer sets kept per group: bounds the memory this costs to one copy
+APPLY_BLOCK_BYTES = 1 << 20  # a block and its two operands stay in L2
+
+
+def _dtype_name(t: Any) -> str:
+    if isinstance(t, np.ndarray):
+        return str(t.dtype)
+    return str(t.dtype).removeprefix("torch.")
+
+
+class SharedTensors:
+    """A named group of tensors a trainer shares for averaging, guarded by one lock.
+
+    Holds numpy arrays or torch tensors (CPU or CUDA). The trainer takes `lock` while it changes them
+    (an optimizer step); the engine takes it to snapshot them and to add an exchange's update.
+    """
+
+    def __init__(self, name: str, tensors: dict[str, Any], *, lock: threading.Lock | None = None):
+        for key, t in tensors.items():
+            if not (t.flags.c_contiguous if isinstance(t, np.ndarray) else t.is_contiguous()):
+                raise ValueError(f"tensor {key!r} of group {name!r} is not contiguous: the engine updates it in "
+                                 "place, so pass a contiguous one (np.ascontiguousarray / .contiguous())")
+            if _dtype_name(t) not in FLOAT_DTYPES:
+                raise ValueError(f"tensor {key!r} of group {name!r} is {_dtype_name(t)}: averaging adds fractional "
+                                 f"weights in place, so share only floating-point tensors ({', '.join(sorted(FLOAT_DTYPES))}); "
+                                 "keep counters such as BatchNorm's num_batches_tracked out of the group")
+        self.name = name
+        self.tensors = dict(tensors)
+        self.lock = lock or threading.Lock()
+        self.step = 0  # the trainer's step, shared in offers so late joiners can tell who is ahead
+        self.is_torch = not all(isinstance(t, np.ndarray) for t in self.tensors.values())
+        self.specs = [TensorSpec(name=k, dtype=_dtype_name(t), shape=list(t.shape)) for k, t in self.tensors.items()]
+        self.nbytes = sum(int(np.prod(s.shape)) * TENSOR_DTYPES[s.dtype].itemsize for s in self.specs)
+        self.last_distance: float | None = None  # ||x_other - x_own|| / ||x_own|| at the last exchange
+        self._spare: list[list[Any]] = []  # CPU buffers shaped like `tensors`, reused by snapshot()
+        self._spare_lock = threading.Lock()
+
+    def snapshot(self) -> list[Any]:
+        """Copies of every tensor, on the CPU (a consistent cut: taken under the lock).
+
+        The copies go into spare buffers when there are some (`release`): a fresh array costs page
+        faults and kernel zeroing on every exchange (about as much as the copy itself), a reused one only the copy.
+        """
+        with self._spare_lock:
+            bufs = self._spare.pop() if self._spare else None
+        with self.lock:
+            if bufs is None:
+                if self.is_torch:
+                    return [t.detach().to("cpu", copy=True) for t in self.tensors.values()]
+                return [t.copy() for t in self.tensors.values()]
+            for buf, t in zip(bufs, self.tensors.values()):
+                if self.is_torch:
+                    buf.copy_(t.detach())
+                else:
+                    np.copyto(buf, t)
+            return bufs
+
+    def as_sent(self, values: list[Any], codec: str) -> list[Any]:
+        """What a neighbour decodes from `values` (a snapshot of this group) sent with `codec`.
+
+        Why: each side adds w * (received - own). With a lossy codec the received copy of our snapshot is
+        q(own), not own, so only w * (q(b) - q(a)) on one side and w * (q(a) - q(b)) on the other cancel;
+        using the exact snapshot would change the swarm-wide sum by w * ((q(a) - a) + (q(b) - b)) per exchange.
+        """
+        if codec == "raw":
+            return values
+        out = []
+        for v in values:  # encode and decode in memory; NaN/Inf kept (the receiver judges those)
+            encoder = TensorEncoder("x", v, codec=codec)
+            decoder = TensorDecoder(encoder.header(0), DEFAULT_LIMITS, allow_nonfinite=True)
+            for chunk in encoder.chunks():
+                decoder.write(chunk)
+            got = decoder.finish()
+            out.append(got.to_torch() if self.is_torch else got.array)
+        return out
+
+    def release(self, bufs: list[Any]) -> None:
+        """Hand back a snapshot, or received tensors of the same specs, once nothing reads them anymore."""
+        if len(bufs) != len(self.tensors) or not all(_fits(buf, t) for buf, t in zip(bufs, self.tensors.values())):
+            return
+        with self._spare_lock:
+            if len(self._spare) < MAX_SPARE:
+                self._spare.append(bufs)
+
+    def apply(self, weight: float, others: list[Any], own: list[Any]) -> None:
+        """x += weight * (other - own) for every tensor, in place (the exchange's whole effect).
+
+        Why blocks: one pass over cache-sized blocks (difference, both norms, scale, add) moves a third of
+        the memory of five whole-tensor passes. The difference goes to one small scratch block that stays in
+        cache, so `others` (the received copy) is only read: writing it back would cost one more pass. The
+        lock is taken per block, so a trainer step waits for one block at most; both are additions, so how
+        they interleave does not change the result. Torch tensors in CPU memory take the same path through
+        numpy views of their memory; only device tensors and bfloat16 (no numpy dtype) use whole-tensor
+        torch operations.
+        """
+        diff_sq = own_sq = 0.0
+        arrays = _host_arrays(self.tensors.values(), others, own)
+        if arrays is None:
+            import torch
+
+            deltas = []
+            for o, a in zip(others, own):
+                d = o.to(a.dtype) if isinstance(o, torch.Tensor) else torch.from_numpy(np.asarray(o)).to(a.dtype)
+                d.sub_(a)
+                diff_sq += float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2
+                own_sq += float(torch.linalg.vector_norm(a, dtype=torch.float64)) ** 2
+                deltas.append(d)
+            with self.lock:
+                for t, d in zip(self.tensors.values(), deltas):
+                    t.data.add_(d.to(t.device, non_blocking=False), alpha=weight)
+        else:
+            for t, o, a in zip(*arrays):
+                tf, of, af = t.reshape(-1), o.reshape(-1), a.reshape(-1)
+                step = max(1, APPLY_BLOCK_BYTES // tf.itemsize)
+                scratch = np.empty(min(step, tf.shape[0]), dtype=tf.dtype)
+                for i in range(0, tf.shape[0], step):
+                    ab, tb = af[i:i + step], tf[i:i + step]
+                    d = scratch[:ab.shape[0]]
+                    np.subtract(of[i:i + step], ab, out=d)
+                    diff_sq += _sum_sq(d)
+                    own_sq += _sum_sq(ab)
+                    d *= weight
+                    with self.lock:
+                        np.add(tb, d, out=tb)
+        self.last_distance = (diff_sq / own_sq) ** 0.5 if own_sq > 0 else diff_sq ** 0.5
+
+    def stats(self, *, values: bool = False) -> dict:
+        """Sum and squared norm (float64) of the whole group now; with `values`, the raw bytes too."""
+        snap = self.snapshot()
+        arrs = [t.numpy() if not isinstance(t, np.ndarray) else t for t in snap] if self.is_torch else snap
+        out = {"sum": float(sum(np.sum(a, dtype=np.float64) for a in arrs)),
+               "sumsq": float(sum(np.dot(a.ravel().astype(np.float64), a.ravel().astype(np.float64)) for a in arrs)),
+               "nbytes": self.nbytes, "step": self.step}
+        if values:
+            out["values"] = [np.ascontiguousarray(a).tobytes() for a in arrs]
+            out["dtypes"] = [str(a.dtype) for a in arrs]
+        return out
+
+    def load(self, values: list[Any]) -> None:
+        """Replace every tensor's value (a joining peer adopting a neighbour's parameters)."""
+        with self.lock:
+            for t, v in zip(self.tensors.values(), values):
+                if self.is_torch:
+                    t.data.copy_(v.to(t.device))
+                else:
+                    t[...] = v
+
+
+def _sum_sq(v: np.ndarray) -> float:
+    """Sum of squares; float16 is widened first (its own dot product overflows past 65504)."""
+    if v.dtype.itemsize < 4:
+        v = v.astype(np.float64)
+    return float(np.dot(v, v))
+
+
+def _host_arrays(*groups) -> tuple[list[np.ndarray], ...] | None:
+    """numpy arrays sharing the memory of every tensor in `groups` (numpy arrays as they are, torch CPU
+    tensors through `.numpy()`), or None if one cannot be viewed so (on a device, or bfloat16).
+
+    No contiguity check here: a group's own tensors are contiguous (`SharedTensors` refuses others), and
+    snapshots and received copies are fresh arrays. Returning None for a numpy array would send a numpy
+    group down the torch path, which cannot take it."""
+    out: tuple[list[np.ndarray], ...] = tuple([] for _ in groups)
+    for views, tensors in zip(out, groups):
+        for t in tensors:
+            if not isinstance(t, np.ndarray):
+                if getattr(getattr(t, "device", None), "type", None) != "cpu":
+                    return None
+                try:
+                    t = t.detach().numpy()
+                except (TypeError, RuntimeError):  # a dtype numpy lacks
+                    return None
+            views.append(t)
+    return out
+
+
+def _fits(buf: Any, t: Any) -> bool:
+    """Can `buf` hold a CPU snapshot of `t`: same dtype and shape, contiguous, writable, on the CPU?"""
+    if isinstance(t, np.ndarray):
+        return (isinstance(buf, np.ndarray) and buf.dtype == t.dtype and buf.shape == t.shape
+                and buf.flags.c_contiguous and buf.flags.writeable)
+    return (not isinstance(buf, np.ndarray) and buf.dtype == t.dtype and tuple(buf.shape) == tuple(t.shape)
+            and buf.device.type == "cpu" and buf.is_contiguous())

@@ -1,0 +1,54 @@
+"""Recycled receive buffers for incoming tensors.
+
+Why: a large tensor received into fresh memory costs page faults and kernel zeroing on every transfer,
+about as much as the copy itself. A decoded tensor is instead a view of a pooled bytearray; when that
+array and every view of it are gone, `weakref.finalize` hands the bytearray back for the next tensor of
+the same size.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from typing import Any
+
+
+class ReceiveBufferPool:
+    """Idle receive buffers by size; idle memory is bounded by `max_idle_bytes` (two buffers a size)."""
+
+    MIN_BYTES = 1 << 20  # below this, allocation is cheap and pooling not worth it
+
+    def __init__(self, max_idle_bytes: int = 256 << 20):
+        self._idle: dict[int, list[bytearray]] = {}
+        self._idle_bytes = 0
+        self.max_idle_bytes = max_idle_bytes
+        self._lock = threading.Lock()  # arrays may die (and give back) in worker threads
+
+    def array(self, dtype, shape) -> Any:
+        """An uninitialised array of `dtype` and `shape` on a pooled buffer, or None if it is too small to pool."""
+        import numpy as np
+
+        count = math.prod(shape)
+        nbytes = count * np.dtype(dtype).itemsize
+        if nbytes < self.MIN_BYTES:
+            return None
+        with self._lock:
+            free = self._idle.get(nbytes)
+            backing = free.pop() if free else None
+            if backing is not None:
+                self._idle_bytes -= nbytes
+        if backing is None:
+            backing = bytearray(nbytes)
+        flat = np.frombuffer(backing, dtype=dtype, count=count)
+        # Every view of `flat` (the reshape below, slices of it, torch.from_numpy) has `flat` as its
+        # base, so `flat` dies only when nothing can see the buffer anymore.
+        weakref.finalize(flat, self._give_back, backing)
+        return flat.reshape(shape)
+
+    def _give_back(self, backing: bytearray) -> None:
+        n = len(backing)
+        with self._lock:
+            if self._idle_bytes + n <= self.max_idle_bytes and len(self._idle.get(n, ())) < 2:
+                self._idle.setdefault(n, []).append(backing)
+                self._idle_bytes += n

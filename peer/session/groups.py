@@ -1,0 +1,90 @@
+"""Groups of tensors that travel together between two peers, one tensor stream each.
+
+An averaging exchange or a parameter download moves all of a group's tensors, and the stream ids are
+named in a message (an offer, an accept, a params reply) before the tensors follow. What both ends must
+get right about such a group lives here, once:
+
+* The sender allocates the group's stream ids up front (`OutgoingGroup`), so a message can name them. If
+  sending is cut short (a deadline, a closed session, the exchange failing elsewhere), it calls off the
+  tensors it had not begun as well (the one cut short calls itself off: `Session.send_tensor`), so the
+  receiver does not hold a slot for each and wait out its deadline.
+* The receiver (`IncomingGroup`) checks every tensor against the spec it expects (name, dtype, shape):
+  the peer chose the headers, and a tensor of another shape must not reach a model. A group it will not
+  read (refused, aborted, failed part-way) it discards: the streams it has not read are dropped as their
+  chunks arrive, and the ones it did read are already released, so nothing is left behind either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from protocol.errors import ProtocolError
+from protocol.schema.gossip import TensorSpec
+
+class OutgoingGroup:
+    """Tensors we send to one peer as a group: `streams[i]` carries the tensor named `specs[i].name`."""
+
+    def __init__(self, session, specs: Sequence[TensorSpec]):
+        self.session = session
+        self.specs = list(specs)
+        self.streams = [session.new_stream_id() for _ in self.specs]
+
+    async def send(self, arrays: Sequence[Any], *, codec: str = "raw") -> None:
+        """Stream `arrays` (one per spec, in order). Cut short, the tensors not begun are called off too."""
+        if len(arrays) != len(self.specs):
+            raise ValueError(f"{len(arrays)} tensors for a group of {len(self.specs)}")
+        for i, (spec, array, stream) in enumerate(zip(self.specs, arrays, self.streams)):
+            try:
+                await self.session.send_tensor(spec.name, array, codec=codec, stream=stream)
+            except BaseException as exc:
+                await self.session.call_off(self.streams[i + 1:], type(exc).__name__)
+                raise
+
+
+class IncomingGroup:
+    """Tensors a peer announced it sends us as a group: `streams[i]` must carry a tensor matching `specs[i]`.
+
+    The stream ids come from the peer; the specs are ours. Either `receive` it or `discard` it (or both:
+    after a failed `receive`, `discard` drops the streams it did not get to).
+    """
+
+    def __init__(self, session, streams: Sequence[int], specs: Sequence[TensorSpec], *, as_torch: bool = False):
+        self.session = session
+        self.streams = list(streams)
+        self.specs = list(specs)
+        self.as_torch = as_torch
+        self._taken = 0  # streams[:_taken] the session already released or marked (receive_tensor does either)
+
+    async def receive(self, *, timeout: float) -> list[Any]:
+        """Every tensor of the group, in order, as numpy arrays (torch tensors with `as_torch`).
+
+        Waits at most `timeout` for each tensor (the caller's own deadline bounds the whole). Raises
+        ProtocolError if the peer announced another number of streams than we expect tensors, or a tensor
+        does not match its spec; trio.TooSlowError on timeout; SessionClosed if the session ends.
+        """
+        if self._taken:
+            raise RuntimeError("this group was already received or discarded")
+        n = len(self.specs)
+        if len(self.streams) != n:
+            raise ProtocolError(f"{len(self.streams)} tensor streams announced for a group of {n} tensors")
+        out = []
+        for i, (spec, stream) in enumerate(zip(self.specs, self.streams)):
+            self._taken = i + 1  # from here on receive_tensor releases the stream, or marks it discarded
+            tensor = await self.session.receive_tensor(stream, timeout=timeout)
+            check_spec(spec, tensor, where=f"tensor {i + 1} of {n} on stream {stream}")
+            out.append(tensor.to_torch() if self.as_torch else tensor.array)
+        return out
+
+    def discard(self) -> None:
+        """This group will not be read (any further): drop the streams not yet received as they arrive."""
+        self.session.discard(self.streams[self._taken:])
+        self._taken = len(self.streams)
+
+
+def check_spec(spec: TensorSpec, tensor, *, where: str) -> None:
+    """Raise ProtocolError unless a received tensor has the expected name, dtype and shape."""
+    shape = list(tensor.array.shape)
+    if tensor.name != spec.name or tensor.dtype != spec.dtype or shape != list(spec.shape):
+        raise ProtocolError(f"{where}: tensor {str(tensor.name)[:64]!r} {tensor.dtype}{shape} does not match "
+                            f"{spec.name!r} {spec.dtype}{list(spec.shape)}")
