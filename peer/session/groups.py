@@ -22,6 +22,7 @@ from typing import Any
 from protocol.errors import ProtocolError
 from protocol.schema.gossip import TensorSpec
 
+
 class OutgoingGroup:
     """Tensors we send to one peer as a group: `streams[i]` carries the tensor named `specs[i].name`."""
 
