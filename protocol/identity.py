@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import re
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import (
@@ -27,6 +28,7 @@ __all__ = [
     "PEER_ID_LENGTH",
     "SIGNATURE_SIZE",
     "generate_identity",
+    "is_peer_id",
     "peer_id_from_public_bytes",
     "peer_id_of",
     "private_key_from_bytes",
@@ -94,6 +96,15 @@ def peer_id_from_public_bytes(pub: bytes) -> str:
     SHA-256 of the raw public key, first 20 characters."""
     digest = hashlib.sha256(_PEER_ID_DOMAIN + bytes(pub)).digest()
     return base64.b32encode(digest).decode("ascii").lower().rstrip("=")[:PEER_ID_LENGTH]
+
+
+_PEER_ID_RE = re.compile(rf"[a-z2-7]{{{PEER_ID_LENGTH}}}")
+
+
+def is_peer_id(value: object) -> bool:
+    """True for a string `peer_id_from_public_bytes` could return (20 lowercase base32 characters): what an
+    allow-list may name; anything else would silently match no peer."""
+    return isinstance(value, str) and _PEER_ID_RE.fullmatch(value) is not None
 
 
 def peer_id_of(key: Ed25519PrivateKey) -> str:
