@@ -33,6 +33,29 @@ log = logging.getLogger("peertrain.trainer")
 RANK_ENV, WORLD_ENV = "PEERTRAIN_RANK", "PEERTRAIN_WORLD"
 
 
+class CheckpointRefused(ValueError):
+    """A checkpoint file that cannot be read as data alone (tensors, numbers, strings, lists and dicts)."""
+
+
+def read_checkpoint(path: Path, map_location: Any = "cpu") -> Any:
+    """torch.load with weights_only=True: a checkpoint is data, and a pickle that would have to build other
+    objects (run code) to load is refused, so a file planted in a home cannot run code in the daemon or in
+    `peer export`. Raises CheckpointRefused saying why."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]
+        reason = next((ln for ln in lines if "GLOBAL" in ln), lines[-1])  # torch names the global it refused
+        raise CheckpointRefused(f"refusing checkpoint {path}: it holds more than tensors and plain data, and "
+                                f"loading it could run code ({reason})") from None
+    except Exception as exc:
+        raise CheckpointRefused(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from None
+
+
 class TrainerStopped(Exception):
     """Raised inside the trainer thread when the daemon is stopping."""
 
@@ -108,15 +131,15 @@ class Swarm:
         return path
 
     def load_checkpoint(self, name: str = Home.LATEST_CHECKPOINT, map_location: Any = "cpu") -> dict[str, Any] | None:
-        import torch
-
+        """The checkpoint saved as `name`, or None if there is none or it is refused (logged: the trainer
+        starts afresh rather than run what a planted file would make it run)."""
         path = self.checkpoint_dir / name
         if not path.exists():
             return None
         try:
-            return torch.load(path, map_location=map_location, weights_only=False)
-        except Exception as exc:
-            log.warning("ignoring unreadable checkpoint %s: %s", path, exc)
+            return read_checkpoint(path, map_location)
+        except CheckpointRefused as exc:
+            log.error("%s; starting without it", exc)
             return None
 
     def on_checkpoint_request(self, fn) -> None:

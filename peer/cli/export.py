@@ -16,6 +16,7 @@ def cmd_export(args) -> int:
 
     from peer.control import ControlError, call
     from peer.home import Home, atomic_write
+    from peer.trainer_host import read_checkpoint
 
     home = Home(Path(args.home).expanduser())
     try:
@@ -25,7 +26,9 @@ def cmd_export(args) -> int:
     path = home.latest_checkpoint
     if not path.exists():
         raise ValueError(f"no checkpoint in {home.checkpoints}; has a trainer run with this home?")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = read_checkpoint(path)  # data only: a checkpoint that would run code is refused (ValueError)
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
+        raise ValueError(f"{path} is not a trainer checkpoint (no 'model' state dict)")
     out = {"model_name": ckpt.get("model_name"), "state_dict": ckpt["model"], "step": ckpt.get("step"),
            "options": ckpt.get("options", {})}
     buf = io.BytesIO()
