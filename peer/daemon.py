@@ -28,7 +28,7 @@ from peer import __version__
 from peer.session.cipher_choice import resolve_ciphers
 from peer.config import Config, parse_hostport
 from peer.control import claim_socket_path, serve_control
-from peer.home import Home, atomic_write
+from peer.home import Home, HomeClaim, atomic_write
 from peer.membership.service import Membership, parse_address
 from peer.session.router import Router
 from peer.services import load_services
@@ -76,9 +76,12 @@ class DaemonInfo:
 
 
 class Daemon:
-    def __init__(self, config: Config, home: Home):
+    def __init__(self, config: Config, home: Home, *, claim: HomeClaim | None = None):
         self.config = config
         self.home = home.ensure()
+        # the home first, then its key: a second daemon on this home is refused before it touches the key
+        # (held for the life of this process; `claim` is the one `peer start` took before logging)
+        self.claim = claim or home.claim()
         self.identity = home.load_or_create_identity()
         self.peer_id = ident.peer_id_from_public_bytes(ident.public_key_bytes(self.identity))
         self.psk = read_swarm_key(config)

@@ -2,10 +2,17 @@
 
 Everything written here goes through `atomic_write` (temp file, fsync, rename, fsync dir), so a crash
 at any moment leaves either the old file or the new one, never a torn one (docs/design.md, "Invariants", 7).
+
+A home holds the identity key and checkpoints the daemon loads, so it is refused when another user owns
+it or anyone but its owner can write it (they could plant or swap those files). One daemon claims a home
+(`Home.claim`, an flock held for the daemon's life) before it creates or reads the identity key, and the
+key is created with link() (fails if it exists), so two daemons started at once never make two keys.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import stat
 import tempfile
@@ -22,6 +29,18 @@ class HomeError(Exception):
 def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     """Replace `path` with `data` so that readers see the old or the new content, never a mix."""
     path = Path(path)
+    tmp = _write_temp(path, data, mode)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _write_temp(path: Path, data: bytes, mode: int) -> str:
+    """A fsynced temp file beside `path` holding `data` (its name)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -30,18 +49,47 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        os.unlink(tmp)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    return tmp
+
+
+def _fsync_dir(path: Path) -> None:
+    dir_fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def create_exclusive(path: Path, data: bytes, *, mode: int = 0o600) -> bool:
+    """Create `path` holding `data` whole, only if it does not exist yet; False if another writer got there
+    first (its file is left as it is). link() is the atomic "create if absent" for a complete file."""
+    path = Path(path)
+    tmp = _write_temp(path, data, mode)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+    _fsync_dir(path.parent)
+    return True
+
+
+@dataclass
+class HomeClaim:
+    """One daemon's hold on a home: an exclusive flock on its lock file, released when the daemon's process
+    exits (however it exits, so a crash leaves nothing stale) or on `release`."""
+
+    path: Path
+    fd: int
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 @dataclass(frozen=True)
@@ -56,6 +104,11 @@ class Home:
     @property
     def identity_file(self) -> Path:
         return self.root / "identity.key"
+
+    @property
+    def lock_file(self) -> Path:
+        """What `claim` locks: the one daemon that holds it owns this home."""
+        return self.root / "daemon.lock"
 
     @property
     def control_socket(self) -> Path:
@@ -93,34 +146,70 @@ class Home:
         return self.root / "config.toml"
 
     def ensure(self) -> "Home":
-        """Create the directory (mode 0700) or explain why it cannot be used."""
+        """Create the directory (mode 0700), or explain why it cannot be used: not ours, or writable by others."""
         try:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            st = os.stat(self.root)
         except OSError as exc:
             raise HomeError(f"cannot create home directory {self.root}: {exc.strerror}; pick another with --home") from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise HomeError(f"home {self.root} is not a directory; pick another with --home")
+        if st.st_uid != os.geteuid():
+            raise HomeError(f"home directory {self.root} is owned by uid {st.st_uid}, not by this user (uid "
+                            f"{os.geteuid()}): whoever owns it can replace the identity key and checkpoints; "
+                            f"`chown {os.geteuid()} {self.root}` if it is yours, or pick another with --home")
+        if st.st_mode & 0o022:
+            raise HomeError(f"home directory {self.root} is writable by {'group' if st.st_mode & 0o020 else 'others'} "
+                            f"(mode {stat.S_IMODE(st.st_mode):04o}): they could replace the identity key and "
+                            f"checkpoints; `chmod 700 {self.root}`, or pick another with --home")
         if not os.access(self.root, os.R_OK | os.W_OK | os.X_OK):
             raise HomeError(f"home directory {self.root} is not readable and writable by this user; fix its permissions or pick another with --home")
         return self
 
-    def load_or_create_identity(self):
-        """The Ed25519 identity key: created once (mode 0600), then the same peer ID forever."""
-        path = self.identity_file
-        if path.exists():
-            try:
-                data = path.read_bytes()
-            except OSError as exc:
-                raise HomeError(f"cannot read identity key {path}: {exc.strerror}") from exc
-            try:
-                key = ident.private_key_from_bytes(data)
-            except ValueError as exc:
-                raise HomeError(f"identity key {path} is corrupt ({exc}); move it away to create a new identity (a new peer ID)") from exc
-            if stat.S_IMODE(path.stat().st_mode) & 0o077:
-                os.chmod(path, 0o600)
-            return key
+    def claim(self) -> HomeClaim:
+        """Make this process the one daemon of this home, or refuse if another holds it; do it before the
+        identity key is created or read, so two daemons started at once never both run as this home."""
         self.ensure()
-        key = ident.generate_identity()
-        atomic_write(path, ident.private_key_to_bytes(key), mode=0o600)
+        path = self.lock_file
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise HomeError(f"cannot open {path}: {exc.strerror}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise HomeError(f"a daemon is already running with this home ({self.root}); stop it with "
+                            f"`peer stop --home {self.root}` or choose another --home") from None
+        return HomeClaim(path, fd)
+
+    def _read_identity(self):
+        path = self.identity_file
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise HomeError(f"cannot read identity key {path}: {exc.strerror}") from exc
+        try:
+            key = ident.private_key_from_bytes(data)
+        except ValueError as exc:
+            raise HomeError(f"identity key {path} is corrupt ({exc}); move it away to create a new identity (a new peer ID)") from exc
+        if stat.S_IMODE(path.stat().st_mode) & 0o077:
+            os.chmod(path, 0o600)
         return key
+
+    def load_or_create_identity(self):
+        """The Ed25519 identity key: created once (mode 0600), then the same peer ID forever. Creation is
+        exclusive: if another process creates it first, its key is the one returned."""
+        self.ensure()
+        key = self._read_identity()
+        if key is not None:
+            return key
+        key = ident.generate_identity()
+        if create_exclusive(self.identity_file, ident.private_key_to_bytes(key), mode=0o600):
+            return key
+        return self._read_identity()
 
 
 def default_home() -> Path:

@@ -81,11 +81,12 @@ def cmd_start(args) -> int:
     from protocol import identity as ident
 
     cfg = effective_config(args)
-    home = Home(_home(args))
-    key = home.ensure().load_or_create_identity()
+    home = Home(_home(args)).ensure()
+    claim = home.claim()  # before the identity key: a second daemon on this home stops here
+    key = home.load_or_create_identity()
     peer_id = ident.peer_id_from_public_bytes(ident.public_key_bytes(key))
     setup_logging(fmt=cfg.daemon.log_format, level=cfg.daemon.log_level, peer=ident.short_id(peer_id))
-    daemon = Daemon(cfg, home)
+    daemon = Daemon(cfg, home, claim=claim)
     trio.run(daemon.run)
     return 0
 
