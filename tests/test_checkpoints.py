@@ -90,3 +90,23 @@ def test_peer_export_writes_a_file_that_loads_as_data(tmp_path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     saved = torch.load(out, weights_only=True)
     assert saved["step"] == 7 and saved["model_name"] == "digits_mlp"
+
+
+def test_a_daemon_whose_home_holds_a_planted_checkpoint_refuses_it_and_trains_afresh(cluster, tmp_path) -> None:
+    """A real daemon hosting the gossip trainer, started on a home where someone planted a checkpoint that
+    runs a command when unpickled: the daemon logs the refusal, runs nothing, and trains from scratch."""
+    from tests.daemons import config_file, rank_env, unique_swarm, wait_for
+
+    home, marker = Home(tmp_path / "home"), tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save({**_trainer_state("sgd"), "step": 50, "x": _WritesAFile(marker)}, buf)
+    atomic_write(home.latest_checkpoint, buf.getvalue(), mode=0o600)
+    cfg = config_file(tmp_path / "c.toml", swarm=unique_swarm(), mdns=False, trainer="trainers.gossip_sgd",
+                      options={"model": "digits_mlp", "world": 1, "min_peers": 0, "max_steps": 30,
+                               "checkpoint_every": 0, "eval_every": 10, "join_wait": 0.5})
+    d = cluster.start("planted", config=cfg, home=home.root, env=rank_env(0, 1))
+    d.wait_ready()
+    wait_for(lambda: d.status().get("trainer", {}).get("step", 0) >= 1, timeout=60, what="training to start")
+    assert "refusing checkpoint" in d.log_tail(200) and "GLOBAL posix.system" in d.log_tail(200)
+    assert not d.status()["trainer"].get("resumed_from_step")
+    assert not marker.exists() and d.running
