@@ -56,7 +56,7 @@ class DaemonProcess(ManagedProcess):
         """A daemon for `home`, not started yet; its output goes to the home's log file unless `log_path`
         says otherwise (a second daemon tried on a home that has one running)."""
         home = Path(home)
-        home.mkdir(parents=True, exist_ok=True)
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)  # a daemon refuses a home others can write
         return cls(name=name, argv=daemon_argv(home, config, args), log_path=log_path or Home(home).log_file,
                    env=dict(env or {}), host=host, echo=echo, home=home, config=config)
 
