@@ -33,7 +33,7 @@ def _num(v: float) -> str:
 @dataclass(frozen=True)
 class Range:
     """The values a numeric key accepts, declared once beside the key: checked at load (finite numbers only)
-    and shown in the README's config table, so a value that would crash or disarm the daemon later (NaN, a
+    and shown in the config reference (docs/config.md), so a value that would crash or disarm the daemon later (NaN, a
     negative interval, an infinite timeout) is refused with the file and line instead."""
 
     lo: float
@@ -387,7 +387,7 @@ def to_toml(cfg: Config) -> str:
 
 
 def docs_markdown() -> str:
-    """The config reference table for the README, from the fields' docs."""
+    """The config reference table (docs/config.md, `peer config docs`), from the fields' docs."""
     rows = ["| key | default | range | meaning |", "| --- | --- | --- | --- |"]
     cfg = Config()
     for f in dataclasses.fields(cfg):
