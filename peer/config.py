@@ -51,6 +51,9 @@ class DiscoverySection:
     mdns: bool = _f(True, "Announce and browse `_peertrain._tcp.local.` with mDNS on the local link.")
     interfaces: list[str] = _f([], "IP addresses of the interfaces mDNS uses; empty means all. Use ['127.0.0.1'] for daemons on one host.")
     advertise: list[str] = _f([], "IP addresses to announce to peers; empty means the interface addresses.")
+    private_addresses: bool = _f(False, "Dial loopback, link-local and private addresses (and host names) that "
+                                 "other peers told us (peer exchange, peer cache); mDNS, --join and connecting "
+                                 "peers' own addresses are always used. On for a LAN or one host.")
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ RESERVATION_S = 15.0
 RECORD_TTL = 60.0  # a record not refreshed for this long leaves the view
 MAX_VIEW_RECORDS = 512
 """Others' records a daemon holds (one per origin; the stalest are forgotten first): a full view is meant
-for tens to hundreds of peers (docs/design.md, "Scale"). With records of at most ~12 KiB (the schema's
+for tens to hundreds of peers (partial views are for thousands). With records of at most ~12 KiB (the schema's
 bounds) this caps the view's memory and a broadcast at ~6 MiB, sent in messages under the frame limit."""
 
 
