@@ -20,6 +20,7 @@ from typing import Any
 from protocol import identity as ident
 from protocol.cipher import CIPHERS
 from protocol.limits import DEFAULT_CHUNK_SIZE, DEFAULT_LIMITS, KiB, MiB
+from protocol.schema.topology import MAX_RECORD_NEIGHBOURS
 
 
 class ConfigError(Exception):
@@ -100,6 +101,9 @@ class DiscoverySection:
     mdns: bool = _f(True, "Announce and browse `_peertrain._tcp.local.` with mDNS on the local link.")
     interfaces: list[str] = _f([], "IPs of the interfaces mDNS uses (empty: all); ['127.0.0.1'] for daemons on one host.")
     advertise: list[str] = _f([], "IPs to announce to peers (empty: the interface addresses).")
+    private_addresses: bool = _f(False, "Dial loopback, link-local and private addresses (and host names) that "
+                                 "other peers told us (peer exchange, peer cache); mDNS, --join and connecting "
+                                 "peers' own addresses are always used. On for a LAN or one host.")
 
 
 @dataclass(frozen=True)
@@ -140,10 +144,10 @@ class LimitsSection:
 @dataclass(frozen=True)
 class TopologySection:
     kind: str = _f("rewired", "Gossip graph: rewired (adaptive), ring, exponential, random_regular or full.")
-    target_degree: int = _f(4, "Neighbours each peer aims for (min_degree to max_degree).", lo=1, hi=1024)
+    target_degree: int = _f(4, "Neighbours each peer aims for (min_degree to max_degree).", lo=1, hi=MAX_RECORD_NEIGHBOURS)
     min_degree: int = _f(2, "A peer never drops an edge that leaves it or a neighbour below this (except a relink "
-                            "between two slow-linked peers, which re-adds a well-linked peer at once).", lo=1, hi=1024)
-    max_degree: int = _f(8, "A peer refuses edges above this degree.", lo=1, hi=1024)
+                            "between two slow-linked peers, which re-adds a well-linked peer at once).", lo=1, hi=MAX_RECORD_NEIGHBOURS)
+    max_degree: int = _f(8, "A peer refuses edges above this degree (a topology record lists at most 64 neighbours).", lo=1, hi=MAX_RECORD_NEIGHBOURS)
     gap_floor: float = _f(0.05, "Rewiring never lets the spectral gap of the local view fall below this.",
                            lo=0.0, hi=1.0, hi_open=True)
     confidence: float = _f(1.5, "Rewiring judges the link it would replace at its best and the new one at its worst by "

@@ -49,8 +49,8 @@ blobs = st.binary(max_size=64)
 
 peer_records = st.builds(
     PeerRecord,
-    peer_id=text,
-    public_key=blobs,
+    peer_id=st.text(min_size=1, max_size=40),
+    public_key=st.binary(min_size=32, max_size=32),
     swarm=text,
     addresses=st.lists(text, max_size=4),
     issued=floats,

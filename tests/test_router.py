@@ -1,4 +1,4 @@
-"""The router's three outcomes for a handler: done, bad peer (session closed), or a bug (logged, kept)."""
+"""The router's outcomes for a handler: done, or a bad peer or a bug (logged, that session closed)."""
 
 from __future__ import annotations
 
@@ -51,9 +51,9 @@ def test_a_session_that_ends_under_a_handler_is_one_info_line_not_an_error(caplo
     assert "_Ping from abcd1234 not answered: session ended (duplicate session)" in record.getMessage()
 
 
-def test_a_protocol_error_closes_the_session_and_a_bug_keeps_it(caplog):
+def test_a_protocol_error_or_a_bug_closes_the_session_with_a_logged_reason(caplog):
     caplog.set_level(logging.INFO, logger="peertrain.router")
     assert _dispatch(ProtocolError("bad field")).closed_with == ["protocol error: bad field"]
     session = _dispatch(RuntimeError("oops"))
-    assert session.closed_with == []
+    assert session.closed_with == ["internal error handling _Ping: RuntimeError: oops"]
     assert caplog.records[-1].levelno == logging.ERROR and caplog.records[-1].exc_info is not None

@@ -12,6 +12,7 @@ reader, heartbeat and dispatcher tasks. Cancelling `run()` closes them all.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import random
 import time
@@ -32,6 +33,19 @@ log = logging.getLogger("peertrain.membership")
 MAX_ADDRESSES = 8
 MAX_PEERS = 4096  # learned from peer exchange; bounds what remote peers can make us remember
 FORGET_AFTER_FAILURES = 8  # a peer we never reached is forgotten after this many failed dials
+MAX_DIALS_IN_PROGRESS = 8
+"""Outgoing dials at once, per daemon. Each holds a socket and a handshake for up to `handshake_timeout`;
+8 lets a joining daemon reach several peers at once, while records from others (whose addresses may
+name anyone) can make us hold no more than 8 attempts, whatever they list."""
+SECOND_HAND = frozenset({"pex", "cache"})
+"""Sources whose addresses another peer told us (directly or, for the cache, in an earlier run): these
+are dialed with per-host backoff that new records do not reset, and never at private addresses unless
+`[discovery] private_addresses` allows it. mDNS, --join and a connecting peer's own address are first-hand."""
+OBSERVED_QUORUM = 2
+"""Distinct peers, at distinct IP addresses, that must report the same address of ours (the `observed`
+field of a handshake we initiated) before we advertise it: one responder could otherwise make us sign
+and spread whatever address it likes."""
+MAX_OBSERVED_CANDIDATES = 16  # addresses reported to us that we still count votes for (oldest forgotten)
 
 
 @dataclass
@@ -49,19 +63,29 @@ class PeerInfo:
     next_attempt: float = 0.0  # trio clock
     dialing: bool = False
     record: PeerRecord | None = None
+    firsthand: set[tuple[str, int]] = field(default_factory=set)  # addresses not learned from others
     dead_reason: str = ""
     bytes_in_closed: int = 0  # from sessions that ended
     bytes_out_closed: int = 0
 
     def add_addresses(self, addrs) -> bool:
-        changed = False
-        for a in addrs:
-            a = (str(a[0]), int(a[1]))
-            if a not in self.addresses:
-                self.addresses.insert(0, a)
-                changed = True
-        del self.addresses[MAX_ADDRESSES:]
-        return changed
+        """Put new addresses first, keep MAX_ADDRESSES. Linear: the input is cut to MAX_ADDRESSES before
+        anything is compared (a record listing 90,000 addresses once made this quadratic)."""
+        new = list(dict.fromkeys((str(a[0]), int(a[1])) for a in list(addrs)[:MAX_ADDRESSES]))
+        known = set(self.addresses)
+        fresh = [a for a in new if a not in known]
+        if not fresh:
+            return False
+        self.addresses = (fresh + self.addresses)[:MAX_ADDRESSES]
+        return True
+
+
+@dataclass
+class HostBackoff:
+    """Failed dials to one host at addresses others told us; no record resets it, a success does."""
+
+    failures: int = 0
+    next_attempt: float = 0.0  # trio clock
 
 
 @dataclass
@@ -81,6 +105,16 @@ def parse_address(text: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
+def is_public_address(host: str) -> bool:
+    """True for a global unicast IP literal. Loopback, link-local, private, multicast, reserved and
+    unspecified addresses are not, nor is a host name (it may resolve to any of those)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.is_global and not ip.is_multicast
+
+
 class Membership:
     def __init__(self, *, config: Config, transport: TransportConfig, peer_id: str, router: Router,
                  listen_port: Callable[[], int]):
@@ -93,7 +127,10 @@ class Membership:
         self.peers: dict[str, PeerInfo] = {}
         self.bootstrap = [BootstrapTarget(*parse_address(a)) for a in config.daemon.join]
         self.advertise_hosts: list[str] = list(config.discovery.advertise)
-        self.observed_hosts: list[str] = []
+        self.observed_hosts: list[str] = []  # reported by OBSERVED_QUORUM peers at distinct IPs
+        self._observed_votes: dict[str, dict[str, str]] = {}  # address -> reporter IP -> reporter peer ID
+        self.private_addresses = config.discovery.private_addresses
+        self.host_backoff: dict[str, HostBackoff] = {}  # at most MAX_PEERS hosts
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
         self._leaving = False
@@ -122,6 +159,11 @@ class Membership:
         """A peer was announced (mDNS, pex, ...). New or changed addresses make it dialable now."""
         if peer_id == self.peer_id:
             return
+        second_hand = source in SECOND_HAND
+        if second_hand and not self.private_addresses:
+            addresses = [a for a in addresses if is_public_address(a[0])]
+            if not addresses:
+                return
         info = self.peers.get(peer_id)
         if info is None:
             if len(self.peers) >= MAX_PEERS:
@@ -130,9 +172,11 @@ class Membership:
             info = self.peers[peer_id] = PeerInfo(peer_id=peer_id, source=source)
             log.info("discovered %s via %s at %s", ident.short_id(peer_id), source,
                      ", ".join(f"{h}:{p}" for h, p in addresses) or "?")
-        if info.add_addresses(addresses) and info.state != "connected":
-            info.failures = 0
+        if info.add_addresses(addresses) and info.state != "connected" and not second_hand:
+            info.failures = 0  # first-hand news (a peer restarted on a new port): dial now
             info.next_attempt = 0.0
+        if not second_hand:
+            info.firsthand.update((str(h), int(p)) for h, p in list(addresses)[:MAX_ADDRESSES])
         self._wake.set()
 
     def own_record(self) -> PeerRecord:
@@ -153,7 +197,8 @@ class Membership:
         if not ident.verify(rec.public_key, rec.signature, peer_record_signing_bytes(rec)):
             return "bad signature"
         now = time.time()
-        if rec.expires < now or rec.issued > now + 300:
+        # a record lives no longer than our own TTL, whatever expiry it claims
+        if min(rec.expires, rec.issued + self.cfg.peer_record_ttl) < now or rec.issued > now + 300:
             return "expired or from the future"
         if rec.swarm != self.swarm:
             return f"other swarm {rec.swarm!r}"
@@ -177,12 +222,14 @@ class Membership:
         while not self._leaving:
             now = trio.current_time()
             n_sessions = sum(1 for p in self.peers.values() if p.session is not None)
+            n_dials = sum(1 for p in self.peers.values() if p.dialing) + sum(1 for t in self.bootstrap if t.dialing)
             for target in self.bootstrap:
-                if target.dialing or target.next_attempt > now:
+                if target.dialing or target.next_attempt > now or n_dials >= MAX_DIALS_IN_PROGRESS:
                     continue
                 if target.peer_id and self.peers.get(target.peer_id) and self.peers[target.peer_id].session:
                     continue
                 target.dialing = True
+                n_dials += 1
                 nursery.start_soon(self._dial_bootstrap, target)
             for info in list(self.peers.values()):
                 if info.session is None and not info.dialing and info.failures >= FORGET_AFTER_FAILURES \
@@ -190,14 +237,30 @@ class Membership:
                     # learned second-hand (cache, peer exchange) and never reached: stop trying
                     del self.peers[info.peer_id]
                     continue
-                if (info.session is None and not info.dialing and info.addresses and info.next_attempt <= now
-                        and n_sessions < self.cfg.max_connections):
+                if (info.session is None and not info.dialing and info.next_attempt <= now
+                        and n_sessions < self.cfg.max_connections and n_dials < MAX_DIALS_IN_PROGRESS
+                        and self._dialable(info, now)):
                     info.dialing = True
                     n_sessions += 1
+                    n_dials += 1
                     nursery.start_soon(self._dial_peer, info)
             self._wake = trio.Event()
             with trio.move_on_after(0.25):
                 await self._wake.wait()
+
+    def _dialable(self, info: PeerInfo, now: float) -> list[tuple[str, int]]:
+        """The peer's addresses we may dial now: first-hand ones, and others' whose host is not backing off."""
+        return [a for a in info.addresses
+                if a in info.firsthand or self.host_backoff.get(a[0], HostBackoff()).next_attempt <= now]
+
+    def _host_failed(self, host: str) -> None:
+        hb = self.host_backoff.get(host)
+        if hb is None:
+            if len(self.host_backoff) >= MAX_PEERS:  # forget the host whose backoff ends first
+                self.host_backoff.pop(min(self.host_backoff, key=lambda h: self.host_backoff[h].next_attempt))
+            hb = self.host_backoff[host] = HostBackoff()
+        hb.failures += 1
+        hb.next_attempt = trio.current_time() + self._backoff(hb.failures)
 
     def _backoff(self, failures: int) -> float:
         delay = min(self.cfg.reconnect_max, self.cfg.reconnect_min * (2 ** min(failures, 16)))
@@ -213,6 +276,8 @@ class Membership:
             if info.state != "dead":
                 info.state = "connecting"
             for host, port in list(info.addresses):
+                if (host, port) not in self._dialable(info, trio.current_time()):
+                    continue  # its host failed meanwhile (another dial): wait for its backoff
                 try:
                     session = await dial(host, port, self.transport, expected_peer_id=info.peer_id,
                                          connect_timeout=self.cfg.handshake_timeout)
@@ -220,7 +285,10 @@ class Membership:
                     level = logging.WARNING if isinstance(exc, HandshakeError) else logging.DEBUG
                     log.log(level, "dial %s at %s:%d failed: %s", ident.short_id(info.peer_id), host, port,
                             exc or type(exc).__name__)
+                    if (host, port) not in info.firsthand:
+                        self._host_failed(host)
                     continue
+                self.host_backoff.pop(host, None)
                 self._start_session(session)
                 return
             info.failures += 1
@@ -308,9 +376,29 @@ class Membership:
         port = app.get("port")
         if isinstance(port, int) and 0 < port < 65536:
             info.add_addresses([(session.remote_addr[0], port)])
+            info.firsthand.add((session.remote_addr[0], port))  # the address it connected from: its own
         observed = app.get("observed")
-        if session.initiator and isinstance(observed, str) and observed and observed not in self.observed_hosts:
+        if session.initiator and isinstance(observed, str):
+            self.vote_observed(observed, reporter_ip=session.remote_addr[0], reporter=session.peer_id)
+
+    def vote_observed(self, observed: str, *, reporter_ip: str, reporter: str) -> None:
+        """A peer we dialed says it sees us at `observed`. We advertise it once OBSERVED_QUORUM peers at
+        distinct IPs agree (configured `advertise` addresses still come first)."""
+        try:
+            observed = str(ipaddress.ip_address(observed))
+        except ValueError:
+            return
+        votes = self._observed_votes.get(observed)
+        if votes is None:
+            if len(self._observed_votes) >= MAX_OBSERVED_CANDIDATES:
+                self._observed_votes.pop(next(iter(self._observed_votes)))
+            votes = self._observed_votes[observed] = {}
+        if reporter_ip not in votes and len(votes) < 4 * OBSERVED_QUORUM:
+            votes[reporter_ip] = reporter
+        if (observed not in self.observed_hosts and len(votes) >= OBSERVED_QUORUM
+                and len(set(votes.values())) >= OBSERVED_QUORUM):
             self.observed_hosts = (self.observed_hosts + [observed])[-4:]
+            log.info("advertising %s: seen by %d peers at distinct addresses", observed, len(votes))
 
     async def _dispatch(self, session: Session) -> None:
         async for env in session.incoming:

@@ -28,7 +28,10 @@ class Router:
         self._handlers[message_type] = handler
 
     async def dispatch(self, session, envelope) -> None:
-        """Run the handler; a ProtocolError closes the session, any other bug is logged, never fatal.
+        """Run the handler; a ProtocolError or any other exception closes that session with a logged
+        reason, and never leaves the daemon's nursery (docs/design.md, "Invariants", 6): a message that
+        trips a bug in a handler is as bad as a malformed one, and dropping its sender bounds what the
+        sender can make us do with more of it.
 
         A session that ends while its handler replies (the peer left, or a simultaneous connection
         replaced it) is not a bug: the handler's reply is lost with the session, and the asking side
@@ -45,5 +48,7 @@ class Router:
         except ProtocolError as exc:
             log.warning("closing session with %s: %s", session.short, exc)
             await session.aclose(f"protocol error: {exc}")
-        except Exception:  # a bug in a handler must not take the daemon down with it
-            log.exception("handler for %s failed (session with %s kept)", type(envelope.message).__name__, session.short)
+        except Exception as exc:  # a bug in a handler must not take the daemon down with it
+            what = type(envelope.message).__name__
+            log.exception("handler for %s failed; closing the session with %s", what, session.short)
+            await session.aclose(f"internal error handling {what}: {type(exc).__name__}: {str(exc)[:200]}")

@@ -50,7 +50,8 @@ def swarm_config(*, swarm: str, listen: str = "127.0.0.1:0", mdns: bool = True,
     """A validated config for daemons on one host (mDNS on loopback) or in namespaces (`interfaces=[]`)."""
     return Config().replace(
         daemon={"swarm": swarm, "listen": listen, "join": list(join or []), "log_level": log_level},
-        discovery={"mdns": mdns, "interfaces": list(interfaces if interfaces is not None else ["127.0.0.1"])},
+        discovery={"mdns": mdns, "interfaces": list(interfaces if interfaces is not None else ["127.0.0.1"]),
+                   "private_addresses": True},  # one host or private namespace addresses: dial them
         membership={**FAST_MEMBERSHIP, **(membership or {})},
         topology=dict(topology or {}),
         gossip=dict(gossip or {}),

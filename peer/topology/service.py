@@ -29,7 +29,9 @@ from peer.topology.mixing import graph_spectral_gap, metropolis_weight
 from peer.topology.rewire import RewireConfig, plan_move
 from peer.session.transport import SessionClosed
 from protocol import identity as ident
+from protocol.schema import DEFAULT_REGISTRY
 from protocol.schema.topology import (
+    MAX_BANDWIDTH_BPS, MAX_RECORD_LINKS, MAX_RECORD_NEIGHBOURS, MAX_RECORDS_PER_MESSAGE, MAX_RTT_S,
     EdgeAccept, EdgeCommit, EdgeDrop, EdgePropose, EdgeReject, LinkReport, ProbeReply, ProbeRequest,
     TopologyRecord, TopologyRecords, topology_record_signing_bytes)
 
@@ -39,6 +41,10 @@ PROBE_BYTES = 256 * 1024
 PROBE_EVERY = 10.0  # seconds between probes of one peer (neighbours too: estimates must be comparable)
 RESERVATION_S = 15.0
 RECORD_TTL = 60.0  # a record not refreshed for this long leaves the view
+MAX_VIEW_RECORDS = 512
+"""Others' records a daemon holds (one per origin; the stalest are forgotten first): a full view is meant
+for tens to hundreds of peers (partial views are for thousands). With records of at most ~12 KiB (the schema's
+bounds) this caps the view's memory and a broadcast at ~6 MiB, sent in messages under the frame limit."""
 
 
 @dataclass
@@ -58,10 +64,11 @@ class TopologyService:
         self.identity = daemon.identity
         self.membership = daemon.membership
         self.neighbours: dict[str, Neighbour] = {}
-        self.reserved: dict[str, float] = {}  # peers we accepted but that have not committed: deadline
+        self.reserved: dict[str, tuple[float, int]] = {}  # accepted, not yet committed: (deadline, proposal rid)
         self.pending_out: set[str] = set()
         self.records: dict[str, TopologyRecord] = {}
         self.record_seen: dict[str, float] = {}
+        self.record_bytes: dict[str, int] = {}  # encoded size of each held record, to split broadcasts
         self.links: dict[str, LinkStats] = {}
         self.version = 0
         self.shard_bytes = shard_bytes
@@ -147,10 +154,12 @@ class TopologyService:
 
     # ---- records ------------------------------------------------------------------------------------
     def own_record(self) -> TopologyRecord:
-        links = [LinkReport(peer=p, bandwidth_bps=s.bandwidth_bps, rtt_s=s.rtt_s)
-                 for p, s in sorted(self.links.items()) if s.bandwidth_bps is not None or s.rtt_s is not None][:256]
+        links = [LinkReport(peer=p, bandwidth_bps=None if s.bandwidth_bps is None else min(s.bandwidth_bps, MAX_BANDWIDTH_BPS),
+                            rtt_s=None if s.rtt_s is None else min(s.rtt_s, MAX_RTT_S))
+                 for p, s in sorted(self.links.items()) if s.bandwidth_bps is not None or s.rtt_s is not None]
         rec = TopologyRecord(peer_id=self.me, public_key=ident.public_key_bytes(self.identity), version=self.version,
-                             issued=time.time(), neighbours=sorted(self.neighbours), links=links, signature=b"")
+                             issued=time.time(), neighbours=sorted(self.neighbours)[:MAX_RECORD_NEIGHBOURS],
+                             links=links[:MAX_RECORD_LINKS], signature=b"")
         sig = ident.sign(self.identity, topology_record_signing_bytes(rec))
         return TopologyRecord(rec.peer_id, rec.public_key, rec.version, rec.issued, rec.neighbours, rec.links, sig)
 
@@ -160,21 +169,51 @@ class TopologyService:
             for pid, info in self.membership.peers.items():
                 if info.rtt is not None and info.state == "connected":
                     self.link(pid).rtt_s = info.rtt
-            recs = [self.own_record()] + [r for pid, r in self.records.items()
-                                          if trio.current_time() - self.record_seen.get(pid, -1e9) < RECORD_TTL][:511]
-            msg = TopologyRecords(records=recs)
             self._changed = trio.Event()  # changes from here on trigger the next broadcast early
-            for s in list(self.membership.connected().values()):
-                try:
-                    await s.send_message(msg)
-                except SessionClosed:
-                    pass
+            try:
+                await self._broadcast()
+            except Exception:  # a bug here must not end the daemon: the next round tries again
+                log.exception("topology record broadcast failed; retrying next round")
             with trio.move_on_after(self.cfg.record_interval * random.uniform(0.8, 1.2)):
                 await self._changed.wait()
                 await trio.sleep(0.05)  # coalesce bursts of changes
 
+    def broadcast_messages(self) -> list[TopologyRecords]:
+        """Our record and the fresh ones we hold, split into messages under the message limit.
+
+        A record's size is that of a message holding it alone, an upper bound on what it adds to a
+        batch, so no batch can exceed the limit whatever records we hold."""
+        own = self.own_record()
+        now = trio.current_time()
+        fresh = [(own, _wire_bytes(own))] + [(r, self.record_bytes[pid]) for pid, r in self.records.items()
+                                             if now - self.record_seen.get(pid, -1e9) < RECORD_TTL]
+        budget = self.daemon.transport.limits.max_message_bytes
+        batches: list[list[TopologyRecord]] = [[]]
+        size = 0
+        for rec, n in fresh:
+            if n > budget:  # only a tiny configured message limit can make one record too big
+                log.warning("topology record of %s (%d bytes) exceeds max_message_bytes; not sent",
+                            ident.short_id(rec.peer_id), n)
+                continue
+            if batches[-1] and (size + n > budget or len(batches[-1]) >= MAX_RECORDS_PER_MESSAGE):
+                batches.append([])
+                size = 0
+            batches[-1].append(rec)
+            size += n
+        return [TopologyRecords(records=b) for b in batches if b]
+
+    async def _broadcast(self) -> None:
+        msgs = self.broadcast_messages()
+        for s in list(self.membership.connected().values()):
+            try:
+                for msg in msgs:
+                    await s.send_message(msg)
+            except SessionClosed:
+                pass
+
     async def _on_records(self, session, env) -> None:
-        for rec in env.message.records[:512]:
+        # the schema bounded each record's fields and size at decode time (a bad one closed the session)
+        for rec in env.message.records:
             if rec.peer_id == self.me:
                 continue
             old = self.records.get(rec.peer_id)
@@ -184,16 +223,16 @@ class TopologyService:
                     rec.public_key, rec.signature, topology_record_signing_bytes(rec)):
                 log.debug("dropping topology record for %s relayed by %s: bad signature", ident.short_id(rec.peer_id), session.short)
                 continue
-            if len(rec.neighbours) > 1024:
-                continue
             self.records[rec.peer_id] = rec
             self.record_seen[rec.peer_id] = trio.current_time()
+            self.record_bytes[rec.peer_id] = _wire_bytes(rec)
             if rec.peer_id in self.neighbours:
                 self.neighbours[rec.peer_id].degree = len(rec.neighbours)
-        if len(self.records) > 4096:  # bound memory: forget the stalest
-            for pid in sorted(self.records, key=lambda p: self.record_seen.get(p, 0))[:len(self.records) - 4096]:
+        if len(self.records) > MAX_VIEW_RECORDS:  # bound memory: forget the stalest
+            for pid in sorted(self.records, key=lambda p: self.record_seen.get(p, 0))[:len(self.records) - MAX_VIEW_RECORDS]:
                 self.records.pop(pid, None)
                 self.record_seen.pop(pid, None)
+                self.record_bytes.pop(pid, None)
 
     # ---- two-phase edge changes ---------------------------------------------------------------------
     def _effective_degree(self) -> int:
@@ -247,7 +286,7 @@ class TopologyService:
             await session.reply(env, EdgeReject(reason=f"degree limit ({self._effective_degree()}/{self.cfg.max_degree})"
                                                 if self._effective_degree() >= self.cfg.max_degree else "not wanted by this topology"))
             return
-        self.reserved[peer_id] = trio.current_time() + RESERVATION_S
+        self.reserved[peer_id] = (trio.current_time() + RESERVATION_S, env.rid)
         await session.reply(env, EdgeAccept(degree=self.degree))
 
     def _accepts(self, peer_id: str, their_degree: int = 0) -> bool:
@@ -259,16 +298,22 @@ class TopologyService:
         return self._effective_degree() <= self.cfg.target_degree or their_degree < self.cfg.min_degree
 
     async def _on_commit(self, session, env) -> None:
+        """Only the proposer of an edge we accepted commits it: the commit must name the proposal we
+        reserved a slot for (the only way to become our neighbour). Any other commit, or one arriving
+        after the reservation expired, is answered with a drop, so both ends agree there is no edge."""
         peer_id = session.peer_id
-        had = self.reserved.pop(peer_id, None) is not None
         if peer_id in self.neighbours:
             return
-        if had or len(self.neighbours) < self.cfg.max_degree:
+        reservation = self.reserved.get(peer_id)
+        if reservation is not None and reservation[1] == env.message.proposal:
+            del self.reserved[peer_id]
             self.neighbours[peer_id] = Neighbour(peer_id, since=time.time())
             log.info("edge to %s added (accepted their proposal); degree %d", session.short, self.degree)
             self._bump()
-        else:  # we can no longer honour it: tell them, so both ends agree there is no edge
-            await session.send_message(EdgeDrop(reason="commit arrived after the reservation expired"))
+        else:
+            why = "no accepted proposal of theirs matches it (never made, or its reservation expired)"
+            log.info("edge commit from %s refused: %s", session.short, why)
+            await session.send_message(EdgeDrop(reason=f"commit refused: {why}"))
 
     async def _on_drop(self, session, env) -> None:
         if self.neighbours.pop(session.peer_id, None) is not None:
@@ -290,7 +335,7 @@ class TopologyService:
     async def _maintain_loop(self) -> None:
         while True:
             now = trio.current_time()
-            for pid, deadline in list(self.reserved.items()):
+            for pid, (deadline, _) in list(self.reserved.items()):
                 if deadline < now:
                     self.reserved.pop(pid, None)
             try:
@@ -426,3 +471,8 @@ class TopologyService:
         async def topology(args):
             return self.topology()
         return {"topology": topology}
+
+
+def _wire_bytes(rec: TopologyRecord) -> int:
+    """Encoded bytes of a message holding just this record (an upper bound on its share of a batch)."""
+    return len(DEFAULT_REGISTRY.encode(TopologyRecords(records=[rec])))

@@ -13,6 +13,19 @@ import msgpack
 
 from protocol.messages import Message
 
+MAX_RECORD_ADDRESSES = 16
+"""Addresses in one peer record: a host has a few interfaces, each maybe with IPv4 and IPv6; a daemon
+advertises at most 8 (`peer.membership.service.MAX_ADDRESSES`), so 16 leaves room and refuses the
+90,000-address records that once froze address merging."""
+MAX_ADDRESS_CHARS = 262
+"""Characters of one "host:port" address: a DNS name's 255, a colon and a port."""
+MAX_PEERS_PER_EXCHANGE = 256
+"""Records in one PeerExchange message (a sender forwards at most 256)."""
+MAX_NAME_CHARS = 256
+"""Characters of a peer ID or swarm name in a peer record (peer IDs have 20)."""
+PUBLIC_KEY_BYTES = 32  # Ed25519
+SIGNATURE_BYTES = 64  # Ed25519 (empty while a record is being built, before it is signed)
+
 __all__ = [
     "ErrorReply",
     "Goodbye",
@@ -59,6 +72,18 @@ class PeerRecord(Message):
     expires: float
     signature: bytes
 
+    def __post_init__(self) -> None:
+        if not 0 < len(self.peer_id) <= MAX_NAME_CHARS or len(self.swarm) > MAX_NAME_CHARS:
+            raise ValueError(f"peer_id and swarm must have at most {MAX_NAME_CHARS} characters")
+        if len(self.public_key) != PUBLIC_KEY_BYTES:
+            raise ValueError(f"public_key must have {PUBLIC_KEY_BYTES} bytes, got {len(self.public_key)}")
+        if len(self.signature) > SIGNATURE_BYTES:
+            raise ValueError(f"signature must have at most {SIGNATURE_BYTES} bytes, got {len(self.signature)}")
+        if len(self.addresses) > MAX_RECORD_ADDRESSES:
+            raise ValueError(f"{len(self.addresses)} addresses (at most {MAX_RECORD_ADDRESSES})")
+        if any(isinstance(a, str) and len(a) > MAX_ADDRESS_CHARS for a in self.addresses):
+            raise ValueError(f"an address longer than {MAX_ADDRESS_CHARS} characters")
+
 
 _PEER_RECORD_DOMAIN = "peertrain/peer_record/v1"
 
@@ -92,6 +117,10 @@ class PeerExchange(Message):
 
     TYPE = "pex"
     peers: list[PeerRecord]
+
+    def __post_init__(self) -> None:
+        if len(self.peers) > MAX_PEERS_PER_EXCHANGE:
+            raise ValueError(f"{len(self.peers)} peer records (at most {MAX_PEERS_PER_EXCHANGE})")
 
 
 @dataclass(frozen=True, slots=True)

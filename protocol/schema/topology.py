@@ -13,6 +13,29 @@ import msgpack
 
 from protocol.messages import Message
 
+# Bounds on what one record may say. They are checked when a message is decoded (a record that breaks one
+# closes the sending session: an honest peer only sends and forwards records that passed them), and they
+# bound one record's wire size to ~12 KiB, so a batch of records can always be split into messages.
+MAX_ID_CHARS = 64
+"""Characters of a peer ID in a record (real IDs have `protocol.identity.PEER_ID_LENGTH` = 20)."""
+MAX_RECORD_NEIGHBOURS = 64
+"""Neighbours one record lists: eight times `[topology] max_degree`'s default of 8."""
+MAX_RECORD_LINKS = 128
+"""Link reports in one record: one per peer measured, twice `[membership] max_connections`' default of 64."""
+MAX_BANDWIDTH_BPS = 1e13
+"""10 Tbit/s, beyond any network interface: a larger figure is a lie that would dominate rewiring."""
+MAX_RTT_S = 600.0
+"""Ten minutes: a link slower than that to answer is dead (`[membership] dead_after` is seconds)."""
+MAX_RECORDS_PER_MESSAGE = 512
+"""Records in one TopologyRecords message, the size of a receiver's view (`peer.topology.service`)."""
+PUBLIC_KEY_BYTES = 32  # Ed25519
+SIGNATURE_BYTES = 64  # Ed25519 (empty while a record is being built, before it is signed)
+
+
+def _check_id(what: str, value: str) -> None:
+    if not 0 < len(value) <= MAX_ID_CHARS:
+        raise ValueError(f"{what} must have 1..{MAX_ID_CHARS} characters, got {len(value)}")
+
 __all__ = ["LinkReport", "TopologyRecord", "TopologyRecords", "EdgePropose", "EdgeAccept", "EdgeReject",
            "EdgeCommit", "EdgeDrop", "ProbeRequest", "ProbeReply", "topology_record_signing_bytes"]
 
@@ -24,6 +47,14 @@ class LinkReport:
     peer: str
     bandwidth_bps: float | None = None
     rtt_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_id("link peer", self.peer)
+        # (the decoder already refuses NaN and infinities)
+        if self.bandwidth_bps is not None and not 0 < self.bandwidth_bps <= MAX_BANDWIDTH_BPS:
+            raise ValueError(f"bandwidth_bps must be in (0, {MAX_BANDWIDTH_BPS:g}], got {self.bandwidth_bps!r}")
+        if self.rtt_s is not None and not 0 <= self.rtt_s <= MAX_RTT_S:
+            raise ValueError(f"rtt_s must be in [0, {MAX_RTT_S:g}], got {self.rtt_s!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +69,21 @@ class TopologyRecord(Message):
     neighbours: list[str]
     links: list[LinkReport]
     signature: bytes
+
+    def __post_init__(self) -> None:
+        _check_id("peer_id", self.peer_id)
+        if len(self.public_key) != PUBLIC_KEY_BYTES:
+            raise ValueError(f"public_key must have {PUBLIC_KEY_BYTES} bytes, got {len(self.public_key)}")
+        if len(self.signature) > SIGNATURE_BYTES:
+            raise ValueError(f"signature must have at most {SIGNATURE_BYTES} bytes, got {len(self.signature)}")
+        if self.version < 0:
+            raise ValueError(f"version must be >= 0, got {self.version}")
+        if len(self.neighbours) > MAX_RECORD_NEIGHBOURS:
+            raise ValueError(f"{len(self.neighbours)} neighbours (at most {MAX_RECORD_NEIGHBOURS})")
+        if len(self.links) > MAX_RECORD_LINKS:
+            raise ValueError(f"{len(self.links)} link reports (at most {MAX_RECORD_LINKS})")
+        for n in self.neighbours:
+            _check_id("neighbour", n)
 
 
 _DOMAIN = "peertrain/topology_record/v1"
@@ -56,6 +102,10 @@ class TopologyRecords(Message):
 
     TYPE = "topo_records"
     records: list[TopologyRecord]
+
+    def __post_init__(self) -> None:
+        if len(self.records) > MAX_RECORDS_PER_MESSAGE:
+            raise ValueError(f"{len(self.records)} records (at most {MAX_RECORDS_PER_MESSAGE})")
 
 
 @dataclass(frozen=True, slots=True)
