@@ -104,6 +104,7 @@ class GossipSection:
     codec: str = _f("raw", "Tensor codec for averaging: raw, float16 or q8.")
     # (the default is protocol.limits.DEFAULT_CHUNK_SIZE, defined there with why)
     chunk_kib: int = _f(DEFAULT_CHUNK_SIZE // KiB, "Tensor chunk (frame) size in KiB.")
+    max_update_ratio: float = _f(8.0, "An exchange's difference is clipped (on both sides, so the sum is kept) to this times the smaller of the two models' norms; 1 to 1e6. Independently initialised models differ by about 1.4 times their norm, so 8 never touches an honest exchange and stops values like 3e38 or -1000x the model.")
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,8 @@ def validate_semantics(cfg: Config) -> None:
         raise ConfigError(f"[topology] confidence: expected 0 to 10 standard errors, got {t.confidence}")
     if cfg.gossip.codec not in ("raw", "float16", "q8"):
         raise ConfigError(f"[gossip] codec: expected raw, float16 or q8, got {cfg.gossip.codec!r}")
+    if not 1.0 <= cfg.gossip.max_update_ratio <= 1e6:
+        raise ConfigError(f"[gossip] max_update_ratio: expected 1 to 1e6, got {cfg.gossip.max_update_ratio}")
 
 
 def load(path: str | Path | None) -> Config:
