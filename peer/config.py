@@ -104,7 +104,7 @@ class GossipSection:
     codec: str = _f("raw", "Tensor codec for averaging: raw, float16 or q8.")
     # (the default is protocol.limits.DEFAULT_CHUNK_SIZE, defined there with why)
     chunk_kib: int = _f(DEFAULT_CHUNK_SIZE // KiB, "Tensor chunk (frame) size in KiB.")
-    max_update_ratio: float = _f(8.0, "An exchange's difference is clipped (on both sides, so the sum is kept) to this times the smaller of the two models' norms; 1 to 1e6. Independently initialised models differ by about 1.4 times their norm, so 8 never touches an honest exchange and stops values like 3e38 or -1000x the model.")
+    max_update_ratio: float = _f(8.0, "Both sides clip an exchange's difference to this times the smaller model norm (sum kept); 1 to 1e6. Independent inits differ by ~1.4x.")
 
 
 @dataclass(frozen=True)
