@@ -2,8 +2,9 @@
 
 A trainer keeps training while exchanges run, so the engine works on snapshots: each side sends a copy of
 its tensors taken under the trainer's lock, and the exchange's whole effect is one in-place addition,
-x += w * (other's snapshot - own snapshot), made block by block. Both are additions, so a trainer step
-and an update can interleave in any order without changing the sum (peer/averaging/exchange.py).
+x += w * s * (other's snapshot - own snapshot), made block by block (s <= 1, the same on both sides:
+peer/averaging/bounds.py). Both are additions, so a trainer step and an update can interleave in any
+order without changing the sum (peer/averaging/exchange.py).
 """
 
 from __future__ import annotations
