@@ -34,7 +34,7 @@ def test_the_scale_is_the_same_on_both_sides_and_within_0_1(diff_sq, a_sq, b_sq,
 def test_the_clipped_difference_is_within_the_bound(diff_sq, a_sq, b_sq, ratio):
     s = update_scale(diff_sq, a_sq, b_sq, ratio)
     assert s * math.sqrt(diff_sq) <= ratio * math.sqrt(min(a_sq, b_sq)) * (1 + 1e-12) + 1e-300
-    if diff_sq <= ratio * ratio * min(a_sq, b_sq):
+    if math.sqrt(diff_sq) <= ratio * math.sqrt(min(a_sq, b_sq)):
         assert s == 1.0
 
 
@@ -160,3 +160,21 @@ def test_parameters_are_served_to_neighbours_only_and_a_download_is_checked():
         assert b.stats.params_refused == 1
     trio.run(run_pair, body)
 
+
+
+def test_peer_status_shows_bans_and_per_peer_counts():
+    import time
+
+    from rich.console import Console
+
+    from peer.cli.status_view import render_status
+
+    st = {"peer_id": "a" * 52, "swarm": "s", "protocol_version": 1, "version": "0", "listen": "127.0.0.1:1",
+          "mdns": False, "ciphers": ["x"], "uptime_s": 1.0, "pid": 1, "home": "/h", "connected": 0, "peers": [],
+          "bans": [{"peer": "b" * 52, "until": time.time() + 120, "reason": "let an exchange we had accepted lapse"}],
+          "gossip": {"clipped": {"c" * 52: 2}, "lapsed": {"b" * 52: 3}}}
+    console = Console(record=True, width=160)
+    console.print(render_status(st))
+    out = console.export_text()
+    assert "banned from averaging" in out and "bbbbbbbb" in out and "lapse" in out
+    assert "cccccccc 2" in out and "bbbbbbbb 3" in out

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-HOLD_BASE_S = 5.0  # snapshot, offer, accept and commit round trips on a loaded 2-core machine, with room to spare
+HOLD_BASE_S = 10.0  # two snapshots and the offer/accept/commit round trips: seconds when a loaded machine makes threads wait for a core
 HOLD_FLOOR_BPS = 256 * 1024  # 2 Mbit/s: the slowest link we still average over; both directions move at once
 COMMIT_SLACK_S = 5.0  # the server's extra wait for a commit in flight (the initiator's deadline ends first)
 
@@ -39,10 +39,8 @@ def update_scale(diff_sq: float, own_sq: float, other_sq: float, ratio: float) -
     so the pair's updates cancel."""
     if not all(math.isfinite(v) and v >= 0.0 for v in (diff_sq, own_sq, other_sq)):
         return 0.0  # an overflowed norm (or a value no sum of squares has): apply nothing
-    bound_sq = ratio * ratio * min(own_sq, other_sq)
-    if diff_sq <= bound_sq:
-        return 1.0
-    return math.sqrt(bound_sq / diff_sq)
+    bound, diff = ratio * math.sqrt(min(own_sq, other_sq)), math.sqrt(diff_sq)  # norms, not squares: no under/overflow
+    return 1.0 if diff <= bound else bound / diff
 
 
 def download_ok(diff_sq: float, own_sq: float, other_sq: float, ratio: float) -> bool:
