@@ -168,6 +168,9 @@ class GossipSection:
     # (the default is protocol.limits.DEFAULT_CHUNK_SIZE, defined there with why)
     chunk_kib: int = _f(DEFAULT_CHUNK_SIZE // KiB, "Tensor chunk (one frame) in KiB, at most max_frame_kib.",
                          lo=1, hi=_MAX_FRAME_KIB)
+    max_update_ratio: float = _f(8.0, "Both sides clip an exchange's difference to this times the smaller of the two "
+                                 "models' norms, so the sum is kept (independently initialised models differ by "
+                                 "about 1.4x their norm).", lo=1.0, hi=1e6)
 
 
 @dataclass(frozen=True)

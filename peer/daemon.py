@@ -251,6 +251,7 @@ class Daemon:
             st = getattr(svc, "status", None)
             if st is not None:
                 out[svc.name] = st()
+        out["bans"] = out.get("gossip", {}).get("bans", [])  # peers we do not average with for now, and why
         return out
 
 

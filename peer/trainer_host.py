@@ -85,7 +85,7 @@ class Swarm:
         return self._host.start_background_average(group, mode)
 
     def fetch_params(self, group: str) -> tuple[list[Any], int] | None:
-        """Download the current tensors of `group` from the most advanced neighbour (joining peers)."""
+        """Download the current tensors of `group` from a neighbour (joining peers; only neighbours serve them)."""
         return self._call(self._host.fetch_from_best, group)
 
     # -- who is around --------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ class TrainerHost:
         return True
 
     async def fetch_from_best(self, group: str):
-        nbrs = list(self.daemon.topology.neighbours) or list(self.daemon.membership.connected())
+        nbrs = list(self.daemon.topology.neighbours)  # peers serve parameters to their neighbours only
         random.shuffle(nbrs)
         for pid in nbrs[:3]:
             got = await self.gossip.fetch_params(group, pid)

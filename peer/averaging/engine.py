@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
+from peer.averaging.bans import BanList
+from peer.averaging.bounds import COMMIT_SLACK_S, download_ok, hold_seconds
 from peer.averaging.exchange import Event, Exchange, Role, State
 from peer.averaging.shared import SharedTensors
 from peer.averaging.weights import MIN_WEIGHT_SHARE, WEIGHT_RULES, rule_cap
@@ -33,6 +36,7 @@ from peer.session.transport import SessionClosed
 from protocol.errors import ProtocolError
 from protocol.schema.gossip import (
     AverageAbort, AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsReply, ParamsRequest)
+from protocol.schema.session import ErrorReply
 
 log = logging.getLogger("peertrain.gossip")
 
@@ -57,6 +61,9 @@ class GossipStats:
     last_seconds: float = 0.0
     last_error: str = ""
     recent: list = field(default_factory=list)  # seconds of the last exchanges
+    clipped: dict = field(default_factory=dict)  # peer -> exchanges whose update was clipped (bounds.py)
+    lapsed: dict = field(default_factory=dict)  # peer -> exchanges it let lapse or aborted after we accepted
+    params_refused: int = 0  # parameter requests refused (not a neighbour, banned, no such group)
 
 
 @dataclass
@@ -83,6 +90,7 @@ class GossipEngine:
         self.initiating: dict[str, float] = {}  # peer -> weight set aside for the exchange we initiated
         self.served: dict[tuple[str, int], _Served] = {}  # (peer, offer rid) -> exchange we serve
         self.stats = GossipStats()
+        self.bans = BanList()
         self._nursery: trio.Nursery | None = None
         self._serving = 0
         r = daemon.router
@@ -107,7 +115,8 @@ class GossipEngine:
         once, Metropolis-Hastings weights (D-PSGD)."""
         if mode not in ("one", "all"):
             raise ValueError(f"unknown averaging mode {mode!r} (choose 'one' or 'all')")
-        nbrs = [p for p in self.topology.neighbours if p not in self.initiating]
+        now = trio.current_time()
+        nbrs = [p for p in self.topology.neighbours if p not in self.initiating and self.bans.banned(p, now) is None]
         if not nbrs:
             return []
         targets = [random.choice(nbrs)] if mode == "one" else nbrs
@@ -137,6 +146,9 @@ class GossipEngine:
         session = self.membership.connected().get(peer_id)
         if session is None or not self.topology.is_neighbour(peer_id):
             return ExchangeResult(peer_id, False, "not a connected neighbour")
+        banned = self.bans.banned(peer_id, trio.current_time())
+        if banned is not None:
+            return ExchangeResult(peer_id, False, banned)
         if peer_id in self.inflight or peer_id in self.initiating:
             return ExchangeResult(peer_id, False, "exchange with this peer already in flight")
         max_weight = min(cap, self._room())
@@ -158,7 +170,7 @@ class GossipEngine:
             ours = OutgoingGroup(session, group.specs)
             offer = AverageOffer(group=group_name, tensors=group.specs, streams=ours.streams, max_weight=max_weight,
                                  rule=rule, codec=self.cfg.codec, step=group.step)
-            with trio.fail_after(self.cfg.exchange_timeout):
+            with trio.fail_after(hold_seconds(group.nbytes, self.cfg.exchange_timeout)):
                 replies: list = []
                 offer_rid = session.new_request_id()
                 x.handle(Event.OFFER)
@@ -189,7 +201,9 @@ class GossipEngine:
                     await session.send_message(AverageCommit(exchange=env.reply_to))
                 x.handle(Event.COMMIT)
             with trio.CancelScope(shield=True):  # committed: the server applies, so we must too (the sum)
-                await trio.to_thread.run_sync(group.apply, w, others, sent)
+                scale = await trio.to_thread.run_sync(
+                    lambda: group.apply(w, others, sent, max_ratio=self.cfg.max_update_ratio))
+            self._check_scale(peer_id, scale)
             group.release(others)  # the received copies become later snapshots' buffers
         except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
             reason = "deadline passed" if isinstance(exc, trio.TooSlowError) else str(exc)
@@ -240,6 +254,8 @@ class GossipEngine:
             reason = f"impossible weight {offer.max_weight}"
         elif not self.topology.is_neighbour(peer_id):
             reason = "not neighbours"
+        elif (banned := self.bans.banned(peer_id, trio.current_time())) is not None:
+            reason = banned
         elif peer_id in self.inflight or (peer_id in self.initiating and peer_id > self.me):
             reason = "exchange already in flight"  # on collision the smaller peer ID's offer wins
         elif self._serving >= self.cfg.max_concurrent_exchanges:
@@ -275,7 +291,9 @@ class GossipEngine:
         t0 = trio.current_time()
         own: list[Any] | None = None
         try:
-            with trio.fail_after(self.cfg.exchange_timeout + 5.0):
+            # The initiator commits within hold_seconds of its offer or not at all; the slack lets a commit in
+            # flight arrive. Past that, the weight we hold for it is freed and the lapse counts against it.
+            with trio.fail_after(hold_seconds(group.nbytes, self.cfg.exchange_timeout) + COMMIT_SLACK_S):
                 own = await trio.to_thread.run_sync(group.snapshot)
                 sent = await trio.to_thread.run_sync(group.as_sent, own, self.cfg.codec)
                 if served.abort_reason is not None:  # they gave up while we took the snapshot: send nothing
@@ -300,10 +318,13 @@ class GossipEngine:
                 x.handle(Event.ABORT, served.abort_reason)
                 self.stats.failed += 1
                 self.stats.last_error = f"{session.short}: aborted by them: {served.abort_reason}"
+                self._lapsed(session.peer_id, "aborted an exchange we had accepted")
                 return
             x.handle(Event.COMMIT)
             with trio.CancelScope(shield=True):  # the initiator committed and applies: so must we (the sum)
-                await trio.to_thread.run_sync(group.apply, w, others, sent)
+                scale = await trio.to_thread.run_sync(
+                    lambda: group.apply(w, others, sent, max_ratio=self.cfg.max_update_ratio))
+            self._check_scale(session.peer_id, scale)
             group.release(others)
             seconds = trio.current_time() - t0
             self.stats.served += 1
@@ -311,7 +332,10 @@ class GossipEngine:
             self._count(seconds, group.nbytes)
         except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
             reason = "no commit before the deadline" if x.state is State.DECIDING else str(exc) or "deadline passed"
+            accepted = x.state in (State.TRANSFER, State.DECIDING)
             x.end(reason)
+            if accepted and isinstance(exc, trio.TooSlowError):
+                self._lapsed(session.peer_id, "let an exchange we had accepted lapse")
             self.stats.failed += 1
             self.stats.last_error = f"{session.short}: {reason}"
             if isinstance(exc, ProtocolError):
@@ -329,6 +353,24 @@ class GossipEngine:
             self.inflight.pop(session.peer_id, None)
             self._serving -= 1
 
+    def _lapsed(self, peer_id: str, reason: str) -> None:
+        """An exchange we accepted held our weight for nothing: count it, and ban a peer that keeps doing it."""
+        self.stats.lapsed[peer_id] = self.stats.lapsed.get(peer_id, 0) + 1
+        self._strike(peer_id, reason)
+
+    def _check_scale(self, peer_id: str, scale: float) -> None:
+        """An update that had to be clipped (both sides clipped it alike) is logged, counted and struck."""
+        if scale >= 1.0:
+            return
+        self.stats.clipped[peer_id] = self.stats.clipped.get(peer_id, 0) + 1
+        log.warning("update from %s clipped to %.3g of its size (past max_update_ratio %g)",
+                    peer_id[:8], scale, self.cfg.max_update_ratio)
+        self._strike(peer_id, "sent an update past max_update_ratio")
+
+    def _strike(self, peer_id: str, reason: str) -> None:
+        if self.bans.strike(peer_id, reason, trio.current_time()):
+            log.warning("banned %s from averaging with us: %s", peer_id[:8], self.bans.banned(peer_id, trio.current_time()))
+
     async def _on_commit(self, session, env) -> None:
         served = self.served.get((session.peer_id, env.message.exchange))
         if served is not None and not served.decided.is_set():
@@ -342,9 +384,18 @@ class GossipEngine:
 
     # ---- joining: download a neighbour's parameters -------------------------------------------------
     async def _on_params_request(self, session, env) -> None:
+        """Served to current neighbours only: a joining peer asks one (the model is not for anyone who dials)."""
         group = self.groups.get(env.message.group)
+        refusal = None
         if group is None:
-            await session.reply(env, ParamsReply(tensors=[], streams=[], available=False))
+            refusal = ("no_group", f"no group {env.message.group[:40]!r} here")
+        elif not self.topology.is_neighbour(session.peer_id):
+            refusal = ("not_neighbour", "parameters are served to neighbours only")
+        elif (banned := self.bans.banned(session.peer_id, trio.current_time())) is not None:
+            refusal = ("banned", banned)
+        if refusal is not None:
+            self.stats.params_refused += 1
+            await session.reply(env, ErrorReply(code=refusal[0], message=refusal[1]))
             return
         own = await trio.to_thread.run_sync(group.snapshot)
         ours = OutgoingGroup(session, group.specs)
@@ -362,13 +413,24 @@ class GossipEngine:
             with trio.fail_after(self.cfg.exchange_timeout * 2):
                 env = await session.request(ParamsRequest(group=group_name), timeout=self.cfg.exchange_timeout)
                 reply = env.message
+                if isinstance(reply, ErrorReply):
+                    log.info("%s will not send parameters: %s", session.short, reply.message[:200])
+                    return None
                 if not isinstance(reply, ParamsReply) or not reply.available:
                     return None
                 theirs = IncomingGroup(session, reply.streams, group.specs, as_torch=group.is_torch)
                 if len(reply.streams) != len(group.specs):
                     raise ProtocolError("params reply has the wrong number of tensors")
                 values = await theirs.receive(timeout=self.cfg.exchange_timeout)
-                return values, reply.step
+            # The same bound as an exchange, against our model: a download replaces it, so refuse, never clip.
+            dist = await trio.to_thread.run_sync(group.distance_sq, values)
+            if not download_ok(*dist, self.cfg.max_update_ratio):
+                self.stats.clipped[peer_id] = self.stats.clipped.get(peer_id, 0) + 1
+                log.warning("refused parameters from %s: %.3g from ours, past max_update_ratio %g of the norms",
+                            session.short, dist[0] ** 0.5, self.cfg.max_update_ratio)
+                self._strike(peer_id, "sent parameters past max_update_ratio")
+                return None
+            return values, reply.step
         except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
             log.warning("could not download parameters from %s: %s", session.short, exc)
             if theirs is not None:
@@ -392,4 +454,12 @@ class GossipEngine:
                 "exchanges": s.exchanges, "served": s.served, "failed": s.failed, "rejected": s.rejected,
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_sent,  # symmetric exchanges: as many in as out
                 "last_exchange_s": round(s.last_seconds, 4), "recent_s": s.recent, "last_error": s.last_error,
-                "inflight": len(self.inflight.keys() | self.initiating.keys())}
+                "inflight": len(self.inflight.keys() | self.initiating.keys()),
+                "clipped": dict(s.clipped), "lapsed": dict(s.lapsed), "params_refused": s.params_refused,
+                "bans": self.ban_list()}
+
+    def ban_list(self) -> list[dict]:
+        """Bans in force for `peer status`: peer, until (unix time), reason."""
+        wall, now = time.time(), trio.current_time()
+        return [{"peer": p, "until": round(wall + left, 1), "reason": reason}
+                for p, left, reason in self.bans.active(now)]

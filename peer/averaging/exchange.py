@@ -7,8 +7,8 @@ An exchange between initiator i and neighbour j (messages in protocol/schema/gos
     i: got b → commit, x_i += w (b - a)      j: got a and commit → x_j += w (a - b)
     (i gives up after its offer → abort)     j: abort → finish the transfers (or, not yet accepted, send nothing), apply nothing
 
-Both sides add `w * (other snapshot - own snapshot)`, so the swarm-wide sum is unchanged by averaging
-however the trainers' own updates interleave (docs/design.md, "Invariants", 1). A side that does not reach the
+Both sides add `w * (other snapshot - own snapshot)` (times the same clip s <= 1, peer/averaging/bounds.py),
+so the swarm-wide sum is unchanged by averaging however the trainers' own updates interleave (docs/design.md, "Invariants", 1). A side that does not reach the
 commit applies nothing. Every exchange has a deadline; a slow or dead neighbour is skipped.
 
 The engine (peer/averaging/engine.py) does the I/O and tells an `Exchange` what happened (`handle`); the

@@ -2,8 +2,9 @@
 
 A trainer keeps training while exchanges run, so the engine works on snapshots: each side sends a copy of
 its tensors taken under the trainer's lock, and the exchange's whole effect is one in-place addition,
-x += w * (other's snapshot - own snapshot), made block by block. Both are additions, so a trainer step
-and an update can interleave in any order without changing the sum (peer/averaging/exchange.py).
+x += w * s * (other's snapshot - own snapshot), made block by block (s <= 1, the same on both sides:
+peer/averaging/bounds.py). Both are additions, so a trainer step and an update can interleave in any
+order without changing the sum (peer/averaging/exchange.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from peer.averaging.bounds import update_scale
 from protocol.limits import DEFAULT_LIMITS
 from protocol.schema.gossip import TensorSpec
 from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
@@ -102,18 +104,20 @@ class SharedTensors:
             if len(self._spare) < MAX_SPARE:
                 self._spare.append(bufs)
 
-    def apply(self, weight: float, others: list[Any], own: list[Any]) -> None:
-        """x += weight * (other - own) for every tensor, in place (the exchange's whole effect).
+    def apply(self, weight: float, others: list[Any], own: list[Any], *, max_ratio: float | None = None) -> float:
+        """x += weight * s * (other - own) for every tensor, in place (the exchange's whole effect); returns s.
 
-        Why blocks: one pass over cache-sized blocks (difference, both norms, scale, add) moves a third of
-        the memory of five whole-tensor passes. The difference goes to one small scratch block that stays in
-        cache, so `others` (the received copy) is only read: writing it back would cost one more pass. The
-        lock is taken per block, so a trainer step waits for one block at most; both are additions, so how
-        they interleave does not change the result. Torch tensors in CPU memory take the same path through
-        numpy views of their memory; only device tensors and bfloat16 (no numpy dtype) use whole-tensor
-        torch operations.
+        s is 1, or less where the difference is more than `max_ratio` times the smaller of the two
+        snapshots' norms (peer/averaging/bounds.py): both sides compute the same s from the same pair, so
+        the pair's updates still cancel. Why blocks: a first pass over cache-sized blocks takes the three
+        norms (s must be known before anything is added: a trainer step may read the tensors meanwhile),
+        a second adds; the difference goes to one small scratch block that stays in cache, so `others`
+        (the received copy) is only read. The lock is taken per block, so a trainer step waits for one
+        block at most; both are additions, so how they interleave does not change the result. Torch
+        tensors in CPU memory take the same path through numpy views of their memory; only device tensors
+        and bfloat16 (no numpy dtype) use whole-tensor torch operations.
         """
-        diff_sq = own_sq = 0.0
+        diff_sq = own_sq = other_sq = 0.0
         arrays = _host_arrays(self.tensors.values(), others, own)
         if arrays is None:
             import torch
@@ -121,28 +125,54 @@ class SharedTensors:
             deltas = []
             for o, a in zip(others, own):
                 d = o.to(a.dtype) if isinstance(o, torch.Tensor) else torch.from_numpy(np.asarray(o)).to(a.dtype)
-                d.sub_(a)
+                other_sq += float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2
+                d = d.sub(a)
                 diff_sq += float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2
                 own_sq += float(torch.linalg.vector_norm(a, dtype=torch.float64)) ** 2
                 deltas.append(d)
-            with self.lock:
-                for t, d in zip(self.tensors.values(), deltas):
-                    t.data.add_(d.to(t.device, non_blocking=False), alpha=weight)
+            scale = 1.0 if max_ratio is None else update_scale(diff_sq, own_sq, other_sq, max_ratio)
+            if scale > 0.0:
+                with self.lock:
+                    for t, d in zip(self.tensors.values(), deltas):
+                        t.data.add_(d.to(t.device, non_blocking=False), alpha=weight * scale)
         else:
-            for t, o, a in zip(*arrays):
-                tf, of, af = t.reshape(-1), o.reshape(-1), a.reshape(-1)
-                step = max(1, APPLY_BLOCK_BYTES // tf.itemsize)
-                scratch = np.empty(min(step, tf.shape[0]), dtype=tf.dtype)
-                for i in range(0, tf.shape[0], step):
-                    ab, tb = af[i:i + step], tf[i:i + step]
+            for _t, o, a in zip(*arrays):
+                of, af = o.reshape(-1), a.reshape(-1)
+                step = max(1, APPLY_BLOCK_BYTES // af.itemsize)
+                scratch = np.empty(min(step, af.shape[0]), dtype=af.dtype)
+                for i in range(0, af.shape[0], step):
+                    ab, ob = af[i:i + step], of[i:i + step]
                     d = scratch[:ab.shape[0]]
-                    np.subtract(of[i:i + step], ab, out=d)
+                    np.subtract(ob, ab, out=d)
                     diff_sq += _sum_sq(d)
                     own_sq += _sum_sq(ab)
-                    d *= weight
-                    with self.lock:
-                        np.add(tb, d, out=tb)
+                    other_sq += _sum_sq(ob)
+            scale = 1.0 if max_ratio is None else update_scale(diff_sq, own_sq, other_sq, max_ratio)
+            if scale > 0.0:
+                for t, o, a in zip(*arrays):
+                    tf, of, af = t.reshape(-1), o.reshape(-1), a.reshape(-1)
+                    step = max(1, APPLY_BLOCK_BYTES // tf.itemsize)
+                    scratch = np.empty(min(step, tf.shape[0]), dtype=tf.dtype)
+                    for i in range(0, tf.shape[0], step):
+                        tb = tf[i:i + step]
+                        d = scratch[:tb.shape[0]]
+                        np.subtract(of[i:i + step], af[i:i + step], out=d)
+                        d *= weight * scale
+                        with self.lock:
+                            np.add(tb, d, out=tb)
         self.last_distance = (diff_sq / own_sq) ** 0.5 if own_sq > 0 else diff_sq ** 0.5
+        return scale
+
+    def distance_sq(self, values: list[Any]) -> tuple[float, float, float]:
+        """(||values - x||^2, ||x||^2, ||values||^2) against the tensors now: checks a parameter download."""
+        own = self.snapshot()
+        try:
+            arrs = [_as_numpy(v) for v in values]
+            mine = [_as_numpy(v) for v in own]
+            diff_sq = sum(_sum_sq((v.astype(np.float64) - m).ravel()) for v, m in zip(arrs, mine))
+            return diff_sq, sum(_sum_sq(m.ravel()) for m in mine), sum(_sum_sq(v.ravel()) for v in arrs)
+        finally:
+            self.release(own)
 
     def stats(self, *, values: bool = False) -> dict:
         """Sum and squared norm (float64) of the whole group now; with `values`, the raw bytes too."""
@@ -166,11 +196,18 @@ class SharedTensors:
                     t[...] = v
 
 
+def _as_numpy(v: Any) -> np.ndarray:
+    if isinstance(v, np.ndarray):
+        return v
+    return v.detach().to("cpu").float().numpy() if str(v.dtype) == "torch.bfloat16" else v.detach().to("cpu").numpy()
+
+
 def _sum_sq(v: np.ndarray) -> float:
     """Sum of squares; float16 is widened first (its own dot product overflows past 65504)."""
     if v.dtype.itemsize < 4:
         v = v.astype(np.float64)
-    return float(np.dot(v, v))
+    with np.errstate(over="ignore"):  # values near the dtype's limit square to inf: bounds.py refuses those
+        return float(np.dot(v, v))
 
 
 def _host_arrays(*groups) -> tuple[list[np.ndarray], ...] | None:

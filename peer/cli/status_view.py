@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from rich import box
 from rich.console import Group
 from rich.panel import Panel
@@ -92,6 +94,22 @@ def render_status(st: dict):
         if topo.get("last_move"):
             t.add_row("last move", topo["last_move"])
         parts.append(Panel(t, title="topology", box=box.ROUNDED, expand=False))
+
+    bans = st.get("bans") or []
+    if bans:
+        t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title="banned from averaging")
+        for col in ("peer", "for", "reason"):
+            t.add_column(col, no_wrap=col != "reason")
+        for b in bans:
+            t.add_row(b["peer"][:8], human_duration(max(0.0, b["until"] - time.time())), b["reason"])
+        parts.append(t)
+    g = st.get("gossip") or {}
+    if g.get("clipped") or g.get("lapsed"):
+        t = _facts()
+        for key, label in (("clipped", "clipped updates"), ("lapsed", "lapsed exchanges")):
+            if g.get(key):
+                t.add_row(label, "   ".join(f"{p[:8]} {n}" for p, n in sorted(g[key].items())))
+        parts.append(Panel(t, title="averaging trouble", box=box.ROUNDED, expand=False))
 
     tr = st.get("trainer")
     if tr:
