@@ -49,7 +49,16 @@ class WireLimits:
     max_inflight_tensor_bytes: int = 16 * GiB
     """Decoded bytes of all tensors being received on one session at once."""
     max_queued_messages: int = 1024
-    """Decoded messages waiting for the application on one session."""
+    """Decoded messages waiting for the application on one session (and open tensor streams)."""
+    max_queued_message_bytes: int = 16 * MiB
+    """Decoded bytes (Python objects, as `sys.getsizeof` counts them) of the messages waiting for the
+    application on one session: 16 MiB holds a full queue of ordinary control messages (a few hundred
+    bytes each) many times over, while a peer flooding maximum-size messages is paused after a few."""
+    max_daemon_inflight_tensor_bytes: int = 32 * GiB
+    """Decoded bytes of all tensors being received on all sessions of one daemon at once: two sessions'
+    full budgets, so a daemon averaging a model of a few GiB with several neighbours at once fits, while
+    many peers together cannot pin more than this. A per-session budget configured larger raises it to
+    that (`peer.session.streams.TensorBudget.for_limits`)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -336,19 +336,13 @@ class TensorDecoder:
     in-flight budget.
     """
 
-    def __init__(
-        self,
-        header: TensorHeader,
-        limits: WireLimits,
-        *,
-        allow_nonfinite: bool = False,
-        out: Any = None,
-    ) -> None:
+    @staticmethod
+    def check_header(header: TensorHeader, limits: WireLimits) -> tuple[int, int]:
+        """Check every field of `header` against the codec and `limits`, allocating nothing; returns
+        (elements, body bytes). Raises ProtocolError (LimitExceeded for a limit)."""
         if not isinstance(header, TensorHeader):
             raise TypeError(f"expected a TensorHeader, got {type(header).__name__}")
-        name = header.name
-        what = f"tensor {str(name)[:64]!r}"
-        self._what = what
+        what = f"tensor {str(header.name)[:64]!r}"
         try:
             numel, body = _body_spec(header.dtype, header.shape, header.codec, header.block)
         except ValueError as e:
@@ -372,6 +366,20 @@ class TensorDecoder:
                 f"{what}: header says {header.nbytes!r} body bytes but "
                 f"{header.dtype}{list(header.shape)} as {header.codec} takes {body}"
             )
+        return numel, body
+
+    def __init__(
+        self,
+        header: TensorHeader,
+        limits: WireLimits,
+        *,
+        allow_nonfinite: bool = False,
+        out: Any = None,
+    ) -> None:
+        numel, body = self.check_header(header, limits)
+        name = header.name
+        self._what = f"tensor {str(name)[:64]!r}"
+        wire = DTYPES[header.dtype]
 
         if out is None:
             array = np.empty(tuple(header.shape), dtype=wire)

@@ -277,7 +277,7 @@ def test_a_bad_tensor_from_the_server_changes_nothing():
         bad_session = b.membership.connected()[a.me]
         before_a, before_b = total(a), total(b)
         for lie, reason in (("short", "does not match"), ("inf", "NaN/Inf")):
-            async def lying_send(group, arrays, codec="raw"):
+            async def lying_send(group, arrays, codec="raw", **kw):
                 if group.session is bad_session:
                     arr = arrays[0].copy()
                     if lie == "short":
@@ -285,7 +285,7 @@ def test_a_bad_tensor_from_the_server_changes_nothing():
                     else:
                         arr[-3] = np.inf
                     arrays = [arr]
-                await real_send(group, arrays, codec=codec)
+                await real_send(group, arrays, codec=codec, **kw)
 
             OutgoingGroup.send = lying_send
             try:

@@ -174,11 +174,16 @@ class GossipEngine:
                 replies: list = []
                 offer_rid = session.new_request_id()
                 x.handle(Event.OFFER)
+                announced = trio.Event()  # our tensors follow the offer on the wire (peer/session/groups.py)
 
                 async def ask() -> None:
-                    replies.append(await session.request(offer, timeout=self.cfg.exchange_timeout, rid=offer_rid))
+                    nonlocal theirs
+                    env = await session.request(offer, timeout=self.cfg.exchange_timeout, rid=offer_rid, sent=announced)
+                    if isinstance(env.message, AverageAccept):  # expect their tensors at once: they are coming
+                        theirs = IncomingGroup(session, env.message.streams, group.specs, as_torch=group.is_torch)
+                    replies.append(env)
 
-                await together(ask, lambda: ours.send(own, codec=self.cfg.codec))
+                await together(ask, lambda: ours.send(own, codec=self.cfg.codec, after=announced))
                 env = replies[0]
                 reply = env.message
                 if isinstance(reply, AverageReject):
@@ -187,7 +192,6 @@ class GossipEngine:
                     return ExchangeResult(peer_id, False, f"refused: {reply.reason}")
                 if not isinstance(reply, AverageAccept):
                     raise ProtocolError(f"expected avg_accept, got {type(reply).__name__}")
-                theirs = IncomingGroup(session, reply.streams, group.specs, as_torch=group.is_torch)
                 x.handle(Event.ACCEPT)
                 if len(reply.streams) != len(own) or not 0.0 < reply.weight <= max_weight:
                     raise ProtocolError(f"inconsistent accept (weight {reply.weight}, offered at most {max_weight})")
@@ -221,7 +225,8 @@ class GossipEngine:
             if owed.send_abort:
                 await session.send_best_effort(AverageAbort(exchange=offer_rid, reason=x.reason))
             self.initiating.pop(peer_id, None)
-            if owed.discard_incoming and theirs is not None:
+            # (their tensors are expected from the accept on, also when we failed before handling it)
+            if theirs is not None and (owed.discard_incoming or x.state is State.FAILED):
                 theirs.discard()
             if own is not None:
                 group.release(own)  # sent, and applied or abandoned: nothing reads it anymore

@@ -48,6 +48,7 @@ async def _serve(cipher: str, chunk: int, size: int) -> None:
         async with trio.open_nursery() as n:
             n.start_soon(session.run)
             expected = 1
+            session.expect(expected)  # the client's tensor comes before its ping: expect it ahead
             async for env in session.incoming:
                 if isinstance(env.message, Ping):
                     try:
@@ -59,6 +60,7 @@ async def _serve(cipher: str, chunk: int, size: int) -> None:
                         else:
                             await session.receive_tensor(expected, timeout=120)
                         expected += 1
+                        session.expect(expected)
                         await session.reply(env, Pong(echo=env.message.sent))
                     except SessionClosed:
                         break

@@ -4,11 +4,16 @@ Why: a large tensor received into fresh memory costs page faults and kernel zero
 about as much as the copy itself. A decoded tensor is instead a view of a pooled bytearray; when that
 array and every view of it are gone, `weakref.finalize` hands the bytearray back for the next tensor of
 the same size.
+
+A fresh buffer is an anonymous mmap, not a zero-filled bytearray: the kernel commits its pages as chunks
+are written into them, so the event loop never spends time (or memory) zero-filling a tensor before its
+bytes arrive.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 import weakref
 from typing import Any
@@ -20,7 +25,7 @@ class ReceiveBufferPool:
     MIN_BYTES = 1 << 20  # below this, allocation is cheap and pooling not worth it
 
     def __init__(self, max_idle_bytes: int = 256 << 20):
-        self._idle: dict[int, list[bytearray]] = {}
+        self._idle: dict[int, list[mmap.mmap]] = {}
         self._idle_bytes = 0
         self.max_idle_bytes = max_idle_bytes
         self._lock = threading.Lock()  # arrays may die (and give back) in worker threads
@@ -39,14 +44,14 @@ class ReceiveBufferPool:
             if backing is not None:
                 self._idle_bytes -= nbytes
         if backing is None:
-            backing = bytearray(nbytes)
+            backing = mmap.mmap(-1, nbytes)  # committed page by page as it is written
         flat = np.frombuffer(backing, dtype=dtype, count=count)
         # Every view of `flat` (the reshape below, slices of it, torch.from_numpy) has `flat` as its
         # base, so `flat` dies only when nothing can see the buffer anymore.
         weakref.finalize(flat, self._give_back, backing)
         return flat.reshape(shape)
 
-    def _give_back(self, backing: bytearray) -> None:
+    def _give_back(self, backing: mmap.mmap) -> None:
         n = len(backing)
         with self._lock:
             if self._idle_bytes + n <= self.max_idle_bytes and len(self._idle.get(n, ())) < 2:

@@ -8,7 +8,12 @@ get right about such a group lives here, once:
   sending is cut short (a deadline, a closed session, the exchange failing elsewhere), it calls off the
   tensors it had not begun as well (the one cut short calls itself off: `Session.send_tensor`), so the
   receiver does not hold a slot for each and wait out its deadline.
-* The receiver (`IncomingGroup`) checks every tensor against the spec it expects (name, dtype, shape):
+* The sender writes the message that names the streams before the first tensor frame (`send(after=...)`,
+  set by `Session.request(sent=...)` / `send_message(sent=...)`): the receiver allocates memory only for
+  streams it was told of, so tensors racing ahead of their announcement would wait at the receiver.
+* The receiver (`IncomingGroup`) registers the streams it expects, with their specs, as soon as it learns
+  them (`Session.expect`): only then may a header allocate, and a header that contradicts its spec is
+  refused before any allocation. It also checks every tensor against the spec it expects (name, dtype, shape):
   the peer chose the headers, and a tensor of another shape must not reach a model. A group it will not
   read (refused, aborted, failed part-way) it discards: the streams it has not read are dropped as their
   chunks arrive, and the ones it did read are already released, so nothing is left behind either way.
@@ -19,6 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import trio
+
+from peer.session.streams import SpecMismatch, spec_mismatch
 from protocol.errors import ProtocolError
 from protocol.schema.gossip import TensorSpec
 
@@ -31,10 +39,13 @@ class OutgoingGroup:
         self.specs = list(specs)
         self.streams = [session.new_stream_id() for _ in self.specs]
 
-    async def send(self, arrays: Sequence[Any], *, codec: str = "raw") -> None:
-        """Stream `arrays` (one per spec, in order). Cut short, the tensors not begun are called off too."""
+    async def send(self, arrays: Sequence[Any], *, codec: str = "raw", after: trio.Event | None = None) -> None:
+        """Stream `arrays` (one per spec, in order), once `after` is set (the message naming the streams
+        is written, when it is sent concurrently). Cut short, the tensors not begun are called off too."""
         if len(arrays) != len(self.specs):
             raise ValueError(f"{len(arrays)} tensors for a group of {len(self.specs)}")
+        if after is not None:
+            await after.wait()
         for i, (spec, array, stream) in enumerate(zip(self.specs, arrays, self.streams)):
             try:
                 await self.session.send_tensor(spec.name, array, codec=codec, stream=stream)
@@ -46,8 +57,10 @@ class OutgoingGroup:
 class IncomingGroup:
     """Tensors a peer announced it sends us as a group: `streams[i]` must carry a tensor matching `specs[i]`.
 
-    The stream ids come from the peer; the specs are ours. Either `receive` it or `discard` it (or both:
-    after a failed `receive`, `discard` drops the streams it did not get to).
+    The stream ids come from the peer; the specs are ours. Created as soon as the announcing message is
+    read, it registers what it expects (nothing if the peer named another number of streams than we
+    expect tensors: `receive` refuses that). Either `receive` it or `discard` it (or both: after a failed
+    `receive`, `discard` drops the streams it did not get to).
     """
 
     def __init__(self, session, streams: Sequence[int], specs: Sequence[TensorSpec], *, as_torch: bool = False):
@@ -56,6 +69,12 @@ class IncomingGroup:
         self.specs = list(specs)
         self.as_torch = as_torch
         self._taken = 0  # streams[:_taken] the session already released or marked (receive_tensor does either)
+        if len(self.streams) == len(self.specs):
+            try:
+                for stream, spec in zip(self.streams, self.specs):
+                    session.expect(stream, spec)
+            except ProtocolError:
+                pass  # the open-stream table is full: `receive` fails at that stream (expecting it again)
 
     async def receive(self, *, timeout: float) -> list[Any]:
         """Every tensor of the group, in order, as numpy arrays (torch tensors with `as_torch`).
@@ -72,8 +91,12 @@ class IncomingGroup:
         out = []
         for i, (spec, stream) in enumerate(zip(self.specs, self.streams)):
             self._taken = i + 1  # from here on receive_tensor releases the stream, or marks it discarded
-            tensor = await self.session.receive_tensor(stream, timeout=timeout)
-            check_spec(spec, tensor, where=f"tensor {i + 1} of {n} on stream {stream}")
+            where = f"tensor {i + 1} of {n} on stream {stream}"
+            try:
+                tensor = await self.session.receive_tensor(stream, timeout=timeout)
+            except SpecMismatch as exc:  # refused from its header, before any allocation
+                raise ProtocolError(f"{where}: {exc}") from None
+            check_spec(spec, tensor, where=where)
             out.append(tensor.to_torch() if self.as_torch else tensor.array)
         return out
 
@@ -85,7 +108,6 @@ class IncomingGroup:
 
 def check_spec(spec: TensorSpec, tensor, *, where: str) -> None:
     """Raise ProtocolError unless a received tensor has the expected name, dtype and shape."""
-    shape = list(tensor.array.shape)
-    if tensor.name != spec.name or tensor.dtype != spec.dtype or shape != list(spec.shape):
-        raise ProtocolError(f"{where}: tensor {str(tensor.name)[:64]!r} {tensor.dtype}{shape} does not match "
-                            f"{spec.name!r} {spec.dtype}{list(spec.shape)}")
+    mismatch = spec_mismatch(spec, tensor.name, tensor.dtype, tensor.array.shape)
+    if mismatch:
+        raise ProtocolError(f"{where}: {mismatch}")

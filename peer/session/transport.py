@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 import trio
 
-from peer.session.streams import IncomingStreams, Pending
+from peer.session.inbox import Inbox
+from peer.session.streams import IncomingStreams, Pending, TensorBudget
 from protocol.cipher import CIPHERS, NullCipher
 from protocol.errors import HandshakeError, ProtocolError
 from protocol.frames import KIND_CHUNK, KIND_MESSAGE, FrameReader, FrameWriter
@@ -58,6 +59,12 @@ class TransportConfig:
     # Benchmark baseline only: after a normal authenticated handshake, send frames unencrypted.
     # Never set by the daemon; both ends must set it. See protocol.cipher.NullCipher.
     insecure_plaintext_for_benchmark: bool = False
+    # Tensor bytes in flight across every session made with this config (one per daemon); from `limits`.
+    tensor_budget: TensorBudget | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_budget is None:
+            object.__setattr__(self, "tensor_budget", TensorBudget.for_limits(self.limits))
 
 
 @dataclass
@@ -82,8 +89,8 @@ class Session:
     """One authenticated, encrypted connection to one peer.
 
     The owner must run `run()` in a nursery; it reads frames until the connection ends and then fails
-    every waiter with `SessionClosed`. Non-reply messages arrive on `incoming` (bounded: a slow consumer
-    pauses reading, which backpressures the remote over TCP).
+    every waiter with `SessionClosed`. Non-reply messages arrive on `incoming` (bounded in count and
+    decoded bytes: a slow consumer pauses reading, which backpressures the remote over TCP).
     """
 
     def __init__(self, stream: trio.SocketStream, *, result, cfg: TransportConfig, initiator: bool, remote_addr: tuple[str, int]):
@@ -112,8 +119,8 @@ class Session:
         self._rids = itertools.count(1)
         self._streams_out = itertools.count(1)
         self._requests: dict[int, Pending] = {}
-        self._streams = IncomingStreams(limits, self.stats, self.short)  # tensors being received, by stream id
-        self._incoming_send, self.incoming = trio.open_memory_channel[Envelope](limits.max_queued_messages)
+        self._streams = IncomingStreams(limits, self.stats, self.short, cfg.tensor_budget)  # by stream id
+        self.incoming = Inbox(limits)  # messages for the application, bounded by count and bytes
         self.closed = trio.Event()
         self.close_reason: str = ""
 
@@ -158,23 +165,29 @@ class Session:
             self._unsent = bytes(view)
             raise
 
-    async def send_message(self, message: Any, *, rid: int = 0, reply_to: int = 0) -> None:
+    async def send_message(self, message: Any, *, rid: int = 0, reply_to: int = 0, sent: trio.Event | None = None) -> None:
+        """Send one message; `sent` is set once it is written (a group's tensors wait for the message
+        that announces them: the receiver allocates only for streams it was told of)."""
         data = self.cfg.registry.encode(message, rid=rid, reply_to=reply_to)
         await self._send_frame(KIND_MESSAGE, 0, data)
         self.stats.messages_out += 1
+        if sent is not None:
+            sent.set()
 
     def new_request_id(self) -> int:
         """A request id for `request(rid=...)`, for a caller that must name the request later (say, to
         call it off) even if it gives up before the reply."""
         return next(self._rids)
 
-    async def request(self, message: Any, *, timeout: float, rid: int | None = None) -> Envelope:
-        """Send `message` and wait for the reply that names its request id (TooSlowError on timeout)."""
+    async def request(self, message: Any, *, timeout: float, rid: int | None = None,
+                      sent: trio.Event | None = None) -> Envelope:
+        """Send `message` and wait for the reply that names its request id (TooSlowError on timeout);
+        `sent` as in `send_message`."""
         rid = next(self._rids) if rid is None else rid
         pending = self._requests[rid] = Pending()
         try:
             with trio.fail_after(timeout):
-                await self.send_message(message, rid=rid)
+                await self.send_message(message, rid=rid, sent=sent)
                 return await pending.wait()
         finally:
             self._requests.pop(rid, None)
@@ -232,6 +245,11 @@ class Session:
         """
         return await self._streams.receive(stream, timeout=timeout)
 
+    def expect(self, stream: int, spec: Any = None) -> None:
+        """We will read `stream`, a tensor matching `spec` (a TensorSpec) if given: only then may its header
+        allocate memory (peer.session.streams). `receive_tensor` expects its stream too."""
+        self._streams.expect(stream, spec)
+
     def discard(self, streams) -> None:
         """Nobody will read these streams (a refused or failed exchange): drop them as they complete."""
         self._streams.discard(streams)
@@ -262,11 +280,16 @@ class Session:
                 if frame.kind == KIND_MESSAGE:
                     await self._on_message(frame.open())
                 elif frame.kind == KIND_CHUNK:
-                    self._streams.on_chunk(frame)
+                    await self._streams.on_chunk(frame)
                 else:  # the reader already rejects unknown kinds; keep the invariant explicit
                     raise ProtocolError(f"unexpected frame kind {frame.kind}")
             view = reader.want()
-            n = await sock.recv_into(view)
+            n = -1
+            with trio.move_on_at(self._streams.next_deadline()):  # a header nobody asks for has a lifetime
+                n = await sock.recv_into(view)
+            if n < 0:
+                self._streams.expire()
+                continue
             reader.got(n)
             if n == 0:
                 return
@@ -290,10 +313,7 @@ class Session:
             else:
                 log.debug("late reply %d from %s ignored", env.reply_to, self.short)
             return
-        try:
-            self._incoming_send.send_nowait(env)
-        except trio.WouldBlock:
-            await self._incoming_send.send(env)  # backpressure: stop reading until the consumer catches up
+        await self.incoming.put(env)  # when full, reading stops until the consumer catches up (backpressure)
 
     # ---- closing ----------------------------------------------------------------------------------
     def _mark_closed(self, reason: str) -> None:
@@ -305,7 +325,7 @@ class Session:
         for p in self._requests.values():
             p.fail(err)
         self._streams.fail_all(err)
-        self._incoming_send.close()
+        self.incoming.close()
 
     async def aclose(self, reason: str = "closed locally") -> None:
         """Close now; the reader task ends and every waiter sees SessionClosed(reason)."""
