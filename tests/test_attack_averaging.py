@@ -119,6 +119,7 @@ def test_accepted_exchanges_left_to_lapse_are_freed_in_bounded_time_and_get_the_
                 msg, _ours = offer(s)  # our tensor never follows, and we never commit
                 reply = await s.request(msg, timeout=10)
                 assert isinstance(reply.message, AverageAccept), reply.message
+                s.discard(reply.message.streams)  # their tensors come; a session refuses streams nobody expects
                 t0 = trio.current_time()
                 with trio.fail_after(hold + LOAD_MARGIN_S):
                     while (await status(victim))["gossip"]["lapsed"].get(me, 0) <= i:

@@ -48,8 +48,12 @@ def test_more_unsolicited_headers_than_the_allowance_close_the_session_at_once()
 def test_a_header_that_arrives_before_its_expectation_waits_and_is_received():
     async def body(a, b):
         t = np.arange(1 << 20, dtype=np.float32)
-        await a.send_tensor("w", t, stream=5)  # header and chunks before the receiver knows of stream 5
-        got = await IncomingGroup(b, [5], [TensorSpec("w", "float32", [1 << 20])]).receive(timeout=5)
+        async with trio.open_nursery() as n:
+            # header and chunks go out before the receiver knows of stream 5 (the send itself may wait:
+            # a chunk for a parked stream holds the reader, so 4 MiB need not fit the socket buffers)
+            n.start_soon(lambda: a.send_tensor("w", t, stream=5))
+            await until(lambda: 5 in b._streams and b._streams[5].parked is not None, 5)
+            got = await IncomingGroup(b, [5], [TensorSpec("w", "float32", [1 << 20])]).receive(timeout=5)
         assert np.array_equal(got[0], t) and not b.closed.is_set()
     in_pair(body)
 
