@@ -37,6 +37,13 @@ from protocol.tensor_codec import DecodedTensor, TensorEncoder
 
 log = logging.getLogger("peertrain.transport")
 
+SEND_TIMEOUT = 60.0
+"""Seconds one frame may take to write before its session is closed ("peer stopped reading"), unless the
+session's owner sets `Session.send_timeout` (membership sets it to `dead_after`: liveness is its call).
+Why a deadline: without one, a peer that stops reading blocks every sender on that session forever (the
+send lock is held by the stuck frame). 60 s lets a 4 MiB frame, the largest the limits allow, through a
+0.6 Mbit/s link; a peer slower than that is of no use to training."""
+
 
 class SessionClosed(Exception):
     """The session ended (remote closed, protocol error, or we closed it) while we waited on it."""
@@ -115,6 +122,7 @@ class Session:
         if result.leftover:
             self._reader.feed(result.leftover)
         self._send_lock = trio.Lock()
+        self.send_timeout = SEND_TIMEOUT  # one frame's write; see SEND_TIMEOUT
         self._unsent = b""  # the tail of a sealed frame whose sender was cancelled mid-write
         self._rids = itertools.count(1)
         self._streams_out = itertools.count(1)
@@ -137,15 +145,23 @@ class Session:
         if self.closed.is_set():
             raise SessionClosed(self.close_reason or "session closed")
         async with self._send_lock:
+            if self.closed.is_set():  # closed while we waited for the lock (say, a stuck frame's deadline)
+                raise SessionClosed(self.close_reason or "session closed")
             try:
-                if self._unsent:
-                    tail, self._unsent = self._unsent, b""
-                    await self._write(memoryview(tail))
-                view = self._writer.seal(kind, stream, payload)
-                await self._write(view)
+                with trio.move_on_after(self.send_timeout) as deadline:
+                    if self._unsent:
+                        tail, self._unsent = self._unsent, b""
+                        await self._write(memoryview(tail))
+                    view = self._writer.seal(kind, stream, payload)
+                    await self._write(view)
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 self._mark_closed(f"send failed: {exc}")
                 raise SessionClosed(self.close_reason) from exc
+            if deadline.cancelled_caught:
+                reason = f"peer stopped reading: a frame was not taken within {self.send_timeout:.1f}s"
+                log.warning("closing session with %s: %s", self.short, reason)
+                await self.aclose(reason)
+                raise SessionClosed(reason)
 
     async def _write(self, view: memoryview) -> None:
         """Write a sealed frame whole, even if our caller is cancelled part-way.
@@ -336,6 +352,63 @@ class Session:
     @property
     def idle_for(self) -> float:
         return trio.current_time() - self.stats.last_recv
+
+
+async def send_to_each(sessions, *messages: Any) -> None:
+    """Send `messages`, in order, to every session at once; a closed session is skipped.
+
+    Why concurrent: a broadcast (topology records, peer exchange) that sent to one session after another
+    waited on each, so one peer that stopped reading stalled it for everyone. Here each session's sends
+    run in their own task, and the slowest is bounded by its send deadline, after which its session is
+    closed (drop-session, not a queue: these messages are periodic snapshots that the next round
+    supersedes, so nothing is worth queueing for a peer that cannot take one in time). At most one task
+    per session, and sessions are bounded by `max_connections`.
+    """
+    async def one(session: Session) -> None:
+        try:
+            for message in messages:
+                await session.send_message(message)
+        except SessionClosed:
+            pass
+
+    async with trio.open_nursery() as nursery:
+        for session in sessions:
+            nursery.start_soon(one, session)
+
+
+class Fanout:
+    """Periodic snapshots (topology records, peer exchange) to many sessions, waiting on none of them.
+
+    Each `send` starts one task per session in the owner's nursery and returns at once. A session whose
+    previous snapshot is still being written is skipped this round (it gets the next, newer one): an
+    outbox of one per session, dropping the newest, because a snapshot supersedes the last and nothing
+    is worth queueing for a peer that is behind. A peer that takes nothing is closed by its send
+    deadline (drop-session). So there is at most one task per session, bounded by `max_connections`.
+    """
+
+    def __init__(self) -> None:
+        self._busy: set[Session] = set()
+
+    def send(self, nursery: trio.Nursery, sessions, *messages: Any) -> int:
+        """Start sending `messages` to each session that is not still busy; how many were skipped."""
+        skipped = 0
+        for session in sessions:
+            if session in self._busy:
+                skipped += 1
+                continue
+            if not session.closed.is_set():
+                self._busy.add(session)
+                nursery.start_soon(self._one, session, messages)
+        return skipped
+
+    async def _one(self, session: Session, messages: tuple) -> None:
+        try:
+            for message in messages:
+                await session.send_message(message)
+        except SessionClosed:
+            pass
+        finally:
+            self._busy.discard(session)
 
 
 # ---- establishing sessions ----------------------------------------------------------------------------
