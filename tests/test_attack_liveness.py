@@ -47,8 +47,9 @@ async def wait_dropped(d, peer_id: str, timeout: float) -> dict:
             await trio.sleep(0.1)
 
 
-def start_victim(cluster, tmp_path):
-    d = cluster.start("victim", config=write_config(tmp_path / "c.toml", swarm_config(swarm=unique_swarm(), mdns=False)))
+def start_victim(cluster, tmp_path, **membership):
+    cfg = swarm_config(swarm=unique_swarm(), mdns=False, membership=membership)
+    d = cluster.start("victim", config=write_config(tmp_path / "c.toml", cfg))
     return d, d.wait_ready()
 
 
@@ -109,3 +110,25 @@ def test_an_honest_peer_gets_records_on_time_while_a_peer_stops_reading(cluster,
     record_interval = 2.0  # [topology] record_interval's default; a round comes every 0.8-1.2 of it
     assert max(out["gaps"]) < 1.2 * record_interval + 1.5, f"records to the honest peer stalled: gaps {out['gaps']}"
     assert out["honest"]["state"] == "connected" and d.running
+
+
+def test_50_silent_connections_do_not_keep_an_honest_peer_out(cluster, tmp_path):
+    """Slowloris from 127.0.0.1: 50 TCP connections that never start a handshake. Handshakes have their
+    own slots and the oldest is dropped for a newcomer, so an honest peer gets in at once, not after the
+    silent ones time out (they once filled all 16 of the victim's connection slots, and an honest peer
+    was refused)."""
+    d, status = start_victim(cluster, tmp_path, max_connections=16, handshake_timeout=30.0)
+    port = int(str(status["listen"]).rsplit(":", 1)[1])
+    took: list[float] = []
+
+    async def attack() -> None:
+        silent = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(50)]
+        t0 = trio.current_time()
+        async with attacker_session(status) as honest:
+            took.append(trio.current_time() - t0)
+            assert isinstance((await honest.request(Ping(sent=1.0), timeout=10)).message, Pong)
+        for s in silent:
+            await s.aclose()
+    trio.run(attack)
+    assert took[0] < 2.0, f"the honest peer waited {took[0]:.1f}s behind silent connections"
+    assert d.running

@@ -455,11 +455,19 @@ async def dial(host: str, port: int, cfg: TransportConfig, *, expected_peer_id: 
     return Session(stream, result=result, cfg=cfg, initiator=True, remote_addr=(host, port))
 
 
+MAX_HANDSHAKES = 16
+"""Inbound handshakes in progress at once, apart from the session slots (`max_connections`). When full,
+the oldest is dropped for the newcomer: connections that never finish a handshake (slowloris) then only
+push out each other, while an honest handshake, which takes milliseconds, is done long before 16 newer
+connections arrive. 16 also admits a burst of peers joining at once."""
+
+
 @dataclass
 class ListenerStats:
     accepted: int = 0
     refused: int = 0
     handshake_failures: int = 0
+    handshakes_evicted: int = 0  # the oldest handshake dropped for a newer connection (MAX_HANDSHAKES)
     per_ip: dict[str, int] = field(default_factory=dict)
 
 
@@ -477,16 +485,18 @@ async def open_listeners(host: str, port: int) -> tuple[list[trio.SocketListener
 
 async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_session: Callable[[Session], Any], *,
                 max_connections: int = 64, max_connections_per_ip: int = 16,
-                stats: ListenerStats | None = None,
+                max_handshakes: int = MAX_HANDSHAKES, stats: ListenerStats | None = None,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept connections, handshake each under a deadline, hand sessions to `on_session`.
 
     `on_session(session)` is awaited in the connection's own task and owns the session until it
     returns (then the session is closed). One misbehaving connection never affects the listener or
-    other connections: limits are checked before the handshake, and the handshake has a deadline.
+    other connections: session limits are checked before the handshake (and counted once it is done),
+    handshakes have their own slots (`max_handshakes`, oldest evicted when full) and a deadline.
     """
     stats = stats if stats is not None else ListenerStats()
-    active = 0
+    active = 0  # sessions
+    handshaking: dict[trio.CancelScope, None] = {}  # in the order they started
 
     async def handle(stream: trio.SocketStream) -> None:
         nonlocal active
@@ -502,20 +512,41 @@ async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_s
                         ip, active, stats.per_ip.get(ip, 0))
             await stream.aclose()
             return
+        if len(handshaking) >= max_handshakes:
+            stats.handshakes_evicted += 1
+            oldest = next(iter(handshaking))
+            del handshaking[oldest]
+            oldest.cancel()
+        scope = trio.CancelScope()
+        handshaking[scope] = None
+        result = None
+        try:
+            with scope:
+                result = await _run_handshake(stream, _handshake_for(cfg, initiator=False, expected_peer_id=None, observed=ip),
+                                              cfg.handshake_timeout)
+        except trio.TooSlowError:
+            log.warning("handshake from %s:%d timed out after %.1fs; dropped", remote[0], remote[1], cfg.handshake_timeout)
+        except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
+            log.warning("handshake from %s:%d failed: %s", remote[0], remote[1], exc)
+        finally:
+            handshaking.pop(scope, None)
+        if result is None:
+            stats.handshake_failures += 1
+            if scope.cancelled_caught:
+                log.warning("handshake from %s:%d dropped for a newer connection (%d in progress)",
+                            remote[0], remote[1], max_handshakes)
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            return
+        if active >= max_connections or stats.per_ip.get(ip, 0) >= max_connections_per_ip:  # filled meanwhile
+            stats.refused += 1
+            log.warning("refusing session from %s: connection limit reached", ip)
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            return
         active += 1
         stats.per_ip[ip] = stats.per_ip.get(ip, 0) + 1
         try:
-            try:
-                result = await _run_handshake(stream, _handshake_for(cfg, initiator=False, expected_peer_id=None, observed=ip),
-                                              cfg.handshake_timeout)
-            except trio.TooSlowError:
-                stats.handshake_failures += 1
-                log.warning("handshake from %s:%d timed out after %.1fs; dropped", remote[0], remote[1], cfg.handshake_timeout)
-                return
-            except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
-                stats.handshake_failures += 1
-                log.warning("handshake from %s:%d failed: %s", remote[0], remote[1], exc)
-                return
             stats.accepted += 1
             session = Session(stream, result=result, cfg=cfg, initiator=False, remote_addr=remote)
             await on_session(session)
