@@ -451,3 +451,50 @@ def test_together_raises_the_first_failure_even_when_several_tasks_fail():
         with pytest.raises(ValueError):
             await together(lambda: fail(ValueError("only one")), trio.sleep_forever)
     trio.run(main)
+
+
+def test_a_send_to_a_peer_that_stopped_reading_closes_the_session_by_its_deadline():
+    """The server never reads its session; our frames fill the buffers, and the one that cannot be
+    written within `send_timeout` closes the session with the reason, instead of blocking forever."""
+    async def main():
+        async with trio.open_nursery() as n:
+            listeners, (_, port) = await open_listeners("127.0.0.1", 0)
+            n.start_soon(lambda: serve(listeners, tcfg(), lambda s: trio.sleep_forever()))
+            s = await dial("127.0.0.1", port, tcfg())
+            s.send_timeout = 0.5
+            n.start_soon(s.run)
+            t0 = trio.current_time()
+            with pytest.raises(SessionClosed, match="stopped reading"):
+                with trio.fail_after(30):
+                    while True:  # 1 MiB tensors, none ever read
+                        await s.send_tensor("t", np.zeros(1 << 18, dtype=np.float32))
+            assert s.closed.is_set() and trio.current_time() - t0 < 30
+            n.cancel_scope.cancel()
+    trio.run(main)
+
+
+def test_fanout_waits_on_no_session_and_skips_a_busy_one():
+    async def main():
+        from peer.session.transport import Fanout
+        async with trio.open_nursery() as n:
+            listeners, (_, port) = await open_listeners("127.0.0.1", 0)
+            got: list[str] = []
+
+            async def collect(s):
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(s.run)
+                    async for env in s.incoming:
+                        got.append(type(env.message).__name__)
+            n.start_soon(lambda: serve(listeners, tcfg(), collect))
+            a = await dial("127.0.0.1", port, tcfg())
+            n.start_soon(a.run)
+            fan = Fanout()
+            fan._busy.add(a)  # a previous snapshot still being written to it
+            assert fan.send(n, [a], Ping(sent=1.0)) == 1
+            fan._busy.clear()
+            assert fan.send(n, [a], Ping(sent=2.0)) == 0  # returns at once; the send runs in n
+            with trio.fail_after(5):
+                while got != ["Ping"]:
+                    await trio.sleep(0.01)
+            n.cancel_scope.cancel()
+    trio.run(main)

@@ -4,7 +4,8 @@ Peers are learned from mDNS, `--join` addresses, peer exchange (signed records t
 and inbound connections. Membership dials them with exponential backoff and jitter, keeps exactly one
 session per pair (when both sides dial at once, both keep the session *initiated by the smaller peer
 ID* and close the other, so they always agree), pings every session, and marks a peer dead when its
-session ends or it stays silent past `dead_after`.
+session ends or its pongs stop for `dead_after` (replies, not just any bytes: a peer that sends but does
+not read is dead too); a frame it does not take within `dead_after` closes its session as well.
 
 Ownership: `run()` owns the dialer, the peer-exchange loop and (through `own_session`) every session's
 reader, heartbeat and dispatcher tasks. Cancelling `run()` closes them all.
@@ -23,7 +24,7 @@ import trio
 
 from peer.config import Config
 from peer.session.router import Router
-from peer.session.transport import Session, SessionClosed, TransportConfig, dial
+from peer.session.transport import Session, SessionClosed, TransportConfig, dial, Fanout, send_to_each
 from protocol import identity as ident
 from protocol.errors import HandshakeError, ProtocolError
 from protocol.schema import Goodbye, PeerExchange, PeerRecord, Ping, Pong, peer_record_signing_bytes
@@ -132,6 +133,7 @@ class Membership:
         self.private_addresses = config.discovery.private_addresses
         self.host_backoff: dict[str, HostBackoff] = {}  # at most MAX_PEERS hosts
         self._nursery: trio.Nursery | None = None
+        self._pex_fanout = Fanout()
         self._wake = trio.Event()
         self._leaving = False
         self._watchers: list[Callable[[str, Session | None], None]] = []
@@ -345,6 +347,7 @@ class Membership:
                 return
             await info.session.aclose("duplicate session")
         info.session = session
+        session.send_timeout = self.cfg.dead_after  # a peer that takes no frame for this long is as dead as a silent one
         info.state = "connected"
         info.failures = 0
         info.dead_reason = ""
@@ -405,23 +408,34 @@ class Membership:
             await self.router.dispatch(session, env)
 
     async def _heartbeat(self, session: Session, info: PeerInfo) -> None:
-        """Ping on a fixed interval; silence past `dead_after` closes the session (the peer is dead)."""
+        """Ping on a fixed interval; no pong for `dead_after` closes the session (the peer is dead).
+
+        Pongs, not received bytes: a peer that keeps sending but never reads our pings (or never answers
+        them) once counted as alive and stalled everything we sent it."""
+        dead_after = self.cfg.dead_after
+        last_pong = trio.current_time()
         while True:
             await trio.sleep(self.cfg.heartbeat_interval)
             t0 = trio.current_time()
-            try:
-                await session.request(Ping(sent=time.time()), timeout=self.cfg.dead_after)
-            except trio.TooSlowError:
-                pass
-            except SessionClosed:
+            wait = last_pong + dead_after - t0
+            if wait > 0:
+                try:
+                    await session.request(Ping(sent=time.time()), timeout=wait)
+                except trio.TooSlowError:
+                    pass
+                except SessionClosed:
+                    return
+                else:
+                    last_pong = trio.current_time()
+                    rtt = last_pong - t0
+                    info.rtt = rtt if info.rtt is None else 0.8 * info.rtt + 0.2 * rtt
+                    info.last_seen = time.time()
+            silent = trio.current_time() - last_pong
+            if silent >= dead_after:
+                reason = f"no heartbeat reply for {silent:.1f}s (dead_after={dead_after}s)"
+                log.warning("closing session with %s: %s", session.short, reason)
+                await session.aclose(reason)
                 return
-            else:
-                rtt = trio.current_time() - t0
-                info.rtt = rtt if info.rtt is None else 0.8 * info.rtt + 0.2 * rtt
-            if session.idle_for > self.cfg.dead_after:
-                await session.aclose(f"silent for {session.idle_for:.1f}s (dead_after={self.cfg.dead_after}s)")
-                return
-            info.last_seen = time.time() - session.idle_for
 
     async def _on_ping(self, session: Session, env) -> None:
         await session.reply(env, Pong(echo=env.message.sent))
@@ -446,8 +460,8 @@ class Membership:
     async def _pex_loop(self) -> None:
         while True:
             await trio.sleep(self.cfg.pex_interval * random.uniform(0.8, 1.2))
-            for s in list(self.connected().values()):
-                await self._send_pex(s)
+            assert self._nursery is not None  # to every session at once, waiting on none (Fanout)
+            self._pex_fanout.send(self._nursery, list(self.connected().values()), PeerExchange(peers=self._pex_records()))
 
     async def _on_pex(self, session: Session, env) -> None:
         for rec in env.message.peers:
@@ -466,8 +480,4 @@ class Membership:
     async def say_goodbye(self, reason: str) -> None:
         """Tell every peer we are leaving (best effort, bounded), so they don't wait for a timeout."""
         with trio.move_on_after(1.0):
-            for s in list(self.connected().values()):
-                try:
-                    await s.send_message(Goodbye(reason=reason))
-                except SessionClosed:
-                    pass
+            await send_to_each(list(self.connected().values()), Goodbye(reason=reason))

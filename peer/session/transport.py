@@ -37,6 +37,13 @@ from protocol.tensor_codec import DecodedTensor, TensorEncoder
 
 log = logging.getLogger("peertrain.transport")
 
+SEND_TIMEOUT = 60.0
+"""Seconds one frame may take to write before its session is closed ("peer stopped reading"), unless the
+session's owner sets `Session.send_timeout` (membership sets it to `dead_after`: liveness is its call).
+Why a deadline: without one, a peer that stops reading blocks every sender on that session forever (the
+send lock is held by the stuck frame). 60 s lets a 4 MiB frame, the largest the limits allow, through a
+0.6 Mbit/s link; a peer slower than that is of no use to training."""
+
 
 class SessionClosed(Exception):
     """The session ended (remote closed, protocol error, or we closed it) while we waited on it."""
@@ -115,6 +122,7 @@ class Session:
         if result.leftover:
             self._reader.feed(result.leftover)
         self._send_lock = trio.Lock()
+        self.send_timeout = SEND_TIMEOUT  # one frame's write; see SEND_TIMEOUT
         self._unsent = b""  # the tail of a sealed frame whose sender was cancelled mid-write
         self._rids = itertools.count(1)
         self._streams_out = itertools.count(1)
@@ -137,15 +145,23 @@ class Session:
         if self.closed.is_set():
             raise SessionClosed(self.close_reason or "session closed")
         async with self._send_lock:
+            if self.closed.is_set():  # closed while we waited for the lock (say, a stuck frame's deadline)
+                raise SessionClosed(self.close_reason or "session closed")
             try:
-                if self._unsent:
-                    tail, self._unsent = self._unsent, b""
-                    await self._write(memoryview(tail))
-                view = self._writer.seal(kind, stream, payload)
-                await self._write(view)
+                with trio.move_on_after(self.send_timeout) as deadline:
+                    if self._unsent:
+                        tail, self._unsent = self._unsent, b""
+                        await self._write(memoryview(tail))
+                    view = self._writer.seal(kind, stream, payload)
+                    await self._write(view)
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 self._mark_closed(f"send failed: {exc}")
                 raise SessionClosed(self.close_reason) from exc
+            if deadline.cancelled_caught:
+                reason = f"peer stopped reading: a frame was not taken within {self.send_timeout:.1f}s"
+                log.warning("closing session with %s: %s", self.short, reason)
+                await self.aclose(reason)
+                raise SessionClosed(reason)
 
     async def _write(self, view: memoryview) -> None:
         """Write a sealed frame whole, even if our caller is cancelled part-way.
@@ -338,6 +354,63 @@ class Session:
         return trio.current_time() - self.stats.last_recv
 
 
+async def send_to_each(sessions, *messages: Any) -> None:
+    """Send `messages`, in order, to every session at once; a closed session is skipped.
+
+    Why concurrent: a broadcast (topology records, peer exchange) that sent to one session after another
+    waited on each, so one peer that stopped reading stalled it for everyone. Here each session's sends
+    run in their own task, and the slowest is bounded by its send deadline, after which its session is
+    closed (drop-session, not a queue: these messages are periodic snapshots that the next round
+    supersedes, so nothing is worth queueing for a peer that cannot take one in time). At most one task
+    per session, and sessions are bounded by `max_connections`.
+    """
+    async def one(session: Session) -> None:
+        try:
+            for message in messages:
+                await session.send_message(message)
+        except SessionClosed:
+            pass
+
+    async with trio.open_nursery() as nursery:
+        for session in sessions:
+            nursery.start_soon(one, session)
+
+
+class Fanout:
+    """Periodic snapshots (topology records, peer exchange) to many sessions, waiting on none of them.
+
+    Each `send` starts one task per session in the owner's nursery and returns at once. A session whose
+    previous snapshot is still being written is skipped this round (it gets the next, newer one): an
+    outbox of one per session, dropping the newest, because a snapshot supersedes the last and nothing
+    is worth queueing for a peer that is behind. A peer that takes nothing is closed by its send
+    deadline (drop-session). So there is at most one task per session, bounded by `max_connections`.
+    """
+
+    def __init__(self) -> None:
+        self._busy: set[Session] = set()
+
+    def send(self, nursery: trio.Nursery, sessions, *messages: Any) -> int:
+        """Start sending `messages` to each session that is not still busy; how many were skipped."""
+        skipped = 0
+        for session in sessions:
+            if session in self._busy:
+                skipped += 1
+                continue
+            if not session.closed.is_set():
+                self._busy.add(session)
+                nursery.start_soon(self._one, session, messages)
+        return skipped
+
+    async def _one(self, session: Session, messages: tuple) -> None:
+        try:
+            for message in messages:
+                await session.send_message(message)
+        except SessionClosed:
+            pass
+        finally:
+            self._busy.discard(session)
+
+
 # ---- establishing sessions ----------------------------------------------------------------------------
 
 async def _run_handshake(stream: trio.SocketStream, hs: Handshake, timeout: float):
@@ -382,11 +455,19 @@ async def dial(host: str, port: int, cfg: TransportConfig, *, expected_peer_id: 
     return Session(stream, result=result, cfg=cfg, initiator=True, remote_addr=(host, port))
 
 
+MAX_HANDSHAKES = 16
+"""Inbound handshakes in progress at once, apart from the session slots (`max_connections`). When full,
+the oldest is dropped for the newcomer: connections that never finish a handshake (slowloris) then only
+push out each other, while an honest handshake, which takes milliseconds, is done long before 16 newer
+connections arrive. 16 also admits a burst of peers joining at once."""
+
+
 @dataclass
 class ListenerStats:
     accepted: int = 0
     refused: int = 0
     handshake_failures: int = 0
+    handshakes_evicted: int = 0  # the oldest handshake dropped for a newer connection (MAX_HANDSHAKES)
     per_ip: dict[str, int] = field(default_factory=dict)
 
 
@@ -404,16 +485,18 @@ async def open_listeners(host: str, port: int) -> tuple[list[trio.SocketListener
 
 async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_session: Callable[[Session], Any], *,
                 max_connections: int = 64, max_connections_per_ip: int = 16,
-                stats: ListenerStats | None = None,
+                max_handshakes: int = MAX_HANDSHAKES, stats: ListenerStats | None = None,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept connections, handshake each under a deadline, hand sessions to `on_session`.
 
     `on_session(session)` is awaited in the connection's own task and owns the session until it
     returns (then the session is closed). One misbehaving connection never affects the listener or
-    other connections: limits are checked before the handshake, and the handshake has a deadline.
+    other connections: session limits are checked before the handshake (and counted once it is done),
+    handshakes have their own slots (`max_handshakes`, oldest evicted when full) and a deadline.
     """
     stats = stats if stats is not None else ListenerStats()
-    active = 0
+    active = 0  # sessions
+    handshaking: dict[trio.CancelScope, None] = {}  # in the order they started
 
     async def handle(stream: trio.SocketStream) -> None:
         nonlocal active
@@ -429,20 +512,41 @@ async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_s
                         ip, active, stats.per_ip.get(ip, 0))
             await stream.aclose()
             return
+        if len(handshaking) >= max_handshakes:
+            stats.handshakes_evicted += 1
+            oldest = next(iter(handshaking))
+            del handshaking[oldest]
+            oldest.cancel()
+        scope = trio.CancelScope()
+        handshaking[scope] = None
+        result = None
+        try:
+            with scope:
+                result = await _run_handshake(stream, _handshake_for(cfg, initiator=False, expected_peer_id=None, observed=ip),
+                                              cfg.handshake_timeout)
+        except trio.TooSlowError:
+            log.warning("handshake from %s:%d timed out after %.1fs; dropped", remote[0], remote[1], cfg.handshake_timeout)
+        except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
+            log.warning("handshake from %s:%d failed: %s", remote[0], remote[1], exc)
+        finally:
+            handshaking.pop(scope, None)
+        if result is None:
+            stats.handshake_failures += 1
+            if scope.cancelled_caught:
+                log.warning("handshake from %s:%d dropped for a newer connection (%d in progress)",
+                            remote[0], remote[1], max_handshakes)
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            return
+        if active >= max_connections or stats.per_ip.get(ip, 0) >= max_connections_per_ip:  # filled meanwhile
+            stats.refused += 1
+            log.warning("refusing session from %s: connection limit reached", ip)
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            return
         active += 1
         stats.per_ip[ip] = stats.per_ip.get(ip, 0) + 1
         try:
-            try:
-                result = await _run_handshake(stream, _handshake_for(cfg, initiator=False, expected_peer_id=None, observed=ip),
-                                              cfg.handshake_timeout)
-            except trio.TooSlowError:
-                stats.handshake_failures += 1
-                log.warning("handshake from %s:%d timed out after %.1fs; dropped", remote[0], remote[1], cfg.handshake_timeout)
-                return
-            except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
-                stats.handshake_failures += 1
-                log.warning("handshake from %s:%d failed: %s", remote[0], remote[1], exc)
-                return
             stats.accepted += 1
             session = Session(stream, result=result, cfg=cfg, initiator=False, remote_addr=remote)
             await on_session(session)

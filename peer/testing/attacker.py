@@ -27,16 +27,20 @@ def attacker_config(swarm: str, **kw) -> TransportConfig:
 
 
 @asynccontextmanager
-async def attacker_session(status: dict, *, host: str = "127.0.0.1", **config) -> AsyncIterator[Session]:
+async def attacker_session(status: dict, *, host: str = "127.0.0.1", reading: bool = True,
+                           **config) -> AsyncIterator[Session]:
     """A live session to the daemon whose `peer status --json` is `status`, as a fresh identity.
 
     The session's reader runs until the block ends (then the session is closed) or the daemon closes it
-    (then `session.closed` is set and sends raise SessionClosed)."""
+    (then `session.closed` is set and sends raise SessionClosed). With `reading=False` nothing reads the
+    socket at all (a peer that stopped reading): what the daemon sends piles up in the kernel's buffers,
+    and `session.closed` is set only when a send of ours fails."""
     port = int(str(status["listen"]).rsplit(":", 1)[1])
     cfg = attacker_config(status["swarm"], **config)
     session = await dial(host, port, cfg, expected_peer_id=status["peer_id"], connect_timeout=DIAL_TIMEOUT)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(session.run)
+        if reading:
+            nursery.start_soon(session.run)
         try:
             yield session
         finally:

@@ -27,7 +27,7 @@ from peer.topology.graph import GraphView, LinkEstimate, edge_key
 from peer.topology.links import LinkStats
 from peer.topology.mixing import graph_spectral_gap, metropolis_weight
 from peer.topology.rewire import RewireConfig, plan_move
-from peer.session.transport import SessionClosed
+from peer.session.transport import Fanout, SessionClosed
 from protocol import identity as ident
 from protocol.schema import DEFAULT_REGISTRY
 from protocol.schema.topology import (
@@ -76,6 +76,8 @@ class TopologyService:
         self.moves = 0
         self.rng = np.random.default_rng(int.from_bytes(self.me.encode()[:8], "little") ^ (time.time_ns() & 0xFFFF))
         self._changed = trio.Event()  # our record changed: broadcast it early
+        self._nursery: trio.Nursery | None = None  # run()'s, once started
+        self._fanout = Fanout()  # record broadcasts: one in flight per session
         self._others_moved = trio.Event()  # a peer came or went, or dropped our edge: maintain early
         r = daemon.router
         r.register(EdgePropose, self._on_propose)
@@ -132,6 +134,7 @@ class TopologyService:
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as n:
+            self._nursery = n  # owns the record sends (Fanout)
             n.start_soon(self._record_loop)
             n.start_soon(self._maintain_loop)
             n.start_soon(self._probe_loop)
@@ -203,13 +206,8 @@ class TopologyService:
         return [TopologyRecords(records=b) for b in batches if b]
 
     async def _broadcast(self) -> None:
-        msgs = self.broadcast_messages()
-        for s in list(self.membership.connected().values()):
-            try:
-                for msg in msgs:
-                    await s.send_message(msg)
-            except SessionClosed:
-                pass
+        # to every session at once, waiting on none: a peer that stops reading delays only itself (Fanout)
+        self._fanout.send(self._nursery, list(self.membership.connected().values()), *self.broadcast_messages())
 
     async def _on_records(self, session, env) -> None:
         # the schema bounded each record's fields and size at decode time (a bad one closed the session)
