@@ -20,8 +20,8 @@ from peer.control import call
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.testing.attacker import attacker_session
 from protocol.schema import Ping, Pong
-from protocol.schema.gossip import (AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsRequest,
-                                    TensorSpec)
+from protocol.schema.gossip import (AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsReply,
+                                    ParamsRequest, TensorSpec)
 from protocol.schema.session import ErrorReply
 from protocol.schema.topology import EdgeAccept, EdgeCommit, EdgePropose
 from tests.daemons import config_file, rank_env, unique_swarm, wait_for
@@ -98,6 +98,11 @@ def test_parameters_go_to_neighbours_only(cluster, tmp_path):
             assert isinstance(reply.message, ErrorReply) and reply.message.code == "not_neighbour", reply.message
             rejected = await s.request(offer(s)[0], timeout=10)
             assert isinstance(rejected.message, AverageReject) and "neighbour" in rejected.message.reason
+            await become_neighbour(s, victim)  # a neighbour gets the model (streamed from the engine's nursery)
+            reply = await s.request(ParamsRequest(group="vector"), timeout=10)
+            assert isinstance(reply.message, ParamsReply), reply.message
+            got = await IncomingGroup(s, reply.message.streams, SPECS).receive(timeout=10)
+            assert got[0].shape == (SIZE,) and np.isfinite(got[0]).all()
             n.cancel_scope.cancel()
     trio.run(attack)
     assert victim.status()["gossip"]["params_refused"] >= 1

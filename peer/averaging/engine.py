@@ -398,14 +398,34 @@ class GossipEngine:
             refusal = ("not_neighbour", "parameters are served to neighbours only")
         elif (banned := self.bans.banned(session.peer_id, trio.current_time())) is not None:
             refusal = ("banned", banned)
+        elif self._serving >= self.cfg.max_concurrent_exchanges:
+            refusal = ("busy", "serving as many transfers as it may; ask again later")
         if refusal is not None:
             self.stats.params_refused += 1
             await session.reply(env, ErrorReply(code=refusal[0], message=refusal[1]))
             return
-        own = await trio.to_thread.run_sync(group.snapshot)
-        ours = OutgoingGroup(session, group.specs)
-        await session.reply(env, ParamsReply(tensors=group.specs, streams=ours.streams, step=group.step))
-        await ours.send(own)
+        self._serving += 1  # a download counts against the same cap as the exchanges we serve
+        self._nursery.start_soon(self._serve_params, session, env, group)
+
+    async def _serve_params(self, session, env, group: SharedTensors) -> None:
+        """Stream a snapshot to the neighbour that asked, in the engine's nursery and under the exchange
+        deadline: from the session's dispatch task a slow downloader would hold that session's other
+        messages, its pings included, and get itself (or an honest peer) declared dead."""
+        own: list[Any] | None = None
+        try:
+            with trio.fail_after(self.cfg.exchange_timeout):
+                own = await trio.to_thread.run_sync(group.snapshot)
+                ours = OutgoingGroup(session, group.specs)
+                await session.reply(env, ParamsReply(tensors=group.specs, streams=ours.streams, step=group.step))
+                await ours.send(own)
+        except (trio.TooSlowError, SessionClosed) as exc:
+            log.info("parameters for %s not sent: %s", session.short, exc or "deadline passed")
+        except Exception:  # a bug here must not take the daemon down: this download just fails
+            log.exception("serving parameters to %s failed unexpectedly", session.short)
+        finally:
+            self._serving -= 1
+            if own is not None:
+                group.release(own)
 
     async def fetch_params(self, group_name: str, peer_id: str) -> tuple[list[Any], int] | None:
         """Download `peer_id`'s current tensors of a group (None if it has none or the deadline passes)."""
