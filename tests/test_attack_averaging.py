@@ -15,34 +15,25 @@ import pytest
 import trio
 
 from peer.averaging.bans import BAN_AFTER
-from peer.averaging.bounds import COMMIT_SLACK_S, hold_seconds
 from peer.control import call
-from peer.session.groups import IncomingGroup, OutgoingGroup
+from peer.session.groups import IncomingGroup
 from peer.testing.attacker import attacker_session
-from protocol.schema import Ping, Pong
-from protocol.schema.gossip import (AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsReply,
-                                    ParamsRequest, TensorSpec)
-from protocol.schema.session import ErrorReply
-from protocol.schema.topology import EdgeAccept, EdgeCommit, EdgePropose
-from tests.daemons import config_file, rank_env, unique_swarm, wait_for
+from peer.testing.attacks import (HOLD_S, LOAD_MARGIN_S, SIZE, SPECS, answer_pings, averaging_configs,
+                                  become_neighbour, run_scenario)
+from protocol.schema.gossip import ParamsReply, ParamsRequest
+from peer.testing.swarm import write_config
+from tests.daemons import rank_env, unique_swarm, wait_for
 
 pytestmark = pytest.mark.slow
 
-SIZE = 4096  # float32s: 16 KiB a side
-SPECS = [TensorSpec(name="x", dtype="float32", shape=[SIZE])]
-EXCHANGE_TIMEOUT = 3.0  # the victim's hold: min(this, hold_seconds(16 KiB)) + COMMIT_SLACK_S
-LOAD_MARGIN_S = 5.0  # a loaded 2-core machine's scheduling delay on top of the victim's own deadline
-
 
 def start_victim_and_honest(cluster, tmp_path):
-    common = dict(swarm=unique_swarm(), mdns=False, trainer="trainers.consensus",
-                  gossip={"exchange_timeout": EXCHANGE_TIMEOUT})
-    options = {"size": SIZE, "rounds": 0, "world": 2, "track_error": False}
-    victim = cluster.start("victim", config=config_file(tmp_path / "v.toml", **common,
-                                                         options={**options, "initiate": False}), env=rank_env(0, 2))
+    swarm = unique_swarm()
+    victim = cluster.start("victim", config=write_config(tmp_path / "v.toml", averaging_configs(swarm)),
+                           env=rank_env(0, 2))
     vs = victim.wait_ready()
-    honest = cluster.start("honest", config=config_file(tmp_path / "h.toml", **common, join=[vs["listen"]],
-                                                         options={**options, "interval": 0.05}), env=rank_env(1, 2))
+    honest = cluster.start("honest", config=write_config(tmp_path / "h.toml", averaging_configs(swarm, vs["listen"])),
+                           env=rank_env(1, 2))
     honest.wait_ready()
     wait_for(lambda: served(victim) > 0, timeout=60, what="the honest peer to average with the victim")
     return victim, victim.status()
@@ -56,90 +47,43 @@ def vector(d) -> np.ndarray:
     return np.frombuffer(call(d.home, "group_stats", {"values": True})["vector"]["values"][0], dtype=np.float32)
 
 
-async def answer_pings(session) -> None:
-    """What a live peer must do for the victim not to drop the session: answer heartbeats, drain the rest."""
-    async for env in session.incoming:
-        if isinstance(env.message, Ping):
-            await session.reply(env, Pong(echo=env.message.sent))
-
-
-async def become_neighbour(session, victim) -> None:
-    reply = await session.request(EdgePropose(degree=0), timeout=10)
-    assert isinstance(reply.message, EdgeAccept), reply.message
-    await session.send_message(EdgeCommit(proposal=reply.reply_to))
-    with trio.fail_after(20):
-        while not any(n["peer_id"] == my_id(session) for n in (await status(victim))["topology"]["neighbours"]):
-            await trio.sleep(0.2)
-
-
-def my_id(session) -> str:
-    from protocol.identity import peer_id_from_public_bytes, public_key_bytes
-
-    return peer_id_from_public_bytes(public_key_bytes(session.cfg.identity))
-
-
-async def status(d) -> dict:
-    return await trio.to_thread.run_sync(d.status)
-
-
-def offer(session, **kw) -> tuple[AverageOffer, OutgoingGroup]:
-    ours = OutgoingGroup(session, SPECS)
-    return AverageOffer(group="vector", tensors=SPECS, streams=ours.streams, max_weight=0.5, rule="metropolis",
-                        **kw), ours
-
-
 def test_parameters_go_to_neighbours_only(cluster, tmp_path):
     victim, vs = start_victim_and_honest(cluster, tmp_path)
+    obs = run_scenario("params_as_non_neighbour", vs)
+    assert obs.facts["params_reply"] == "ErrorReply: not_neighbour", obs
+    assert obs.facts["offer_reply"].startswith("AverageReject") and "neighbour" in obs.facts["offer_reply"], obs
+    assert victim.status()["gossip"]["params_refused"] >= 1
+    assert victim.running
 
-    async def attack() -> None:
+
+def test_a_neighbour_downloads_the_model(cluster, tmp_path):
+    """The refusal above is by role: once a neighbour, the same identity gets the model, streamed from the
+    engine's nursery (not the session's dispatch task, which must keep answering pings)."""
+    victim, vs = start_victim_and_honest(cluster, tmp_path)
+
+    async def download() -> None:
         async with attacker_session(vs) as s, trio.open_nursery() as n:
             n.start_soon(answer_pings, s)
-            reply = await s.request(ParamsRequest(group="vector"), timeout=10)
-            assert isinstance(reply.message, ErrorReply) and reply.message.code == "not_neighbour", reply.message
-            rejected = await s.request(offer(s)[0], timeout=10)
-            assert isinstance(rejected.message, AverageReject) and "neighbour" in rejected.message.reason
-            await become_neighbour(s, victim)  # a neighbour gets the model (streamed from the engine's nursery)
+            assert await become_neighbour(s, vs)
             reply = await s.request(ParamsRequest(group="vector"), timeout=10)
             assert isinstance(reply.message, ParamsReply), reply.message
             got = await IncomingGroup(s, reply.message.streams, SPECS).receive(timeout=10)
             assert got[0].shape == (SIZE,) and np.isfinite(got[0]).all()
             n.cancel_scope.cancel()
-    trio.run(attack)
-    assert victim.status()["gossip"]["params_refused"] >= 1
+    trio.run(download)
     assert victim.running
 
 
 def test_accepted_exchanges_left_to_lapse_are_freed_in_bounded_time_and_get_the_peer_banned(cluster, tmp_path):
     victim, vs = start_victim_and_honest(cluster, tmp_path)
-    hold = hold_seconds(SIZE * 4, EXCHANGE_TIMEOUT) + COMMIT_SLACK_S
-    held: list[float] = []
     served_before = served(victim)
-
-    async def attack() -> None:
-        async with attacker_session(vs) as s, trio.open_nursery() as n:
-            n.start_soon(answer_pings, s)
-            await become_neighbour(s, victim)
-            me = my_id(s)
-            for i in range(BAN_AFTER):
-                msg, _ours = offer(s)  # our tensor never follows, and we never commit
-                reply = await s.request(msg, timeout=10)
-                assert isinstance(reply.message, AverageAccept), reply.message
-                s.discard(reply.message.streams)  # their tensors come; a session refuses streams nobody expects
-                t0 = trio.current_time()
-                with trio.fail_after(hold + LOAD_MARGIN_S):
-                    while (await status(victim))["gossip"]["lapsed"].get(me, 0) <= i:
-                        await trio.sleep(0.2)
-                held.append(trio.current_time() - t0)
-            st = await status(victim)
-            assert [b["peer"] for b in st["bans"]] == [me], st["bans"]
-            assert "lapse" in st["bans"][0]["reason"]
-            rejected = await s.request(offer(s)[0], timeout=10)
-            assert isinstance(rejected.message, AverageReject) and "banned" in rejected.message.reason
-            refused = await s.request(ParamsRequest(group="vector"), timeout=10)
-            assert isinstance(refused.message, ErrorReply) and refused.message.code == "banned"
-            n.cancel_scope.cancel()
-    trio.run(attack)
-    assert all(t <= hold + LOAD_MARGIN_S for t in held), held
+    obs = run_scenario("lapsing_neighbour", vs)
+    assert len(obs.facts["held_s"]) == BAN_AFTER, obs
+    assert [b["peer"] for b in obs.facts["bans"]] == [obs.attacker], obs.facts["bans"]
+    assert "lapse" in obs.facts["bans"][0]["reason"]
+    assert obs.facts["offer_after_ban"].startswith("AverageReject") and "banned" in obs.facts["offer_after_ban"]
+    assert obs.facts["params_after_ban"] == "ErrorReply: banned", obs
+    assert all(t <= HOLD_S + LOAD_MARGIN_S for t in obs.facts["held_s"]), obs.facts["held_s"]
     # the honest neighbour kept averaging with the victim all along
     wait_for(lambda: served(victim) > served_before + 10, timeout=30, what="the honest peer's exchanges to go on")
     assert victim.running
@@ -147,45 +91,11 @@ def test_accepted_exchanges_left_to_lapse_are_freed_in_bounded_time_and_get_the_
 
 def test_poisoned_updates_are_clipped_the_victim_stays_bounded_and_the_poisoner_is_banned(cluster, tmp_path):
     victim, vs = start_victim_and_honest(cluster, tmp_path)
-    norms: list[float] = []
-
-    async def exchange(s, values: np.ndarray) -> np.ndarray:
-        """One whole exchange as the initiator: send `values`, get the victim's snapshot, commit, and wait
-        until the victim has applied it (its clip counted), so the next offer is not refused as in flight."""
-        clipped = (await status(victim))["gossip"]["clipped"].get(my_id(s), 0)
-        msg, ours = offer(s)
-        got: list = []
-
-        async def ask() -> None:
-            got.append(await s.request(msg, timeout=10))
-        async with trio.open_nursery() as n:
-            n.start_soon(ask)
-            n.start_soon(lambda: ours.send([values]))
-        reply = got[0]
-        assert isinstance(reply.message, AverageAccept), reply.message
-        theirs = await IncomingGroup(s, reply.message.streams, SPECS).receive(timeout=10)
-        await s.send_message(AverageCommit(exchange=reply.reply_to))
-        with trio.fail_after(10):
-            while (await status(victim))["gossip"]["clipped"].get(my_id(s), 0) <= clipped:
-                await trio.sleep(0.2)
-        return np.asarray(theirs[0])
-
-    async def attack() -> None:
-        async with attacker_session(vs) as s, trio.open_nursery() as n:
-            n.start_soon(answer_pings, s)
-            await become_neighbour(s, victim)
-            # the victim's snapshot each exchange brings shows what the one before did to it
-            start = await exchange(s, np.zeros(SIZE, np.float32))  # learn its values (a zero norm: nothing applied)
-            norms.append(float(np.linalg.norm(start)))
-            seen = await exchange(s, -1000.0 * start)  # -1000x the model: clipped
-            norms.append(float(np.linalg.norm(seen)))
-            seen = await exchange(s, np.full(SIZE, 3e38, np.float32))  # its norm overflows: nothing applied
-            norms.append(float(np.linalg.norm(seen)))
-            st = await status(victim)
-            assert st["gossip"]["clipped"].get(my_id(s)) == BAN_AFTER, st["gossip"]
-            assert [b["peer"] for b in st["bans"]] == [my_id(s)]
-            n.cancel_scope.cancel()
-    trio.run(attack)
+    obs = run_scenario("poisoning_neighbour", vs)
+    norms = obs.facts["norms"]
+    assert len(norms) == 3, obs
+    assert obs.facts["clipped"] == BAN_AFTER, obs.facts
+    assert [b["peer"] for b in obs.facts["bans"]] == [obs.attacker]
     assert np.all(np.isfinite(norms))
     after = vector(victim)
     assert np.all(np.isfinite(after))

@@ -9,9 +9,8 @@ import trio
 from peer.session.streams import PARKED_HEADER_SECONDS
 from peer.testing.attacker import attacker_session
 from peer.testing.process import proc_status_mb
-from protocol.limits import GiB
-from protocol.schema import Ping, Pong, TensorHeader
-from protocol.schema.gossip import AverageOffer, TensorSpec
+from peer.testing.attacks import run_scenario
+from protocol.schema import Ping, Pong
 from tests.daemons import config_file, unique_swarm, wait_for
 
 pytestmark = pytest.mark.slow
@@ -25,26 +24,10 @@ def test_an_unsolicited_4gib_tensor_header_allocates_nothing_and_the_session_is_
     d = cluster.start("victim", config=config_file(tmp_path / "c.toml", swarm=swarm, mdns=False))
     status = d.wait_ready()
     rss0 = proc_status_mb(d.pid, "VmRSS")
-    closed_after: list[float] = []
-
-    async def attack() -> None:
-        async with attacker_session(status) as s:
-            t0 = trio.current_time()
-            await s.send_message(TensorHeader(stream=1, name="w", dtype="float32", shape=[1 << 30], codec="raw",
-                                              nbytes=4 * GiB))
-            async with trio.open_nursery() as n:
-                async def keep_alive() -> None:  # so the daemon does not drop us as silent first
-                    while not s.closed.is_set():
-                        await s.send_best_effort(Ping(sent=0.0))
-                        await trio.sleep(0.5)
-                n.start_soon(keep_alive)
-                with trio.fail_after(PARKED_HEADER_SECONDS + 15):
-                    await s.closed.wait()
-                closed_after.append(trio.current_time() - t0)
-    trio.run(attack)
+    obs = run_scenario("huge_tensor_header", status)
     rss1 = proc_status_mb(d.pid, "VmRSS")
     assert rss1 - rss0 < 64, (rss0, rss1)
-    assert closed_after and closed_after[0] < PARKED_HEADER_SECONDS + 15
+    assert obs.closed_after_s is not None and obs.closed_after_s < PARKED_HEADER_SECONDS + 15, obs
     assert d.running
     wait_for(lambda: "sent unasked" in d.log_tail(80), timeout=10, what="the daemon to log why it closed the session")
 
@@ -62,15 +45,7 @@ def test_a_flood_of_large_queued_messages_is_backpressured_not_held(cluster, tmp
     d = cluster.start("victim", config=config_file(tmp_path / "c.toml", swarm=unique_swarm(), mdns=False))
     status = d.wait_ready()
     rss0 = proc_status_mb(d.pid, "VmRSS")
-    fat = AverageOffer(group="g", tensors=[TensorSpec("x" * 1000 + str(i), "float32", [1]) for i in range(50)],
-                       streams=[], max_weight=0.1, rule="pairwise", codec="raw", step=0)
-
-    async def attack() -> None:
-        async with attacker_session(status) as s:
-            with trio.move_on_after(10):
-                for _ in range(2000):  # ~120 MB decoded if all were held
-                    await s.send_message(fat)
-    trio.run(attack)
+    run_scenario("control_flood", status)
     rss1 = proc_status_mb(d.pid, "VmRSS")
     assert rss1 - rss0 < 64, (rss0, rss1)
     assert d.running and d.status()["peer_id"] == status["peer_id"]

@@ -133,6 +133,14 @@ def train_arguments(p: Parser) -> None:
     p.add_argument("--keep", default="", help="keep homes and logs under this directory")
 
 
+def hostile_arguments(p: Parser) -> None:
+    p.add_argument("--classes", default="",
+                   help="comma-separated attack classes to run, in order (default: all, as listed by "
+                        "`python -m peer.testing.attacks --help`)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="give up if the honest peer has not averaged with the victim after this many seconds")
+
+
 @dataclass(frozen=True)
 class Bench:
     """One `peer bench` command: the module whose `run(args) -> int` it calls, and how it is described."""
@@ -164,4 +172,7 @@ BENCHES = {
     "train": Bench("peer.bench.train",
                    "AD-PSGD vs D-PSGD vs gloo all-reduce data parallel: time to target accuracy",
                    train_arguments),
+    "hostile": Bench("peer.bench.hostile",
+                     "every attack class against one daemon beside an honest peer: pass/fail, memory, drop time",
+                     hostile_arguments),
 }
