@@ -118,6 +118,9 @@ class Daemon:
         if host not in ("0.0.0.0", "::", ""):
             m.advertise_hosts.insert(0, host)
         self.services = load_services(self)
+        topology = getattr(self, "topology", None)
+        if topology is not None:
+            m.keep = topology.is_neighbour  # a neighbour is never evicted as idle
         atomic_write(self.home.config_snapshot, _snapshot(cfg).encode(), mode=0o600)
 
         async with trio.open_nursery() as nursery:
@@ -126,7 +129,7 @@ class Daemon:
             nursery.start_soon(lambda: serve(listeners, transport, m.own_session,
                                              max_connections=cfg.membership.max_connections,
                                              max_connections_per_ip=cfg.membership.max_connections_per_ip,
-                                             stats=self.listener_stats))
+                                             stats=self.listener_stats, idle_victim=m.idle_victim))
             await nursery.start(m.run)
             for peer_id, addrs in self._load_peer_cache():
                 m.learn(peer_id, addrs, source="cache")
@@ -245,7 +248,8 @@ class Daemon:
             "mdns": self.config.discovery.mdns, "ciphers": list(self.ciphers),
             "connected": sum(1 for p in peers if p["state"] == "connected"), "peers": peers,
             "listener": {"accepted": self.listener_stats.accepted, "refused": self.listener_stats.refused,
-                         "handshake_failures": self.listener_stats.handshake_failures},
+                         "handshake_failures": self.listener_stats.handshake_failures,
+                         "evicted": self.listener_stats.evicted},
         }
         for svc in self.services:
             st = getattr(svc, "status", None)

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import trio
 
-from peer.session.transport import Session, SessionClosed
+from peer.membership.service import IDLE_ROUNDS
+from peer.session.transport import EVICTED_REASON, Session, SessionClosed
 from peer.testing.attacker import attacker_session
 from peer.testing.swarm import FAST_MEMBERSHIP, swarm_config, unique_swarm, write_config
 from protocol import identity as ident
+from protocol.errors import HandshakeError
 from protocol.schema import Ping, Pong, ProbeRequest, TopologyRecords
 
 pytestmark = pytest.mark.slow
@@ -131,4 +133,50 @@ def test_50_silent_connections_do_not_keep_an_honest_peer_out(cluster, tmp_path)
             await s.aclose()
     trio.run(attack)
     assert took[0] < 2.0, f"the honest peer waited {took[0]:.1f}s behind silent connections"
+    assert d.running
+
+
+def test_peers_that_only_answer_pings_give_their_slot_to_an_honest_daemon(cluster, tmp_path):
+    """4 attacker sessions fill a victim's 4 connection slots and only answer pings. Before issue 15 an
+    honest daemon joining it was refused for as long as they stayed; now, once they have been idle
+    (IDLE_ROUNDS peer-exchange rounds), the longest idle is evicted for it, with the reason logged."""
+    d, status = start_victim(cluster, tmp_path, max_connections=4)
+    idle_after = IDLE_ROUNDS * FAST_MEMBERSHIP["pex_interval"]
+    out: dict = {}
+
+    async def attack() -> None:
+        t0 = trio.current_time()  # before they are admitted: none may be evicted before t0 + idle_after
+        async with (attacker_session(status) as a1, attacker_session(status) as a2,
+                    attacker_session(status) as a3, attacker_session(status) as a4):
+            attackers = [a1, a2, a3, a4]
+            async with trio.open_nursery() as n:
+                for a in attackers:
+                    n.start_soon(answer_pings, a, [])
+                out["fifth"] = "refused"  # the slots are full and nobody is idle yet: a fifth is refused
+                try:  # (before its handshake, or after it if it came while the fourth's was finishing)
+                    async with attacker_session(status) as a5:
+                        await a5.request(Ping(sent=1.0), timeout=10)
+                    out["fifth"] = "admitted"
+                except* (OSError, trio.BrokenResourceError, SessionClosed, HandshakeError):
+                    pass
+                cfg = swarm_config(swarm=status["swarm"], mdns=False, join=[status["listen"]])
+                honest = await trio.to_thread.run_sync(
+                    lambda: cluster.start("honest", config=write_config(tmp_path / "h.toml", cfg)))
+                hs = await trio.to_thread.run_sync(honest.wait_ready)
+                with trio.fail_after(idle_after + FAST_MEMBERSHIP["reconnect_max"] + SLACK):
+                    while (p := await peer_state(d, hs["peer_id"])) is None or p["state"] != "connected":
+                        await trio.sleep(0.1)
+                out["took"] = trio.current_time() - t0
+                out["evicted"] = [a for a in attackers if a.closed.is_set()]
+                out["states"] = [await peer_state(d, own_id(a)) for a in attackers]
+                out["status"] = await trio.to_thread.run_sync(d.status)
+                n.cancel_scope.cancel()
+    trio.run(attack)
+    assert out["fifth"] == "refused"
+    assert out["took"] >= idle_after, "a peer was evicted before it had been idle"
+    assert len(out["evicted"]) == 1, f"{len(out['evicted'])} attacker sessions closed for one newcomer"
+    reasons = [p["reason"] for p in out["states"] if p is not None and p["state"] != "connected"]
+    assert reasons == [EVICTED_REASON], out["states"]
+    assert out["status"]["listener"]["evicted"] == 1
+    assert EVICTED_REASON in d.log_tail(200)
     assert d.running

@@ -47,6 +47,20 @@ OBSERVED_QUORUM = 2
 field of a handshake we initiated) before we advertise it: one responder could otherwise make us sign
 and spread whatever address it likes."""
 MAX_OBSERVED_CANDIDATES = 16  # addresses reported to us that we still count votes for (oldest forgotten)
+IDLE_ROUNDS = 6
+"""An inbound session is *idle*, and `serve` may close it when a newcomer needs its slot, when its peer is
+not a topology neighbour and has sent nothing but heartbeats (`transport.HEARTBEATS`) for this many
+`pex_interval`s. Why in rounds of peer exchange: a daemon sends peer exchange (and topology records) to
+every session every round, so an honest peer is never idle, while one that only answers pings holds a
+slot for nothing; 6 rounds (30 s by default) also spare a peer that missed a few, or was just admitted."""
+
+
+def pick_idle(sessions, *, now: float, idle_after: float, keep: Callable[[str], bool]) -> Session | None:
+    """Of `sessions`, the one idle longest (see IDLE_ROUNDS), or None. Never one still open for less
+    than `idle_after` or useful more recently, and never one whose peer `keep`s (a neighbour)."""
+    idle = [s for s in sessions if not s.closed.is_set() and now - s.stats.last_useful >= idle_after
+            and not keep(s.peer_id)]
+    return min(idle, key=lambda s: s.stats.last_useful, default=None)
 
 
 @dataclass
@@ -137,6 +151,7 @@ class Membership:
         self._wake = trio.Event()
         self._leaving = False
         self._watchers: list[Callable[[str, Session | None], None]] = []
+        self.keep: Callable[[str], bool] = lambda peer_id: False  # never evicted as idle (the daemon: neighbours)
         router.register(Ping, self._on_ping)
         router.register(PeerExchange, self._on_pex)
         router.register(Goodbye, self._on_goodbye)
@@ -144,6 +159,11 @@ class Membership:
     # ---- queries ------------------------------------------------------------------------------------
     def connected(self) -> dict[str, Session]:
         return {pid: p.session for pid, p in self.peers.items() if p.state == "connected" and p.session is not None}
+
+    def idle_victim(self, sessions: list[Session]) -> Session | None:
+        """`serve`'s question when its slots are full: which of these inbound sessions may go (pick_idle)."""
+        return pick_idle(sessions, now=trio.current_time(), idle_after=IDLE_ROUNDS * self.cfg.pex_interval,
+                         keep=self.keep)
 
     def watch(self, callback: Callable[[str, Session | None], None]) -> None:
         """`callback(peer_id, session_or_None)` whenever a peer connects (session) or disconnects (None)."""

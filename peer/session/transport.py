@@ -32,7 +32,7 @@ from protocol.handshake import Handshake
 from protocol.identity import short_id
 from protocol.limits import DEFAULT_CHUNK_SIZE, WireLimits
 from protocol.messages import Envelope, Registry
-from protocol.schema import DEFAULT_REGISTRY, TensorCancel, TensorHeader
+from protocol.schema import DEFAULT_REGISTRY, Ping, Pong, TensorCancel, TensorHeader
 from protocol.tensor_codec import DecodedTensor, TensorEncoder
 
 log = logging.getLogger("peertrain.transport")
@@ -43,6 +43,15 @@ session's owner sets `Session.send_timeout` (membership sets it to `dead_after`:
 Why a deadline: without one, a peer that stops reading blocks every sender on that session forever (the
 send lock is held by the stuck frame). 60 s lets a 4 MiB frame, the largest the limits allow, through a
 0.6 Mbit/s link; a peer slower than that is of no use to training."""
+
+
+HEARTBEATS = (Ping, Pong)
+"""Messages that only keep a session alive. A session is as busy as its last message of another type
+(`SessionStats.last_useful`): a peer that answers pings and sends nothing else holds a connection slot
+for nothing, and `serve` may evict it for a newcomer (see `peer.membership.service.pick_idle`)."""
+
+
+EVICTED_REASON = "evicted: idle, slot needed"
 
 
 class SessionClosed(Exception):
@@ -83,6 +92,7 @@ class SessionStats:
     tensors_in: int = 0
     tensors_out: int = 0
     last_recv: float = 0.0  # trio.current_time() of the last byte received
+    last_useful: float = 0.0  # ... of the last message or tensor chunk that is not a heartbeat (HEARTBEATS)
 
 
 async def _send_all(sock: trio.socket.SocketType, data: memoryview) -> None:
@@ -110,7 +120,7 @@ class Session:
         self.cipher: str = "none (benchmark)" if cfg.insecure_plaintext_for_benchmark else result.cipher
         self.initiator = initiator
         self.remote_addr = remote_addr
-        self.stats = SessionStats(last_recv=trio.current_time())
+        self.stats = SessionStats(last_recv=trio.current_time(), last_useful=trio.current_time())
         self.opened_at = trio.current_time()
         limits = cfg.limits
         send_cipher, recv_cipher = result.send, result.recv
@@ -296,6 +306,7 @@ class Session:
                 if frame.kind == KIND_MESSAGE:
                     await self._on_message(frame.open())
                 elif frame.kind == KIND_CHUNK:
+                    stats.last_useful = trio.current_time()
                     await self._streams.on_chunk(frame)
                 else:  # the reader already rejects unknown kinds; keep the invariant explicit
                     raise ProtocolError(f"unexpected frame kind {frame.kind}")
@@ -316,6 +327,8 @@ class Session:
         env = self.cfg.registry.decode(data, self.cfg.limits)
         self.stats.messages_in += 1
         msg = env.message
+        if not isinstance(msg, HEARTBEATS):
+            self.stats.last_useful = trio.current_time()
         if isinstance(msg, TensorHeader):
             self._streams.on_header(msg)
             return
@@ -468,6 +481,7 @@ class ListenerStats:
     refused: int = 0
     handshake_failures: int = 0
     handshakes_evicted: int = 0  # the oldest handshake dropped for a newer connection (MAX_HANDSHAKES)
+    evicted: int = 0  # idle sessions closed for a newcomer (serve's `idle_victim`)
     per_ip: dict[str, int] = field(default_factory=dict)
 
 
@@ -486,6 +500,7 @@ async def open_listeners(host: str, port: int) -> tuple[list[trio.SocketListener
 async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_session: Callable[[Session], Any], *,
                 max_connections: int = 64, max_connections_per_ip: int = 16,
                 max_handshakes: int = MAX_HANDSHAKES, stats: ListenerStats | None = None,
+                idle_victim: Callable[[list[Session]], Session | None] | None = None,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept connections, handshake each under a deadline, hand sessions to `on_session`.
 
@@ -493,10 +508,35 @@ async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_s
     returns (then the session is closed). One misbehaving connection never affects the listener or
     other connections: session limits are checked before the handshake (and counted once it is done),
     handshakes have their own slots (`max_handshakes`, oldest evicted when full) and a deadline.
+
+    When the session slots (total, or this IP's) are full, `idle_victim(sessions)` picks one of those
+    inbound sessions that may go (idle, by its owner's judgement) or None; a newcomer is refused only when
+    none may. It is asked before the handshake (is there one?) and the session is closed only after it,
+    so an unauthenticated connection never evicts anyone.
     """
     stats = stats if stats is not None else ListenerStats()
     active = 0  # sessions
+    sessions: dict[Session, str] = {}  # inbound sessions holding a slot -> their IP
     handshaking: dict[trio.CancelScope, None] = {}  # in the order they started
+
+    def competitors(ip: str) -> list[Session] | None:
+        """None while a slot is free for `ip`; else the sessions one of which must go to free one."""
+        if stats.per_ip.get(ip, 0) >= max_connections_per_ip:
+            return [s for s, a in sessions.items() if a == ip]
+        if active >= max_connections:
+            return list(sessions)
+        return None
+
+    def release(session: Session) -> bool:
+        nonlocal active
+        ip = sessions.pop(session, None)
+        if ip is None:
+            return False
+        active -= 1
+        stats.per_ip[ip] -= 1
+        if not stats.per_ip[ip]:
+            del stats.per_ip[ip]
+        return True
 
     async def handle(stream: trio.SocketStream) -> None:
         nonlocal active
@@ -506,9 +546,10 @@ async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_s
             await stream.aclose()
             return
         ip = remote[0]
-        if active >= max_connections or stats.per_ip.get(ip, 0) >= max_connections_per_ip:
+        full = competitors(ip)
+        if full is not None and (idle_victim is None or idle_victim(full) is None):
             stats.refused += 1
-            log.warning("refusing connection from %s: connection limit reached (%d total, %d from this IP)",
+            log.warning("refusing connection from %s: connection limit reached (%d total, %d from this IP), none idle",
                         ip, active, stats.per_ip.get(ip, 0))
             await stream.aclose()
             return
@@ -538,23 +579,31 @@ async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_s
             with trio.CancelScope(shield=True):
                 await stream.aclose()
             return
-        if active >= max_connections or stats.per_ip.get(ip, 0) >= max_connections_per_ip:  # filled meanwhile
-            stats.refused += 1
-            log.warning("refusing session from %s: connection limit reached", ip)
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
-            return
-        active += 1
-        stats.per_ip[ip] = stats.per_ip.get(ip, 0) + 1
+        full = competitors(ip)  # checked again: others may have come, or the idle one woken up, meanwhile
+        if full is not None:
+            victim = idle_victim(full) if idle_victim is not None else None
+            if victim is None:
+                stats.refused += 1
+                log.warning("refusing session from %s: connection limit reached, none idle", ip)
+                with trio.CancelScope(shield=True):
+                    await stream.aclose()
+                return
+            release(victim)  # its slot is the newcomer's now, before its task has wound down
+            stats.evicted += 1
+            log.warning("closing session with %s: %s (for %s from %s)", victim.short, EVICTED_REASON,
+                        short_id(result.peer_id), ip)
+            await victim.aclose(EVICTED_REASON)
+        session = None
         try:
-            stats.accepted += 1
             session = Session(stream, result=result, cfg=cfg, initiator=False, remote_addr=remote)
+            sessions[session] = ip
+            active += 1
+            stats.per_ip[ip] = stats.per_ip.get(ip, 0) + 1
+            stats.accepted += 1
             await on_session(session)
         finally:
-            active -= 1
-            stats.per_ip[ip] -= 1
-            if not stats.per_ip[ip]:
-                del stats.per_ip[ip]
+            if session is not None:
+                release(session)
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
