@@ -10,6 +10,7 @@ import trio
 from peer.membership.service import IDLE_ROUNDS
 from peer.session.transport import EVICTED_REASON, Session, SessionClosed
 from peer.testing.attacker import attacker_session
+from peer.testing.attacks import run_scenario
 from peer.testing.swarm import FAST_MEMBERSHIP, swarm_config, unique_swarm, write_config
 from protocol import identity as ident
 from protocol.errors import HandshakeError
@@ -57,33 +58,10 @@ def start_victim(cluster, tmp_path, **membership):
 
 def test_a_peer_that_sends_but_never_reads_is_dropped_within_dead_after(cluster, tmp_path):
     d, status = start_victim(cluster, tmp_path)
-    out: dict = {}
-
-    async def attack() -> None:
-        async with attacker_session(status) as honest, attacker_session(status, reading=False) as mute:
-            records_at: list[float] = []
-            async with trio.open_nursery() as n:
-                n.start_soon(answer_pings, honest, records_at)
-
-                async def chatter() -> None:  # small messages, and never a byte read
-                    try:
-                        while True:
-                            await mute.send_message(Ping(sent=1.0))
-                            await trio.sleep(0.2)
-                    except SessionClosed:
-                        pass
-                n.start_soon(chatter)
-                t0 = trio.current_time()
-                out["dead"] = await wait_dropped(d, own_id(mute), DEAD_AFTER + SLACK + 5)
-                out["took"] = trio.current_time() - t0
-                reply = await honest.request(Ping(sent=3.0), timeout=10)
-                assert isinstance(reply.message, Pong)
-                out["honest"] = await peer_state(d, own_id(honest))
-                n.cancel_scope.cancel()
-    trio.run(attack)
-    assert out["took"] < DEAD_AFTER + SLACK, f"a mute peer stayed connected {out['took']:.1f}s"
-    assert "no heartbeat reply" in out["dead"]["reason"] or "stopped reading" in out["dead"]["reason"], out["dead"]
-    assert out["honest"]["state"] == "connected"
+    obs = run_scenario("mute_peer", status)
+    assert obs.ok and obs.closed_after_s < DEAD_AFTER + SLACK, f"a mute peer stayed connected: {obs}"
+    assert "no heartbeat reply" in obs.reason or "stopped reading" in obs.reason, obs
+    assert obs.facts["honest_pong"] and obs.facts["honest_state"] == "connected", obs
     assert d.running
 
 
@@ -120,19 +98,9 @@ def test_50_silent_connections_do_not_keep_an_honest_peer_out(cluster, tmp_path)
     silent ones time out (they once filled all 16 of the victim's connection slots, and an honest peer
     was refused)."""
     d, status = start_victim(cluster, tmp_path, max_connections=16, handshake_timeout=30.0)
-    port = int(str(status["listen"]).rsplit(":", 1)[1])
-    took: list[float] = []
-
-    async def attack() -> None:
-        silent = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(50)]
-        t0 = trio.current_time()
-        async with attacker_session(status) as honest:
-            took.append(trio.current_time() - t0)
-            assert isinstance((await honest.request(Ping(sent=1.0), timeout=10)).message, Pong)
-        for s in silent:
-            await s.aclose()
-    trio.run(attack)
-    assert took[0] < 2.0, f"the honest peer waited {took[0]:.1f}s behind silent connections"
+    obs = run_scenario("slowloris", status)
+    assert obs.facts.get("admitted_after_s", 99) < 2.0, f"the honest peer waited behind silent connections: {obs}"
+    assert obs.ok and obs.facts["honest_pong"]
     assert d.running
 
 

@@ -16,6 +16,7 @@ prints the `Observed` as one JSON object. Adding a class is one `@scenario(...)`
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import sys
@@ -418,6 +419,11 @@ async def poisoning_neighbour(status: dict) -> Observed:
                   and norms[2] <= obs.facts["norm_bound"])
         n.cancel_scope.cancel()
     return obs
+
+
+# ---- classes in modules of their own (importing one registers its scenarios) --------------------------
+
+importlib.import_module("peer.testing.attacks_liveness")
 
 
 # ---- the attacker process --------------------------------------------------------------------------------
