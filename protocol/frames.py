@@ -415,12 +415,15 @@ def encode_length_prefixed(data: bytes) -> bytes:
 
 
 class LengthPrefixedReader:
-    """Splits a byte stream into u32-length-prefixed messages, refusing oversized ones."""
+    """Splits a byte stream into u32-length-prefixed messages, refusing oversized ones.
+
+    It holds only bytes not yet returned: after draining `next_message()`, at most one incomplete
+    message (under 4 + max_len bytes) plus whatever the last `feed()` brought beyond it.
+    """
 
     def __init__(self, max_len: int) -> None:
         self.max_len: Final = max_len
         self._buf = bytearray()
-        self._pos = 0
 
     def feed(self, data: bytes) -> None:
         self._buf += data
@@ -430,31 +433,28 @@ class LengthPrefixedReader:
 
         Raises LimitExceeded as soon as a too-large length prefix is seen.
         """
-        buf, pos = self._buf, self._pos
-        if len(buf) - pos < 4:
+        buf = self._buf
+        if len(buf) < 4:
             return None
-        size = _U32.unpack_from(buf, pos)[0]
+        size = _U32.unpack_from(buf, 0)[0]
         if size > self.max_len:
             raise LimitExceeded(f"message of {size} bytes exceeds the limit of {self.max_len} bytes")
-        end = pos + 4 + size
+        end = 4 + size
         if len(buf) < end:
             return None
-        message = bytes(buf[pos + 4 : end])
-        if end == len(buf):
-            buf.clear()
-            self._pos = 0
-        else:
-            self._pos = end
+        message = bytes(buf[4:end])
+        # Drop it at once (bytearray deletes from the front cheaply): a consumed prefix kept until the
+        # buffer happened to end on a message boundary grew with every message of a stream.
+        del buf[:end]
         return message
 
     def buffered(self) -> int:
         """How many received bytes are not yet returned as messages."""
-        return len(self._buf) - self._pos
+        return len(self._buf)
 
     def take_buffered(self) -> bytes:
         """Remove and return everything not yet returned as a message (e.g. the bytes
         that follow the last handshake message)."""
-        rest = bytes(self._buf[self._pos :])
+        rest = bytes(self._buf)
         self._buf.clear()
-        self._pos = 0
         return rest

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 import torch
@@ -305,9 +307,10 @@ def test_incomplete_body_is_refused():
         ({"dtype": "int32", "codec": "q8", "block": 4, "nbytes": 10}, ProtocolError, "needs a float dtype"),
         ({"dtype": "uint8", "codec": "float16", "nbytes": 12}, ProtocolError, "needs a float dtype"),
         ({"nbytes": 25}, ProtocolError, "header says 25 body bytes"),
+        ({"nbytes": (1 << 20) + 4}, ProtocolError, "body bytes"),
         ({"nbytes": 0}, ProtocolError, "header says 0 body bytes"),
-        ({"shape": [2, -3]}, ProtocolError, "bad dimension -3"),
-        ({"shape": [1] * (MAX_NDIM + 1), "nbytes": 4}, ProtocolError, "more than 8"),
+        ({"shape": [1024, 256, -3]}, ProtocolError, "bad dimension -3"),
+        ({"shape": [4] * (MAX_NDIM + 1), "nbytes": 1 << 20}, ProtocolError, "more than 8"),
         ({"codec": "q8", "block": 0, "nbytes": 10}, ProtocolError, "q8 block"),
         ({"codec": "q8", "block": 2**40, "nbytes": 10}, ProtocolError, "q8 block"),
         ({"block": 4}, ProtocolError, "block must be 0"),
@@ -318,8 +321,18 @@ def test_incomplete_body_is_refused():
     ],
 )
 def test_bad_headers_are_refused_before_allocating(changes, error, match):
-    with pytest.raises(error, match=match):
-        TensorDecoder(header(**changes), LIMITS)
+    # On a 1 MiB tensor, so that allocating the array before a check (the bug this guards) would show.
+    base = dict(shape=[512, 512], nbytes=1 << 20)
+    if "shape" in changes:
+        base = {}
+    tracemalloc.start()
+    try:
+        with pytest.raises(error, match=match):
+            TensorDecoder(header(**{**base, **changes}), LIMITS)
+        allocated = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert allocated < 64 * 1024, f"{allocated} bytes allocated while refusing the header"
 
 
 def test_limits_bound_decoded_and_body_size():
