@@ -189,11 +189,7 @@ async def huge_tensor_header(status: dict) -> Observed:
         await s.send_message(TensorHeader(stream=1, name="w", dtype="float32", shape=[1 << 30], codec="raw",
                                           nbytes=4 * GiB))
         async with trio.open_nursery() as n:
-            async def keep_alive() -> None:  # so the victim does not drop us as silent first
-                while not s.closed.is_set():
-                    await s.send_best_effort(Ping(sent=0.0))
-                    await trio.sleep(0.5)
-            n.start_soon(keep_alive)
+            n.start_soon(answer_pings, s)  # a live peer in every other way: the header alone must get us dropped
             await until_closed(status, s, t0, obs, PARKED_HEADER_SECONDS + 15)
             n.cancel_scope.cancel()
     return obs
