@@ -233,6 +233,33 @@ async def bad_topology_records(status: dict) -> Observed:
                     facts={why: asdict(o) for why, o in each.items()})
 
 
+@scenario("unknown_origin_records", "refuse",
+          "validly signed topology records of 300 throwaway origins from a peer that is no neighbour")
+async def unknown_origin_records(status: dict) -> Observed:
+    """None may enter the view (only records of peers the victim met, or relayed by a neighbour, do); the
+    attacker's own record may, and its session stays open (honest flooding relays such records too)."""
+    n = 300
+    async with attacker_session(status) as s, trio.open_nursery() as nursery:
+        nursery.start_soon(answer_pings, s)
+        obs = Observed(attacker=my_id(s))
+        before = (await victim_status(status))["topology"]
+        bodies = [signed_record_body(neighbours=[], links=[]) for _ in range(n)]
+        await send_raw(s, "topo_records", {"records": bodies[:150]})
+        await send_raw(s, "topo_records", {"records": bodies[150:]
+                                           + [signed_record_body(neighbours=[], links=[], key=s.cfg.identity)]})
+        await s.request(Ping(sent=1.0), timeout=10)  # handled after the records (one dispatcher)
+        after = (await victim_status(status))["topology"]
+        obs.facts = {"view_nodes_before": before["view_nodes"], "view_nodes_after": after["view_nodes"],
+                     "refused": after["records_unvouched"] - before["records_unvouched"],
+                     "session_kept": not s.closed.is_set()}
+        # at most one node more: the attacker itself (a session peer, its own record)
+        obs.ok = (after["view_nodes"] <= before["view_nodes"] + 1 and obs.facts["refused"] >= n
+                  and obs.facts["session_kept"])
+        obs.reason = f"{obs.facts['refused']} records refused"
+        nursery.cancel_scope.cancel()
+    return obs
+
+
 @scenario("oversized_peer_record", "drop", "a peer record listing 90,000 addresses")
 async def oversized_peer_record(status: dict) -> Observed:
     body = {"peer_id": "p" * 20, "public_key": b"k" * 32, "swarm": status["swarm"],

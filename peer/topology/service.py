@@ -25,8 +25,9 @@ import trio
 from peer.topology.fixed import build_fixed
 from peer.topology.graph import GraphView, LinkEstimate, edge_key
 from peer.topology.links import LinkStats
-from peer.topology.mixing import graph_spectral_gap, metropolis_weight
+from peer.topology.mixing import metropolis_weight
 from peer.topology.rewire import RewireConfig, plan_move
+from peer.topology.spectral import SpectralWorker
 from peer.session.transport import Fanout, SessionClosed
 from protocol import identity as ident
 from protocol.schema import DEFAULT_REGISTRY
@@ -44,7 +45,13 @@ RECORD_TTL = 60.0  # a record not refreshed for this long leaves the view
 MAX_VIEW_RECORDS = 512
 """Others' records a daemon holds (one per origin; the stalest are forgotten first): a full view is meant
 for tens to hundreds of peers (partial views are for thousands). With records of at most ~12 KiB (the schema's
-bounds) this caps the view's memory and a broadcast at ~6 MiB, sent in messages under the frame limit."""
+bounds) this caps the view's memory and a broadcast at ~6 MiB, sent in messages under the frame limit.
+It also bounds the spectral work (peer/topology/spectral.py, in a worker thread): one gap of a 513-node view
+took 5-20 ms here (numpy eigvalsh on a loaded 2-core machine) and a whole rewiring plan of one 45 ms; a plan
+solves at most `RewireConfig.max_evaluations` = 64 gaps, so under a second of a worker thread at worst."""
+MAX_MET_PEERS = MAX_VIEW_RECORDS
+"""Identities we had a session with, remembered (the oldest forgotten) so their records are admitted to the
+view: no more than the view can hold. Each costs a peer a real handshake, so it is no way to flood the view."""
 
 
 @dataclass
@@ -70,6 +77,10 @@ class TopologyService:
         self.record_seen: dict[str, float] = {}
         self.record_bytes: dict[str, int] = {}  # encoded size of each held record, to split broadcasts
         self.links: dict[str, LinkStats] = {}
+        self.met: dict[str, None] = {}  # peers we have or had a session with, oldest first (MAX_MET_PEERS)
+        self.records_unvouched = 0  # records refused: unknown origin from a sender that is no neighbour
+        self.spectral = SpectralWorker()
+        self._gap_stale = trio.Event()  # status saw a view whose gap is not computed yet
         self.version = 0
         self.shard_bytes = shard_bytes
         self.last_move = ""
@@ -138,6 +149,7 @@ class TopologyService:
             n.start_soon(self._record_loop)
             n.start_soon(self._maintain_loop)
             n.start_soon(self._probe_loop)
+            n.start_soon(self._gap_loop)
             task_status.started()
 
     def _on_peer(self, peer_id: str, session) -> None:
@@ -147,6 +159,10 @@ class TopologyService:
                 self._bump()
             self.reserved.pop(peer_id, None)
         else:
+            self.met.pop(peer_id, None)  # most recent last: the oldest acquaintance is forgotten first
+            self.met[peer_id] = None
+            while len(self.met) > MAX_MET_PEERS:
+                del self.met[next(iter(self.met))]
             self.link(peer_id)
             self._changed.set()
         self._others_moved.set()
@@ -209,10 +225,23 @@ class TopologyService:
         # to every session at once, waiting on none: a peer that stops reading delays only itself (Fanout)
         self._fanout.send(self._nursery, list(self.membership.connected().values()), *self.broadcast_messages())
 
+    def admits(self, origin: str, sender: str) -> bool:
+        """Whether a record of `origin` relayed by `sender` may enter the view: we have (or recently had)
+        a session with its origin, the sender is a topology neighbour (a neighbour relaying it vouches
+        for it: honest records flood along neighbour edges, so every peer still hears of every other), or
+        the view holds the origin already (a newer signed record of it adds nothing to hold). So a peer
+        that is no neighbour of ours cannot fill the view with throwaway identities."""
+        return origin in self.met or sender in self.neighbours or origin in self.records
+
     async def _on_records(self, session, env) -> None:
         # the schema bounded each record's fields and size at decode time (a bad one closed the session)
+        refused = 0
         for rec in env.message.records:
             if rec.peer_id == self.me:
+                continue
+            if not self.admits(rec.peer_id, session.peer_id):
+                # not a protocol error: an honest peer floods records of peers we have not met
+                refused += 1
                 continue
             old = self.records.get(rec.peer_id)
             if old is not None and (old.version, old.issued) >= (rec.version, rec.issued):
@@ -226,6 +255,10 @@ class TopologyService:
             self.record_bytes[rec.peer_id] = _wire_bytes(rec)
             if rec.peer_id in self.neighbours:
                 self.neighbours[rec.peer_id].degree = len(rec.neighbours)
+        if refused:
+            self.records_unvouched += refused
+            log.debug("%d topology records from %s refused: origins unknown to us and it is no neighbour",
+                      refused, session.short)
         if len(self.records) > MAX_VIEW_RECORDS:  # bound memory: forget the stalest
             for pid in sorted(self.records, key=lambda p: self.record_seen.get(p, 0))[:len(self.records) - MAX_VIEW_RECORDS]:
                 self.records.pop(pid, None)
@@ -375,7 +408,8 @@ class TopologyService:
             return
         cands = {p: s.estimate() for p, s in self.links.items()
                  if p not in self.neighbours and p in self.membership.connected()}
-        move = plan_move(view, self.me, self.rewire_config(), self.rng, candidates_measured=cands or None)
+        # in the worker thread: up to max_evaluations eigensolves of a view of up to MAX_VIEW_RECORDS nodes
+        move = await self.spectral.run(plan_move, view, self.me, self.rewire_config(), self.rng, cands or None)
         if move is None:
             return
         ok = True
@@ -436,12 +470,19 @@ class TopologyService:
         await session.reply(env, ProbeReply(payload=bytes(n)))
 
     # ---- status -------------------------------------------------------------------------------------
+    async def _gap_loop(self) -> None:
+        """Solve the view's gap when status found it stale (in the worker thread; `peer status` never waits)."""
+        while True:
+            await self._gap_stale.wait()
+            self._gap_stale = trio.Event()
+            await self.spectral.view_gap(self.view())
+
     def status(self) -> dict:
         view = self.view()
-        try:
-            gap = graph_spectral_gap(view)
-        except ValueError:
-            gap = 0.0
+        gap_current = self.spectral.is_current(view)
+        if not gap_current:
+            self._gap_stale.set()  # report the last gap now, the current one on a later call
+        gap = self.spectral.gap
         nbrs = []
         for pid in sorted(self.neighbours):
             # the neighbour's own record may not list us yet; it has at least this edge
@@ -454,20 +495,22 @@ class TopologyService:
         return {"kind": self.cfg.kind, "degree": self.degree, "neighbours": nbrs,
                 "self_weight": round(1 - sum(n["weight"] for n in nbrs), 4),
                 "view_nodes": len(view.nodes), "view_edges": len(view.edges), "spectral_gap": round(gap, 4),
+                "spectral_gap_current": gap_current, "records_unvouched": self.records_unvouched,
                 "connected_view": view.is_connected(), "moves": self.moves, "last_move": self.last_move,
                 "version": self.version}
 
-    def topology(self) -> dict:
+    async def topology(self) -> dict:
         view = self.view()
+        gap = await self.spectral.view_gap(view)
         return {"me": self.me, "nodes": sorted(view.nodes),
                 "edges": sorted(sorted(e) for e in view.edges),
                 "links": [{"a": min(e), "b": max(e), "bandwidth_bps": v.bandwidth_bps, "rtt_s": v.rtt_s}
                           for e, v in view.links.items() if e in view.edges],
-                "spectral_gap": round(graph_spectral_gap(view), 4), "status": self.status()}
+                "spectral_gap": round(gap, 4), "status": self.status()}
 
     def commands(self) -> dict:
         async def topology(args):
-            return self.topology()
+            return await self.topology()
         return {"topology": topology}
 
 
