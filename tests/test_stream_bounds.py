@@ -15,7 +15,7 @@ from peer.session.streams import TensorBudget
 from protocol.errors import ProtocolError
 from protocol.frames import KIND_CHUNK
 from protocol.limits import GiB, MiB, WireLimits
-from protocol.schema import Ping, TensorHeader
+from protocol.schema import TensorHeader
 from protocol.schema.gossip import AverageOffer, TensorSpec
 from protocol.tensor_codec import TensorEncoder
 from tests.test_session_groups import in_pair, until
