@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from peer.control import call
+from peer.topology.service import MAX_VIEW_RECORDS
 
 from peer.testing.attacker import attacker_session
 from peer.testing.attacks import (BAD_RECORDS, answer_pings, become_neighbour, fake_id, run_scenario, send_raw,
@@ -81,7 +82,9 @@ def test_many_large_records_never_make_a_broadcast_exceed_the_message_limit(clus
             nursery.cancel_scope.cancel()
     trio.run(attack)
     st = d.status()
-    assert d.running and 500 <= st["topology"]["view_nodes"] <= 513  # MAX_VIEW_RECORDS + us
+    # MAX_VIEW_RECORDS records, plus us and the attacker: it is our neighbour, so our own record names it
+    # even when its own record was among those forgotten
+    assert d.running and 500 <= st["topology"]["view_nodes"] <= MAX_VIEW_RECORDS + 2
     # every broadcast decoded under the default message limit (else our session would have closed), and
     # one round needs several messages
     assert sum(isinstance(m, TopologyRecords) for m in got) >= 2
