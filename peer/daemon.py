@@ -32,7 +32,8 @@ from peer.home import Home, HomeClaim, atomic_write
 from peer.membership.service import Membership, parse_address
 from peer.session.router import Router
 from peer.services import load_services
-from peer.session.transport import ListenerStats, TransportConfig, open_listeners, serve
+from peer.session.connect import ListenerStats, open_listeners, serve
+from peer.session.transport import TransportConfig
 from protocol import PROTOCOL_VERSION
 from protocol import identity as ident
 from protocol.limits import KiB, MiB, WireLimits

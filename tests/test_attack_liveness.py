@@ -8,7 +8,8 @@ import pytest
 import trio
 
 from peer.membership.service import IDLE_ROUNDS
-from peer.session.transport import EVICTED_REASON, Session, SessionClosed
+from peer.session.connect import EVICTED_REASON
+from peer.session.transport import Session, SessionClosed
 from peer.testing.attacker import attacker_session
 from peer.testing.attacks import run_scenario
 from peer.testing.swarm import FAST_MEMBERSHIP, swarm_config, unique_swarm, write_config

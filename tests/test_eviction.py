@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import trio
 
 from peer.membership.service import pick_idle
-from peer.session.transport import EVICTED_REASON, ListenerStats, SessionStats, dial, open_listeners, serve
+from peer.session.connect import EVICTED_REASON, ListenerStats, dial, open_listeners, serve
+from peer.session.transport import SessionStats
 from protocol.schema import Goodbye, Ping, Pong
 from tests.test_transport import attempt, tcfg
 

@@ -18,7 +18,8 @@ from peer.config import GossipSection
 from peer.averaging.engine import GossipEngine
 from peer.averaging.shared import SharedTensors
 from peer.session.router import Router
-from peer.session.transport import TransportConfig, dial, open_listeners, serve
+from peer.session.connect import dial, open_listeners, serve
+from peer.session.transport import TransportConfig
 from protocol.identity import generate_identity, peer_id_from_public_bytes, public_key_bytes
 from protocol.schema.gossip import AverageOffer
 

@@ -10,7 +10,8 @@ import trio.testing
 
 from peer.averaging.shared import SharedTensors
 from peer.session.groups import IncomingGroup, OutgoingGroup
-from peer.session.transport import TransportConfig, dial, open_listeners, serve
+from peer.session.connect import dial, open_listeners, serve
+from peer.session.transport import TransportConfig
 from protocol.errors import ProtocolError
 from protocol.identity import generate_identity
 from protocol.limits import WireLimits

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import trio
 
-from peer.session.transport import ListenerStats, SessionClosed, TransportConfig, dial, open_listeners, serve
+from peer.session.connect import ListenerStats, dial, open_listeners, serve
+from peer.session.transport import SessionClosed, TransportConfig
 from protocol.cipher import CIPHERS
 from protocol.errors import HandshakeError, ProtocolError
 from protocol.identity import generate_identity, peer_id_from_public_bytes, public_key_bytes
@@ -208,7 +209,8 @@ def test_tensors_roundtrip_codecs_and_nan_rejection_keeps_session():
 
 RECEIVER = textwrap.dedent("""
     import hashlib, json, sys, trio
-    from peer.session.transport import TransportConfig, open_listeners, serve
+    from peer.session.connect import open_listeners, serve
+    from peer.session.transport import TransportConfig
     from protocol.identity import generate_identity
     from protocol.schema import Ping, Pong
 
@@ -481,7 +483,7 @@ def test_a_send_to_a_peer_that_stopped_reading_closes_the_session_by_its_deadlin
 
 def test_fanout_waits_on_no_session_and_skips_a_busy_one():
     async def main():
-        from peer.session.transport import Fanout
+        from peer.session.fanout import Fanout
         async with trio.open_nursery() as n:
             listeners, (_, port) = await open_listeners("127.0.0.1", 0)
             got: list[str] = []

@@ -27,7 +27,8 @@ import trio
 from peer.bench.args import parse_size
 from peer.concurrency import together
 from peer.session.cipher_choice import resolve_ciphers, seal_gbps
-from peer.session.transport import SessionClosed, TransportConfig, dial, open_listeners, serve
+from peer.session.connect import dial, open_listeners, serve
+from peer.session.transport import SessionClosed, TransportConfig
 from protocol.identity import generate_identity
 from protocol.limits import WireLimits
 from protocol.schema import Ping, Pong

@@ -24,7 +24,9 @@ import trio
 
 from peer.config import Config
 from peer.session.router import Router
-from peer.session.transport import Session, SessionClosed, TransportConfig, dial, Fanout, send_to_each
+from peer.session.connect import dial
+from peer.session.fanout import Fanout, send_to_each
+from peer.session.transport import Session, SessionClosed, TransportConfig
 from protocol import identity as ident
 from protocol.errors import HandshakeError, ProtocolError
 from protocol.schema import Goodbye, PeerExchange, PeerRecord, Ping, Pong, peer_record_signing_bytes

@@ -1,8 +1,8 @@
 """Authenticated, encrypted sessions over TCP, on trio.
 
-`dial` and `serve` run the sans-I/O handshake from `protocol.handshake` under a deadline, then wrap the
-socket in a `Session`: one reader task turns sealed frames into messages and tensors, and any task may
-send messages, make requests (replies are matched by request id) or stream tensors.
+A `Session` is one authenticated, sealed TCP connection to a peer (`peer.session.connect` dials and
+accepts them): one reader task turns sealed frames into messages and tensors, and any task may send
+messages, make requests (replies are matched by request id) or stream tensors.
 
 Why raw sockets and reused buffers: the reader `recv_into`s a buffer owned by `protocol.frames`, and a
 tensor chunk is decrypted straight into the destination array, so a 1 GiB shard costs one cipher pass and
@@ -10,7 +10,8 @@ no extra allocations. The sender seals each chunk into one reused buffer. A send
 not per tensor, so heartbeats and small messages interleave with bulk transfers.
 
 The receiving side of tensor streams (slots, in-flight budget, eviction) is `peer.session.streams`; groups
-of tensors sent or received together are `peer.session.groups`.
+of tensors sent or received together are `peer.session.groups`; snapshots to many sessions at once,
+`peer.session.fanout`.
 """
 
 from __future__ import annotations
@@ -19,16 +20,15 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import trio
 
 from peer.session.inbox import Inbox
 from peer.session.streams import IncomingStreams, Pending, TensorBudget
 from protocol.cipher import CIPHERS, NullCipher
-from protocol.errors import HandshakeError, ProtocolError
+from protocol.errors import ProtocolError
 from protocol.frames import KIND_CHUNK, KIND_MESSAGE, FrameReader, FrameWriter
-from protocol.handshake import Handshake
 from protocol.identity import short_id
 from protocol.limits import DEFAULT_CHUNK_SIZE, WireLimits
 from protocol.messages import Envelope, Registry
@@ -49,9 +49,6 @@ HEARTBEATS = (Ping, Pong)
 """Messages that only keep a session alive. A session is as busy as its last message of another type
 (`SessionStats.last_useful`): a peer that answers pings and sends nothing else holds a connection slot
 for nothing, and `serve` may evict it for a newcomer (see `peer.membership.service.pick_idle`)."""
-
-
-EVICTED_REASON = "evicted: idle, slot needed"
 
 
 class SessionClosed(Exception):
@@ -95,7 +92,8 @@ class SessionStats:
     last_useful: float = 0.0  # ... of the last message or tensor chunk that is not a heartbeat (HEARTBEATS)
 
 
-async def _send_all(sock: trio.socket.SocketType, data: memoryview) -> None:
+async def send_all(sock: trio.socket.SocketType, data: memoryview) -> None:
+    """Write all of `data` to a raw socket (handshake messages, before a Session exists)."""
     view = memoryview(data).cast("B")
     while view:
         n = await sock.send(view)
@@ -365,251 +363,6 @@ class Session:
     @property
     def idle_for(self) -> float:
         return trio.current_time() - self.stats.last_recv
-
-
-async def send_to_each(sessions, *messages: Any) -> None:
-    """Send `messages`, in order, to every session at once; a closed session is skipped.
-
-    Why concurrent: a broadcast (topology records, peer exchange) that sent to one session after another
-    waited on each, so one peer that stopped reading stalled it for everyone. Here each session's sends
-    run in their own task, and the slowest is bounded by its send deadline, after which its session is
-    closed (drop-session, not a queue: these messages are periodic snapshots that the next round
-    supersedes, so nothing is worth queueing for a peer that cannot take one in time). At most one task
-    per session, and sessions are bounded by `max_connections`.
-    """
-    async def one(session: Session) -> None:
-        try:
-            for message in messages:
-                await session.send_message(message)
-        except SessionClosed:
-            pass
-
-    async with trio.open_nursery() as nursery:
-        for session in sessions:
-            nursery.start_soon(one, session)
-
-
-class Fanout:
-    """Periodic snapshots (topology records, peer exchange) to many sessions, waiting on none of them.
-
-    Each `send` starts one task per session in the owner's nursery and returns at once. A session whose
-    previous snapshot is still being written is skipped this round (it gets the next, newer one): an
-    outbox of one per session, dropping the newest, because a snapshot supersedes the last and nothing
-    is worth queueing for a peer that is behind. A peer that takes nothing is closed by its send
-    deadline (drop-session). So there is at most one task per session, bounded by `max_connections`.
-    """
-
-    def __init__(self) -> None:
-        self._busy: set[Session] = set()
-
-    def send(self, nursery: trio.Nursery, sessions, *messages: Any) -> int:
-        """Start sending `messages` to each session that is not still busy; how many were skipped."""
-        skipped = 0
-        for session in sessions:
-            if session in self._busy:
-                skipped += 1
-                continue
-            if not session.closed.is_set():
-                self._busy.add(session)
-                nursery.start_soon(self._one, session, messages)
-        return skipped
-
-    async def _one(self, session: Session, messages: tuple) -> None:
-        try:
-            for message in messages:
-                await session.send_message(message)
-        except SessionClosed:
-            pass
-        finally:
-            self._busy.discard(session)
-
-
-# ---- establishing sessions ----------------------------------------------------------------------------
-
-async def _run_handshake(stream: trio.SocketStream, hs: Handshake, timeout: float):
-    sock = stream.socket
-    with trio.fail_after(timeout):
-        out = hs.data_to_send()
-        if out:
-            await _send_all(sock, memoryview(out))
-        while not hs.complete:
-            data = await sock.recv(65536)
-            if not data:
-                raise HandshakeError("connection closed during the handshake")
-            hs.receive_data(data)
-            out = hs.data_to_send()
-            if out:
-                await _send_all(sock, memoryview(out))
-    return hs.result()
-
-
-def _handshake_for(cfg: TransportConfig, *, initiator: bool, expected_peer_id: str | None,
-                   observed: str | None = None) -> Handshake:
-    # A responder tells the initiator which IP it sees it from (like libp2p's identify), so a daemon
-    # listening on 0.0.0.0 learns an address it can put in its own signed peer record.
-    payload = dict(cfg.app_payload, observed=observed) if observed else cfg.app_payload
-    return Handshake(
-        initiator=initiator, identity=cfg.identity, swarm=cfg.swarm, psk=cfg.psk, ciphers=cfg.ciphers,
-        app_payload=payload, expected_peer_id=expected_peer_id, allowed_peer_ids=cfg.allowed_peer_ids)
-
-
-async def dial(host: str, port: int, cfg: TransportConfig, *, expected_peer_id: str | None = None,
-               connect_timeout: float = 5.0) -> Session:
-    """Connect and handshake as initiator. Raises OSError, trio.TooSlowError or HandshakeError."""
-    with trio.fail_after(connect_timeout):
-        stream = await trio.open_tcp_stream(host, port)
-    try:
-        result = await _run_handshake(stream, _handshake_for(cfg, initiator=True, expected_peer_id=expected_peer_id),
-                                      cfg.handshake_timeout)
-    except BaseException:
-        with trio.CancelScope(shield=True):
-            await stream.aclose()
-        raise
-    return Session(stream, result=result, cfg=cfg, initiator=True, remote_addr=(host, port))
-
-
-MAX_HANDSHAKES = 16
-"""Inbound handshakes in progress at once, apart from the session slots (`max_connections`). When full,
-the oldest is dropped for the newcomer: connections that never finish a handshake (slowloris) then only
-push out each other, while an honest handshake, which takes milliseconds, is done long before 16 newer
-connections arrive. 16 also admits a burst of peers joining at once."""
-
-
-@dataclass
-class ListenerStats:
-    accepted: int = 0
-    refused: int = 0
-    handshake_failures: int = 0
-    handshakes_evicted: int = 0  # the oldest handshake dropped for a newer connection (MAX_HANDSHAKES)
-    evicted: int = 0  # idle sessions closed for a newcomer (serve's `idle_victim`)
-    per_ip: dict[str, int] = field(default_factory=dict)
-
-
-async def open_listeners(host: str, port: int) -> tuple[list[trio.SocketListener], tuple[str, int]]:
-    """Bind the TCP listener first, so the daemon knows its real port (port 0 = pick one) before serving."""
-    try:
-        listeners = await trio.open_tcp_listeners(port, host=host)
-    except OSError as exc:
-        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}"
-                      + ("; another program (or daemon) uses that port: pick another with --listen HOST:PORT or use port 0"
-                         if exc.errno == 98 else "")) from None
-    bound = listeners[0].socket.getsockname()[:2]
-    return listeners, (bound[0], bound[1])
-
-
-async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_session: Callable[[Session], Any], *,
-                max_connections: int = 64, max_connections_per_ip: int = 16,
-                max_handshakes: int = MAX_HANDSHAKES, stats: ListenerStats | None = None,
-                idle_victim: Callable[[list[Session]], Session | None] | None = None,
-                task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Accept connections, handshake each under a deadline, hand sessions to `on_session`.
-
-    `on_session(session)` is awaited in the connection's own task and owns the session until it
-    returns (then the session is closed). One misbehaving connection never affects the listener or
-    other connections: session limits are checked before the handshake (and counted once it is done),
-    handshakes have their own slots (`max_handshakes`, oldest evicted when full) and a deadline.
-
-    When the session slots (total, or this IP's) are full, `idle_victim(sessions)` picks one of those
-    inbound sessions that may go (idle, by its owner's judgement) or None; a newcomer is refused only when
-    none may. It is asked before the handshake (is there one?) and the session is closed only after it,
-    so an unauthenticated connection never evicts anyone.
-    """
-    stats = stats if stats is not None else ListenerStats()
-    active = 0  # sessions
-    sessions: dict[Session, str] = {}  # inbound sessions holding a slot -> their IP
-    handshaking: dict[trio.CancelScope, None] = {}  # in the order they started
-
-    def competitors(ip: str) -> list[Session] | None:
-        """None while a slot is free for `ip`; else the sessions one of which must go to free one."""
-        if stats.per_ip.get(ip, 0) >= max_connections_per_ip:
-            return [s for s, a in sessions.items() if a == ip]
-        if active >= max_connections:
-            return list(sessions)
-        return None
-
-    def release(session: Session) -> bool:
-        nonlocal active
-        ip = sessions.pop(session, None)
-        if ip is None:
-            return False
-        active -= 1
-        stats.per_ip[ip] -= 1
-        if not stats.per_ip[ip]:
-            del stats.per_ip[ip]
-        return True
-
-    async def handle(stream: trio.SocketStream) -> None:
-        nonlocal active
-        try:
-            remote = stream.socket.getpeername()[:2]
-        except OSError:
-            await stream.aclose()
-            return
-        ip = remote[0]
-        full = competitors(ip)
-        if full is not None and (idle_victim is None or idle_victim(full) is None):
-            stats.refused += 1
-            log.warning("refusing connection from %s: connection limit reached (%d total, %d from this IP), none idle",
-                        ip, active, stats.per_ip.get(ip, 0))
-            await stream.aclose()
-            return
-        if len(handshaking) >= max_handshakes:
-            stats.handshakes_evicted += 1
-            oldest = next(iter(handshaking))
-            del handshaking[oldest]
-            oldest.cancel()
-        scope = trio.CancelScope()
-        handshaking[scope] = None
-        result = None
-        try:
-            with scope:
-                result = await _run_handshake(stream, _handshake_for(cfg, initiator=False, expected_peer_id=None, observed=ip),
-                                              cfg.handshake_timeout)
-        except trio.TooSlowError:
-            log.warning("handshake from %s:%d timed out after %.1fs; dropped", remote[0], remote[1], cfg.handshake_timeout)
-        except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
-            log.warning("handshake from %s:%d failed: %s", remote[0], remote[1], exc)
-        finally:
-            handshaking.pop(scope, None)
-        if result is None:
-            stats.handshake_failures += 1
-            if scope.cancelled_caught:
-                log.warning("handshake from %s:%d dropped for a newer connection (%d in progress)",
-                            remote[0], remote[1], max_handshakes)
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
-            return
-        full = competitors(ip)  # checked again: others may have come, or the idle one woken up, meanwhile
-        if full is not None:
-            victim = idle_victim(full) if idle_victim is not None else None
-            if victim is None:
-                stats.refused += 1
-                log.warning("refusing session from %s: connection limit reached, none idle", ip)
-                with trio.CancelScope(shield=True):
-                    await stream.aclose()
-                return
-            release(victim)  # its slot is the newcomer's now, before its task has wound down
-            stats.evicted += 1
-            log.warning("closing session with %s: %s (for %s from %s)", victim.short, EVICTED_REASON,
-                        short_id(result.peer_id), ip)
-            await victim.aclose(EVICTED_REASON)
-        session = None
-        try:
-            session = Session(stream, result=result, cfg=cfg, initiator=False, remote_addr=remote)
-            sessions[session] = ip
-            active += 1
-            stats.per_ip[ip] = stats.per_ip.get(ip, 0) + 1
-            stats.accepted += 1
-            await on_session(session)
-        finally:
-            if session is not None:
-                release(session)
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
-
-    async with trio.open_nursery() as nursery:
-        task_status.started()
-        await trio.serve_listeners(handle, listeners, handler_nursery=nursery)
 
 
 def format_gbps(nbytes: int, seconds: float) -> float:

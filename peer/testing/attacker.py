@@ -15,7 +15,8 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from peer.session.transport import Session, TransportConfig, dial
+from peer.session.connect import dial
+from peer.session.transport import Session, TransportConfig
 from protocol import identity as ident
 
 DIAL_TIMEOUT = 10.0  # a daemon on a loaded 2-core machine completes a handshake well within this

@@ -28,7 +28,8 @@ from peer.topology.links import LinkStats
 from peer.topology.mixing import metropolis_weight
 from peer.topology.rewire import RewireConfig, plan_move
 from peer.topology.spectral import SpectralWorker
-from peer.session.transport import Fanout, SessionClosed
+from peer.session.fanout import Fanout
+from peer.session.transport import SessionClosed
 from protocol import identity as ident
 from protocol.schema import DEFAULT_REGISTRY
 from protocol.schema.topology import (
