@@ -26,3 +26,18 @@ def test_attacker_session_reaches_a_real_daemon(cluster, tmp_path):
     assert seen == [status["peer_id"]]
     wait_for(lambda: any(p["state"] != "connected" for p in d.status()["peers"]) or not d.status()["peers"],
              timeout=20, what="the attacker's session to end at the daemon")
+
+
+def test_the_attacker_process_knows_every_scenario():
+    """`python -m peer.testing.attacks` (what `peer bench hostile` runs per class) lists the classes other
+    modules register too: as a script the file is a second copy of the module, with a registry of its own."""
+    import subprocess
+    import sys
+
+    from peer.testing.attacks import SCENARIOS
+    from tests.daemons import REPO
+
+    r = subprocess.run([sys.executable, "-m", "peer.testing.attacks", "--help"], capture_output=True, text=True,
+                       cwd=REPO, timeout=60)
+    assert r.returncode == 0 and all(name in r.stdout for name in SCENARIOS), r.stdout
+    assert "mute_peer" in SCENARIOS and "slowloris" in SCENARIOS

@@ -467,4 +467,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as a script this file is `__main__`, a second copy of the module; modules of more classes register
+    # theirs with `peer.testing.attacks`, so its main (and registry) is the one to use.
+    from peer.testing.attacks import main as canonical_main
+
+    sys.exit(canonical_main())
