@@ -43,6 +43,16 @@ def update_scale(diff_sq: float, own_sq: float, other_sq: float, ratio: float) -
     return 1.0 if diff <= bound else bound / diff
 
 
+def cannot_clip(own_sq: float, other_sq: float, ratio: float) -> bool:
+    """Whether the rule gives s = 1 whatever the difference: ||other - own|| <= ||own|| + ||other||, so when
+    that sum is within `ratio` times the smaller norm no difference can exceed the bound. Symmetric in the
+    two norms, so both sides decide alike; it spares a pass over the tensors in the common case."""
+    if not (math.isfinite(own_sq) and math.isfinite(other_sq) and own_sq >= 0.0 and other_sq >= 0.0):
+        return False
+    own, other = math.sqrt(own_sq), math.sqrt(other_sq)
+    return own + other <= ratio * min(own, other)
+
+
 def download_ok(diff_sq: float, own_sq: float, other_sq: float, ratio: float) -> bool:
     """Whether downloaded parameters may replace ours: the same rule as an exchange, unclipped."""
     return update_scale(diff_sq, own_sq, other_sq, ratio) == 1.0

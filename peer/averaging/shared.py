@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from peer.averaging.bounds import update_scale
+from peer.averaging.bounds import cannot_clip, update_scale
 from protocol.limits import DEFAULT_LIMITS
 from protocol.schema.gossip import TensorSpec
 from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
@@ -109,10 +109,12 @@ class SharedTensors:
 
         s is 1, or less where the difference is more than `max_ratio` times the smaller of the two
         snapshots' norms (peer/averaging/bounds.py): both sides compute the same s from the same pair, so
-        the pair's updates still cancel. Why blocks: a first pass over cache-sized blocks takes the three
-        norms (s must be known before anything is added: a trainer step may read the tensors meanwhile),
-        a second adds; the difference goes to one small scratch block that stays in cache, so `others`
-        (the received copy) is only read. The lock is taken per block, so a trainer step waits for one
+        the pair's updates still cancel. Why blocks: a first pass over cache-sized blocks takes the two
+        snapshots' norms (s must be known before anything is added: a trainer step may read the tensors
+        meanwhile); only if they allow a clip (`cannot_clip`) does a pass take the difference's norm; a
+        last pass adds, the difference going to one small scratch block that stays in cache, so `others`
+        (the received copy) is only read. (Subtracting in the first pass as well cost 6.4 ms for 64 MiB
+        here against 3.7 ms for the two norms: the bound cost the 64 MiB exchange ~20% that way.) The lock is taken per block, so a trainer step waits for one
         block at most; both are additions, so how they interleave does not change the result. Torch
         tensors in CPU memory take the same path through numpy views of their memory; only device tensors
         and bfloat16 (no numpy dtype) use whole-tensor torch operations.
@@ -136,20 +138,27 @@ class SharedTensors:
                     for t, d in zip(self.tensors.values(), deltas):
                         t.data.add_(d.to(t.device, non_blocking=False), alpha=weight * scale)
         else:
-            for _t, o, a in zip(*arrays):
+            for _t, o, a in zip(*arrays):  # pass 1: the two snapshots' norms (two reads, nothing written)
                 of, af = o.reshape(-1), a.reshape(-1)
                 step = max(1, APPLY_BLOCK_BYTES // af.itemsize)
-                scratch = np.empty(min(step, af.shape[0]), dtype=af.dtype)
                 for i in range(0, af.shape[0], step):
-                    ab, ob = af[i:i + step], of[i:i + step]
-                    d = scratch[:ab.shape[0]]
-                    np.subtract(ob, ab, out=d)
-                    diff_sq += _sum_sq(d)
-                    own_sq += _sum_sq(ab)
-                    other_sq += _sum_sq(ob)
-            scale = 1.0 if max_ratio is None else update_scale(diff_sq, own_sq, other_sq, max_ratio)
+                    own_sq += _sum_sq(af[i:i + step])
+                    other_sq += _sum_sq(of[i:i + step])
+            diff_known = max_ratio is not None and not cannot_clip(own_sq, other_sq, max_ratio)
+            if diff_known:  # clipping is possible: the difference's norm decides (a pass more, only then)
+                for _t, o, a in zip(*arrays):
+                    of, af = o.reshape(-1), a.reshape(-1)
+                    step = max(1, APPLY_BLOCK_BYTES // af.itemsize)
+                    scratch = np.empty(min(step, af.shape[0]), dtype=af.dtype)
+                    for i in range(0, af.shape[0], step):
+                        d = scratch[:min(step, af.shape[0] - i)]
+                        np.subtract(of[i:i + step], af[i:i + step], out=d)
+                        diff_sq += _sum_sq(d)
+                scale = update_scale(diff_sq, own_sq, other_sq, max_ratio)
+            else:
+                scale = 1.0
             if scale > 0.0:
-                for t, o, a in zip(*arrays):
+                for t, o, a in zip(*arrays):  # pass 2: add, block by block (the difference's norm on the way)
                     tf, of, af = t.reshape(-1), o.reshape(-1), a.reshape(-1)
                     step = max(1, APPLY_BLOCK_BYTES // tf.itemsize)
                     scratch = np.empty(min(step, tf.shape[0]), dtype=tf.dtype)
@@ -157,6 +166,8 @@ class SharedTensors:
                         tb = tf[i:i + step]
                         d = scratch[:tb.shape[0]]
                         np.subtract(of[i:i + step], af[i:i + step], out=d)
+                        if not diff_known:
+                            diff_sq += _sum_sq(d)  # in cache: nearly free, for the distance status shows
                         d *= weight * scale
                         with self.lock:
                             np.add(tb, d, out=tb)
