@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,8 +87,7 @@ class SessionStats:
     messages_out: int = 0
     tensors_in: int = 0
     tensors_out: int = 0
-    last_recv: float = 0.0  # trio.current_time() of the last byte received
-    last_useful: float = 0.0  # ... of the last message or tensor chunk that is not a heartbeat (HEARTBEATS)
+    last_useful: float = 0.0  # trio.current_time() of the last message or tensor chunk that is not a heartbeat (HEARTBEATS)
 
 
 async def send_all(sock: trio.socket.SocketType, data: memoryview) -> None:
@@ -118,7 +116,7 @@ class Session:
         self.cipher: str = "none (benchmark)" if cfg.insecure_plaintext_for_benchmark else result.cipher
         self.initiator = initiator
         self.remote_addr = remote_addr
-        self.stats = SessionStats(last_recv=trio.current_time(), last_useful=trio.current_time())
+        self.stats = SessionStats(last_useful=trio.current_time())
         self.opened_at = trio.current_time()
         limits = cfg.limits
         send_cipher, recv_cipher = result.send, result.recv
@@ -319,7 +317,6 @@ class Session:
             if n == 0:
                 return
             stats.bytes_in += n
-            stats.last_recv = trio.current_time()
 
     async def _on_message(self, data) -> None:
         env = self.cfg.registry.decode(data, self.cfg.limits)
@@ -359,11 +356,3 @@ class Session:
         self._mark_closed(reason)
         with trio.CancelScope(shield=True):
             await self.stream.aclose()
-
-    @property
-    def idle_for(self) -> float:
-        return trio.current_time() - self.stats.last_recv
-
-
-def format_gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / 1e9, 3) if seconds > 0 and math.isfinite(seconds) else 0.0
