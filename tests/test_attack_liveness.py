@@ -11,9 +11,8 @@ from peer.membership.service import IDLE_ROUNDS
 from peer.session.connect import EVICTED_REASON
 from peer.session.transport import Session, SessionClosed
 from peer.testing.attacker import attacker_session
-from peer.testing.attacks import run_scenario
+from peer.testing.attacks import my_id, run_scenario
 from peer.testing.swarm import FAST_MEMBERSHIP, swarm_config, unique_swarm, write_config
-from protocol import identity as ident
 from protocol.errors import HandshakeError
 from protocol.schema import Ping, Pong, ProbeRequest, TopologyRecords
 
@@ -30,11 +29,6 @@ async def answer_pings(s: Session, records_at: list[float]) -> None:
             await s.reply(env, Pong(echo=env.message.sent))
         elif isinstance(env.message, TopologyRecords):
             records_at.append(trio.current_time())
-
-
-def own_id(s: Session) -> str:
-    """The attacker's own peer ID (`s.peer_id` is the daemon's)."""
-    return ident.peer_id_from_public_bytes(ident.public_key_bytes(s.cfg.identity))
 
 
 async def peer_state(d, peer_id: str) -> dict | None:
@@ -81,11 +75,11 @@ def test_an_honest_peer_gets_records_on_time_while_a_peer_stops_reading(cluster,
                     for _ in range(64):
                         await mute.send_message(ProbeRequest(nbytes=256 * 1024))
                     t0 = trio.current_time()
-                    await wait_dropped(d, own_id(mute), DEAD_AFTER + SLACK + 5)
+                    await wait_dropped(d, my_id(mute), DEAD_AFTER + SLACK + 5)
                     t1 = trio.current_time()
                 during = [t for t in records_at if t0 <= t <= t1]
                 out["gaps"] = [b - a for a, b in zip([t0] + during, during + [t1])]
-                out["honest"] = await peer_state(d, own_id(honest))
+                out["honest"] = await peer_state(d, my_id(honest))
                 n.cancel_scope.cancel()
     trio.run(attack)
     record_interval = 2.0  # [topology] record_interval's default; a round comes every 0.8-1.2 of it
@@ -137,7 +131,7 @@ def test_peers_that_only_answer_pings_give_their_slot_to_an_honest_daemon(cluste
                         await trio.sleep(0.1)
                 out["took"] = trio.current_time() - t0
                 out["evicted"] = [a for a in attackers if a.closed.is_set()]
-                out["states"] = [await peer_state(d, own_id(a)) for a in attackers]
+                out["states"] = [await peer_state(d, my_id(a)) for a in attackers]
                 out["status"] = await trio.to_thread.run_sync(d.status)
                 n.cancel_scope.cancel()
     trio.run(attack)

@@ -114,15 +114,17 @@ async def victim_status(status: dict) -> dict:
     return await trio.to_thread.run_sync(lambda: call(Path(status["home"]), "status"))
 
 
-async def victim_reason(status: dict, peer: str) -> str:
-    """Why the victim closed `peer`'s session (its status entry), '' if it has none yet."""
-    with trio.move_on_after(5):
+async def dropped(status: dict, peer: str, wait: float = 5.0) -> tuple[float | None, str]:
+    """Seconds until the victim lists `peer` as no longer connected, with its reason; (None, '') if not
+    within `wait` (by default long enough for a session it has just closed to show in its status)."""
+    t0 = trio.current_time()
+    with trio.move_on_after(wait):
         while True:
             for p in (await victim_status(status))["peers"]:
                 if p["peer_id"] == peer and p["state"] != "connected" and p["reason"]:
-                    return p["reason"]
+                    return trio.current_time() - t0, p["reason"]
             await trio.sleep(0.1)
-    return ""
+    return None, ""
 
 
 async def send_raw(session, type_name: str, body: dict) -> None:
@@ -146,7 +148,7 @@ async def until_closed(status: dict, session, t0: float, obs: Observed, wait: fl
         await session.closed.wait()
     if session.closed.is_set():
         obs.closed_after_s = trio.current_time() - t0
-        obs.reason = await victim_reason(status, obs.attacker)
+        obs.reason = (await dropped(status, obs.attacker))[1]
         obs.ok = True
     else:
         obs.reason = f"session still open after {wait:.0f} s"

@@ -11,25 +11,13 @@ import trio
 
 from peer.session.transport import SessionClosed
 from peer.testing.attacker import attacker_session
-from peer.testing.attacks import Observed, answer_pings, my_id, scenario, victim_reason, victim_status
+from peer.testing.attacks import Observed, answer_pings, dropped, my_id, scenario, victim_status
 from protocol.schema import Ping, Pong
 
 SILENT_CONNECTIONS = 50  # far above the daemon's 16 handshake slots: the oldest must give way
 ADMIT_WITHIN_S = 2.0  # an honest handshake plus a ping on loopback, with room for a loaded machine
 CHATTER_EVERY_S = 0.2  # the mute peer's small messages: it looks busy while reading nothing
 DROP_WAIT_S = 30.0  # how long the scenario watches: past any sane dead_after + 5 s (the bench judges the figure)
-
-
-async def _dropped(status: dict, peer: str, wait: float) -> float | None:
-    """Seconds until the victim lists `peer` as no longer connected (None if not within `wait`)."""
-    t0 = trio.current_time()
-    with trio.move_on_after(wait):
-        while True:
-            for p in (await victim_status(status))["peers"]:
-                if p["peer_id"] == peer and p["state"] != "connected":
-                    return trio.current_time() - t0
-            await trio.sleep(0.1)
-    return None
 
 
 @scenario("mute_peer", "drop", "a peer that keeps sending small messages and never reads a byte")
@@ -48,9 +36,9 @@ async def mute_peer(status: dict) -> Observed:
                 except SessionClosed:
                     pass
             n.start_soon(chatter)
-            obs.closed_after_s = await _dropped(status, obs.attacker, wait)
+            obs.closed_after_s, obs.reason = await dropped(status, obs.attacker, wait)
             obs.ok = obs.closed_after_s is not None
-            obs.reason = await victim_reason(status, obs.attacker) if obs.ok else f"still connected after {wait:.0f} s"
+            obs.reason = obs.reason or f"still connected after {wait:.0f} s"
             reply = await honest.request(Ping(sent=3.0), timeout=10)
             obs.facts["honest_pong"] = isinstance(reply.message, Pong)
             obs.facts["honest_state"] = next((p["state"] for p in (await victim_status(status))["peers"]
