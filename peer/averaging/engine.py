@@ -242,6 +242,15 @@ class GossipEngine:
         self.stats.recent = (self.stats.recent + [round(seconds, 4)])[-20:]
 
     # ---- serving exchanges --------------------------------------------------------------------------
+    def _role_refusal(self, peer_id: str) -> tuple[str, str] | None:
+        """Who may average with us or download our tensors: a current neighbour that is not banned. The
+        refusal's code (an ErrorReply's) and reason, or None."""
+        if not self.topology.is_neighbour(peer_id):
+            return "not_neighbour", "only neighbours average with us or download our tensors"
+        if (banned := self.bans.banned(peer_id, trio.current_time())) is not None:
+            return "banned", banned
+        return None
+
     async def _on_offer(self, session, env) -> None:
         offer: AverageOffer = env.message
         peer_id = session.peer_id
@@ -257,10 +266,8 @@ class GossipEngine:
             reason = f"unknown weight rule {offer.rule[:40]!r}"
         elif not 0.0 < offer.max_weight <= 0.5:
             reason = f"impossible weight {offer.max_weight}"
-        elif not self.topology.is_neighbour(peer_id):
-            reason = "not neighbours"
-        elif (banned := self.bans.banned(peer_id, trio.current_time())) is not None:
-            reason = banned
+        elif (refused := self._role_refusal(peer_id)) is not None:
+            reason = refused[1]
         elif peer_id in self.inflight or (peer_id in self.initiating and peer_id > self.me):
             reason = "exchange already in flight"  # on collision the smaller peer ID's offer wins
         elif self._serving >= self.cfg.max_concurrent_exchanges:
@@ -391,14 +398,11 @@ class GossipEngine:
     async def _on_params_request(self, session, env) -> None:
         """Served to current neighbours only: a joining peer asks one (the model is not for anyone who dials)."""
         group = self.groups.get(env.message.group)
-        refusal = None
         if group is None:
             refusal = ("no_group", f"no group {env.message.group[:40]!r} here")
-        elif not self.topology.is_neighbour(session.peer_id):
-            refusal = ("not_neighbour", "parameters are served to neighbours only")
-        elif (banned := self.bans.banned(session.peer_id, trio.current_time())) is not None:
-            refusal = ("banned", banned)
-        elif self._serving >= self.cfg.max_concurrent_exchanges:
+        else:
+            refusal = self._role_refusal(session.peer_id)
+        if refusal is None and self._serving >= self.cfg.max_concurrent_exchanges:
             refusal = ("busy", "serving as many transfers as it may; ask again later")
         if refusal is not None:
             self.stats.params_refused += 1
