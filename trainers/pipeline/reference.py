@@ -1,0 +1,98 @@
+"""Single-process training of a PipelineModel with the pipeline's semantics: the yardstick.
+
+A pipeline run and this one see the same microbatches (`train.batches(microbatch, generator)`
+seeded by `seed`), take one optimizer step per batch with the gradient of the mean loss over the
+batch, and are scored the same way, so a gap between them is the pipeline's doing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from trainers.baseline import make_optimizer
+from trainers.pipeline.blocks import PipelineModel
+
+
+def _device(net: torch.nn.Module) -> torch.device:
+    return next((p.device for p in net.parameters()), torch.device("cpu"))
+
+
+@torch.no_grad()
+def evaluate(model: PipelineModel, test: Any, *, microbatch: int, eval_batches: int) -> float:
+    """Mean loss over the first `eval_batches` microbatches of `test` in order, eval mode (restored after)."""
+    if microbatch < 1 or eval_batches < 1:
+        raise ValueError(f"evaluate: microbatch and eval_batches must be >= 1, got {microbatch}, {eval_batches}")
+    net = model.sequential()
+    dev = _device(net)
+    was_training = net.training
+    net.eval()
+    losses: list[float] = []
+    try:
+        for x, y in test.batches(microbatch, shuffle=False):
+            losses.append(float(model.loss_fn(net(x.to(dev)), y.to(dev))))
+            if len(losses) >= eval_batches:
+                break
+    finally:
+        net.train(was_training)
+    if not losses:
+        raise ValueError("evaluate: the test set is empty")
+    return sum(losses) / len(losses)
+
+
+def train_reference(
+    model: PipelineModel, train: Any, test: Any, *, batch_size: int, microbatch: int, lr: float,
+    samples: int, seed: int = 0, optimizer: str = "adam", eval_batches: int = 8,
+) -> dict[str, Any]:
+    """Train `model.sequential()` in place until `samples` samples; returns val_loss, train_loss (last
+    batch), samples, steps, seconds (training only).
+
+    Each batch is batch_size // microbatch microbatches; each microbatch backpropagates its mean
+    loss weighted by its share of the batch's samples, so the step sees the gradient of the mean
+    over the batch even when an epoch's last microbatch is short. Dropout draws from an RNG
+    seeded by `seed` (the caller's RNG state is restored afterwards).
+    """
+    if microbatch < 1 or batch_size < microbatch or batch_size % microbatch:
+        raise ValueError(f"train_reference: batch_size ({batch_size}) must be a positive multiple "
+                         f"of microbatch ({microbatch})")
+    if samples < 1:
+        raise ValueError(f"train_reference: samples must be >= 1, got {samples}")
+    per_batch = batch_size // microbatch
+    net = model.sequential()
+    dev = _device(net)
+    opt = make_optimizer(net.parameters(), optimizer, lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+
+    def microbatches():  # endless: epoch after epoch from the same generator
+        while True:
+            empty = True
+            for mb in train.batches(microbatch, gen):
+                empty = False
+                yield mb
+            if empty:
+                raise ValueError("train_reference: the training set is empty")
+
+    stream = microbatches()
+    done, steps, train_loss = 0, 0, float("nan")
+    net.train()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        while done < samples:
+            batch = [next(stream) for _ in range(per_batch)]
+            total = sum(len(x) for x, _ in batch)
+            opt.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for x, y in batch:
+                loss = model.loss_fn(net(x.to(dev)), y.to(dev))
+                (loss * (len(x) / total)).backward()
+                loss_sum += float(loss) * len(x)
+            opt.step()
+            steps += 1
+            done += total
+            train_loss = loss_sum / total
+        seconds = time.perf_counter() - start
+    val_loss = evaluate(model, test, microbatch=microbatch, eval_batches=eval_batches)
+    return {"val_loss": val_loss, "train_loss": train_loss, "samples": done, "steps": steps, "seconds": seconds}

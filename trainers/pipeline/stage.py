@@ -1,0 +1,356 @@
+"""One pipeline stage: a contiguous run of blocks that serves forward/backward/loss requests.
+
+Stateless between a microbatch's forward and its backward (SWARM): the backward request carries
+the stage's inputs again with the output gradient, and the forward is recomputed under the same
+seed so dropout masks match. A server can therefore drop, reorder or restart requests without
+holding activations for drivers that may never come back.
+
+Gradients accumulate as the gradient of the *summed* loss ("loss" backpropagates mean * batch,
+"backward" passes on what the next stage returned), and a step divides by the samples accumulated,
+so a step uses the gradient of the mean loss over exactly those samples: the same as one
+single-process batch of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from protocol.tensor_codec import DTYPES
+from trainers.pipeline.blocks import LossFn, PipelineModel, seeded
+
+# Weight of the newest measurement in the throughput EWMA: remembers ~10 requests, enough to
+# smooth scheduling jitter while still following a change of load within seconds.
+EWMA_ALPHA = 0.2
+# A backward request recomputes the forward (1x) and backpropagates (~2x a forward); used to
+# estimate one from the other before both have been measured.
+BACKWARD_OVER_FORWARD = 3.0
+# Largest seed torch.manual_seed accepts, so a bad seed from a peer is a ValueError, not a RuntimeError.
+MAX_SEED = 2**64 - 1
+
+FIRST_KINDS = ("forward", "backward")
+LAST_KINDS = ("loss", "evaluate")
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Per-sample shape and dtype of a tensor crossing a block boundary (dim 0, the batch, left out)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def spec(self, name: str, batch: int) -> tuple[str, str, list[int]]:
+        return name, _dtype_name(self.dtype, name), [batch, *self.shape]
+
+
+def _dtype_name(dtype: torch.dtype, where: str) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"{where}: dtype {name} cannot travel between peers; use one of {', '.join(DTYPES)}")
+    return name
+
+
+def _param_device(module: nn.Module) -> torch.device | None:
+    return next((p.device for p in module.parameters()), None)
+
+
+class StageWorker:
+    """Blocks [lo, hi) of `model` as pipeline stage `stage` of `stages`.
+
+    The worker takes over those block objects (no copy): build a PipelineModel per worker if one
+    process hosts the same stage twice. `lock` is held around every compute and optimizer step;
+    the daemon takes it to average `params()` in place.
+    """
+
+    def __init__(
+        self, model: PipelineModel, bounds: tuple[int, int], *, stage: int, stages: int,
+        optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+        max_batch: int, sample_x: Tensor, sample_y: Tensor, grad_clip: float = 0.0,
+        device: torch.device | None = None,
+    ) -> None:
+        n = len(model.blocks)
+        lo, hi = bounds
+        where = f"StageWorker(stage {stage} of {stages}, blocks [{lo}, {hi}))"
+        if stages < 1 or not 0 <= stage < stages:
+            raise ValueError(f"{where}: need 0 <= stage < stages")
+        if not 0 <= lo < hi <= n:
+            raise ValueError(f"{where}: bounds must satisfy 0 <= lo < hi <= {n} blocks")
+        if (stage == 0) != (lo == 0):
+            raise ValueError(f"{where}: the first stage, and only it, starts at block 0")
+        if (stage == stages - 1) != (hi == n):
+            raise ValueError(f"{where}: the last stage, and only it, ends at block {n}")
+        if max_batch < 1:
+            raise ValueError(f"{where}: max_batch must be >= 1, got {max_batch}")
+        if not (math.isfinite(grad_clip) and grad_clip >= 0):
+            raise ValueError(f"{where}: grad_clip must be finite and >= 0, got {grad_clip}")
+        self.stage, self.stages, self.lo, self.hi = stage, stages, lo, hi
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.max_batch = max_batch
+        self.grad_clip = grad_clip
+        self.loss_fn: LossFn = model.loss_fn
+        self.module = nn.Sequential(*model.blocks[lo:hi])
+        self.device = torch.device(device) if device is not None else (_param_device(self.module) or torch.device("cpu"))
+        self._in, self._out, self._y = self._record_shapes(model, sample_x, sample_y, where)
+        self.module.to(self.device).train()
+        self._params = [p for p in self.module.parameters() if p.requires_grad]
+        self._optimizer = optimizer(self._params)
+        self.lock = threading.Lock()
+        self._accumulate = max_batch
+        self._pending = 0  # samples whose gradients are accumulated since the last step
+        self.steps = 0
+        self.samples = 0
+        self._sec_per_sample: dict[str, float] = {}
+
+    # --- shapes ----------------------------------------------------------------------------------
+
+    def _record_shapes(self, model: PipelineModel, x: Tensor, y: Tensor, where: str) -> tuple[_Shape, _Shape, _Shape]:
+        """Run the sample microbatch through blocks [0, hi) (no grad) to learn this stage's shapes.
+
+        Blocks before lo run wherever their parameters are; it is a one-time cost at start-up.
+        """
+        if x.dim() < 1 or y.dim() < 1 or x.shape[0] != y.shape[0] or x.shape[0] < 1:
+            raise ValueError(f"{where}: sample_x and sample_y must share a batch dim 0 >= 1, "
+                             f"got {list(x.shape)} and {list(y.shape)}")
+        b = x.shape[0]
+        shapes = [_Shape(x.dtype, tuple(x.shape[1:]))]
+        h = x
+        with torch.no_grad(), seeded(0, self.device):
+            for j, blk in enumerate(model.blocks[: self.hi]):
+                dev = _param_device(blk)
+                h = blk(h.to(dev) if dev is not None else h)
+                if not isinstance(h, Tensor) or h.dim() < 1 or h.shape[0] != b:
+                    got = list(h.shape) if isinstance(h, Tensor) else type(h).__name__
+                    raise ValueError(f"{where}: block {j} must return a tensor with the batch ({b}) in dim 0, got {got}")
+                shapes.append(_Shape(h.dtype, tuple(h.shape[1:])))
+            if self.last:
+                loss = self.loss_fn(h, y.to(h.device))
+                if not isinstance(loss, Tensor) or loss.dim() != 0:
+                    raise ValueError(f"{where}: loss_fn must return a scalar tensor, got "
+                                     f"{list(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__}")
+        for name, s in (("input", shapes[self.lo]), ("output", shapes[self.hi]), ("targets", _Shape(y.dtype, ()))):
+            _dtype_name(s.dtype, f"{where} {name}")
+        return shapes[self.lo], shapes[self.hi], _Shape(y.dtype, tuple(y.shape[1:]))
+
+    def kinds(self) -> tuple[str, ...]:
+        """Request kinds served here: the last stage computes the loss, the others forward/backward."""
+        return LAST_KINDS if self.last else FIRST_KINDS
+
+    def input_specs(self, kind: str, batch: int) -> list[tuple[str, str, list[int]]]:
+        """(name, dtype, shape) of each input tensor of a `kind` request for `batch` samples."""
+        if kind not in self.kinds():
+            raise ValueError(f"stage {self.stage}: kind {kind!r} is not served here; it serves {', '.join(self.kinds())}")
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"stage {self.stage} {kind}: batch must be in [1, {self.max_batch}], got {batch}")
+        inp = self._in.spec("x" if self.first else "h", batch)
+        if kind == "forward":
+            return [inp]
+        if kind == "backward":
+            return [inp, self._out.spec("grad_out", batch)]
+        return [inp, self._y.spec("y", batch)]
+
+    # --- compute ---------------------------------------------------------------------------------
+
+    def _validate(self, kind: str, tensors: list[Tensor], seed: int) -> int:
+        """The batch size of a well-formed request; ValueError naming what is wrong otherwise."""
+        if kind not in self.kinds():
+            raise ValueError(f"stage {self.stage}: kind {kind!r} is not served here; it serves {', '.join(self.kinds())}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"stage {self.stage} {kind}: seed must be an int in [0, 2**64), got {seed!r}")
+        if not isinstance(tensors, (list, tuple)) or not tensors:
+            raise ValueError(f"stage {self.stage} {kind}: expected a list of tensors, got {type(tensors).__name__}")
+        for i, t in enumerate(tensors):
+            if not isinstance(t, Tensor):
+                raise ValueError(f"stage {self.stage} {kind}: input {i} is a {type(t).__name__}, not a tensor")
+        if tensors[0].dim() < 1:
+            raise ValueError(f"stage {self.stage} {kind}: input 0 has no batch dimension")
+        specs = self.input_specs(kind, tensors[0].shape[0])
+        if len(tensors) != len(specs):
+            raise ValueError(f"stage {self.stage} {kind}: expected {len(specs)} tensors "
+                             f"({', '.join(s[0] for s in specs)}), got {len(tensors)}")
+        for i, (t, (name, dtype, shape)) in enumerate(zip(tensors, specs)):
+            got = str(t.dtype).removeprefix("torch.")
+            if got != dtype:
+                raise ValueError(f"stage {self.stage} {kind}: input {i} ({name}) has dtype {got}, expected {dtype}")
+            if list(t.shape) != shape:
+                raise ValueError(f"stage {self.stage} {kind}: input {i} ({name}) has shape {list(t.shape)}, expected {shape}")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"stage {self.stage} {kind}: input {i} ({name}) contains NaN or Inf")
+        return specs[0][2][0]
+
+    def compute(self, kind: str, tensors: list[Tensor], seed: int) -> tuple[float | None, list[Tensor]]:
+        """Serve one request: (mean loss or None, output tensors on the CPU, ready for the wire).
+
+        forward: [in] -> [out]. backward: [in, grad_out] -> [grad_in] ([] on the first stage).
+        loss: [in, y] -> (loss, [grad_in]) ([] with one stage). evaluate: [in, y] -> (loss, []),
+        eval mode, no gradients. A bad request raises ValueError and changes no state.
+        """
+        batch = self._validate(kind, tensors, seed)
+        xs = [t.to(self.device) for t in tensors]
+        with self.lock:
+            start = time.perf_counter()
+            if kind == "forward":
+                with torch.no_grad(), seeded(seed, self.device):
+                    loss, outs = None, [self.module(xs[0])]
+            elif kind == "evaluate":
+                loss, outs = self._evaluate(xs, seed), []
+            else:
+                loss, outs = self._train(kind, xs, seed, batch)
+            result = [o.detach().cpu().contiguous() for o in outs]  # .cpu() also waits for the device
+            if kind != "evaluate":
+                self._observe(kind, batch, time.perf_counter() - start)
+        return loss, result
+
+    def _evaluate(self, xs: list[Tensor], seed: int) -> float:
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad(), seeded(seed, self.device):
+                return float(self.loss_fn(self.module(xs[0]), xs[1]))
+        finally:
+            self.module.train(was_training)
+
+    def _train(self, kind: str, xs: list[Tensor], seed: int, batch: int) -> tuple[float | None, list[Tensor]]:
+        """Recompute the forward under `seed`, backpropagate, and accumulate only if all is finite."""
+        inp = xs[0] if self.first else xs[0].detach().requires_grad_(True)
+        wrt = self._params + ([] if self.first else [inp])
+        loss: float | None = None
+        with seeded(seed, self.device), torch.enable_grad():
+            out = self.module(inp)
+            if kind == "loss":
+                mean = self.loss_fn(out, xs[1])
+                loss = float(mean)
+                if not math.isfinite(loss):
+                    raise ValueError(f"stage {self.stage} loss: the loss is {loss}")
+                target, grad_out = mean * batch, None  # the SUM over the microbatch, see the module doc
+            else:
+                target, grad_out = out, xs[1]
+            grads = list(torch.autograd.grad(target, wrt, grad_outputs=grad_out, allow_unused=True)) if wrt else []
+        present = [g for g in grads if g is not None]
+        if present and not bool(torch.stack([g.isfinite().all() for g in present]).all()):
+            raise ValueError(f"stage {self.stage} {kind}: the gradients are not finite (inputs too large?)")
+        for p, g in zip(self._params, grads):
+            if g is not None:
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.add_(g)
+        self.samples += batch
+        self._pending += batch
+        if self._pending >= self._accumulate:
+            self._step()
+        if self.first:
+            return loss, []
+        grad_in = grads[-1]
+        return loss, [grad_in if grad_in is not None else torch.zeros_like(inp)]
+
+    def _step(self) -> None:
+        """Average the accumulated gradients over their samples, clip (this stage's norm), step."""
+        for p in self._params:
+            if p.grad is not None:
+                p.grad.div_(self._pending)
+        if self.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self._params, self.grad_clip)
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self._pending = 0
+        self.steps += 1
+
+    # --- accumulation and throughput -------------------------------------------------------------
+
+    @property
+    def accumulate_samples(self) -> int:
+        """Step once gradients of this many samples have accumulated (default max_batch)."""
+        return self._accumulate
+
+    @accumulate_samples.setter
+    def accumulate_samples(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"stage {self.stage}: accumulate_samples must be an int >= 1, got {n!r}")
+        self._accumulate = n
+
+    def accumulated_grads(self) -> dict[str, Tensor]:
+        """Name -> the gradient the next step would use (accumulated / samples, before clipping); copies."""
+        with self.lock:
+            out = {}
+            for name, p in self._named_params():
+                if p.grad is None or not self._pending:
+                    out[name] = torch.zeros_like(p.data)
+                else:
+                    out[name] = p.grad.detach() / self._pending
+            return out
+
+    def _observe(self, kind: str, batch: int, seconds: float) -> None:
+        per = seconds / batch
+        old = self._sec_per_sample.get(kind)
+        self._sec_per_sample[kind] = per if old is None else old + EWMA_ALPHA * (per - old)
+
+    def samples_per_s(self) -> float:
+        """Training samples per second this stage sustains (its forward + backward, or its loss); 0.0 unmeasured."""
+        s = self._sec_per_sample
+        if self.last:
+            t = s.get("loss")
+        else:
+            f, b = s.get("forward"), s.get("backward")
+            if f is None and b is None:
+                t = None
+            else:
+                f = f if f is not None else b / BACKWARD_OVER_FORWARD  # type: ignore[operator]
+                b = b if b is not None else f * BACKWARD_OVER_FORWARD
+                t = f + b
+        return 1.0 / t if t else 0.0
+
+    # --- parameters and checkpoints --------------------------------------------------------------
+
+    def _global(self, name: str) -> str:
+        """Module-relative "0.attn.qkv.weight" -> model-wide "3.attn.qkv.weight" (same as sequential())."""
+        idx, _, rest = name.partition(".")
+        return f"{int(idx) + self.lo}.{rest}"
+
+    def _local(self, name: str) -> str:
+        idx, _, rest = name.partition(".")
+        return f"{int(idx) - self.lo}.{rest}"
+
+    def _named_params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(self._global(n), p) for n, p in self.module.named_parameters()]
+
+    def params(self) -> dict[str, Tensor]:
+        """Model-wide parameter name -> p.data, the live tensors that gossip averages in place under `lock`."""
+        return {name: p.data for name, p in self._named_params()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot (copies) of weights, optimizer state and counters; pending gradients are not saved."""
+        with self.lock:
+            return {
+                "module": {self._global(k): v.detach().clone() for k, v in self.module.state_dict().items()},
+                "optimizer": copy.deepcopy(self._optimizer.state_dict()),
+                "steps": self.steps,
+                "samples": self.samples,
+            }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore a `state_dict()` of the same stage; drops gradients accumulated against the old weights."""
+        if not isinstance(d, dict) or not {"module", "optimizer", "steps"} <= d.keys():
+            raise ValueError(f"stage {self.stage}: a stage state dict needs 'module', 'optimizer' and 'steps'")
+        mine = {self._global(k) for k in self.module.state_dict()}
+        theirs = set(d["module"])
+        if mine != theirs:
+            raise ValueError(f"stage {self.stage}: state dict does not match blocks [{self.lo}, {self.hi}): "
+                             f"missing {sorted(mine - theirs)[:5]}, unexpected {sorted(theirs - mine)[:5]}")
+        with self.lock:
+            try:
+                self.module.load_state_dict({self._local(k): v for k, v in d["module"].items()})
+                self._optimizer.load_state_dict(d["optimizer"])
+            except (RuntimeError, KeyError) as e:
+                raise ValueError(f"stage {self.stage}: cannot load state dict: {e}") from e
+            self._optimizer.zero_grad(set_to_none=True)
+            self._pending = 0
+            self.steps = int(d["steps"])
+            self.samples = int(d.get("samples", self.samples))
