@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from trainers.baseline import make_optimizer
-from trainers.pipeline.blocks import PipelineModel
+from trainers.pipeline.blocks import PipelineModel, seeded
 
 
 def _device(net: torch.nn.Module) -> torch.device:
@@ -77,8 +77,7 @@ def train_reference(
     stream = microbatches()
     done, steps, train_loss = 0, 0, float("nan")
     net.train()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed, dev):
         start = time.perf_counter()
         while done < samples:
             batch = [next(stream) for _ in range(per_batch)]
@@ -88,7 +87,7 @@ def train_reference(
             for x, y in batch:
                 loss = model.loss_fn(net(x.to(dev)), y.to(dev))
                 (loss * (len(x) / total)).backward()
-                loss_sum += float(loss) * len(x)
+                loss_sum += loss.item() * len(x)
             opt.step()
             steps += 1
             done += total

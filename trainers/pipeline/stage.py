@@ -226,7 +226,7 @@ class StageWorker:
             out = self.module(inp)
             if kind == "loss":
                 mean = self.loss_fn(out, xs[1])
-                loss = float(mean)
+                loss = float(mean.detach())
                 if not math.isfinite(loss):
                     raise ValueError(f"stage {self.stage} loss: the loss is {loss}")
                 target, grad_out = mean * batch, None  # the SUM over the microbatch, see the module doc

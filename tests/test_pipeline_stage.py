@@ -1,0 +1,280 @@
+"""StageWorker: a 4-stage in-process chain against the single-process model, recompute, validation.
+
+A tiny char transformer (6 blocks: embedding, 4 x Block, head) is cut [0,1) [1,3) [3,5) [5,6).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainers.baseline import seeded_model
+from trainers.pipeline.blocks import PipelineModel, char_transformer_pipeline, from_factory, seeded
+from trainers.pipeline.stage import StageWorker
+
+VOCAB, BLOCK = 20, 16
+BOUNDS = [(0, 1), (1, 3), (3, 5), (5, 6)]
+LR = 0.1
+CPU = torch.device("cpu")
+
+
+def tiny(dropout: float, seed: int = 0) -> PipelineModel:
+    return char_transformer_pipeline(VOCAB, d_model=32, n_layers=4, n_heads=4, block=BLOCK, dropout=dropout, seed=seed)
+
+
+def data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n, BLOCK), generator=g), torch.randint(0, VOCAB, (n, BLOCK), generator=g)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=LR)
+
+
+def workers(model: PipelineModel, bounds=BOUNDS, max_batch: int = 4, optimizer=sgd) -> list[StageWorker]:
+    sx, sy = data(max_batch, seed=99)
+    return [StageWorker(model, b, stage=s, stages=len(bounds), optimizer=optimizer,
+                        max_batch=max_batch, sample_x=sx, sample_y=sy) for s, b in enumerate(bounds)]
+
+
+def run_chain(ws: list[StageWorker], x: torch.Tensor, y: torch.Tensor, seeds: list[int]) -> float:
+    """What a driver does: forward stage by stage, loss on the last, backward again."""
+    acts = [x]
+    for s in range(len(ws) - 1):
+        _, (h,) = ws[s].compute("forward", [acts[-1]], seeds[s])
+        acts.append(h)
+    loss, (g,) = ws[-1].compute("loss", [acts[-1], y], seeds[-1])
+    for s in range(len(ws) - 2, -1, -1):
+        _, out = ws[s].compute("backward", [acts[s], g], seeds[s])
+        if s:
+            (g,) = out
+        else:
+            assert out == []
+    assert loss is not None
+    return loss
+
+
+def reference_grads(model: PipelineModel, x: torch.Tensor, y: torch.Tensor,
+                    seeds: list[int] | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+    """Single-process loss and gradients; with `seeds`, each stage's blocks run under its seed."""
+    seq = model.sequential()
+    h = x
+    for s, (lo, hi) in enumerate(BOUNDS):
+        with seeded(seeds[s] if seeds else 0, CPU):
+            h = seq[lo:hi](h)
+    loss = model.loss_fn(h, y)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in seq.named_parameters()}
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rel: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert float((a[k] - b[k]).norm()) <= rel * float(b[k].norm()) + 1e-12, k
+
+
+def all_grads(ws: list[StageWorker]) -> dict[str, torch.Tensor]:
+    return {k: v for w in ws for k, v in w.accumulated_grads().items()}
+
+
+def test_blocks_match_char_transformer() -> None:
+    model = tiny(0.0, seed=3)
+    ref = seeded_model("char_transformer", 3, vocab=VOCAB, d_model=32, n_layers=4, n_heads=4, block=BLOCK)
+    x, _ = data(2)
+    assert torch.equal(model.sequential()(x), ref(x))
+    names = [n for n, _ in model.sequential().named_parameters()]
+    assert len(names) == len(set(names)) and names[0] == "0.tok.weight"
+
+
+def test_chain_equals_single_process_without_dropout() -> None:
+    ws = workers(tiny(0.0))
+    for w in ws:
+        w.accumulate_samples = 100  # no step yet: compare what the step would use
+    x, y = data(8)
+    losses = [run_chain(ws, x[i:i + 4], y[i:i + 4], [11, 12, 13, 14]) for i in (0, 4)]
+    ref = tiny(0.0)
+    for i, loss in zip((0, 4), losses):
+        with torch.no_grad():
+            expect = float(ref.loss_fn(ref.sequential()(x[i:i + 4]), y[i:i + 4]))
+        assert loss == pytest.approx(expect, rel=1e-6)
+    _, grads = reference_grads(ref, x, y)  # one batch of 8: the mean over all samples
+    assert_close(all_grads(ws), grads)
+    assert [w.samples for w in ws] == [8] * 4 and [w.steps for w in ws] == [0] * 4
+
+
+def test_step_after_accumulate_samples_uses_the_mean_gradient() -> None:
+    ws = workers(tiny(0.0))
+    for w in ws:
+        w.accumulate_samples = 8
+    x, y = data(8)
+    ref = tiny(0.0)
+    _, grads = reference_grads(ref, x, y)
+    before = {k: v.clone() for w in ws for k, v in w.params().items()}
+    run_chain(ws, x[:4], y[:4], [1, 2, 3, 4])
+    assert [w.steps for w in ws] == [0] * 4
+    run_chain(ws, x[4:], y[4:], [5, 6, 7, 8])
+    assert [w.steps for w in ws] == [1] * 4 and [w.samples for w in ws] == [8] * 4
+    after = {k: v for w in ws for k, v in w.params().items()}
+    assert_close(after, {k: before[k] - LR * g for k, g in grads.items()})  # SGD with the mean gradient
+    assert all(float(g.abs().max()) == 0 for g in all_grads(ws).values())  # zeroed after the step
+
+
+def test_chain_with_dropout_matches_per_stage_seeds() -> None:
+    seeds = [21, 22, 23, 24]
+    ws = workers(tiny(0.1))
+    for w in ws:
+        w.accumulate_samples = 100
+    x, y = data(4)
+    loss = run_chain(ws, x, y, seeds)
+    ref_loss, grads = reference_grads(tiny(0.1), x, y, seeds)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert_close(all_grads(ws), grads)
+
+
+def test_backward_recompute_reproduces_the_forward_bit_exactly() -> None:
+    w = workers(tiny(0.1))[1]
+    h = torch.randn(4, BLOCK, 32)
+    _, (out,) = w.compute("forward", [h], 5)
+    _, (other,) = w.compute("forward", [h], 6)
+    assert not torch.equal(out, other)  # dropout is on: the seed matters
+    seen: list[torch.Tensor] = []
+    handle = w.module.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+    try:
+        w.compute("backward", [h, torch.randn(4, BLOCK, 32)], 5)
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and torch.equal(seen[0], out)
+
+
+def test_specs_kinds_and_single_stage() -> None:
+    ws = workers(tiny(0.0))
+    assert ws[0].kinds() == ("forward", "backward") and ws[3].kinds() == ("loss", "evaluate")
+    assert ws[0].input_specs("backward", 3) == [("x", "int64", [3, BLOCK]), ("grad_out", "float32", [3, BLOCK, 32])]
+    assert ws[2].input_specs("forward", 1) == [("h", "float32", [1, BLOCK, 32])]
+    assert ws[3].input_specs("loss", 4) == [("h", "float32", [4, BLOCK, 32]), ("y", "int64", [4, BLOCK])]
+    for bad in ((ws[0], "loss", 1), (ws[3], "forward", 1), (ws[1], "forward", 0), (ws[1], "forward", 5)):
+        with pytest.raises(ValueError):
+            bad[0].input_specs(bad[1], bad[2])
+
+    (one,) = workers(tiny(0.1), bounds=[(0, 6)])
+    x, y = data(4)
+    assert one.input_specs("loss", 2)[0] == ("x", "int64", [2, BLOCK])
+    loss, out = one.compute("loss", [x, y], 0)
+    assert out == [] and loss is not None and one.samples == 4 and one.steps == 1
+    assert one.samples_per_s() > 0
+    e1, _ = one.compute("evaluate", [x, y], 1)
+    e2, _ = one.compute("evaluate", [x, y], 2)
+    assert e1 == e2 and one.module.training  # eval mode: no dropout; train mode restored
+    assert one.samples == 4
+
+
+def test_bad_inputs_are_rejected_without_state_change() -> None:
+    ws = workers(tiny(0.0))
+    for w in ws:
+        w.accumulate_samples = 100
+    x, y = data(4)
+    run_chain(ws, x, y, [1, 2, 3, 4])
+    grads = all_grads(ws)
+    params = {k: v.clone() for w in ws for k, v in w.params().items()}
+    h = torch.randn(4, BLOCK, 32)
+    nan = h.clone()
+    nan[1, 2, 3] = float("nan")
+    bad_ids = x.clone()
+    bad_ids[0, 0] = VOCAB
+    cases = [
+        (ws[1], "backward", [h], 0, "expected 2 tensors"),
+        (ws[1], "backward", [h, h[:, :, :16]], 0, r"input 1 \(grad_out\) has shape"),
+        (ws[1], "forward", [h.double()], 0, r"input 0 \(h\) has dtype float64"),
+        (ws[1], "backward", [h, nan], 0, r"input 1 \(grad_out\) contains NaN"),
+        (ws[3], "loss", [nan, y], 0, r"input 0 \(h\) contains NaN"),
+        (ws[1], "forward", [torch.randn(5, BLOCK, 32)], 0, r"batch must be in \[1, 4\]"),
+        (ws[1], "loss", [h, y], 0, "not served"),
+        (ws[1], "forward", [h], -1, "seed"),
+        (ws[1], "forward", ["h"], 0, "not a tensor"),
+        (ws[0], "backward", [bad_ids, h], 0, "token ids"),
+        (ws[3], "loss", [h, torch.full_like(y, VOCAB)], 0, "targets"),
+        (ws[1], "backward", [h, torch.full_like(h, 3e38)], 0, "not finite"),
+    ]
+    for w, kind, tensors, seed, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            w.compute(kind, tensors, seed)
+    assert_close(all_grads(ws), grads, rel=0.0)
+    assert all(torch.equal(v, params[k]) for w in ws for k, v in w.params().items())
+    assert [w.samples for w in ws] == [4] * 4 and [w.steps for w in ws] == [0] * 4
+
+
+def test_worker_arguments() -> None:
+    model = tiny(0.0)
+    sx, sy = data(2)
+    opt = sgd
+    for bounds, stage, stages, msg in [((1, 3), 0, 2, "first stage"), ((0, 3), 1, 2, "first stage"),
+                                       ((0, 3), 0, 2, None), ((3, 5), 1, 2, "last stage"),
+                                       ((3, 9), 1, 2, "bounds"), ((2, 2), 1, 3, "bounds"), ((0, 6), 1, 1, "stage")]:
+        if msg is None:
+            StageWorker(tiny(0.0), bounds, stage=stage, stages=stages, optimizer=opt, max_batch=2,
+                        sample_x=sx, sample_y=sy)
+            continue
+        with pytest.raises(ValueError, match=msg):
+            StageWorker(model, bounds, stage=stage, stages=stages, optimizer=opt, max_batch=2,
+                        sample_x=sx, sample_y=sy)
+    w = workers(tiny(0.0))[1]
+    with pytest.raises(ValueError, match="accumulate_samples"):
+        w.accumulate_samples = 0
+    assert w.samples_per_s() == 0.0
+    # model-wide names: the same as sequential()'s, for blocks 1 and 2 only
+    assert list(w.params()) == [n for n, _ in tiny(0.0).sequential().named_parameters() if n.split(".")[0] in "12"]
+
+
+def test_state_dict_round_trip() -> None:
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-3)  # noqa: E731 (has state worth carrying)
+    a = workers(tiny(0.0), optimizer=adam)
+    for w in a:
+        w.accumulate_samples = 4
+    x, y = data(4)
+    run_chain(a, x, y, [1, 2, 3, 4])
+    b = workers(tiny(0.0, seed=5), optimizer=adam)
+    b[2].load_state_dict(a[2].state_dict())
+    assert b[2].steps == 1 and b[2].samples == 4
+    assert all(torch.equal(v, a[2].params()[k]) for k, v in b[2].params().items())
+    sa, sb = a[2].state_dict()["optimizer"]["state"], b[2].state_dict()["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
+    with pytest.raises(ValueError, match="does not match"):
+        b[1].load_state_dict(a[2].state_dict())
+
+
+# --- from_factory ----------------------------------------------------------------------------------
+
+
+def good_factory():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), F.cross_entropy
+
+
+def not_a_pair():
+    return nn.Linear(4, 2)
+
+
+def empty_blocks():
+    return [], F.cross_entropy
+
+
+def bad_element():
+    return [nn.Linear(4, 2), "relu"], F.cross_entropy
+
+
+def bad_loss():
+    return [nn.Linear(4, 2)], "mse"
+
+
+def test_from_factory() -> None:
+    spec = f"{__name__}:good_factory"
+    m1, m2 = from_factory(spec), from_factory(spec)
+    assert m1.name == spec and len(m1.blocks) == 3 and m1.loss_fn is F.cross_entropy
+    assert torch.equal(m1.blocks[0].weight, m2.blocks[0].weight)  # every peer builds the same weights
+    for fn, msg in [("not_a_pair", "pair"), ("empty_blocks", "no blocks"), ("bad_element", "block 1 is a str"),
+                    ("bad_loss", "not callable")]:
+        with pytest.raises(ValueError, match=f"{__name__}:{fn}.*{msg}"):
+            from_factory(f"{__name__}:{fn}")
+    with pytest.raises(ValueError, match="no attribute"):
+        from_factory(f"{__name__}:missing")
