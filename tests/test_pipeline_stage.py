@@ -242,6 +242,10 @@ def test_state_dict_round_trip() -> None:
     assert sa.keys() == sb.keys() and all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
     with pytest.raises(ValueError, match="does not match"):
         b[1].load_state_dict(a[2].state_dict())
+    bad = a[2].state_dict()
+    bad["module"]["3.ln1.weight"] = torch.ones(3)
+    with pytest.raises(ValueError, match="3.ln1.weight is \\[3\\], expected \\[32\\]"):
+        b[2].load_state_dict(bad)
 
 
 # --- from_factory ----------------------------------------------------------------------------------

@@ -67,7 +67,8 @@ class StageWorker:
 
     The worker takes over those block objects (no copy): build a PipelineModel per worker if one
     process hosts the same stage twice. `lock` is held around every compute and optimizer step;
-    the daemon takes it to average `params()` in place.
+    the daemon takes it to average `params()` in place. `accumulated_grads`, `state_dict` and
+    `load_state_dict` take it themselves (it is not reentrant: do not call them while holding it).
     """
 
     def __init__(
@@ -339,11 +340,17 @@ class StageWorker:
         """Restore a `state_dict()` of the same stage; drops gradients accumulated against the old weights."""
         if not isinstance(d, dict) or not {"module", "optimizer", "steps"} <= d.keys():
             raise ValueError(f"stage {self.stage}: a stage state dict needs 'module', 'optimizer' and 'steps'")
-        mine = {self._global(k) for k in self.module.state_dict()}
-        theirs = set(d["module"])
-        if mine != theirs:
+        mine = {self._global(k): v for k, v in self.module.state_dict().items()}
+        theirs = d["module"]
+        if mine.keys() != theirs.keys():
             raise ValueError(f"stage {self.stage}: state dict does not match blocks [{self.lo}, {self.hi}): "
-                             f"missing {sorted(mine - theirs)[:5]}, unexpected {sorted(theirs - mine)[:5]}")
+                             f"missing {sorted(mine.keys() - theirs.keys())[:5]}, "
+                             f"unexpected {sorted(theirs.keys() - mine.keys())[:5]}")
+        for k, v in mine.items():  # checked up front: torch would load the fitting tensors before failing
+            t = theirs[k]
+            if not isinstance(t, Tensor) or t.shape != v.shape:
+                got = list(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"stage {self.stage}: state dict entry {k} is {got}, expected {list(v.shape)}")
         with self.lock:
             try:
                 self.module.load_state_dict({self._local(k): v for k, v in d["module"].items()})
