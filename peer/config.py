@@ -174,6 +174,28 @@ class GossipSection:
 
 
 @dataclass(frozen=True)
+class PipelineSection:
+    """Bounds on the swarm pipeline's calls (peer/pipeline/): what a driver waits for and what a server holds."""
+
+    max_queue: int = _f(16, "Stage calls this daemon holds at once (received, queued or computing), from all "
+                        "drivers; more are refused as busy (the driver tries another peer of the stage).",
+                        lo=1, hi=4096)
+    max_queue_per_peer: int = _f(8, "Stage calls one driver may have at this daemon at once.", lo=1, hi=4096)
+    call_timeout: float = _f(10.0, "Base deadline of one stage call; a call's deadline adds 4x its expected "
+                             "queue, compute and transfer time (measured), up to max_call_timeout.",
+                             lo=0.1, hi=_HOUR, unit="s")
+    max_call_timeout: float = _f(120.0, "Longest deadline one stage call may get, however slow the peer.",
+                                 lo=0.1, hi=_HOUR, unit="s")
+    max_retries: int = _f(4, "Times one stage call is re-sent to another peer of the stage before its microbatch "
+                          "fails.", lo=0, hi=64)
+    stage_wait: float = _f(120.0, "Longest a driver waits for a stage with no live peer before failing the "
+                           "microbatch (the wait shows in `peer status`).", lo=0.1, hi=_DAY, unit="s")
+    first_ban: float = _f(2.0, "Seconds a driver avoids a peer after a failed call; doubles with each further "
+                          "failure in a row, up to max_ban.", lo=0.0, hi=_HOUR, unit="s")
+    max_ban: float = _f(120.0, "Longest a driver avoids a failing peer.", lo=0.0, hi=_DAY, unit="s")
+
+
+@dataclass(frozen=True)
 class TrainerSection:
     name: str = _f("", "Trainer module the daemon hosts (e.g. trainers.gossip_sgd); empty: no training.")
     options: dict = _f({}, "Trainer options (see the trainer's docs).")
@@ -188,6 +210,7 @@ class Config:
     limits: LimitsSection = field(default_factory=LimitsSection)
     topology: TopologySection = field(default_factory=TopologySection)
     gossip: GossipSection = field(default_factory=GossipSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     source: str = field(default="", compare=False)  # file it came from, for messages
 
@@ -339,6 +362,11 @@ def validate_semantics(cfg: Config) -> None:
         raise ConfigError(f"[limits] max_message_kib: a message must fit in one frame (max_frame_kib {lim.max_frame_kib})")
     if lim.max_tensor_mib > lim.max_inflight_tensor_mib:
         raise ConfigError(f"[limits] max_tensor_mib: must fit in max_inflight_tensor_mib ({lim.max_inflight_tensor_mib})")
+    pl = cfg.pipeline
+    if pl.max_call_timeout < pl.call_timeout:
+        raise ConfigError(f"[pipeline] max_call_timeout: must be at least call_timeout ({_num(pl.call_timeout)})")
+    if pl.max_ban < pl.first_ban:
+        raise ConfigError(f"[pipeline] max_ban: must be at least first_ban ({_num(pl.first_ban)})")
     if cfg.gossip.chunk_kib > lim.max_frame_kib:
         raise ConfigError(f"[gossip] chunk_kib: a chunk is one frame, so at most [limits] max_frame_kib ({lim.max_frame_kib})")
     if t.kind not in ("rewired", "ring", "exponential", "random_regular", "full"):

@@ -1,4 +1,4 @@
-"""Optional services a daemon hosts beside membership (topology, gossip, a trainer).
+"""Optional services a daemon hosts beside membership (topology, gossip, pipeline, a trainer).
 
 The daemon knows services only through this small interface, and learns which trainer to load from the
 config: `peer/` never imports a specific trainer. A service has `name`, `async run(task_status=...)`, and
@@ -12,12 +12,14 @@ from __future__ import annotations
 def load_services(daemon) -> list:
     """The services this daemon's config asks for, in start order."""
     from peer.averaging.engine import GossipEngine
+    from peer.pipeline.service import PipelineService
     from peer.topology.service import TopologyService
 
     topology = TopologyService(daemon)
     gossip = GossipEngine(daemon, topology)
-    daemon.topology, daemon.gossip = topology, gossip
-    services = [topology, gossip]
+    pipeline = PipelineService(daemon, topology)
+    daemon.topology, daemon.gossip, daemon.pipeline = topology, gossip, pipeline
+    services = [topology, gossip, pipeline]
     if daemon.config.trainer.name:
         from peer.trainer_host import TrainerHost
 

@@ -18,6 +18,7 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,10 @@ import trio
 
 from peer.averaging.engine import ExchangeResult
 from peer.averaging.shared import SharedTensors
+from peer.pipeline.directory import PipelineKey, StagePeer
+from peer.pipeline.driver import DriverHandle
+from peer.pipeline.server import StageHandler
+from protocol.schema.pipeline import StageAnnouncement
 from peer.home import Home, atomic_write
 
 log = logging.getLogger("peertrain.trainer")
@@ -70,10 +75,13 @@ class Swarm:
         self.checkpoint_dir: Path = host.daemon.home.checkpoints
 
     # -- averaging ------------------------------------------------------------------------------------
-    def share(self, name: str, tensors: dict[str, Any], *, lock: threading.Lock | None = None) -> SharedTensors:
-        """Offer these tensors (e.g. model parameters) for averaging under a group name."""
+    def share(self, name: str, tensors: dict[str, Any], *, lock: threading.Lock | None = None,
+              partners: Callable[[], set[str]] | None = None) -> SharedTensors:
+        """Offer these tensors (e.g. model parameters) for averaging under a group name, with our topology
+        neighbours, or with `partners()` (called on the daemon's thread: cheap, no blocking), say the peers
+        that serve the same pipeline stage."""
         group = SharedTensors(name, tensors, lock=lock)
-        self._host.gossip.register(group)
+        self._host.gossip.register(group, partners)
         return group
 
     def average(self, group: str, *, mode: str = "one") -> list[ExchangeResult]:
@@ -87,6 +95,38 @@ class Swarm:
     def fetch_params(self, group: str) -> tuple[list[Any], int] | None:
         """Download the current tensors of `group` from a neighbour (joining peers; only neighbours serve them)."""
         return self._call(self._host.fetch_from_best, group)
+
+    # -- pipeline stages (peer/pipeline/) --------------------------------------------------------------
+    def serve_stage(self, key: PipelineKey, stage: int, max_batch: int, handler: StageHandler) -> None:
+        """Serve `stage` of pipeline `key` with `handler` (its compute runs in a worker thread of the
+        daemon, one call at a time), replacing what we served; the swarm hears of it in our next record."""
+        self._call_sync(self._host.daemon.pipeline.serve, key, stage, max_batch, handler)
+
+    def stop_serving(self) -> None:
+        self._call_sync(self._host.daemon.pipeline.stop_serving)
+
+    def stage_map(self, key: PipelineKey) -> dict[int, list[StagePeer]]:
+        """The live peers of each stage of pipeline `key` (us included, marked `me`)."""
+        return self._call_sync(self._host.daemon.pipeline.stage_map, key)
+
+    def stage_announcements(self) -> dict[str, StageAnnouncement]:
+        """What each peer we hear of announces serving (any pipeline, any cut), by peer ID."""
+        return self._call_sync(self._host.daemon.pipeline.announcements)
+
+    def stage_partners(self) -> set[str]:
+        """The live peers serving our stage. Runs on the daemon's thread: pass it as `share(partners=...)`."""
+        return self._host.daemon.pipeline.stage_partners()
+
+    def open_driver(self, key: PipelineKey, *, reply_shapes, in_flight: int, forward_codec: str = "raw",
+                    backward_codec: str = "raw") -> DriverHandle:
+        """A driver of microbatches through pipeline `key`, at most `in_flight` at once (peer/pipeline/driver.py)."""
+        return self._call_sync(self._host.daemon.pipeline.open_driver, key, reply_shapes=reply_shapes,
+                               in_flight=in_flight, token=self._host.token, stopped=self.should_stop,
+                               forward_codec=forward_codec, backward_codec=backward_codec)
+
+    def on_evaluate_request(self, fn) -> None:
+        """Register a thread-safe function returning evaluation figures (the control command `evaluate`)."""
+        self._host._evaluate_fn = fn
 
     # -- who is around --------------------------------------------------------------------------------
     def neighbours(self) -> list[str]:
@@ -152,6 +192,15 @@ class Swarm:
     def log(self, msg: str, *args: Any) -> None:
         log.info(msg, *args)
 
+    def _call_sync(self, fn, *args, **kw):
+        """Run a quick, non-blocking daemon function on the daemon's thread."""
+        if self.should_stop():
+            raise TrainerStopped()
+        try:
+            return trio.from_thread.run_sync(lambda: fn(*args, **kw), trio_token=self._host.token)
+        except trio.RunFinishedError:
+            raise TrainerStopped() from None
+
     def _call(self, fn, *args, **kw):
         if self.should_stop():
             raise TrainerStopped()
@@ -177,6 +226,7 @@ class TrainerHost:
         self._nursery: trio.Nursery | None = None
         self._done = trio.Event()
         self._checkpoint_fn = None  # set by the trainer through Swarm.on_checkpoint_request
+        self._evaluate_fn = None  # set by the trainer through Swarm.on_evaluate_request
         daemon.membership.watch(lambda pid, s: self.events.append((pid, "joined" if s else "left")))
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -234,7 +284,7 @@ class TrainerHost:
         return True
 
     async def fetch_from_best(self, group: str):
-        nbrs = list(self.daemon.topology.neighbours)  # peers serve parameters to their neighbours only
+        nbrs = self.gossip.partners(group)  # peers serve a group's parameters to its partners only
         random.shuffle(nbrs)
         for pid in nbrs[:3]:
             got = await self.gossip.fetch_params(group, pid)
@@ -264,4 +314,9 @@ class TrainerHost:
                 raise ValueError("this trainer does not support on-demand checkpoints")
             await trio.to_thread.run_sync(self._checkpoint_fn)
             return {"saved": True}
-        return {"checkpoint": checkpoint}
+        async def evaluate(args: dict) -> dict:
+            """Ask the trainer to evaluate its model now (a pipeline driver runs validation microbatches)."""
+            if self._evaluate_fn is None:
+                raise ValueError("this trainer does not evaluate on request")
+            return await trio.to_thread.run_sync(self._evaluate_fn)
+        return {"checkpoint": checkpoint, "evaluate": evaluate}

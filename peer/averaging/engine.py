@@ -21,6 +21,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -86,6 +87,7 @@ class GossipEngine:
         self.topology = topology
         self.membership = daemon.membership
         self.groups: dict[str, SharedTensors] = {}
+        self._partners: dict[str, Callable[[], set[str]]] = {}  # group -> who may average it (register)
         self.inflight: dict[str, float] = {}  # peer -> weight of the exchange we serve for it
         self.initiating: dict[str, float] = {}  # peer -> weight set aside for the exchange we initiated
         self.served: dict[tuple[str, int], _Served] = {}  # (peer, offer rid) -> exchange we serve
@@ -105,8 +107,14 @@ class GossipEngine:
             task_status.started()
             await trio.sleep_forever()
 
-    def register(self, group: SharedTensors) -> None:
+    def register(self, group: SharedTensors, partners: Callable[[], set[str]] | None = None) -> None:
+        """Share `group`. `partners` says who may average it with us (the peers that hold the same group,
+        say those serving one pipeline stage); by default, our topology neighbours."""
         self.groups[group.name] = group
+        if partners is None:
+            self._partners.pop(group.name, None)
+        else:
+            self._partners[group.name] = partners
         self.topology.shard_bytes = max((g.nbytes for g in self.groups.values()), default=self.topology.shard_bytes)
 
     # ---- the trainer-facing calls -------------------------------------------------------------------
@@ -116,7 +124,7 @@ class GossipEngine:
         if mode not in ("one", "all"):
             raise ValueError(f"unknown averaging mode {mode!r} (choose 'one' or 'all')")
         now = trio.current_time()
-        nbrs = [p for p in self.topology.neighbours if p not in self.initiating and self.bans.banned(p, now) is None]
+        nbrs = [p for p in self.partners(group) if p not in self.initiating and self.bans.banned(p, now) is None]
         if not nbrs:
             return []
         targets = [random.choice(nbrs)] if mode == "one" else nbrs
@@ -144,8 +152,8 @@ class GossipEngine:
         group = self.groups[group_name]
         cap = rule_cap(rule, self.topology.degree)
         session = self.membership.connected().get(peer_id)
-        if session is None or not self.topology.is_neighbour(peer_id):
-            return ExchangeResult(peer_id, False, "not a connected neighbour")
+        if session is None or peer_id not in self.partners(group_name):
+            return ExchangeResult(peer_id, False, "not a connected partner for this group")
         banned = self.bans.banned(peer_id, trio.current_time())
         if banned is not None:
             return ExchangeResult(peer_id, False, banned)
@@ -242,11 +250,16 @@ class GossipEngine:
         self.stats.recent = (self.stats.recent + [round(seconds, 4)])[-20:]
 
     # ---- serving exchanges --------------------------------------------------------------------------
-    def _role_refusal(self, peer_id: str) -> tuple[str, str] | None:
-        """Who may average with us or download our tensors: a current neighbour that is not banned. The
-        refusal's code (an ErrorReply's) and reason, or None."""
-        if not self.topology.is_neighbour(peer_id):
-            return "not_neighbour", "only neighbours average with us or download our tensors"
+    def partners(self, group: str) -> list[str]:
+        """Who may average `group` with us or download it: its partners (register), else our neighbours."""
+        fn = self._partners.get(group)
+        return sorted(self.topology.neighbours if fn is None else fn() - {self.me})
+
+    def _role_refusal(self, peer_id: str, group: str) -> tuple[str, str] | None:
+        """Who may average `group` with us or download it: a current partner for it (a neighbour, unless the
+        group names its partners) that is not banned. The refusal's code (an ErrorReply's) and reason, or None."""
+        if peer_id not in self.partners(group):
+            return "not_neighbour", "only neighbours (for a stage's group: peers of that stage) average with us or download our tensors"
         if (banned := self.bans.banned(peer_id, trio.current_time())) is not None:
             return "banned", banned
         return None
@@ -266,7 +279,7 @@ class GossipEngine:
             reason = f"unknown weight rule {offer.rule[:40]!r}"
         elif not 0.0 < offer.max_weight <= 0.5:
             reason = f"impossible weight {offer.max_weight}"
-        elif (refused := self._role_refusal(peer_id)) is not None:
+        elif (refused := self._role_refusal(peer_id, offer.group)) is not None:
             reason = refused[1]
         elif peer_id in self.inflight or (peer_id in self.initiating and peer_id > self.me):
             reason = "exchange already in flight"  # on collision the smaller peer ID's offer wins
@@ -401,7 +414,7 @@ class GossipEngine:
         if group is None:
             refusal = ("no_group", f"no group {env.message.group[:40]!r} here")
         else:
-            refusal = self._role_refusal(session.peer_id)
+            refusal = self._role_refusal(session.peer_id, env.message.group)
         if refusal is None and self._serving >= self.cfg.max_concurrent_exchanges:
             refusal = ("busy", "serving as many transfers as it may; ask again later")
         if refusal is not None:

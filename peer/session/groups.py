@@ -39,16 +39,21 @@ class OutgoingGroup:
         self.specs = list(specs)
         self.streams = [session.new_stream_id() for _ in self.specs]
 
-    async def send(self, arrays: Sequence[Any], *, codec: str = "raw", after: trio.Event | None = None) -> None:
+    async def send(self, arrays: Sequence[Any], *, codec: str | Sequence[str] = "raw",
+                   after: trio.Event | None = None) -> None:
         """Stream `arrays` (one per spec, in order), once `after` is set (the message naming the streams
-        is written, when it is sent concurrently). Cut short, the tensors not begun are called off too."""
+        is written, when it is sent concurrently). `codec`: one for all, or one per tensor. Cut short, the
+        tensors not begun are called off too."""
         if len(arrays) != len(self.specs):
             raise ValueError(f"{len(arrays)} tensors for a group of {len(self.specs)}")
+        codecs = [codec] * len(arrays) if isinstance(codec, str) else list(codec)
+        if len(codecs) != len(arrays):
+            raise ValueError(f"{len(codecs)} codecs for a group of {len(arrays)}")
         if after is not None:
             await after.wait()
-        for i, (spec, array, stream) in enumerate(zip(self.specs, arrays, self.streams)):
+        for i, (spec, array, stream, c) in enumerate(zip(self.specs, arrays, self.streams, codecs)):
             try:
-                await self.session.send_tensor(spec.name, array, codec=codec, stream=stream)
+                await self.session.send_tensor(spec.name, array, codec=c, stream=stream)
             except BaseException as exc:
                 await self.session.call_off(self.streams[i + 1:], type(exc).__name__)
                 raise

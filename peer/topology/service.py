@@ -13,10 +13,12 @@ neighbours with, small probes within a byte budget.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +34,7 @@ from peer.session.fanout import Fanout
 from peer.session.transport import SessionClosed
 from protocol import identity as ident
 from protocol.schema import DEFAULT_REGISTRY
+from protocol.schema.pipeline import StageAnnouncement
 from protocol.schema.topology import (
     MAX_BANDWIDTH_BPS, MAX_RECORD_LINKS, MAX_RECORD_NEIGHBOURS, MAX_RECORDS_PER_MESSAGE, MAX_RTT_S,
     EdgeAccept, EdgeCommit, EdgeDrop, EdgePropose, EdgeReject, LinkReport, ProbeReply, ProbeRequest,
@@ -91,6 +94,8 @@ class TopologyService:
         self._nursery: trio.Nursery | None = None  # run()'s, once started
         self._fanout = Fanout()  # record broadcasts: one in flight per session
         self._others_moved = trio.Event()  # a peer came or went, or dropped our edge: maintain early
+        # what our record says we serve of a pipeline (set by peer/pipeline/service.py; None: nothing)
+        self.announce_stage: Callable[[], StageAnnouncement | None] = lambda: None
         r = daemon.router
         r.register(EdgePropose, self._on_propose)
         r.register(EdgeCommit, self._on_commit)
@@ -112,6 +117,15 @@ class TopologyService:
         if st is None:
             st = self.links[peer_id] = LinkStats()
         return st
+
+    def announce_soon(self) -> None:
+        """Our record changed in a way others should hear of now (say, the stage we serve)."""
+        self._changed.set()
+
+    def fresh_records(self) -> list[TopologyRecord]:
+        """Others' records refreshed within RECORD_TTL (a peer that stopped refreshing is gone)."""
+        now = trio.current_time()
+        return [r for pid, r in self.records.items() if now - self.record_seen.get(pid, -1e9) < RECORD_TTL]
 
     def record_transfer(self, peer_id: str, nbytes: int, seconds: float) -> None:
         self.link(peer_id).add_transfer(nbytes, seconds, trio.current_time())
@@ -179,9 +193,9 @@ class TopologyService:
                  for p, s in sorted(self.links.items()) if s.bandwidth_bps is not None or s.rtt_s is not None]
         rec = TopologyRecord(peer_id=self.me, public_key=ident.public_key_bytes(self.identity), version=self.version,
                              issued=time.time(), neighbours=sorted(self.neighbours)[:MAX_RECORD_NEIGHBOURS],
-                             links=links[:MAX_RECORD_LINKS], signature=b"")
+                             links=links[:MAX_RECORD_LINKS], signature=b"", stage=self.announce_stage())
         sig = ident.sign(self.identity, topology_record_signing_bytes(rec))
-        return TopologyRecord(rec.peer_id, rec.public_key, rec.version, rec.issued, rec.neighbours, rec.links, sig)
+        return dataclasses.replace(rec, signature=sig)
 
     async def _record_loop(self) -> None:
         while True:

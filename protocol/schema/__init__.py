@@ -27,6 +27,7 @@ from protocol.schema.gossip import (
     ParamsRequest,
     TensorSpec,
 )
+from protocol.schema.pipeline import StageAnnouncement, StageCall, StageReply
 from protocol.schema.tensor import TensorCancel, TensorHeader
 from protocol.schema.topology import (
     EdgeAccept,
@@ -57,6 +58,7 @@ __all__ = [
     "AverageAbort", "AverageAccept", "AverageCommit", "AverageOffer", "AverageReject", "ParamsReply", "ParamsRequest", "TensorSpec",
     "EdgeAccept", "EdgeCommit", "EdgeDrop", "EdgePropose", "EdgeReject", "LinkReport", "ProbeReply", "ProbeRequest",
     "TopologyRecord", "TopologyRecords", "topology_record_signing_bytes",
+    "StageAnnouncement", "StageCall", "StageReply",
 ]
 
 MESSAGES: tuple[type[Message], ...] = (
@@ -88,6 +90,9 @@ MESSAGES: tuple[type[Message], ...] = (
     AverageAbort,
     ParamsRequest,
     ParamsReply,
+    # pipeline plane
+    StageCall,
+    StageReply,
 )
 
 DEFAULT_REGISTRY = Registry(MESSAGES)

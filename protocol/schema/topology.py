@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import msgpack
 
 from protocol.messages import Message
+from protocol.schema.pipeline import StageAnnouncement
 
 # Bounds on what one record may say. They are checked when a message is decoded (a record that breaks one
 # closes the sending session: an honest peer only sends and forwards records that passed them), and they
@@ -69,6 +70,7 @@ class TopologyRecord(Message):
     neighbours: list[str]
     links: list[LinkReport]
     signature: bytes
+    stage: StageAnnouncement | None = None  # the pipeline stage the owner serves (protocol/schema/pipeline.py)
 
     def __post_init__(self) -> None:
         _check_id("peer_id", self.peer_id)
@@ -93,7 +95,11 @@ def topology_record_signing_bytes(r: TopologyRecord) -> bytes:
     """The bytes a TopologyRecord's signature covers (every field but the signature, in fixed order)."""
     return msgpack.packb([_DOMAIN, r.peer_id, bytes(r.public_key), int(r.version), float(r.issued),
                           list(r.neighbours),
-                          [[lr.peer, lr.bandwidth_bps, lr.rtt_s] for lr in r.links]], use_bin_type=True)
+                          [[lr.peer, lr.bandwidth_bps, lr.rtt_s] for lr in r.links]]
+                         # appended only when present, so a record without a stage signs as before
+                         + ([] if r.stage is None else [[r.stage.pipeline, r.stage.stage, r.stage.stages,
+                                                          float(r.stage.samples_per_s), r.stage.queue, list(r.stage.cuts)]]),
+                         use_bin_type=True)
 
 
 @dataclass(frozen=True, slots=True)

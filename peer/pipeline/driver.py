@@ -1,0 +1,358 @@
+"""Driving one microbatch through the stages: forward stage by stage, the loss at the last, backward again.
+
+Each step is one call to a peer of that stage chosen by the balancer (earliest expected finish). Servers keep
+nothing between a forward and its backward, so the backward of stage s may go to any live peer of s: it
+carries the stage's inputs (kept here) and the gradient of its output, and the server recomputes the forward
+with the same seed. A call has a deadline scaled by its expected time there; on an error, a refusal or the
+deadline it is re-sent to another peer of the stage, at most `[pipeline] max_retries` times, and the failing
+peer is avoided for a growing interval. A stage with no usable peer is waited for (at most
+`[pipeline] stage_wait`, shown in status), polling, never spinning. Every microbatch ends as an `Outcome`:
+done (with how many re-sends it took) or failed with the reason; none is dropped silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from peer.concurrency import together
+from peer.pipeline.balancer import Balancer
+from peer.pipeline.directory import PipelineKey
+from peer.session.groups import IncomingGroup, OutgoingGroup
+from peer.session.transport import SessionClosed
+from protocol.errors import ProtocolError
+from protocol.schema.gossip import TensorSpec
+from protocol.schema.pipeline import StageCall, StageReply
+from protocol.schema.session import ErrorReply
+from protocol.tensor_codec import FLOAT_DTYPES
+
+log = logging.getLogger("peertrain.pipeline")
+
+DEADLINE_SLACK = 4.0  # a call's deadline allows this many times its expected time (plus the base timeout)
+ASSUMED_BYTES_PER_S = 10e6  # for a peer whose calls we never timed: a slow link (80 Mbit/s), so deadlines err long
+WAIT_POLL_S = 0.2  # how often a driver waiting for a stage looks again (a peer appears within a record interval)
+OUR_FAULT = {"bad_input", "wrong_specs", "too_big", "wrong_kind", "bad_codec"}
+"""Refusals any peer of the stage would give us again: the microbatch fails at once instead of being retried."""
+RECENT_FAILURES = 20  # failed microbatches kept for status, with their reasons
+
+ReplyShapes = Callable[[int, str, int], list[tuple[str, list[int]]]]
+"""(stage, kind, batch) -> the (dtype, shape) of each tensor the reply must carry (from the model's cut)."""
+
+
+@dataclass
+class Microbatch:
+    id: int
+    x: Any  # torch tensors
+    y: Any
+    seed: int
+    evaluate: bool = False  # forward only, the loss at the last stage: a validation microbatch
+
+    @property
+    def batch(self) -> int:
+        return int(self.x.shape[0])
+
+
+@dataclass
+class Outcome:
+    id: int
+    ok: bool
+    samples: int
+    loss: float | None = None
+    resent: int = 0  # calls re-sent to another peer
+    seconds: float = 0.0
+    reason: str = ""
+    evaluate: bool = False
+
+
+class MicrobatchFailed(Exception):
+    pass
+
+
+class _CallFailed(Exception):
+    def __init__(self, reason: str, *, ours: bool = False, busy: bool = False):
+        super().__init__(reason)
+        self.ours = ours  # any peer would refuse it: do not retry
+        self.busy = busy  # the peer is full, not broken: does not use up an attempt
+
+
+@dataclass
+class DriverStats:
+    done: int = 0
+    failed: int = 0
+    retried: int = 0  # microbatches that needed at least one re-sent call (and finished: see `failed`)
+    resent: int = 0  # calls re-sent, over all microbatches
+    evaluated: int = 0
+    in_flight: int = 0
+    samples: int = 0
+    waiting: dict = field(default_factory=dict)  # stage -> since when (trio clock) we wait for a usable peer
+    calls: Counter = field(default_factory=Counter)  # peer -> calls it completed for us
+    deadlines: deque = field(default_factory=lambda: deque(maxlen=200))  # recent call deadlines, seconds
+    failures: deque = field(default_factory=lambda: deque(maxlen=RECENT_FAILURES))  # (microbatch, reason)
+    last_loss: float | None = None
+
+
+class Driver:
+    def __init__(self, service, key: PipelineKey, *, reply_shapes: ReplyShapes,
+                 forward_codec: str = "raw", backward_codec: str = "raw"):
+        self.service = service
+        self.cfg = service.cfg
+        self.key, self.stages = key, key.stages
+        self.reply_shapes = reply_shapes
+        self.codec = {"forward": forward_codec, "backward": backward_codec}
+        self.balancers = [Balancer(first_ban=self.cfg.first_ban, max_ban=self.cfg.max_ban) for _ in range(self.stages)]
+        self.stats = DriverStats()
+        self._waiting_calls: Counter = Counter()  # stage -> calls waiting for a usable peer of it
+
+    async def run(self, mb: Microbatch) -> Outcome:
+        """One microbatch, start to end; never raises for what peers do (the outcome says it)."""
+        t0 = trio.current_time()
+        self.stats.in_flight += 1
+        resent = [0]
+        try:
+            loss = await (self._evaluate(mb, resent) if mb.evaluate else self._train(mb, resent))
+        except MicrobatchFailed as exc:
+            self.stats.failed += 1
+            self.stats.failures.append((mb.id, str(exc)))
+            log.warning("microbatch %d failed after %d re-sent calls: %s", mb.id, resent[0], exc)
+            return Outcome(mb.id, False, mb.batch, resent=resent[0], seconds=trio.current_time() - t0,
+                           reason=str(exc), evaluate=mb.evaluate)
+        finally:
+            self.stats.in_flight -= 1
+        if mb.evaluate:
+            self.stats.evaluated += 1
+        else:
+            self.stats.done += 1
+            self.stats.samples += mb.batch
+            self.stats.last_loss = loss
+            self.stats.retried += resent[0] > 0
+        return Outcome(mb.id, True, mb.batch, loss=loss, resent=resent[0], seconds=trio.current_time() - t0,
+                       evaluate=mb.evaluate)
+
+    async def _train(self, mb: Microbatch, resent: list[int]) -> float | None:
+        last = self.stages - 1
+        inputs = [mb.x]  # inputs[s]: what stage s got forward (kept for its backward)
+        for s in range(last):
+            _, (out,) = await self._call(mb, s, "forward", [inputs[s]], resent)
+            inputs.append(out)
+        loss, grads = await self._call(mb, last, "loss", [inputs[last], mb.y], resent)
+        for s in range(last - 1, -1, -1):
+            _, grads = await self._call(mb, s, "backward", [inputs[s], grads[0]], resent)
+        return loss
+
+    async def _evaluate(self, mb: Microbatch, resent: list[int]) -> float | None:
+        h = mb.x
+        for s in range(self.stages - 1):
+            _, (h,) = await self._call(mb, s, "forward", [h], resent)
+        loss, _ = await self._call(mb, self.stages - 1, "evaluate", [h, mb.y], resent)
+        return loss
+
+    def _seed(self, mb: Microbatch, stage: int) -> int:
+        return (mb.seed * 1_000_003 + stage * 7919) & 0x7FFF_FFFF
+
+    async def _call(self, mb: Microbatch, stage: int, kind: str, tensors: list[Any],
+                    resent: list[int]) -> tuple[float | None, list[Any]]:
+        """One stage call, re-sent to other peers of the stage until it succeeds or the attempts run out."""
+        balancer = self.balancers[stage]
+        attempts, tried, last_error = 0, set(), ""
+        wait_started: float | None = None
+        while True:
+            now = trio.current_time()
+            peers = self.service.stage_map(self.key)[stage]
+            fresh = {p.peer_id for p in peers} - tried
+            pid = balancer.choose(peers, mb.batch, now, exclude=tried if fresh else set())
+            if pid is None:  # nobody usable: wait (bounded, visible), do not spin
+                if wait_started is None:
+                    wait_started = now
+                    self._waiting(stage, +1, now)
+                if now - wait_started > self.cfg.stage_wait:
+                    self._waiting(stage, -1, now)
+                    raise MicrobatchFailed(f"no usable peer of stage {stage} for {self.cfg.stage_wait:.0f}s"
+                                           + (f" (last error: {last_error})" if last_error else ""))
+                await trio.sleep(WAIT_POLL_S)
+                continue
+            if wait_started is not None:
+                wait_started = None
+                self._waiting(stage, -1, now)
+            peer = next(p for p in peers if p.peer_id == pid)
+            t0 = trio.current_time()
+            try:
+                result = await self._call_once(pid, peer, mb, stage, kind, tensors)
+            except _CallFailed as exc:
+                balancer.done(pid, mb.batch, trio.current_time() - t0, trio.current_time(), failure=str(exc))
+                last_error = f"{pid[:8]}: {exc}"
+                if exc.ours:
+                    raise MicrobatchFailed(f"stage {stage} {kind}: {exc}") from None
+                if not exc.busy:
+                    attempts += 1
+                    tried.add(pid)
+                    if attempts > self.cfg.max_retries:
+                        raise MicrobatchFailed(f"stage {stage} {kind}: {attempts} calls failed, the last at "
+                                               f"{last_error}") from None
+                resent[0] += 1
+                self.stats.resent += 1
+                log.info("microbatch %d: stage %d %s at %s failed (%s); re-sending", mb.id, stage, kind, pid[:8], exc)
+                continue
+            balancer.done(pid, mb.batch, trio.current_time() - t0, trio.current_time())
+            self.stats.calls[pid] += 1
+            return result
+
+    def _waiting(self, stage: int, delta: int, now: float) -> None:
+        """Count the calls waiting for a usable peer of `stage`; status shows since when any has waited."""
+        n = self._waiting_calls[stage] = self._waiting_calls[stage] + delta
+        if n > 0:
+            self.stats.waiting.setdefault(stage, now)
+        else:
+            self._waiting_calls.pop(stage, None)
+            self.stats.waiting.pop(stage, None)
+
+    async def _call_self(self, mb: Microbatch, stage: int, kind: str, tensors: list[Any]) -> tuple[float | None, list[Any]]:
+        """Our own stage serves our own microbatch in-process: same checks and compute, nothing on the wire."""
+        specs = [TensorSpec(f"in{i}", str(t.dtype).removeprefix("torch."), list(t.shape)) for i, t in enumerate(tensors)]
+        call = StageCall(pipeline=self.key.name, cuts=list(self.key.cuts), stage=stage, kind=kind, batch=mb.batch,
+                         seed=self._seed(mb, stage), tensors=specs, streams=[0] * len(specs), microbatch=mb.id)
+        try:
+            loss, outputs, _ = await self.service.server.compute_local(call, tensors)
+        except LookupError as exc:
+            code, reason = exc.args
+            raise _CallFailed(f"refused ({code}): {reason}", ours=code in OUR_FAULT) from None
+        except ValueError as exc:
+            raise _CallFailed(f"refused (bad_input): {exc}", ours=True) from None
+        if kind in ("loss", "evaluate") and loss is None:
+            raise _CallFailed("the stage returned no loss (not finite?)", ours=True)
+        return loss, outputs
+
+    def deadline(self, pid: str, peer, batch: int, nbytes: int) -> float:
+        expected = self.balancers[peer.stage].expected_seconds(pid, peer, batch) + nbytes / ASSUMED_BYTES_PER_S
+        return min(self.cfg.max_call_timeout, self.cfg.call_timeout + DEADLINE_SLACK * expected)
+
+    async def _call_once(self, pid: str, peer, mb: Microbatch, stage: int, kind: str,
+                         tensors: list[Any]) -> tuple[float | None, list[Any]]:
+        if pid == self.service.me:
+            return await self._call_self(mb, stage, kind, tensors)
+        session = self.service.session_of(pid)
+        if session is None:
+            raise _CallFailed("no session with it")
+        specs = [TensorSpec(f"in{i}", str(t.dtype).removeprefix("torch."), list(t.shape)) for i, t in enumerate(tensors)]
+        direction = "backward" if kind == "backward" else "forward"
+        send_codecs = [self.codec[direction] if s.dtype in FLOAT_DTYPES else "raw" for s in specs]
+        if kind == "backward" and len(specs) == 2:
+            send_codecs[0] = self.codec["forward"] if specs[0].dtype in FLOAT_DTYPES else "raw"  # the stage input
+        reply_codec = self.codec["backward"] if kind in ("backward", "loss") else self.codec["forward"]
+        expect = [TensorSpec(f"out{i}", d, list(shape)) for i, (d, shape) in enumerate(self.reply_shapes(stage, kind, mb.batch))]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors) * 2
+        timeout = self.deadline(pid, peer, mb.batch, nbytes)
+        self.stats.deadlines.append(timeout)
+        ours = OutgoingGroup(session, specs)
+        call = StageCall(pipeline=self.key.name, cuts=list(self.key.cuts), stage=stage, kind=kind, batch=mb.batch, seed=self._seed(mb, stage),
+                         tensors=specs, streams=ours.streams, microbatch=mb.id, codec=reply_codec)
+        replies: list = []
+        theirs: IncomingGroup | None = None
+        try:
+            with trio.fail_after(timeout):
+                announced = trio.Event()
+
+                async def ask() -> None:
+                    nonlocal theirs
+                    env = await session.request(call, timeout=timeout, sent=announced)
+                    if isinstance(env.message, StageReply):  # expect its tensors at once: they are coming
+                        theirs = IncomingGroup(session, env.message.streams, expect, as_torch=True)
+                    replies.append(env.message)
+
+                await together(ask, lambda: ours.send([t.detach().contiguous() for t in tensors], codec=send_codecs,
+                                                      after=announced))
+                reply = replies[0]
+                if isinstance(reply, ErrorReply):
+                    raise _CallFailed(f"refused ({reply.code}): {reply.message[:300]}", ours=reply.code in OUR_FAULT,
+                                      busy=reply.code == "busy")
+                if not isinstance(reply, StageReply):
+                    raise ProtocolError(f"expected stage_reply, got {type(reply).__name__}")
+                outputs = await theirs.receive(timeout=timeout)
+        except trio.TooSlowError:
+            raise _CallFailed(f"no answer within its {timeout:.1f}s deadline") from None
+        except SessionClosed as exc:
+            raise _CallFailed(f"session ended: {exc}") from None
+        except ProtocolError as exc:  # a malformed reply: that session is done (as for any bad message)
+            await session.aclose(f"protocol error: {exc}")
+            raise _CallFailed(f"bad reply: {exc}") from None
+        finally:
+            if theirs is not None:
+                theirs.discard()
+        if kind in ("loss", "evaluate") and reply.loss is None:
+            raise _CallFailed("the stage returned no loss (not finite?)", ours=True)
+        return reply.loss, outputs
+
+
+class DriverHandle:
+    """A driver as a trainer thread uses it: `submit` blocks while `in_flight` microbatches are out (back
+    pressure), outcomes are collected as they end. Safe to call from the trainer's thread only."""
+
+    def __init__(self, driver: Driver, nursery: trio.Nursery, token, in_flight: int, stopped: Callable[[], bool]):
+        self.driver = driver
+        self._nursery = nursery
+        self._token = token
+        self._slots = trio.Semaphore(in_flight)
+        self._in_flight = in_flight
+        self._outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self._stopped = stopped
+
+    def submit(self, mb: Microbatch, *, into: queue.SimpleQueue | None = None) -> None:
+        """Start `mb` once fewer than `in_flight` are out; its outcome goes to `outcomes()` (or `into`)."""
+        from peer.trainer_host import TrainerStopped
+
+        sink = self._outcomes if into is None else into
+
+        async def go() -> None:
+            try:
+                sink.put(await self.driver.run(mb))
+            finally:
+                self._slots.release()
+
+        async def start() -> None:
+            await self._slots.acquire()
+            self._nursery.start_soon(go)
+
+        if self._stopped():
+            raise TrainerStopped()
+        try:
+            trio.from_thread.run(start, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise TrainerStopped() from None
+
+    def outcomes(self) -> list[Outcome]:
+        out = []
+        while True:
+            try:
+                out.append(self._outcomes.get_nowait())
+            except queue.Empty:
+                return out
+
+    def run_many(self, mbs: list[Microbatch], *, timeout: float) -> list[Outcome]:
+        """Move `mbs` (beside whatever else is in flight) and wait for exactly their outcomes, at most `timeout`."""
+        import time
+
+        mine: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        for mb in mbs:
+            self.submit(mb, into=mine)
+        out: list[Outcome] = []
+        deadline = time.monotonic() + timeout
+        while len(out) < len(mbs) and time.monotonic() < deadline and not self._stopped():
+            try:
+                out.append(mine.get(timeout=0.1))
+            except queue.Empty:
+                pass
+        return out
+
+    def drain(self, timeout: float) -> list[Outcome]:
+        """Wait (at most `timeout`) until no microbatch is in flight; the outcomes collected meanwhile."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.driver.stats.in_flight and time.monotonic() < deadline and not self._stopped():
+            time.sleep(0.05)
+        return self.outcomes()

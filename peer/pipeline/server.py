@@ -1,0 +1,184 @@
+"""Serving calls for the one stage this daemon holds: check, queue (bounded), compute, reply.
+
+Every call is checked before a byte of its tensors is allocated: the pipeline and stage are ours, the kind
+is one this stage serves, the batch is within the stage's `max_batch`, and the announced tensors have exactly
+the specs the stage expects for that kind and batch (the session then refuses any header that contradicts
+them, peer/session/groups.py). A call over `[pipeline] max_queue` (this daemon) or `max_queue_per_peer`
+(that driver) is refused as busy, so a driver cannot make us hold more than those many calls' tensors; each
+held call is bounded in time by `[pipeline] max_call_timeout`. Compute runs one call at a time in a worker
+thread (the model is CPU/GPU bound; more threads would only share the same cores). A call whose inputs the
+stage rejects (NaN, wrong values) is answered with an error naming why; a malformed call closes the session
+(the router does that for a ProtocolError).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from peer.pipeline.directory import PipelineKey
+from peer.session.groups import IncomingGroup, OutgoingGroup
+from peer.session.transport import SessionClosed
+from protocol.schema.gossip import TensorSpec
+from protocol.schema.pipeline import StageCall, StageReply
+from protocol.schema.session import ErrorReply
+from protocol.tensor_codec import CODECS, FLOAT_DTYPES
+
+log = logging.getLogger("peertrain.pipeline")
+
+
+class StageHandler(Protocol):
+    """What a trainer gives the daemon to serve a stage (trainers/pipeline/stage.py implements it)."""
+
+    def kinds(self) -> tuple[str, ...]: ...
+    def input_specs(self, kind: str, batch: int) -> list[tuple[str, str, list[int]]]: ...
+    def compute(self, kind: str, tensors: list[Any], seed: int) -> tuple[float | None, list[Any]]: ...
+    def samples_per_s(self) -> float: ...
+
+
+@dataclass
+class ServedStage:
+    key: PipelineKey
+    stage: int
+    max_batch: int
+    handler: StageHandler
+
+
+@dataclass
+class ServerStats:
+    served: int = 0
+    refused: Counter = field(default_factory=Counter)  # refusal code -> count
+    failed: int = 0  # accepted calls that did not complete (deadline, session lost, bad input)
+    queue: int = 0  # calls held now (receiving, waiting for compute, computing or replying)
+    compute_s: float = 0.0
+    last_error: str = ""
+
+
+class StageServer:
+    def __init__(self, cfg):
+        self.cfg = cfg  # [pipeline]
+        self.stage: ServedStage | None = None
+        self.stats = ServerStats()
+        self.per_peer: Counter = Counter()  # driver -> calls held for it now
+        self.compute_lock = trio.Lock()  # one computation at a time (see module docstring)
+
+    def refusal(self, call: StageCall, peer_id: str) -> tuple[str, str] | None:
+        """Why we will not take `call` from `peer_id`, as an ErrorReply's (code, message), or None."""
+        st = self.stage
+        if st is None:
+            return "not_serving", "this peer serves no pipeline stage"
+        if call.pipeline != st.key.name:
+            return "wrong_pipeline", f"this peer serves pipeline {st.key.name!r}, not {call.pipeline[:64]!r}"
+        if tuple(call.cuts) != st.key.cuts:
+            return "wrong_cut", f"this peer cuts the model at {list(st.key.cuts)}, not {call.cuts}"
+        if call.stage != st.stage:
+            return "wrong_stage", f"this peer serves stage {st.stage}, not {call.stage}"
+        if call.kind not in st.handler.kinds():
+            return "wrong_kind", f"stage {st.stage} does not serve {call.kind!r} (it serves {', '.join(st.handler.kinds())})"
+        if call.batch > st.max_batch:
+            return "too_big", f"batch {call.batch} is over this stage's max_batch {st.max_batch}"
+        if call.codec not in CODECS:
+            return "bad_codec", f"unknown codec {call.codec[:20]!r}"
+        want = [(d, list(s)) for _, d, s in st.handler.input_specs(call.kind, call.batch)]
+        got = [(s.dtype, list(s.shape)) for s in call.tensors]  # names are the driver's to choose
+        if got != want:
+            return "wrong_specs", f"{call.kind} of stage {st.stage} with batch {call.batch} takes (dtype, shape) {want}, not {got}"[:500]
+        if self.stats.queue >= self.cfg.max_queue:
+            return "busy", f"{self.stats.queue} calls held, the most this peer takes ([pipeline] max_queue)"
+        if self.per_peer[peer_id] >= self.cfg.max_queue_per_peer:
+            return "busy", f"{self.per_peer[peer_id]} of your calls held, the most one driver may have ([pipeline] max_queue_per_peer)"
+        return None
+
+    async def compute_local(self, call: StageCall, tensors: list[Any]) -> tuple[float | None, list[Any], float]:
+        """A call from our own driver to our own stage: the same checks and compute, no wire.
+        Raises LookupError(code, reason) when refused, ValueError when the stage rejects the inputs."""
+        refused = self.refusal(call, "")
+        if refused is not None and refused[0] != "busy":  # our own calls wait for the compute lock instead
+            raise LookupError(*refused)
+        st = self.stage
+        self.stats.queue += 1
+        try:
+            async with self.compute_lock:
+                if self.stage is not st:
+                    raise LookupError("not_serving", "this peer left the stage")
+                t0 = time.perf_counter()
+                loss, outputs = await trio.to_thread.run_sync(st.handler.compute, call.kind, tensors, call.seed)
+                seconds = time.perf_counter() - t0
+        finally:
+            self.stats.queue -= 1
+        self.stats.compute_s += seconds
+        self.stats.served += 1
+        return (loss if loss is None or math.isfinite(loss) else None), outputs, seconds
+
+    async def on_call(self, session, env, nursery: trio.Nursery) -> None:
+        """The router's handler (in the session's dispatch task): check, then serve in `nursery`."""
+        call: StageCall = env.message
+        refused = self.refusal(call, session.peer_id)
+        st = self.stage
+        specs = [TensorSpec(s.name, s.dtype, list(s.shape)) for s in call.tensors]
+        theirs = IncomingGroup(session, call.streams, specs if refused is None else [], as_torch=True)
+        if refused is not None:
+            theirs.discard()  # the tensors follow the call: drop them as they come
+            self.stats.refused[refused[0]] += 1
+            await session.reply(env, ErrorReply(code=refused[0], message=refused[1]))
+            return
+        self.stats.queue += 1
+        self.per_peer[session.peer_id] += 1
+        nursery.start_soon(self._serve, session, env, st, theirs)
+
+    async def _serve(self, session, env, st: ServedStage, theirs: IncomingGroup) -> None:
+        call: StageCall = env.message
+        done = False
+        try:
+            with trio.fail_after(self.cfg.max_call_timeout):
+                inputs = await theirs.receive(timeout=self.cfg.max_call_timeout)
+                async with self.compute_lock:
+                    if self.stage is not st:  # we stopped serving (or moved) while it waited
+                        await session.reply(env, ErrorReply(code="not_serving", message="this peer left the stage"))
+                        return
+                    t0 = time.perf_counter()
+                    try:
+                        loss, outputs = await trio.to_thread.run_sync(st.handler.compute, call.kind, inputs, call.seed)
+                    except ValueError as exc:  # the stage refused the inputs (NaN, out of range): say why
+                        self.stats.failed += 1
+                        self.stats.last_error = f"{session.short}: {call.kind} mb {call.microbatch}: {exc}"[:300]
+                        log.warning("stage call from %s refused: %s", session.short, exc)
+                        await session.reply(env, ErrorReply(code="bad_input", message=str(exc)[:500]))
+                        return
+                    seconds = time.perf_counter() - t0
+                self.stats.compute_s += seconds
+                if loss is not None and not math.isfinite(loss):
+                    loss = None  # the driver sees a missing loss, not a NaN on the wire (which decoding refuses)
+                out_specs = [TensorSpec(f"out{i}", _dtype_name(t), list(t.shape)) for i, t in enumerate(outputs)]
+                ours = OutgoingGroup(session, out_specs)
+                await session.reply(env, StageReply(tensors=out_specs, streams=ours.streams, loss=loss,
+                                                    compute_s=seconds))
+                codecs = [call.codec if s.dtype in FLOAT_DTYPES else "raw" for s in out_specs]
+                await ours.send([t.detach().contiguous() for t in outputs], codec=codecs)
+                done = True
+        except (trio.TooSlowError, SessionClosed) as exc:
+            self.stats.failed += 1
+            self.stats.last_error = f"{session.short}: {call.kind} mb {call.microbatch}: {exc or 'deadline passed'}"
+            log.info("stage call from %s not completed: %s", session.short, exc or "deadline passed")
+        except Exception as exc:  # a bug here must not take the daemon down: this call just fails
+            self.stats.failed += 1
+            self.stats.last_error = f"{session.short}: {type(exc).__name__}: {exc}"[:300]
+            log.exception("serving a stage call from %s failed", session.short)
+        finally:
+            theirs.discard()  # whatever was not read (nothing, after a whole receive) is dropped as it comes
+            self.stats.queue -= 1
+            self.per_peer[session.peer_id] -= 1
+            if self.per_peer[session.peer_id] <= 0:
+                del self.per_peer[session.peer_id]
+            if done:
+                self.stats.served += 1
+
+
+def _dtype_name(t: Any) -> str:
+    return str(t.dtype).removeprefix("torch.")

@@ -1,0 +1,135 @@
+"""The pipeline service: serves this daemon's stage, runs its drivers, and says what the pipeline looks like.
+
+Always loaded (like the averaging engine): a daemon that serves no stage refuses stage calls with a reason.
+A trainer (trainers/swarm_pipeline.py) tells it what to serve through the Swarm handle (`serve_stage`),
+opens drivers (`open_driver`) and reads the stage map. The stage a server holds travels in its topology
+record; the stage map is the fresh records' announcements joined with the sessions we have.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+from peer.pipeline.directory import PipelineKey, StagePeer, bottleneck, capacity, stage_map
+from peer.pipeline.driver import Driver, DriverHandle
+from peer.pipeline.server import ServedStage, StageHandler, StageServer
+from protocol.schema.pipeline import MAX_QUEUE, MAX_SAMPLES_PER_S, StageAnnouncement, StageCall
+
+log = logging.getLogger("peertrain.pipeline")
+
+
+class PipelineService:
+    name = "pipeline"
+
+    def __init__(self, daemon, topology):
+        self.daemon = daemon
+        self.cfg = daemon.config.pipeline
+        self.me = daemon.peer_id
+        self.topology = topology
+        self.server = StageServer(self.cfg)
+        self.drivers: dict[str, Driver] = {}
+        self.loss: dict[str, Any] = {}  # the trainer's latest figures for the stage map (publish_pipeline)
+        self._nursery: trio.Nursery | None = None
+        daemon.router.register(StageCall, self._on_call)
+        topology.announce_stage = self.announcement
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as n:
+            self._nursery = n  # owns the calls we serve and the microbatches our drivers move
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def _on_call(self, session, env) -> None:
+        await self.server.on_call(session, env, self._nursery)
+
+    # ---- serving ------------------------------------------------------------------------------------
+    def serve(self, key: PipelineKey, stage: int, max_batch: int, handler: StageHandler) -> None:
+        """Serve `stage` of pipeline `key` from now on (replacing what we served) and tell the swarm at once."""
+        StageAnnouncement(key.name, stage, key.stages, cuts=list(key.cuts))  # a receiver's checks: a clear error here
+        self.server.stage = ServedStage(key, stage, max_batch, handler)
+        log.info("serving stage %d of %d of pipeline %r (cut at blocks %s)", stage, key.stages, key.name, list(key.cuts))
+        self.topology.announce_soon()
+
+    def stop_serving(self) -> None:
+        if self.server.stage is not None:
+            log.info("no longer serving stage %d of pipeline %r", self.server.stage.stage, self.server.stage.key.name)
+        self.server.stage = None
+        self.topology.announce_soon()
+
+    def announcement(self) -> StageAnnouncement | None:
+        st = self.server.stage
+        if st is None:
+            return None
+        rate = st.handler.samples_per_s()
+        rate = min(MAX_SAMPLES_PER_S, rate) if rate == rate and rate > 0 else 0.0  # NaN / negative: not measured
+        return StageAnnouncement(st.key.name, st.stage, st.key.stages, samples_per_s=rate,
+                                 queue=min(MAX_QUEUE, self.server.stats.queue), cuts=list(st.key.cuts))
+
+    # ---- who serves what ------------------------------------------------------------------------------
+    def announcements(self) -> dict[str, StageAnnouncement]:
+        """What every peer we hear of (and we) announce serving, by peer."""
+        out = {r.peer_id: r.stage for r in self.topology.fresh_records() if r.stage is not None}
+        own = self.announcement()
+        if own is not None:
+            out[self.me] = own
+        return out
+
+    def stage_map(self, key: PipelineKey) -> dict[int, list[StagePeer]]:
+        return stage_map(key, self.announcements(), set(self.daemon.membership.connected()), self.me)
+
+    def stage_partners(self) -> set[str]:
+        """Live peers serving the same stage as we do: who averages that stage's parameters with us."""
+        st = self.server.stage
+        if st is None:
+            return set()
+        return {p.peer_id for p in self.stage_map(st.key)[st.stage] if not p.me}
+
+    def session_of(self, peer_id: str):
+        if peer_id == self.me:
+            return None  # a call to ourselves goes nowhere: our own stage is served to others only
+        return self.daemon.membership.connected().get(peer_id)
+
+    # ---- driving ------------------------------------------------------------------------------------
+    def open_driver(self, key: PipelineKey, *, reply_shapes, in_flight: int, token, stopped,
+                    forward_codec: str = "raw", backward_codec: str = "raw") -> DriverHandle:
+        driver = Driver(self, key, reply_shapes=reply_shapes, forward_codec=forward_codec,
+                        backward_codec=backward_codec)
+        self.drivers[key.name] = driver
+        return DriverHandle(driver, self._nursery, token, in_flight, stopped)
+
+    # ---- status -------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        st = self.server.stage
+        driver = next(iter(self.drivers.values()), None)
+        key = st.key if st else (driver.key if driver else None)
+        if key is None:
+            return {}
+        now = trio.current_time()
+        smap = self.stage_map(key)
+        out: dict[str, Any] = {
+            "pipeline": key.name, "stages": key.stages, "cuts": list(key.cuts), "my_stage": st.stage if st else None,
+            "role": "+".join(r for r, on in (("server", st is not None), ("driver", driver is not None)) if on),
+            "bottleneck": bottleneck(smap),
+            "stage_map": [{"stage": s, "capacity": round(capacity(peers), 2),
+                           "peers": [{"peer_id": p.peer_id, "samples_per_s": round(p.samples_per_s, 2),
+                                      "queue": p.queue, "me": p.me,
+                                      "avoided": driver.balancers[s].avoided(p.peer_id, now) if driver else None}
+                                     for p in peers]} for s, peers in smap.items()],
+            "server": {"served": self.server.stats.served, "refused": dict(self.server.stats.refused),
+                       "failed": self.server.stats.failed, "queue": self.server.stats.queue,
+                       "compute_s": round(self.server.stats.compute_s, 3), "last_error": self.server.stats.last_error},
+            **self.loss,
+        }
+        if driver is not None:
+            d = driver.stats
+            out["driver"] = {
+                "done": d.done, "failed": d.failed, "retried": d.retried, "resent": d.resent, "in_flight": d.in_flight,
+                "evaluated": d.evaluated, "samples": d.samples, "loss": d.last_loss,
+                "waiting": [{"stage": s, "for_s": round(now - since, 1)} for s, since in sorted(d.waiting.items())],
+                "calls": dict(d.calls), "failures": [{"microbatch": m, "reason": r} for m, r in d.failures],
+                "deadline_s": round(sorted(d.deadlines)[len(d.deadlines) // 2], 3) if d.deadlines else None,
+            }
+        return out

@@ -1,0 +1,124 @@
+"""Pipeline-plane messages: which stage a peer serves, and the calls that move a microbatch through stages.
+
+A server announces its stage inside its signed `TopologyRecord` (`StageAnnouncement`), so the record that
+already floods, expires and is bounded carries it: a driver learns the live peers of every stage from the
+view it holds anyway. A driver moves one microbatch with `StageCall` requests, one per stage and direction:
+
+  driver → server  StageCall(kind="forward" | "backward" | "loss" | "evaluate"); its input tensors follow
+  server → driver  StageReply (the output tensors follow) | ErrorReply (refused, with a code and reason)
+
+Servers keep nothing between a forward and its backward: "backward" carries the stage's inputs and the
+gradient of its output, and the server recomputes the forward with the call's `seed` (the same dropout), so
+any live peer of the stage can serve it. The last stage answers "loss" with the loss and the gradient of its
+input, in one call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.schema.gossip import TensorSpec
+
+from protocol.messages import Message
+
+__all__ = ["CALL_KINDS", "MAX_STAGES", "MAX_STAGE_TENSORS", "StageAnnouncement", "StageCall", "StageReply"]
+
+MAX_STAGES = 64
+"""Stages one pipeline may have: more than any model cut across peers needs (SWARM ran 12 - 32 layers in a
+handful of stages); it bounds a driver's per-stage tables."""
+MAX_BLOCKS = 1 << 16
+"""Blocks a model may be cut into: far more than any sequence of layers (it only bounds the cut indices)."""
+MAX_NAME_CHARS = 64
+"""Characters of a pipeline's name, like a peer ID's bound in a record."""
+MAX_STAGE_TENSORS = 8
+"""Tensors one call or reply carries: a stage takes its input and, backward, its output gradient or the
+targets (3 at most today); a few spare for models whose blocks pass more than one tensor."""
+MAX_SAMPLES_PER_S = 1e9
+"""A throughput no stage reaches: a larger claim is a lie that would draw every microbatch to its author."""
+MAX_QUEUE = 1 << 20
+"""Requests a server may claim to have queued; it only ranks the server (a real queue is far shorter)."""
+CALL_KINDS = ("forward", "backward", "loss", "evaluate")
+
+
+def _check_name(value: str) -> None:
+    if not 0 < len(value) <= MAX_NAME_CHARS:
+        raise ValueError(f"pipeline name must have 1..{MAX_NAME_CHARS} characters, got {len(value)}")
+
+
+def _check_stage(stage: int, stages: int) -> None:
+    if not 1 <= stages <= MAX_STAGES:
+        raise ValueError(f"stages must be in [1, {MAX_STAGES}], got {stages}")
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage must be in [0, {stages}), got {stage}")
+
+
+@dataclass(frozen=True, slots=True)
+class StageAnnouncement:
+    """What a server says of itself in its record: the stage it serves and how fast and busy it is."""
+
+    pipeline: str
+    stage: int
+    stages: int
+    samples_per_s: float = 0.0  # measured forward+backward throughput (0: not measured yet)
+    queue: int = 0  # calls waiting or running at the server
+    cuts: list[int] = field(default_factory=list)  # where the model is cut: stage s holds blocks [cuts[s-1], cuts[s])
+
+    def __post_init__(self) -> None:
+        _check_name(self.pipeline)
+        _check_stage(self.stage, self.stages)
+        if len(self.cuts) != self.stages - 1 or any(not 0 < c <= MAX_BLOCKS for c in self.cuts) \
+                or any(a >= b for a, b in zip(self.cuts, self.cuts[1:])):
+            raise ValueError(f"cuts must be {self.stages - 1} increasing block indices in (0, {MAX_BLOCKS}], "
+                             f"got {self.cuts[:MAX_STAGES]}")
+        if not 0.0 <= self.samples_per_s <= MAX_SAMPLES_PER_S:
+            raise ValueError(f"samples_per_s must be in [0, {MAX_SAMPLES_PER_S:g}], got {self.samples_per_s}")
+        if not 0 <= self.queue <= MAX_QUEUE:
+            raise ValueError(f"queue must be in [0, {MAX_QUEUE}], got {self.queue}")
+
+
+@dataclass(frozen=True, slots=True)
+class StageCall(Message):
+    """Compute `kind` of stage `stage` on the tensors that follow on `streams` (one per spec)."""
+
+    TYPE = "stage_call"
+    pipeline: str
+    stage: int
+    kind: str
+    batch: int  # samples in this microbatch: the server derives the shapes it accepts from it
+    seed: int  # dropout seed of this microbatch at this stage: the backward recomputes with it
+    tensors: list[TensorSpec]
+    streams: list[int]
+    cuts: list[int] = field(default_factory=list)  # the driver's cut of the model: the server's must be the same
+    microbatch: int = 0  # the driver's id of the microbatch, for both sides' logs
+    codec: str = "raw"  # how the server should encode the tensors of its reply
+
+    def __post_init__(self) -> None:
+        _check_name(self.pipeline)
+        _check_stage(self.stage, MAX_STAGES)
+        if len(self.cuts) >= MAX_STAGES:
+            raise ValueError(f"{len(self.cuts)} cuts (at most {MAX_STAGES - 1})")
+        if self.kind not in CALL_KINDS:
+            raise ValueError(f"unknown call kind {self.kind[:20]!r} (one of {', '.join(CALL_KINDS)})")
+        if self.batch < 1:
+            raise ValueError(f"batch must be >= 1, got {self.batch}")
+        if len(self.tensors) > MAX_STAGE_TENSORS or len(self.streams) != len(self.tensors):
+            raise ValueError(f"{len(self.tensors)} tensor specs and {len(self.streams)} streams "
+                             f"(equal numbers, at most {MAX_STAGE_TENSORS})")
+
+
+@dataclass(frozen=True, slots=True)
+class StageReply(Message):
+    """The result of a StageCall: its output tensors follow on `streams`; `loss` for "loss"/"evaluate"."""
+
+    TYPE = "stage_reply"
+    tensors: list[TensorSpec]
+    streams: list[int]
+    loss: float | None = None
+    compute_s: float = 0.0  # seconds the server computed (the rest of the call's time is wire and queue)
+
+    def __post_init__(self) -> None:
+        if len(self.tensors) > MAX_STAGE_TENSORS or len(self.streams) != len(self.tensors):
+            raise ValueError(f"{len(self.tensors)} tensor specs and {len(self.streams)} streams "
+                             f"(equal numbers, at most {MAX_STAGE_TENSORS})")
+        if self.compute_s < 0:
+            raise ValueError(f"compute_s must be >= 0, got {self.compute_s}")

@@ -1,0 +1,48 @@
+"""Where a peer sits in a pipeline: which cut of the model it agrees to, and which stage it serves.
+
+Every peer profiles the blocks and plans a cut, but measured times differ a little between peers, so plans can
+differ, and peers that cut the model differently cannot serve each other. The rule: a peer adopts the cut
+announced by the smallest peer ID among those serving the pipeline (its own plan when nobody serves yet); peers
+that start together announce their own plans first and converge within a record interval or two, before any
+microbatch moves.
+
+The stage: a launcher that numbered the peers (`PEERTRAIN_RANK`) gives peer r stage r for r < stages, so every
+stage is covered at once; any other peer takes the stage with the least capacity (sum of its peers' measured
+throughput, an empty stage first), as the issue asks, breaking ties at random so peers starting together
+spread out. `settle` then moves a peer off a crowded stage onto an empty one.
+"""
+
+from __future__ import annotations
+
+import random
+
+from peer.pipeline.directory import PipelineKey, StagePeer, bottleneck
+
+
+def adopted_cut(name: str, own: tuple[int, ...], announcements: dict, me: str) -> tuple[int, ...]:
+    """The cut to use: the smallest announcing peer ID's for pipeline `name` (ours counts), else `own`."""
+    serving = {pid: tuple(a.cuts) for pid, a in announcements.items() if a.pipeline == name}
+    if not serving:
+        return own
+    return serving[min(serving)]
+
+
+def initial_stage(key: PipelineKey, smap: dict[int, list[StagePeer]], rank: int | None, rng: random.Random) -> int:
+    if rank is not None and rank < key.stages:
+        return rank
+    empty = [s for s, peers in smap.items() if not [p for p in peers if not p.me]]
+    if empty:
+        return rng.choice(empty)
+    return bottleneck({s: [p for p in peers if not p.me] for s, peers in smap.items()})
+
+
+def better_stage(smap: dict[int, list[StagePeer]], mine: int, me: str) -> int | None:
+    """A stage nobody serves, if we may leave ours for it: ours keeps another peer, and of the peers of ours
+    we have the largest ID (so two peers of one stage never both leave it). None: stay."""
+    empty = sorted(s for s, peers in smap.items() if not peers)
+    if not empty:
+        return None
+    ours = smap.get(mine, [])
+    if len(ours) < 2 or max(p.peer_id for p in ours) != me:
+        return None
+    return empty[0]
