@@ -159,17 +159,21 @@ def fake_id(i: int) -> str:
     return f"{i:020d}"
 
 
-def signed_record_body(*, neighbours: list[str], links: list[list], key=None) -> dict:
+def signed_record_body(*, neighbours: list[str], links: list[list], key=None, stage: dict | None = None) -> dict:
     """The wire body of a topology record signed by a fresh identity, whatever its fields say (the typed
     record would refuse the bad ones, so the attacker builds the body itself)."""
     key = key or ident.generate_identity()
     pub = ident.public_key_bytes(key)
     ns = SimpleNamespace(peer_id=ident.peer_id_from_public_bytes(pub), public_key=pub, version=1,
                          issued=time.time(), neighbours=neighbours,
-                         links=[SimpleNamespace(peer=p, bandwidth_bps=b, rtt_s=r) for p, b, r in links])
-    return {"peer_id": ns.peer_id, "public_key": pub, "version": 1, "issued": ns.issued, "neighbours": neighbours,
+                         links=[SimpleNamespace(peer=p, bandwidth_bps=b, rtt_s=r) for p, b, r in links],
+                         stage=None if stage is None else SimpleNamespace(**stage))
+    body = {"peer_id": ns.peer_id, "public_key": pub, "version": 1, "issued": ns.issued, "neighbours": neighbours,
             "links": [{"peer": p, "bandwidth_bps": b, "rtt_s": r} for p, b, r in links],
             "signature": ident.sign(key, topology_record_signing_bytes(ns))}
+    if stage is not None:
+        body["stage"] = stage
+    return body
 
 
 BAD_RECORDS = {  # the field the victim must name in its reason -> a record bad in that field
@@ -178,6 +182,11 @@ BAD_RECORDS = {  # the field the victim must name in its reason -> a record bad 
     "rtt_s": lambda: signed_record_body(neighbours=[], links=[[fake_id(1), 1e9, -1.0]]),
     "neighbours": lambda: signed_record_body(neighbours=[fake_id(i) for i in range(5000)], links=[]),
     "link reports": lambda: signed_record_body(neighbours=[], links=[[fake_id(i), 1e9, 0.01] for i in range(5000)]),
+    # a stage announcement claiming an impossible throughput, to draw every microbatch to its author
+    "samples_per_s": lambda: signed_record_body(neighbours=[], links=[], stage={
+        "pipeline": "p", "stage": 0, "stages": 2, "samples_per_s": 1e12, "queue": 0, "cuts": [1]}),
+    "cuts": lambda: signed_record_body(neighbours=[], links=[], stage={
+        "pipeline": "p", "stage": 0, "stages": 3, "samples_per_s": 1.0, "queue": 0, "cuts": [5, 2]}),
 }
 
 
