@@ -153,6 +153,9 @@ def run(swarm, options: dict) -> dict:
                                    in_flight=o.in_flight or 2 * o.stages,
                                    forward_codec=o.forward_codec, backward_codec=o.backward_codec)
         shard = train.subset(partition(len(train), rank, world, seed=o.seed))
+        if len(shard) < o.microbatch:
+            raise ValueError(f"[trainer.options] microbatch: this peer's shard has {len(shard)} samples, fewer than "
+                             f"one microbatch of {o.microbatch}")
 
         def evaluate() -> dict:
             return _evaluate(handle, test, o)

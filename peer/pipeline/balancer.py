@@ -102,6 +102,11 @@ class Balancer:
         est.last_failure = failure[:200]
         est.virtual_time = now  # its queue of our work is gone with the failure
 
+    def cancel(self, peer_id: str) -> None:
+        """A call chosen for `peer_id` was not served (it was full): no measurement, no blame."""
+        est = self._get(peer_id)
+        est.outstanding = max(0, est.outstanding - 1)
+
     def expected_seconds(self, peer_id: str, peer: StagePeer | None, batch: int) -> float:
         """How long a call of `batch` samples should take there: for the call's deadline."""
         est = self.peers.get(peer_id)

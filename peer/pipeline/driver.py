@@ -39,6 +39,7 @@ ASSUMED_BYTES_PER_S = 10e6  # for a peer whose calls we never timed: a slow link
 WAIT_POLL_S = 0.2  # how often a driver waiting for a stage looks again (a peer appears within a record interval)
 OUR_FAULT = {"bad_input", "wrong_specs", "too_big", "wrong_kind", "bad_codec"}
 """Refusals any peer of the stage would give us again: the microbatch fails at once instead of being retried."""
+BUSY_BACKOFF_S = 0.05  # a busy server frees a slot within one call's compute (tens of ms); retry after about that
 RECENT_FAILURES = 20  # failed microbatches kept for status, with their reasons
 
 ReplyShapes = Callable[[int, str, int], list[tuple[str, list[int]]]]
@@ -88,6 +89,7 @@ class DriverStats:
     retried: int = 0  # microbatches that needed at least one re-sent call (and finished: see `failed`)
     resent: int = 0  # calls re-sent, over all microbatches
     evaluated: int = 0
+    busy: int = 0  # calls a full server refused (tried again, elsewhere or later; not failures)
     in_flight: int = 0
     samples: int = 0
     waiting: dict = field(default_factory=dict)  # stage -> since when (trio clock) we wait for a usable peer
@@ -184,16 +186,20 @@ class Driver:
             try:
                 result = await self._call_once(pid, peer, mb, stage, kind, tensors)
             except _CallFailed as exc:
-                balancer.done(pid, mb.batch, trio.current_time() - t0, trio.current_time(), failure=str(exc))
                 last_error = f"{pid[:8]}: {exc}"
+                if exc.busy:  # full, not broken: not avoided, no attempt used; back off a moment and choose again
+                    balancer.cancel(pid)
+                    self.stats.busy += 1
+                    await trio.sleep(BUSY_BACKOFF_S)
+                    continue
+                balancer.done(pid, mb.batch, trio.current_time() - t0, trio.current_time(), failure=str(exc))
                 if exc.ours:
                     raise MicrobatchFailed(f"stage {stage} {kind}: {exc}") from None
-                if not exc.busy:
-                    attempts += 1
-                    tried.add(pid)
-                    if attempts > self.cfg.max_retries:
-                        raise MicrobatchFailed(f"stage {stage} {kind}: {attempts} calls failed, the last at "
-                                               f"{last_error}") from None
+                attempts += 1
+                tried.add(pid)
+                if attempts > self.cfg.max_retries:
+                    raise MicrobatchFailed(f"stage {stage} {kind}: {attempts} calls failed, the last at "
+                                           f"{last_error}") from None
                 resent[0] += 1
                 self.stats.resent += 1
                 log.info("microbatch %d: stage %d %s at %s failed (%s); re-sending", mb.id, stage, kind, pid[:8], exc)

@@ -126,7 +126,8 @@ class PipelineService:
         if driver is not None:
             d = driver.stats
             out["driver"] = {
-                "done": d.done, "failed": d.failed, "retried": d.retried, "resent": d.resent, "in_flight": d.in_flight,
+                "done": d.done, "failed": d.failed, "retried": d.retried, "resent": d.resent, "busy": d.busy,
+                "in_flight": d.in_flight,
                 "evaluated": d.evaluated, "samples": d.samples, "loss": d.last_loss,
                 "waiting": [{"stage": s, "for_s": round(now - since, 1)} for s, since in sorted(d.waiting.items())],
                 "calls": dict(d.calls), "failures": [{"microbatch": m, "reason": r} for m, r in d.failures],
