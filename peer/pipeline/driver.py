@@ -256,7 +256,8 @@ class Driver:
         self.stats.deadlines.append(timeout)
         ours = OutgoingGroup(session, specs)
         call = StageCall(pipeline=self.key.name, cuts=list(self.key.cuts), stage=stage, kind=kind, batch=mb.batch, seed=self._seed(mb, stage),
-                         tensors=specs, streams=ours.streams, microbatch=mb.id, codec=reply_codec)
+                         tensors=specs, streams=ours.streams, microbatch=mb.id, codec=reply_codec,
+                         deadline_s=timeout)
         replies: list = []
         theirs: IncomingGroup | None = None
         try:

@@ -5,7 +5,7 @@ is one this stage serves, the batch is within the stage's `max_batch`, and the a
 the specs the stage expects for that kind and batch (the session then refuses any header that contradicts
 them, peer/session/groups.py). A call over `[pipeline] max_queue` (this daemon) or `max_queue_per_peer`
 (that driver) is refused as busy, so a driver cannot make us hold more than those many calls' tensors; each
-held call is bounded in time by `[pipeline] max_call_timeout`. Compute runs one call at a time in a worker
+held call is bounded in time by the driver's deadline for it, at most `[pipeline] max_call_timeout`. Compute runs one call at a time in a worker
 thread (the model is CPU/GPU bound; more threads would only share the same cores). A call whose inputs the
 stage rejects (NaN, wrong values) is answered with an error naming why; a malformed call closes the session
 (the router does that for a ProtocolError).
@@ -136,8 +136,9 @@ class StageServer:
         call: StageCall = env.message
         done = False
         try:
-            with trio.fail_after(self.cfg.max_call_timeout):
-                inputs = await theirs.receive(timeout=self.cfg.max_call_timeout)
+            hold = min(self.cfg.max_call_timeout, call.deadline_s or self.cfg.max_call_timeout)
+            with trio.fail_after(hold):  # past the driver's deadline nobody waits for the answer
+                inputs = await theirs.receive(timeout=hold)
                 async with self.compute_lock:
                     if self.stage is not st:  # we stopped serving (or moved) while it waited
                         await session.reply(env, ErrorReply(code="not_serving", message="this peer left the stage"))

@@ -91,10 +91,13 @@ class StageCall(Message):
     cuts: list[int] = field(default_factory=list)  # the driver's cut of the model: the server's must be the same
     microbatch: int = 0  # the driver's id of the microbatch, for both sides' logs
     codec: str = "raw"  # how the server should encode the tensors of its reply
+    deadline_s: float = 0.0  # the driver gives up after this long: the server holds the call no longer (0: its own bound)
 
     def __post_init__(self) -> None:
         _check_name(self.pipeline)
         _check_stage(self.stage, MAX_STAGES)
+        if self.deadline_s < 0:
+            raise ValueError(f"deadline_s must be >= 0, got {self.deadline_s}")
         if len(self.cuts) >= MAX_STAGES:
             raise ValueError(f"{len(self.cuts)} cuts (at most {MAX_STAGES - 1})")
         if self.kind not in CALL_KINDS:
