@@ -194,18 +194,17 @@ class Swarm:
 
     def _call_sync(self, fn, *args, **kw):
         """Run a quick, non-blocking daemon function on the daemon's thread."""
-        if self.should_stop():
-            raise TrainerStopped()
-        try:
-            return trio.from_thread.run_sync(lambda: fn(*args, **kw), trio_token=self._host.token)
-        except trio.RunFinishedError:
-            raise TrainerStopped() from None
+        return self._on_daemon(trio.from_thread.run_sync, lambda: fn(*args, **kw))
 
     def _call(self, fn, *args, **kw):
+        """Run an async daemon function on the daemon's thread and wait for it."""
+        return self._on_daemon(trio.from_thread.run, lambda: fn(*args, **kw))
+
+    def _on_daemon(self, runner, thunk):
         if self.should_stop():
             raise TrainerStopped()
         try:
-            return trio.from_thread.run(lambda: fn(*args, **kw), trio_token=self._host.token)
+            return runner(thunk, trio_token=self._host.token)
         except trio.RunFinishedError:
             raise TrainerStopped() from None
 
