@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 SHOWN_FAILURES = 3  # recent failed microbatches printed with their reasons (`--json` has up to 20)
+NOTE_CHARS = 48  # an avoided peer's reason is cut here so the stage map stays one line a peer (`--json` has it all)
 
 
 def _facts() -> Table:
@@ -47,7 +48,8 @@ def stage_map_table(pl: dict) -> Table:
         for i, p in enumerate(peers):
             name = Text(p["peer_id"][:8] + (" (me)" if p.get("me") else ""), style="bold" if p.get("me") else "")
             speed = f"{p['samples_per_s']:.0f}" if p.get("samples_per_s") else "not measured"
-            note = Text(p["avoided"], style="yellow") if p.get("avoided") else Text("")
+            avoided = p.get("avoided") or ""
+            note = Text(avoided if len(avoided) <= NOTE_CHARS else avoided[:NOTE_CHARS - 1] + "…", style="yellow")
             t.add_row(label if i == 0 else "", cap if i == 0 else "", name, speed, str(p.get("queue", 0)), note)
     return t
 
