@@ -54,6 +54,7 @@ def _print_pipeline_result(console, live: list[dict]) -> None:
     failed = sum(t.get("microbatches_failed", 0) for _, t in trs)
     resent = sum(t.get("calls_resent", 0) for _, t in trs)
     rate = sum(t.get("samples_per_s", 0) for _, t in trs)
+    console.print()  # the live table's last line may not end one
     console.print(f"[bold green]pipeline training finished[/]: {done} microbatches done, {failed} failed, "
                   f"{resent} calls re-sent; {rate:.1f} samples/s over all drivers; validation loss through the "
                   f"pipeline per driver: {', '.join(val) or 'none'}")
