@@ -59,6 +59,11 @@ DAEMON_COMMANDS = {
     "bench hostile": "tests/test_bench_hostile.py::test_bench_hostile_runs_two_classes_and_reports_each",
 }
 NEEDS_A_DAEMON = {"start", "stop", "status", "local", "export", "bench"}
+# The quick start's demos start daemons too: each `./dev demo ...` line names the test that runs what it runs.
+DEV_DEMOS = {
+    "./dev demo": "tests/test_local.py::test_peer_local_demo_trains_to_the_target_and_exits",
+    "./dev demo pipeline": "tests/test_pipeline_demo.py::test_the_pipeline_demo_runs_to_its_result",
+}
 MODE_FLAGS = {"--json", "--watch", "--topology"}
 
 
@@ -208,6 +213,18 @@ def test_commands_that_need_a_daemon_are_run_by_a_named_test():
     for k, where in DAEMON_COMMANDS.items():
         path, test = where.split("::")
         assert re.search(rf"^def {test}\(", (REPO / path).read_text(), re.M), f"{where} (for `peer {k}`) is gone"
+
+
+def test_every_demo_is_run_by_a_named_test():
+    demos = {re.sub(r"\s+#.*$", "", ln).strip() for b in _code_blocks(README) for ln in b.splitlines()
+             if ln.startswith("./dev demo")}
+    assert "./dev demo" in demos  # extraction works
+    for demo in demos:
+        assert demo in DEV_DEMOS, f"`{demo}` is in the README; name the test that runs it in DEV_DEMOS"
+    for demo, where in DEV_DEMOS.items():
+        path, test = where.split("::")
+        assert re.search(rf"^def {test}\(", (REPO / path).read_text(), re.M), f"{where} (for `{demo}`) is gone"
+    assert "configs/train-pipeline.toml" in (REPO / "dev").read_text()  # what the pipeline demo's test runs
 
 
 def test_dev_commands_exist():

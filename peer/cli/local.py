@@ -17,6 +17,7 @@ from pathlib import Path
 from peer.testing.swarm import LocalSwarm, node_homes
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.toml"
+PIPELINE_TRAINER = "trainers.swarm_pipeline"  # the trainer whose peers keep serving once they are done driving
 
 
 def collect(root: Path) -> list[dict]:
@@ -31,10 +32,34 @@ def collect(root: Path) -> list[dict]:
     return rows
 
 
+def _is_pipeline(trainers: list[dict]) -> bool:
+    return any(t.get("trainer") == PIPELINE_TRAINER for t in trainers)
+
+
 def _training_finished(rows: list[dict]) -> bool:
+    """Every live daemon's trainer is done; a pipeline's peers keep serving their stage after driving their
+    samples (others may still need it), so for a pipeline, done is every one of them having `driving_done`."""
     live = [r["status"] for r in rows if r["status"]]
     trainers = [s.get("trainer") for s in live if s.get("trainer")]
+    if _is_pipeline(trainers):
+        return all(t.get("driving_done") for t in trainers)
     return bool(trainers) and all(t.get("state") == "done" for t in trainers)
+
+
+def _print_pipeline_result(console, live: list[dict]) -> None:
+    """The pipeline demo's result: each driver's validation loss through the pipeline and the microbatch count."""
+    trs = [(r["node"], r["status"]["trainer"]) for r in live]
+    val = [f"{node} {t['val_loss']:.3f}" for node, t in trs if t.get("val_loss") is not None]
+    done = sum(t.get("microbatches_done", 0) for _, t in trs)
+    failed = sum(t.get("microbatches_failed", 0) for _, t in trs)
+    resent = sum(t.get("calls_resent", 0) for _, t in trs)
+    rate = sum(t.get("samples_per_s", 0) for _, t in trs)
+    console.print()  # the live table's last line may not end one
+    console.print(f"[bold green]pipeline training finished[/]: {done} microbatches done, {failed} failed, "
+                  f"{resent} calls re-sent; {rate:.1f} samples/s over all drivers; validation loss through the "
+                  f"pipeline per driver: {', '.join(val) or 'none'}")
+    console.print(f"stopping the daemons: each writes its stage (blocks, optimizer) to HOME/checkpoints/latest.pt, "
+                  f"e.g. {live[0]['home']}/checkpoints/latest.pt")
 
 
 def _print_result(rows: list[dict]) -> None:
@@ -43,6 +68,9 @@ def _print_result(rows: list[dict]) -> None:
     console = Console()
     live = [r for r in rows if r["status"] and r["status"].get("trainer")]
     if not live:
+        return
+    if _is_pipeline([r["status"]["trainer"] for r in live]):
+        _print_pipeline_result(console, live)
         return
     trs = [r["status"]["trainer"] for r in live]
     accs = [t.get("accuracy") or 0.0 for t in trs]

@@ -10,6 +10,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from peer.cli.pipeline_view import SUMMARY_COLUMNS, render_pipeline, stage_summary, summary_cells
+
 STATE_STYLE = {"connected": "green", "connecting": "yellow", "discovered": "cyan", "dead": "red"}
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -112,7 +114,9 @@ def render_status(st: dict):
         parts.append(Panel(t, title="averaging trouble", box=box.ROUNDED, expand=False))
 
     tr = st.get("trainer")
-    if tr:
+    if st.get("pipeline"):
+        parts.append(render_pipeline(st["pipeline"], tr))
+    elif tr:
         t = _facts()
         t.add_row("job", f"{tr.get('trainer')}  mode {tr.get('mode')}  model {tr.get('model')}  device {tr.get('device')}")
         t.add_row("progress", f"step {tr.get('step')}   epoch {tr.get('epoch', 0):.2f}   {tr.get('samples_per_s', 0):.0f} samples/s   {tr.get('state', '')}")
@@ -127,17 +131,32 @@ def render_status(st: dict):
 
 
 def render_local_summary(rows: list[dict]):
-    table = Table(title="local swarm", box=box.SIMPLE_HEAD)
-    for col in ("node", "peer", "listen", "state", "connected", "uptime", "step", "loss", "acc"):
-        table.add_column(col)
+    """One row per daemon of a local swarm; with a pipeline running, each node's stage and pipeline figures
+    (and the stage map as one line under the table) instead of gossip training's step and accuracy, and no
+    listen address, so a row still fits a terminal."""
+    pipeline = any((r.get("status") or {}).get("pipeline") for r in rows)
+    if pipeline:
+        table = Table(title="local swarm", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                      caption=stage_summary(rows), caption_justify="left")
+        cols = ("node", "peer", "conn", "up", *SUMMARY_COLUMNS)
+    else:
+        table = Table(title="local swarm", box=box.SIMPLE_HEAD)
+        cols = ("node", "peer", "listen", "state", "connected", "uptime", "step", "loss", "acc")
+    for col in cols:
+        table.add_column(col, no_wrap=pipeline and col != cols[-1])
     for r in rows:
         st = r.get("status")
         if st is None:
-            table.add_row(r["node"], "-", "-", Text(r.get("error", "down"), style="red"), "-", "-", "-", "-", "-")
+            error = Text(r.get("error", "down"), style="red")
+            down = [r["node"], error] if pipeline else [r["node"], "-", "-", error]
+            table.add_row(*down, *["-"] * (len(cols) - len(down)))
             continue
         tr = st.get("trainer") or {}
-        table.add_row(r["node"], st["peer_id"][:12], st["listen"], Text("running", style="green"),
-                      f"{st['connected']}/{len(st['peers'])}", human_duration(st["uptime_s"]),
+        conn, up = f"{st['connected']}/{len(st['peers'])}", human_duration(st["uptime_s"])
+        if pipeline:
+            table.add_row(r["node"], st["peer_id"][:8], conn, up, *summary_cells(st))
+            continue
+        table.add_row(r["node"], st["peer_id"][:12], st["listen"], Text("running", style="green"), conn, up,
                       str(tr.get("step", "-")),
                       f"{tr['loss']:.3f}" if tr.get("loss") is not None else "-",
                       f"{tr['accuracy'] * 100:.1f}%" if tr.get("accuracy") is not None else "-")

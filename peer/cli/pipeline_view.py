@@ -1,0 +1,130 @@
+"""Rendering the swarm pipeline's part of `peer status` (the "pipeline" section of `--json`) for people.
+
+The stage map is what a user watches: which peers serve each stage, how fast and how busy each is, which
+ones this driver avoids after failures, each stage's capacity and the bottleneck (the stage that bounds the
+whole pipeline's throughput). Below it, what this peer does as a driver (microbatches and their accounting)
+and as a server (calls served and refused).
+"""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+SHOWN_FAILURES = 3  # recent failed microbatches printed with their reasons (`--json` has up to 20)
+NOTE_CHARS = 48  # an avoided peer's reason is cut here so the stage map stays one line a peer (`--json` has it all)
+
+
+def _facts() -> Table:
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    return t
+
+
+def _num(v, fmt: str = "{:.4f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def stage_map_table(pl: dict) -> Table:
+    """One row per peer of each stage; the stage's number and capacity on its first row, the bottleneck marked."""
+    bottleneck = pl.get("bottleneck")
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col, right in (("stage", False), ("capacity/s", True), ("peer", False), ("samples/s", True),
+                       ("queue", True), ("", False)):
+        t.add_column(col, justify="right" if right else "left", no_wrap=col != "")
+    for entry in pl.get("stage_map", []):
+        s = entry["stage"]
+        mark = s == bottleneck
+        label = Text(f"{s}" + (" ◀ bottleneck" if mark else ""), style="bold red" if mark else "bold")
+        cap = f"{entry['capacity']:.0f}"
+        peers = entry.get("peers", [])
+        if not peers:
+            t.add_row(label, cap, Text("no live peer", style="red"), "-", "-", "")
+            continue
+        for i, p in enumerate(peers):
+            name = Text(p["peer_id"][:8] + (" (me)" if p.get("me") else ""), style="bold" if p.get("me") else "")
+            speed = f"{p['samples_per_s']:.0f}" if p.get("samples_per_s") else "not measured"
+            avoided = p.get("avoided") or ""
+            note = Text(avoided if len(avoided) <= NOTE_CHARS else avoided[:NOTE_CHARS - 1] + "…", style="yellow")
+            t.add_row(label if i == 0 else "", cap if i == 0 else "", name, speed, str(p.get("queue", 0)), note)
+    return t
+
+
+def _driver_facts(d: dict, tr: dict) -> Table:
+    t = _facts()
+    t.add_row("microbatches", f"{d.get('done', 0)} done   {d.get('retried', 0)} retried ({d.get('resent', 0)} calls "
+                              f"re-sent)   {d.get('failed', 0)} failed   {d.get('in_flight', 0)} in flight")
+    waiting = d.get("waiting") or []
+    if waiting:
+        t.add_row("waiting", Text("   ".join(f"for stage {w['stage']} ({w['for_s']:.0f}s)" for w in waiting),
+                                  style="yellow"))
+    loss = tr.get("loss") if tr.get("loss") is not None else d.get("loss")
+    t.add_row("loss", f"{_num(loss)}   val loss {_num(tr.get('val_loss'))}"
+                      + (f"   ({tr['val_error']})" if tr.get("val_error") else ""))
+    if tr.get("samples_per_s") is not None:
+        t.add_row("throughput", f"{tr['samples_per_s']:.1f} samples/s driven   {tr.get('samples', d.get('samples', 0))} "
+                                f"samples   call deadline ~{_num(d.get('deadline_s'), '{:.1f}')}s")
+    for f in (d.get("failures") or [])[-SHOWN_FAILURES:]:
+        t.add_row("failed", Text(f"microbatch {f['microbatch']}: {f['reason']}", style="red"))
+    return t
+
+
+def _server_facts(sv: dict, pl: dict, tr: dict) -> Table:
+    t = _facts()
+    refused = sv.get("refused") or {}
+    ref = ", ".join(f"{code} {n}" for code, n in sorted(refused.items())) or "0"
+    t.add_row("served", f"{sv.get('served', 0)} calls   refused {ref}   failed {sv.get('failed', 0)}   "
+                        f"queue {sv.get('queue', 0)}   compute {sv.get('compute_s', 0):.1f}s")
+    if tr.get("stage_steps") is not None:
+        t.add_row("stage", f"{pl.get('my_stage')}: {tr['stage_steps']} optimizer steps, {tr.get('stage_samples', 0)} "
+                           f"samples, {tr.get('stage_samples_per_s', 0):.0f} samples/s of compute")
+    if sv.get("last_error"):
+        t.add_row("last error", Text(sv["last_error"], style="red"))
+    return t
+
+
+def render_pipeline(pl: dict, tr: dict | None = None) -> Panel:
+    """The "pipeline" section of a daemon's status (and its trainer's metrics, for loss and val loss)."""
+    tr = tr or {}
+    head = _facts()
+    me = pl.get("my_stage")
+    head.add_row("pipeline", f"{pl.get('pipeline')}   {pl.get('stages')} stages cut at blocks {pl.get('cuts')}   "
+                             f"role {pl.get('role') or '-'}   my stage {'-' if me is None else me}"
+                             + ("   driving done" if tr.get("driving_done") else ""))
+    parts = [head, stage_map_table(pl)]
+    if pl.get("driver"):
+        parts.append(Panel(_driver_facts(pl["driver"], tr), title="driver", box=box.ROUNDED, expand=False))
+    if pl.get("my_stage") is not None and pl.get("server"):
+        parts.append(Panel(_server_facts(pl["server"], pl, tr), title="server", box=box.ROUNDED, expand=False))
+    return Panel(Group(*parts), title="pipeline", box=box.ROUNDED, expand=False)
+
+
+SUMMARY_COLUMNS = ("stage", "served", "driven", "failed", "samples/s", "loss", "val loss", "trainer")
+
+
+def summary_cells(st: dict) -> list[str]:
+    """A daemon's pipeline figures for `peer local`'s table, one per SUMMARY_COLUMNS."""
+    pl, tr = st.get("pipeline") or {}, st.get("trainer") or {}
+    d, sv = pl.get("driver") or {}, pl.get("server") or {}
+    stage = pl.get("my_stage", tr.get("my_stage"))
+    mark = " ◀" if stage is not None and stage == pl.get("bottleneck") else ""
+    state = "done" if tr.get("driving_done") else (tr.get("state") or "-")  # done driving; it still serves
+    return ["-" if stage is None else f"{stage}{mark}", str(sv.get("served", "-")),
+            str(d.get("done", tr.get("microbatches_done", "-"))), str(d.get("failed", tr.get("microbatches_failed", "-"))),
+            _num(tr.get("samples_per_s"), "{:.1f}"), _num(tr.get("loss"), "{:.3f}"), _num(tr.get("val_loss"), "{:.3f}"),
+            state]
+
+
+def stage_summary(rows: list[dict]) -> str:
+    """The stage map in one line, as the first live pipeline peer sees it: peers and capacity per stage."""
+    for r in rows:
+        pl = (r.get("status") or {}).get("pipeline")
+        if pl and pl.get("stage_map"):
+            stages = [f"{e['stage']}{'◀' if e['stage'] == pl.get('bottleneck') else ''}: {len(e['peers'])}p "
+                      f"{e['capacity']:.0f}/s" for e in pl["stage_map"]]
+            return f"stage map as {r['node']} sees it (p: peers, /s: capacity, ◀: bottleneck)   " + "   ".join(stages)
+    return ""
