@@ -132,7 +132,8 @@ def run(swarm, options: dict) -> dict:
     state = _Placement(swarm, o, model, sample_x, sample_y)
     if o.role != "driver":
         key = PipelineKey(o.pipeline, adopted_cut(o.pipeline, own_cuts, swarm.stage_announcements(), swarm.peer_id))
-        state.take(key, initial_stage(key, swarm.stage_map(key), env_rank, rng))
+        stage_seconds = [sum(c.seconds for c in costs[lo:hi]) for lo, hi in zip((0, *key.cuts), (*key.cuts, len(costs)))]
+        state.take(key, initial_stage(key, swarm.stage_map(key), env_rank, rng, stage_seconds))
         state.settle(own_cuts, deadline=time.monotonic() + SETTLE_S)
         key = state.key
     else:

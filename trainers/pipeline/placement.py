@@ -7,7 +7,8 @@ that start together announce their own plans first and converge within a record 
 microbatch moves.
 
 The stage: a launcher that numbered the peers (`PEERTRAIN_RANK`) gives peer r stage r for r < stages, so every
-stage is covered at once; any other peer takes the stage with the least capacity (sum of its peers' measured
+stage is covered at once, and further numbered peers to the stages with the least planned capacity
+(`numbered_stage`); any other peer takes the stage with the least capacity (sum of its peers' measured
 throughput, an empty stage first), as the issue asks, breaking ties at random so peers starting together
 spread out. `settle` then moves a peer off a crowded stage onto an empty one.
 """
@@ -27,9 +28,12 @@ def adopted_cut(name: str, own: tuple[int, ...], announcements: dict, me: str) -
     return serving[min(serving)]
 
 
-def initial_stage(key: PipelineKey, smap: dict[int, list[StagePeer]], rank: int | None, rng: random.Random) -> int:
+def initial_stage(key: PipelineKey, smap: dict[int, list[StagePeer]], rank: int | None, rng: random.Random,
+                  stage_seconds: list[float] | None = None) -> int:
     if rank is not None and rank < key.stages:
         return rank
+    if rank is not None and stage_seconds:
+        return numbered_stage(rank, stage_seconds)
     empty = [s for s, peers in smap.items() if not [p for p in peers if not p.me]]
     if empty:
         return rng.choice(empty)
@@ -46,3 +50,17 @@ def better_stage(smap: dict[int, list[StagePeer]], mine: int, me: str) -> int | 
     if len(ours) < 2 or max(p.peer_id for p in ours) != me:
         return None
     return empty[0]
+
+
+def numbered_stage(rank: int, stage_seconds: list[float]) -> int:
+    """The stage of numbered peer `rank` >= stages: ranks 0..stages-1 hold one stage each, and each further
+    rank in turn joins the stage whose peers carry the most planned seconds per microbatch each (the lowest
+    capacity). Every peer computes the same sequence, so peers starting together need not wait to see each
+    other (near-equal stage times measured differently by two peers may still send both to one stage; the
+    settle step and, later, rebalancing even that out)."""
+    counts = [1] * len(stage_seconds)
+    stage = 0
+    for _ in range(len(stage_seconds), rank + 1):
+        stage = max(range(len(counts)), key=lambda s: (stage_seconds[s] / counts[s], -s))
+        counts[stage] += 1
+    return stage
