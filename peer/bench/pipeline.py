@@ -58,7 +58,7 @@ TINY = Model(d_model=32, n_layers=4, n_heads=2, block=16, microbatch=8, batch_si
 
 
 def _options(m: Model, a) -> dict:
-    return {**asdict(m), "stages": STAGES, "samples": 0, "forward_codec": a.forward_codec,
+    return {**asdict(m), "stages": STAGES, "samples": 0, "in_flight": a.in_flight, "forward_codec": a.forward_codec,
             "backward_codec": a.backward_codec, "seed": a.seed}
 
 
@@ -124,12 +124,13 @@ def _ready(p: Poll) -> bool:
 
 
 def _victim(st: dict, peer_index: dict[str, int]) -> tuple[int, int] | None:
-    """(daemon index, stage) of the peer to kill: of the stages with two or more peers, the one with the most
-    capacity (losing a peer there lowers the bound least); in it, the peer started last."""
+    """(daemon index, stage) of the peer to kill: a stage with exactly two peers if there is one (the issue's
+    case: the stage is left with one), else the most crowded; among those the one with the most capacity
+    (losing a peer there lowers the bound least); in it, the peer started last."""
     crowded = [s for s in st["pipeline"]["stage_map"] if len(s["peers"]) >= 2]
     if not crowded:
         return None
-    s = max(crowded, key=lambda s: s["capacity"])
+    s = max(crowded, key=lambda s: (len(s["peers"]) == 2, len(s["peers"]), s["capacity"]))
     return max(peer_index[p["peer_id"]] for p in s["peers"]), s["stage"]
 
 
@@ -252,8 +253,8 @@ def run(args) -> int:
         print(f"--daemons must be at least {STAGES} (and {STAGES + 1} to kill a peer of a stage that has two)",
               file=sys.stderr)
         return 2
-    if args.duration <= 0 or args.window <= 0 or args.cpus <= 0:
-        print("--duration, --window and --cpus must be positive", file=sys.stderr)
+    if args.duration <= 0 or args.window <= 0 or args.cpus <= 0 or args.in_flight < 0:
+        print("--duration, --window and --cpus must be positive, --in-flight at least 0", file=sys.stderr)
         return 2
     netns = not args.no_netns
     if netns and not netns_available():
@@ -284,7 +285,7 @@ def run(args) -> int:
         **figures,
         "bytes_per_microbatch": bytes_per_microbatch(act, STAGES, args.forward_codec, args.backward_codec,
                                                      tokens, tokens),
-        "daemons": args.daemons, "stages": STAGES, "netns": netns,
+        "daemons": args.daemons, "stages": STAGES, "in_flight_per_driver": args.in_flight, "netns": netns,
         "cpu_cap": {"mechanism": support.mechanism if use_caps else None,
                     "cpus_each": cpus_each if use_caps else None, "cpus_total": args.cpus if use_caps else None,
                     "note": ("off (--no-caps)" if args.no_caps else support.reason) if use_caps or args.no_caps
