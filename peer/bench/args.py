@@ -141,6 +141,35 @@ def hostile_arguments(p: Parser) -> None:
                    help="give up if the honest peer has not averaged with the victim after this many seconds")
 
 
+def pipeline_arguments(p: Parser) -> None:
+    p.add_argument("--daemons", type=int, default=6,
+                   help="stage peers, one daemon each (default 6: 4 stages, two of them with 2 peers; at least 5 "
+                        "to kill a peer of a stage that has two)")
+    p.add_argument("--duration", type=float, default=150.0,
+                   help="seconds measured once every driver has finished a microbatch: 15%% warm-up, 35%% baseline, "
+                        "the rest after the kill (default 150; start-up adds ~30-60 s)")
+    p.add_argument("--window", type=float, default=10.0,
+                   help="seconds of throughput averaged when timing the recovery after the kill (default 10: a "
+                        "microbatch is 8 samples, so a shorter window at ~13 samples/s swings by more than 10%%)")
+    p.add_argument("--cpus", type=float, default=2.0,
+                   help="CPUs the whole swarm gets: each daemon is capped at CPUS/daemons (default 2)")
+    p.add_argument("--no-caps", action="store_true", help="do not cap the daemons' CPU (cgroup cpu.max)")
+    p.add_argument("--no-netns", action="store_true",
+                   help="daemons on 127.0.0.1 instead of one network namespace each (no root needed)")
+    p.add_argument("--no-kill", action="store_true", help="skip the kill -9 phase (throughput and bound only)")
+    p.add_argument("--in-flight", type=int, default=2,
+                   help="microbatches each driver keeps moving (default 2: with 6 drivers, 12 in all, fewer than a "
+                        "server's [pipeline] max_queue, so no call is refused as busy; 0: the trainer's 2 x stages)")
+    p.add_argument("--forward-codec", choices=["raw", "float16", "q8"], default="raw",
+                   help="activations on the wire (default raw)")
+    p.add_argument("--backward-codec", choices=["raw", "float16", "q8"], default="raw",
+                   help="gradients on the wire (default raw)")
+    p.add_argument("--tiny", action="store_true", help="a tiny model (d_model 32, 4 blocks): checks the plumbing fast")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logs", default=None, metavar="DIR",
+                   help="keep daemon homes and logs under DIR (default: a temp dir, removed)")
+
+
 @dataclass(frozen=True)
 class Bench:
     """One `peer bench` command: the module whose `run(args) -> int` it calls, and how it is described."""
@@ -175,4 +204,7 @@ BENCHES = {
     "hostile": Bench("peer.bench.hostile",
                      "every attack class against one daemon beside an honest peer: pass/fail, memory, drop time",
                      hostile_arguments),
+    "pipeline": Bench("peer.bench.pipeline",
+                      "4-stage swarm pipeline across CPU-capped daemons: samples/s vs the slowest stage, kill -9 recovery",
+                      pipeline_arguments),
 }

@@ -165,8 +165,8 @@ class StageServer:
                 done = True
         except (trio.TooSlowError, SessionClosed) as exc:
             self.stats.failed += 1
-            self.stats.last_error = f"{session.short}: {call.kind} mb {call.microbatch}: {exc or 'deadline passed'}"
-            log.info("stage call from %s not completed: %s", session.short, exc or "deadline passed")
+            self.stats.last_error = f"{session.short}: {call.kind} mb {call.microbatch}: {str(exc) or 'deadline passed'}"
+            log.info("stage call from %s not completed: %s", session.short, str(exc) or "deadline passed")
         except Exception as exc:  # a bug here must not take the daemon down: this call just fails
             self.stats.failed += 1
             self.stats.last_error = f"{session.short}: {type(exc).__name__}: {exc}"[:300]

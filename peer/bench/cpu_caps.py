@@ -1,0 +1,116 @@
+"""Hard CPU caps per benchmark process, so N daemons on one host each run as if on a small machine of their own.
+
+On one shared host the CPU a slow or dead peer gives up would otherwise speed the others up, which peers on
+machines of their own never see. The cap is cgroup v2 `cpu.max` where the cpu controller is on the v2
+hierarchy; many hosts (this development VM among them) still bind the cpu controller to cgroup v1, where
+the same quota is `cpu.cfs_quota_us` / `cpu.cfs_period_us`. `CpuCaps.probe()` says which one this host
+allows, or why neither (then the bench runs uncapped and says so in its JSON).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PERIOD_US = 100_000  # the kernel's default CFS period: quotas are a fraction of 100 ms
+MIN_QUOTA_US = 1_000  # the smallest quota the kernel accepts
+
+
+@dataclass(frozen=True)
+class CapSupport:
+    """Where caps can be made: `mechanism` is "cgroup2 cpu.max", "cgroup1 cpu.cfs_quota_us" or None."""
+
+    mechanism: str | None
+    root: Path | None
+    reason: str  # why this one (or why none)
+
+
+def _v2_root() -> Path | None:
+    """A cgroup v2 directory whose children may get the cpu controller (we must be able to enable it)."""
+    for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+        ctl = root / "cgroup.controllers"
+        try:
+            if "cpu" in ctl.read_text().split() and os.access(root, os.W_OK):
+                return root
+        except OSError:
+            continue
+    return None
+
+
+@dataclass
+class CpuCaps:
+    """One cgroup per process index, each capped at `cpus_each` CPUs; a context manager that removes them."""
+
+    n: int
+    cpus_each: float
+    support: CapSupport
+    dirs: list[Path] = field(default_factory=list)
+
+    @staticmethod
+    def probe() -> CapSupport:
+        if os.geteuid() != 0:
+            return CapSupport(None, None, "not root: cgroups cannot be created")
+        v2 = _v2_root()
+        if v2 is not None:
+            return CapSupport("cgroup2 cpu.max", v2, f"cpu controller on the v2 hierarchy at {v2}")
+        v1 = Path("/sys/fs/cgroup/cpu")
+        if (v1 / "cpu.cfs_quota_us").exists() and os.access(v1, os.W_OK):
+            return CapSupport("cgroup1 cpu.cfs_quota_us", v1,
+                              "cpu.max unavailable: the cpu controller is bound to cgroup v1 on this host, "
+                              "so the same quota is set as cpu.cfs_quota_us/cpu.cfs_period_us")
+        return CapSupport(None, None, "no writable cgroup with a cpu controller (neither v2 cpu.max nor v1 cpu)")
+
+    def __enter__(self) -> "CpuCaps":
+        s = self.support
+        if s.mechanism is None:
+            raise RuntimeError(f"cannot cap CPU: {s.reason}")
+        quota = max(MIN_QUOTA_US, int(self.cpus_each * PERIOD_US))
+        try:
+            if s.mechanism.startswith("cgroup2"):
+                sub = (s.root / "cgroup.subtree_control")
+                if "cpu" not in sub.read_text().split():
+                    sub.write_text("+cpu")
+            for i in range(self.n):
+                d = s.root / f"ptbench{os.getpid()}p{i}"
+                d.mkdir()
+                self.dirs.append(d)
+                if s.mechanism.startswith("cgroup2"):
+                    (d / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+                else:
+                    (d / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                    (d / "cpu.cfs_quota_us").write_text(str(quota))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def add(self, i: int, pid: int) -> None:
+        """Move process `pid` (all its threads, and what it starts later) into cap i."""
+        (self.dirs[i] / "cgroup.procs").write_text(str(pid))
+
+    def throttled_s(self, i: int) -> float | None:
+        """Seconds cap i has held its processes back so far (None if the kernel does not say)."""
+        try:
+            stat = dict(line.split() for line in (self.dirs[i] / "cpu.stat").read_text().splitlines())
+        except (OSError, ValueError, IndexError):
+            return None
+        if "throttled_usec" in stat:
+            return int(stat["throttled_usec"]) / 1e6
+        if "throttled_time" in stat:
+            return int(stat["throttled_time"]) / 1e9
+        return None
+
+    def __exit__(self, *exc) -> None:
+        root = self.support.root
+        for d in self.dirs:
+            try:
+                for pid in (d / "cgroup.procs").read_text().split():
+                    try:
+                        (root / "cgroup.procs").write_text(pid)
+                    except OSError:
+                        pass  # exited meanwhile
+                d.rmdir()
+            except OSError:
+                pass
+        self.dirs.clear()
