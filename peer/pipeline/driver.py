@@ -40,6 +40,7 @@ WAIT_POLL_S = 0.2  # how often a driver waiting for a stage looks again (a peer 
 OUR_FAULT = {"bad_input", "wrong_specs", "too_big", "wrong_kind", "bad_codec"}
 """Refusals any peer of the stage would give us again: the microbatch fails at once instead of being retried."""
 BUSY_BACKOFF_S = 0.05  # a busy server frees a slot within one call's compute (tens of ms); retry after about that
+STOP_POLL_S = 0.2  # a trainer waiting for a free microbatch slot notices a stop this soon
 RECENT_FAILURES = 20  # failed microbatches kept for status, with their reasons
 
 ReplyShapes = Callable[[int, str, int], list[tuple[str, list[int]]]]
@@ -101,8 +102,9 @@ class DriverStats:
 
 class Driver:
     def __init__(self, service, key: PipelineKey, *, reply_shapes: ReplyShapes,
-                 forward_codec: str = "raw", backward_codec: str = "raw"):
+                 forward_codec: str = "raw", backward_codec: str = "raw", stopped: Callable[[], bool] = lambda: False):
         self.service = service
+        self.stopped = stopped
         self.cfg = service.cfg
         self.key, self.stages = key, key.stages
         self.reply_shapes = reply_shapes
@@ -164,6 +166,8 @@ class Driver:
         attempts, tried, last_error = 0, set(), ""
         wait_started: float | None = None
         while True:
+            if self.stopped():  # the daemon is stopping: no more re-sends (the outcome says so)
+                raise MicrobatchFailed(f"stage {stage} {kind}: this daemon is stopping")
             now = trio.current_time()
             peers = self.service.stage_map(self.key)[stage]
             fresh = {p.peer_id for p in peers} - tried
@@ -321,7 +325,12 @@ class DriverHandle:
                 self._slots.release()
 
         async def start() -> None:
-            await self._slots.acquire()
+            while True:  # wait for a slot, but not past a stop
+                with trio.move_on_after(STOP_POLL_S):
+                    await self._slots.acquire()
+                    break
+                if self._stopped():
+                    raise TrainerStopped()
             self._nursery.start_soon(go)
 
         if self._stopped():

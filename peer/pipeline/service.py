@@ -96,7 +96,7 @@ class PipelineService:
     def open_driver(self, key: PipelineKey, *, reply_shapes, in_flight: int, token, stopped,
                     forward_codec: str = "raw", backward_codec: str = "raw") -> DriverHandle:
         driver = Driver(self, key, reply_shapes=reply_shapes, forward_codec=forward_codec,
-                        backward_codec=backward_codec)
+                        backward_codec=backward_codec, stopped=stopped)
         self.drivers[key.name] = driver
         return DriverHandle(driver, self._nursery, token, in_flight, stopped)
 
