@@ -222,6 +222,7 @@ class _Placement:
             optimizer=lambda ps: make_optimizer(ps, o.optimizer, lr=o.lr, weight_decay=o.weight_decay),
             max_batch=o.microbatch, sample_x=self.sample_x, sample_y=self.sample_y, grad_clip=o.grad_clip)
         self.key, self.stage = key, stage
+        self.set_accumulation()  # before serving: calls may come at once, and must not step at max_batch
         handler = Slowed(self.worker, o.slowdown) if o.slowdown > 1 else self.worker
         self.swarm.serve_stage(key, stage, o.microbatch, handler)
 
@@ -265,12 +266,18 @@ class _Placement:
         w = self.worker
         if w is None:
             return
-        n = max(1, len(self.swarm.stage_map(self.key)[self.stage]))
-        w.accumulate_samples = max(1, self.o.batch_size // n)
+        n = self.set_accumulation()
         self.group.step = w.steps
         if self.o.average_every and n > 1 and w.steps - self.averaged_at >= self.o.average_every:
             if self.swarm.average_in_background(self.group_name()):
                 self.averaged_at = w.steps
+
+    def set_accumulation(self) -> int:
+        """Step after this peer's share of `batch_size` samples (the stage's peers share a batch); the peers
+        of the stage counted, us included."""
+        n = max(1, len([p for p in self.swarm.stage_map(self.key)[self.stage] if not p.me]) + 1)
+        self.worker.accumulate_samples = max(1, self.o.batch_size // n)
+        return n
 
     def save(self) -> None:
         """Checkpoint this peer's stage: where the model is cut, the stage's blocks and optimizer, and the
