@@ -251,8 +251,7 @@ class _Placement:
         if self.swarm_stage_partners():
             got = self.swarm.fetch_params(name)
             if got is not None and got[1] > 0:
-                with self.worker.lock:
-                    self.group.load(got[0])
+                self.group.load(got[0])  # takes the worker's lock itself (not reentrant: do not hold it here)
                 self.swarm.log("joined stage %d at its step %d: downloaded its parameters", self.stage, got[1])
 
     def swarm_stage_partners(self) -> list[str]:
