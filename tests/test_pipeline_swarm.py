@@ -112,3 +112,36 @@ def test_one_microbatch_through_four_stages_matches_one_process(cluster):
     assert grads.keys() == want.keys()
     worst = max((rel(grads[n], p.grad), n) for n, p in want.items())
     assert worst[0] <= 1e-6, f"gradient of {worst[1]} differs by {worst[0]:.2e} (relative)"
+
+
+# ---- 2. six daemons, four stages, vs one process ----------------------------------------------------------
+
+def test_six_daemons_follow_a_single_process_run(cluster):
+    """Every daemon serves a stage (two stages get two peers, which average) and drives `samples` samples of
+    its shard; the stages step once per `batch_size` samples swarm-wide. One process training the same model
+    on as many samples with the same batch and learning rate must reach the same validation loss (5%)."""
+    n, samples = 6, 400
+    swarm = unique_swarm("pipe")
+    # One microbatch in flight per driver: 6 x 8 samples, 3 batches, in flight at once. The default (2 x stages
+    # per driver) keeps 24 batches in flight, and the stages then step on gradients that many steps stale: the
+    # run is ~14% worse than one process (as a single-process run with 8-16 steps of gradient delay is).
+    cfg = config(swarm, samples=samples, in_flight=1)
+    ds = [cluster.start(f"node{i + 1}", config=cfg, env=rank_env(i, n)) for i in range(n)]
+    cluster.wait(driving_done, timeout=START_S + 120, what="6 daemons to drive their samples", interval=0.5)
+    sts = cluster.statuses()
+    for d, s in zip(ds, sts):
+        t = trainer(s)
+        assert t["samples"] == samples and t["microbatches_failed"] == 0 and driver(s)["failed"] == 0, (d.name, t)
+    sizes = sorted(len(p) for p in stage_peers(sts[0]).values())
+    assert len(sizes) == 4 and sizes[0] >= 1 and sum(sizes) == n, stage_peers(sts[0])
+    got = ds[0].command("evaluate", timeout=120)
+    assert got.get("val_loss") is not None, got
+
+    train, test, vocab = load_char_corpus(block=TINY["block"])
+    model = char_transformer_pipeline(len(vocab), d_model=TINY["d_model"], n_layers=TINY["n_layers"],
+                                      n_heads=TINY["n_heads"], block=TINY["block"], dropout=0.0, seed=TINY["seed"])
+    ref = train_reference(model, train, test, batch_size=TINY["batch_size"], microbatch=TINY["microbatch"],
+                          lr=TINY["lr"], samples=n * samples, seed=TINY["seed"], eval_batches=4)
+    print(f"stage sizes {sizes}: swarm val_loss {got['val_loss']:.4f}, single process {ref['val_loss']:.4f} "
+          f"(train loss {ref['train_loss']:.4f}, {ref['steps']} steps)")
+    assert rel(got["val_loss"], ref["val_loss"]) <= 0.05, (got, ref)
