@@ -184,7 +184,8 @@ class Driver:
             try:
                 result = await self._call_once(pid, peer, mb, stage, kind, tensors)
             except _CallFailed as exc:
-                balancer.done(pid, mb.batch, trio.current_time() - t0, trio.current_time(), failure=str(exc))
+                balancer.done(pid, mb.batch, trio.current_time() - t0, trio.current_time(), failure=str(exc),
+                              busy=exc.busy)
                 last_error = f"{pid[:8]}: {exc}"
                 if exc.ours:
                     raise MicrobatchFailed(f"stage {stage} {kind}: {exc}") from None
