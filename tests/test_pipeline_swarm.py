@@ -145,3 +145,49 @@ def test_six_daemons_follow_a_single_process_run(cluster):
     print(f"stage sizes {sizes}: swarm val_loss {got['val_loss']:.4f}, single process {ref['val_loss']:.4f} "
           f"(train loss {ref['train_loss']:.4f}, {ref['steps']} steps)")
     assert rel(got["val_loss"], ref["val_loss"]) <= 0.05, (got, ref)
+
+
+# ---- 3. kill -9 of a stage peer -------------------------------------------------------------------------
+
+RESEND = re.compile(r"microbatch -?\d+: stage \d+ \w+ at (\w+) failed \((.*)\); re-sending")
+
+
+def test_kill_of_a_stage_peer_loses_no_microbatch(cluster):
+    """Six drivers are mid-run when one peer of a two-peer stage is killed: the calls it held are re-sent to
+    the stage's other peer, every surviving driver finishes its samples, and none of their microbatches fails."""
+    n, samples = 6, 800
+    swarm = unique_swarm("pipe")
+    ds = [cluster.start(f"node{i + 1}", config=config(swarm, samples=samples), env=rank_env(i, n)) for i in range(n)]
+    sts = [None] * n
+
+    def mid_run() -> bool:
+        sts[:] = cluster.statuses()
+        return all(s and 80 <= (trainer(s).get("samples") or 0) < samples for s in sts)
+    cluster.wait(lambda _: mid_run(), timeout=START_S, what="every daemon to be driving", interval=0.2)
+    smap = stage_peers(sts[0])
+    ids = [s["peer_id"] for s in sts]
+    stage, peers = next((s, p) for s, p in sorted(smap.items()) if len(p) == 2)
+    victim = ds[ids.index(peers[1])]
+    survivors = [d for d in ds if d is not victim]
+    steps_before = {d.name: trainer(s).get("stage_steps", 0) for d, s in zip(ds, sts)}
+    assert victim.kill() == -9
+
+    def finished():
+        got = [d.try_status() for d in survivors]
+        return got if all(trainer(s).get("driving_done") for s in got) else None
+    try:
+        final = wait_for(finished, timeout=120, what="the surviving drivers to finish", interval=0.5)
+    except TimeoutError:
+        cluster.dump_logs()
+        raise
+    for d, s in zip(survivors, final):
+        t, dr = trainer(s), driver(s)
+        assert t["samples"] == samples and t["microbatches_done"] == samples // TINY["microbatch"], (d.name, t)
+        assert t["microbatches_failed"] == 0 and dr["failed"] == 0 and not dr["failures"], (d.name, t, dr)
+        assert dr["done"] == t["microbatches_done"] and dr["in_flight"] == 0, (d.name, dr)
+        assert t["stage_steps"] > steps_before[d.name], f"{d.name}: its stage stopped stepping after the kill"
+    # The calls the dead peer held were re-sent (not refusals for being busy: failures of the peer itself).
+    resent = [m for d in survivors for m in RESEND.findall(d.log_path.read_text())
+              if peers[1].startswith(m[0]) and not m[1].startswith("refused")]
+    assert resent, f"no call to the killed peer {peers[1][:8]} (stage {stage}) was re-sent"
+    assert sum(driver(s)["resent"] for s in final) >= len(resent)
