@@ -133,7 +133,7 @@ def run(swarm, options: dict) -> dict:
     if o.role != "driver":
         key = PipelineKey(o.pipeline, adopted_cut(o.pipeline, own_cuts, swarm.stage_announcements(), swarm.peer_id))
         state.take(key, initial_stage(key, swarm.stage_map(key), env_rank, rng))
-        state.settle(own_cuts, deadline=time.monotonic() + SETTLE_S)
+        state.settle(own_cuts, env_rank, rng, deadline=time.monotonic() + SETTLE_S)
         key = state.key
     else:
         key = _wait_for_cut(swarm, o, own_cuts)
@@ -226,15 +226,16 @@ class _Placement:
         handler = Slowed(self.worker, o.slowdown) if o.slowdown > 1 else self.worker
         self.swarm.serve_stage(key, stage, o.microbatch, handler)
 
-    def settle(self, own_cuts, *, deadline: float) -> None:
-        """Agree on the cut and spread over the stages with the peers starting with us (module docstring)."""
+    def settle(self, own_cuts, rank: int | None, rng: random.Random, *, deadline: float) -> None:
+        """Agree on the cut and spread over the stages with the peers starting with us (module docstring).
+        A peer the launcher numbered keeps its stage when it adopts another cut (the stages stay covered)."""
         while time.monotonic() < deadline and not self.swarm.should_stop():
             time.sleep(0.5)
             cut = adopted_cut(self.o.pipeline, own_cuts, self.swarm.stage_announcements(), self.swarm.peer_id)
             if cut != self.key.cuts:
                 key = PipelineKey(self.o.pipeline, cut)
                 self.swarm.log("adopting the cut %s announced by the pipeline's smallest peer ID", list(cut))
-                self.take(key, initial_stage(key, self.swarm.stage_map(key), None, random.Random()))
+                self.take(key, initial_stage(key, self.swarm.stage_map(key), rank, rng))
                 continue
             move = better_stage(self.swarm.stage_map(self.key), self.stage, self.swarm.peer_id)
             if move is not None:
