@@ -33,6 +33,7 @@ class PeerEstimate:
     seconds_per_sample: float | None = None  # measured by us (None: not yet)
     virtual_time: float = 0.0
     outstanding: int = 0  # our calls sent to it and not yet finished
+    last_done: float = float("-inf")  # when our last call there ended
     calls: int = 0  # calls finished (ok or not), for the share report
     failures_in_row: int = 0
     failed_at: float = float("-inf")  # when the last failure counted in `failures_in_row` happened
@@ -97,8 +98,13 @@ class Balancer:
         est = self._get(peer_id)
         est.outstanding = max(0, est.outstanding - 1)
         est.calls += 1
+        # A peer serves one call at a time: a call of ours queued behind our previous one there waited for it,
+        # and that wait is in its virtual time already. Its own time there started when both it was sent
+        # and the previous one ended.
+        service = now - max(now - seconds, est.last_done)
+        est.last_done = now
         if failure is None:
-            spp = max(seconds, 1e-6) / max(batch, 1)
+            spp = max(service, 1e-6) / max(batch, 1)
             est.seconds_per_sample = spp if est.seconds_per_sample is None else (
                 (1 - EWMA) * est.seconds_per_sample + EWMA * spp)
             est.failures_in_row = 0
