@@ -191,3 +191,51 @@ def test_kill_of_a_stage_peer_loses_no_microbatch(cluster):
               if peers[1].startswith(m[0]) and not m[1].startswith("refused")]
     assert resent, f"no call to the killed peer {peers[1][:8]} (stage {stage}) was re-sent"
     assert sum(driver(s)["resent"] for s in final) >= len(resent)
+
+
+# ---- 4. a slow peer gets a smaller share ----------------------------------------------------------------
+
+def test_a_peer_slowed_four_times_gets_a_proportionally_smaller_share(cluster):
+    """Two stages: node1 serves stage 0 and drives; nodes 2 and 3 serve stage 1, node3 four times slower.
+    The model is wider than TINY so computing, not the wire, is most of a call; enough microbatches are in
+    flight to keep both stage-1 peers busy, where the earliest-finish rule gives each a share of the calls
+    proportional to its speed (the slow one about 1/4 of the fast one's)."""
+    o = dict(stages=2, d_model=64, block=64, n_heads=4, samples=1200, in_flight=16)
+    swarm = unique_swarm("pipe")
+    ds = [cluster.start("node1", config=config(swarm, role="auto", **o), env=rank_env(0, 2)),
+          cluster.start("node2", config=config(swarm, role="server", **o), env=rank_env(1, 2)),
+          cluster.start("node3", config=config(swarm, role="server", slowdown=4.0, **o), env=rank_env(1, 2))]
+    cluster.wait(lambda sts: trainer(sts[0]).get("driving_done"), timeout=START_S + 60, what="node1 to drive",
+                 interval=0.5)
+    st = ds[0].status()
+    fast, slow = (d.peer_id for d in ds[1:])
+    assert set(stage_peers(st)[1]) == {fast, slow}, stage_peers(st)
+    calls, dr = driver(st)["calls"], driver(st)
+    assert dr["failed"] == 0 and trainer(st)["microbatches_failed"] == 0, dr
+    assert calls.get(fast, 0) + calls.get(slow, 0) >= 100, calls
+    share = calls.get(slow, 0) / calls[fast]
+    print(f"stage 1 calls: fast {calls[fast]}, slowed 4x {calls.get(slow, 0)} (share {share:.2f})")
+    assert share < 0.5, f"the 4x slower peer got {share:.2f} of the fast one's calls"
+
+
+# ---- 5. a stage nobody serves ---------------------------------------------------------------------------
+
+def test_a_driver_waits_for_a_stage_with_no_peer_and_resumes(cluster):
+    """node1 serves stage 0 of 2 and drives; stage 1 has no peer, so its microbatches wait (shown in status,
+    none failed) until node2 starts serving stage 1; then they all finish."""
+    o = dict(stages=2, join_wait=1.0, samples=160)
+    swarm = unique_swarm("pipe")
+    d1 = cluster.start("node1", config=config(swarm, role="auto", **o), env=rank_env(0, 2))
+    waiting = d1.wait_until(lambda st: driver(st).get("waiting"), timeout=START_S, what="its driver to wait")
+    assert [w["stage"] for w in waiting] == [1], waiting
+    time.sleep(2.0)  # a while longer: still waiting, nothing failed, nothing done
+    st = d1.status()
+    assert [w["stage"] for w in driver(st)["waiting"]] == [1] and driver(st)["waiting"][0]["for_s"] >= 2.0, driver(st)
+    assert driver(st)["failed"] == 0 and driver(st)["done"] == 0 and driver(st)["in_flight"] > 0, driver(st)
+
+    cluster.start("node2", config=config(swarm, role="server", **o), env=rank_env(1, 2))
+    st = d1.wait_until(lambda st: trainer(st).get("driving_done") and st, timeout=START_S,
+                       what="its driver to finish once stage 1 has a peer", interval=0.5)
+    t, dr = trainer(st), driver(st)
+    assert t["samples"] == 160 and t["microbatches_failed"] == 0 and dr["failed"] == 0 and not dr["waiting"], (t, dr)
+    assert t.get("val_loss") is not None, t
