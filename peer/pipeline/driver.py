@@ -300,6 +300,8 @@ class DriverHandle:
         self._slots = trio.Semaphore(in_flight)
         self._in_flight = in_flight
         self._outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self._submitted = 0  # microbatches whose outcome goes to `outcomes()`; the trainer's thread counts both
+        self._collected = 0
         self._stopped = stopped
 
     def submit(self, mb: Microbatch, *, into: queue.SimpleQueue | None = None) -> None:
@@ -324,6 +326,8 @@ class DriverHandle:
             trio.from_thread.run(start, trio_token=self._token)
         except trio.RunFinishedError:
             raise TrainerStopped() from None
+        if into is None:
+            self._submitted += 1
 
     def outcomes(self) -> list[Outcome]:
         out = []
@@ -331,6 +335,7 @@ class DriverHandle:
             try:
                 out.append(self._outcomes.get_nowait())
             except queue.Empty:
+                self._collected += len(out)
                 return out
 
     def run_many(self, mbs: list[Microbatch], *, timeout: float) -> list[Outcome]:
@@ -350,10 +355,14 @@ class DriverHandle:
         return out
 
     def drain(self, timeout: float) -> list[Outcome]:
-        """Wait (at most `timeout`) until no microbatch is in flight; the outcomes collected meanwhile."""
+        """Wait (at most `timeout`) for the outcome of every microbatch submitted; those not collected yet.
+        Counted by outcomes, not by the driver's in-flight figure: a microbatch just submitted may not have
+        started yet, and would be missed."""
         import time
 
         deadline = time.monotonic() + timeout
-        while self.driver.stats.in_flight and time.monotonic() < deadline and not self._stopped():
+        out = self.outcomes()
+        while self._collected < self._submitted and time.monotonic() < deadline and not self._stopped():
             time.sleep(0.05)
-        return self.outcomes()
+            out += self.outcomes()
+        return out
