@@ -129,12 +129,11 @@ def run(swarm, options: dict) -> dict:
     env_rank = rank if o.world or _launcher_numbered() else None
     rng = random.Random(hash((swarm.peer_id, o.seed)))
 
-    state = _Placement(swarm, o, model, sample_x, sample_y)
+    state = _Placement(swarm, o, model, sample_x, sample_y, costs)
     if o.role != "driver":
         key = PipelineKey(o.pipeline, adopted_cut(o.pipeline, own_cuts, swarm.stage_announcements(), swarm.peer_id))
-        stage_seconds = [sum(c.seconds for c in costs[lo:hi]) for lo, hi in zip((0, *key.cuts), (*key.cuts, len(costs)))]
-        state.take(key, initial_stage(key, swarm.stage_map(key), env_rank, rng, stage_seconds))
-        state.settle(own_cuts, deadline=time.monotonic() + SETTLE_S)
+        state.take(key, initial_stage(key, swarm.stage_map(key), env_rank, rng, state.stage_seconds(key)))
+        state.settle(own_cuts, env_rank, rng, deadline=time.monotonic() + SETTLE_S)
         key = state.key
     else:
         key = _wait_for_cut(swarm, o, own_cuts)
@@ -210,13 +209,17 @@ def _reply_shapes(key: PipelineKey, boundary):
 class _Placement:
     """This peer's stage: its worker, what it serves, its shared parameters, and housekeeping."""
 
-    def __init__(self, swarm, o: SwarmPipelineOptions, model, sample_x, sample_y):
-        self.swarm, self.o, self.model = swarm, o, model
+    def __init__(self, swarm, o: SwarmPipelineOptions, model, sample_x, sample_y, costs):
+        self.swarm, self.o, self.model, self.costs = swarm, o, model, costs
         self.sample_x, self.sample_y = sample_x, sample_y
         self.key: PipelineKey | None = None
         self.stage: int | None = None
         self.worker: StageWorker | None = None
         self.averaged_at = 0
+
+    def stage_seconds(self, key: PipelineKey) -> list[float]:
+        """Our measured compute seconds per microbatch of each stage of `key`'s cut."""
+        return [sum(c.seconds for c in self.costs[lo:hi]) for lo, hi in zip((0, *key.cuts), (*key.cuts, len(self.costs)))]
 
     def take(self, key: PipelineKey, stage: int) -> None:
         o = self.o
@@ -226,18 +229,20 @@ class _Placement:
             optimizer=lambda ps: make_optimizer(ps, o.optimizer, lr=o.lr, weight_decay=o.weight_decay),
             max_batch=o.microbatch, sample_x=self.sample_x, sample_y=self.sample_y, grad_clip=o.grad_clip)
         self.key, self.stage = key, stage
+        self.set_accumulation()  # before serving: calls may come at once, and must not step at max_batch
         handler = Slowed(self.worker, o.slowdown) if o.slowdown > 1 else self.worker
         self.swarm.serve_stage(key, stage, o.microbatch, handler)
 
-    def settle(self, own_cuts, *, deadline: float) -> None:
-        """Agree on the cut and spread over the stages with the peers starting with us (module docstring)."""
+    def settle(self, own_cuts, rank: int | None, rng: random.Random, *, deadline: float) -> None:
+        """Agree on the cut and spread over the stages with the peers starting with us (module docstring).
+        A peer the launcher numbered keeps its stage when it adopts another cut (the stages stay covered)."""
         while time.monotonic() < deadline and not self.swarm.should_stop():
             time.sleep(0.5)
             cut = adopted_cut(self.o.pipeline, own_cuts, self.swarm.stage_announcements(), self.swarm.peer_id)
             if cut != self.key.cuts:
                 key = PipelineKey(self.o.pipeline, cut)
                 self.swarm.log("adopting the cut %s announced by the pipeline's smallest peer ID", list(cut))
-                self.take(key, initial_stage(key, self.swarm.stage_map(key), None, random.Random()))
+                self.take(key, initial_stage(key, self.swarm.stage_map(key), rank, rng, self.stage_seconds(key)))
                 continue
             move = better_stage(self.swarm.stage_map(self.key), self.stage, self.swarm.peer_id)
             if move is not None:
@@ -254,7 +259,7 @@ class _Placement:
         if self.swarm_stage_partners():
             got = self.swarm.fetch_params(name)
             if got is not None and got[1] > 0:
-                self.group.load(got[0])  # under the worker's lock (the group's), like every change of them
+                self.group.load(got[0])  # takes the worker's lock itself (not reentrant: do not hold it here)
                 self.swarm.log("joined stage %d at its step %d: downloaded its parameters", self.stage, got[1])
 
     def swarm_stage_partners(self) -> list[str]:
@@ -268,12 +273,18 @@ class _Placement:
         w = self.worker
         if w is None:
             return
-        n = max(1, len(self.swarm.stage_map(self.key)[self.stage]))
-        w.accumulate_samples = max(1, self.o.batch_size // n)
+        n = self.set_accumulation()
         self.group.step = w.steps
         if self.o.average_every and n > 1 and w.steps - self.averaged_at >= self.o.average_every:
             if self.swarm.average_in_background(self.group_name()):
                 self.averaged_at = w.steps
+
+    def set_accumulation(self) -> int:
+        """Step after this peer's share of `batch_size` samples (the stage's peers share a batch); the peers
+        of the stage counted, us included."""
+        n = max(1, len([p for p in self.swarm.stage_map(self.key)[self.stage] if not p.me]) + 1)
+        self.worker.accumulate_samples = max(1, self.o.batch_size // n)
+        return n
 
     def save(self) -> None:
         """Checkpoint this peer's stage: where the model is cut, the stage's blocks and optimizer, and the

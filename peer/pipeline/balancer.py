@@ -9,8 +9,11 @@ announced throughput; a peer never measured is assumed as fast as the fastest we
 early. Over many calls each peer gets a share of the work proportional to its speed.
 
 A failed call (error, refusal, deadline) makes the driver avoid that peer for a while: `first_ban` seconds,
-doubling with every further failure in a row up to `max_ban`; one success forgives it. The clock is the
-caller's (trio.current_time in the driver), so tests drive it.
+doubling with every further failure in a row up to `max_ban`; one success forgives it. Calls that were already
+under way when the peer failed fail with it (a dead peer fails all of them at once): they are the same failure
+and do not double the interval again. A peer that refuses a call as busy is not failing: it is avoided only
+for about one call's time there (at most `first_ban`), and its failures in a row stay as they were. The clock
+is the caller's (trio.current_time in the driver), so tests drive it.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ class PeerEstimate:
     seconds_per_sample: float | None = None  # measured by us (None: not yet)
     virtual_time: float = 0.0
     outstanding: int = 0  # our calls sent to it and not yet finished
+    last_done: float = float("-inf")  # when our last call there ended
     calls: int = 0  # calls finished (ok or not), for the share report
     failures_in_row: int = 0
+    failed_at: float = float("-inf")  # when the last failure counted in `failures_in_row` happened
     avoid_until: float = 0.0
     last_failure: str = ""
 
@@ -86,26 +91,35 @@ class Balancer:
         est.outstanding += 1
         return best
 
-    def done(self, peer_id: str, batch: int, seconds: float, now: float, *, failure: str | None = None) -> None:
-        """A call to `peer_id` ended after `seconds`: measured on success, avoided for a while on failure."""
+    def done(self, peer_id: str, batch: int, seconds: float, now: float, *, failure: str | None = None,
+             busy: bool = False) -> None:
+        """A call to `peer_id` ended after `seconds`: measured on success, avoided for a while on failure
+        (briefly if it only refused the call as `busy`)."""
         est = self._get(peer_id)
         est.outstanding = max(0, est.outstanding - 1)
         est.calls += 1
+        # A peer serves one call at a time: a call of ours queued behind our previous one there waited for it,
+        # and that wait is in its virtual time already. Its own time there started when both it was sent
+        # and the previous one ended.
+        service = now - max(now - seconds, est.last_done)
+        est.last_done = now
         if failure is None:
-            spp = max(seconds, 1e-6) / max(batch, 1)
+            spp = max(service, 1e-6) / max(batch, 1)
             est.seconds_per_sample = spp if est.seconds_per_sample is None else (
                 (1 - EWMA) * est.seconds_per_sample + EWMA * spp)
             est.failures_in_row = 0
             return
-        est.failures_in_row += 1
-        est.avoid_until = now + min(self.max_ban, self.first_ban * 2 ** (est.failures_in_row - 1))
         est.last_failure = failure[:200]
+        if busy:  # full, not broken: a slot frees within about one call there
+            pause = min(self.first_ban, self.expected_seconds(peer_id, None, batch))
+            est.avoid_until = max(est.avoid_until, now + pause)
+            return
+        if now - seconds >= est.failed_at or est.failures_in_row == 0:  # sent after the last failure: a new one
+            est.failures_in_row += 1
+            est.failed_at = now
+        est.avoid_until = max(est.avoid_until,
+                              now + min(self.max_ban, self.first_ban * 2 ** (est.failures_in_row - 1)))
         est.virtual_time = now  # its queue of our work is gone with the failure
-
-    def cancel(self, peer_id: str) -> None:
-        """A call chosen for `peer_id` was not served (it was full): no measurement, no blame."""
-        est = self._get(peer_id)
-        est.outstanding = max(0, est.outstanding - 1)
 
     def expected_seconds(self, peer_id: str, peer: StagePeer | None, batch: int) -> float:
         """How long a call of `batch` samples should take there: for the call's deadline."""

@@ -39,7 +39,6 @@ ASSUMED_BYTES_PER_S = 10e6  # for a peer whose calls we never timed: a slow link
 WAIT_POLL_S = 0.2  # how often a driver waiting for a stage looks again (a peer appears within a record interval)
 OUR_FAULT = {"bad_input", "wrong_specs", "too_big", "wrong_kind", "bad_codec"}
 """Refusals any peer of the stage would give us again: the microbatch fails at once instead of being retried."""
-BUSY_BACKOFF_S = 0.05  # a busy server frees a slot within one call's compute (tens of ms); retry after about that
 STOP_POLL_S = 0.2  # a trainer waiting for a free microbatch slot notices a stop this soon
 RECENT_FAILURES = 20  # failed microbatches kept for status, with their reasons
 
@@ -190,13 +189,12 @@ class Driver:
             try:
                 result = await self._call_once(pid, peer, mb, stage, kind, tensors)
             except _CallFailed as exc:
+                balancer.done(pid, mb.batch, trio.current_time() - t0, trio.current_time(), failure=str(exc),
+                              busy=exc.busy)
                 last_error = f"{pid[:8]}: {exc}"
-                if exc.busy:  # full, not broken: not avoided, no attempt used; back off a moment and choose again
-                    balancer.cancel(pid)
+                if exc.busy:  # full, not broken: avoided only briefly (the balancer), no attempt used
                     self.stats.busy += 1
-                    await trio.sleep(BUSY_BACKOFF_S)
                     continue
-                balancer.done(pid, mb.batch, trio.current_time() - t0, trio.current_time(), failure=str(exc))
                 if exc.ours:
                     raise MicrobatchFailed(f"stage {stage} {kind}: {exc}") from None
                 attempts += 1
@@ -310,6 +308,8 @@ class DriverHandle:
         self._slots = trio.Semaphore(in_flight)
         self._in_flight = in_flight
         self._outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self._submitted = 0  # microbatches whose outcome goes to `outcomes()`; the trainer's thread counts both
+        self._collected = 0
         self._stopped = stopped
 
     def submit(self, mb: Microbatch, *, into: queue.SimpleQueue | None = None) -> None:
@@ -339,6 +339,8 @@ class DriverHandle:
             trio.from_thread.run(start, trio_token=self._token)
         except trio.RunFinishedError:
             raise TrainerStopped() from None
+        if into is None:
+            self._submitted += 1
 
     def outcomes(self) -> list[Outcome]:
         out = []
@@ -346,6 +348,7 @@ class DriverHandle:
             try:
                 out.append(self._outcomes.get_nowait())
             except queue.Empty:
+                self._collected += len(out)
                 return out
 
     def run_many(self, mbs: list[Microbatch], *, timeout: float) -> list[Outcome]:
@@ -365,10 +368,14 @@ class DriverHandle:
         return out
 
     def drain(self, timeout: float) -> list[Outcome]:
-        """Wait (at most `timeout`) until no microbatch is in flight; the outcomes collected meanwhile."""
+        """Wait (at most `timeout`) for the outcome of every microbatch submitted; those not collected yet.
+        Counted by outcomes, not by the driver's in-flight figure: a microbatch just submitted may not have
+        started yet, and would be missed."""
         import time
 
         deadline = time.monotonic() + timeout
-        while self.driver.stats.in_flight and time.monotonic() < deadline and not self._stopped():
+        out = self.outcomes()
+        while self._collected < self._submitted and time.monotonic() < deadline and not self._stopped():
             time.sleep(0.05)
-        return self.outcomes()
+            out += self.outcomes()
+        return out
