@@ -61,7 +61,9 @@ class SwarmPipelineOptions:
     batch_size: int = 64  # samples per optimizer step of a stage, swarm-wide
     microbatch: int = 16  # samples per microbatch (the largest call a stage accepts)
     samples: int = 20_000  # samples this peer drives (0: drive until stopped)
-    in_flight: int = 0  # microbatches a driver keeps moving at once (0: 2 x stages)
+    in_flight: int = 2  # microbatches a driver keeps moving at once: more fill the stages better but step them on
+    #                     staler gradients (6 drivers x 8 in flight: val loss 2.94-3.21 where 1 in flight reached 2.56
+    #                     and one process 2.58; tests/test_pipeline_swarm.py); 2 keeps 4 stages busy (peer bench pipeline)
     forward_codec: str = "raw"  # activations on the wire: raw | float16 | q8
     backward_codec: str = "raw"  # gradients on the wire: raw | float16 | q8
     average_every: int = 1  # average the stage's parameters after this many optimizer steps (0: never)
@@ -85,7 +87,9 @@ def _check(o: SwarmPipelineOptions) -> None:
     for k in ("stages", "microbatch", "batch_size", "threads", "eval_batches", "d_model", "n_layers", "n_heads", "block"):
         if getattr(o, k) < 1:
             raise ValueError(f"{where} {k}: must be >= 1, got {getattr(o, k)}")
-    for k in ("samples", "in_flight", "average_every", "eval_every", "world"):
+    if o.in_flight < 1:
+        raise ValueError(f"[trainer.options] in_flight: must be >= 1, got {o.in_flight}")
+    for k in ("samples", "average_every", "eval_every", "world"):
         if getattr(o, k) < 0:
             raise ValueError(f"{where} {k}: must be >= 0, got {getattr(o, k)}")
     for k, lo in (("lr", 0.0), ("link_mbit", 0.0), ("slowdown", 1.0 - 1e-9)):
@@ -150,7 +154,7 @@ def run(swarm, options: dict) -> dict:
     handle = None
     if driving:
         handle = swarm.open_driver(key, reply_shapes=_reply_shapes(key, boundary),
-                                   in_flight=o.in_flight or 2 * o.stages,
+                                   in_flight=o.in_flight,
                                    forward_codec=o.forward_codec, backward_codec=o.backward_codec)
         shard = train.subset(partition(len(train), rank, world, seed=o.seed))
         if len(shard) < o.microbatch:
