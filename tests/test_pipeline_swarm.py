@@ -157,7 +157,9 @@ def test_kill_of_a_stage_peer_loses_no_microbatch(cluster):
     to the stage's other peers, every surviving driver finishes its samples, and none of their microbatches fails."""
     n, samples = 6, 800
     swarm = unique_swarm("pipe")
-    ds = [cluster.start(f"node{i + 1}", config=config(swarm, samples=samples), env=rank_env(i, n)) for i in range(n)]
+    # 8 microbatches in flight per driver (the trainer's default is 2), so the victim surely holds calls when killed
+    ds = [cluster.start(f"node{i + 1}", config=config(swarm, samples=samples, in_flight=8), env=rank_env(i, n))
+          for i in range(n)]
     sts = [None] * n
 
     def mid_run() -> bool:
