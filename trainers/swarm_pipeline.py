@@ -75,6 +75,8 @@ class SwarmPipelineOptions:
     world: int = 0  # data shards (0: peers seen at start)
     join_wait: float = 60.0  # most seconds to wait for every stage to have a peer before driving
     slowdown: float = 1.0  # benchmark only: this peer computes its stage this many times slower
+    initial_stage: int = -1  # the stage this peer starts on (-1: the placement rule picks; benchmarks pin it)
+    rebalance: bool = True  # move between stages toward the bottleneck while running (trainers/pipeline/rebalance.py)
 
 
 def _check(o: SwarmPipelineOptions) -> None:
@@ -87,6 +89,8 @@ def _check(o: SwarmPipelineOptions) -> None:
     for k in ("stages", "microbatch", "batch_size", "threads", "eval_batches", "d_model", "n_layers", "n_heads", "block"):
         if getattr(o, k) < 1:
             raise ValueError(f"{where} {k}: must be >= 1, got {getattr(o, k)}")
+    if not -1 <= o.initial_stage < o.stages:
+        raise ValueError(f"{where} initial_stage: must be -1 (automatic) or a stage in [0, {o.stages}), got {o.initial_stage}")
     if o.in_flight < 1:
         raise ValueError(f"[trainer.options] in_flight: must be >= 1, got {o.in_flight}")
     for k in ("samples", "average_every", "eval_every", "world"):
@@ -136,7 +140,9 @@ def run(swarm, options: dict) -> dict:
     state = _Placement(swarm, o, model, sample_x, sample_y, costs)
     if o.role != "driver":
         key = PipelineKey(o.pipeline, adopted_cut(o.pipeline, own_cuts, swarm.stage_announcements(), swarm.peer_id))
-        state.take(key, initial_stage(key, swarm.stage_map(key), env_rank, rng, state.stage_seconds(key)))
+        first = o.initial_stage if o.initial_stage >= 0 else \
+            initial_stage(key, swarm.stage_map(key), env_rank, rng, state.stage_seconds(key))
+        state.take(key, first)
         state.settle(own_cuts, env_rank, rng, deadline=time.monotonic() + SETTLE_S)
         key = state.key
     else:
@@ -246,8 +252,12 @@ class _Placement:
             if cut != self.key.cuts:
                 key = PipelineKey(self.o.pipeline, cut)
                 self.swarm.log("adopting the cut %s announced by the pipeline's smallest peer ID", list(cut))
-                self.take(key, initial_stage(key, self.swarm.stage_map(key), rank, rng, self.stage_seconds(key)))
+                pinned = self.o.initial_stage
+                self.take(key, pinned if pinned >= 0 else
+                          initial_stage(key, self.swarm.stage_map(key), rank, rng, self.stage_seconds(key)))
                 continue
+            if self.o.initial_stage >= 0:
+                continue  # pinned: the benchmark chose this stage
             move = better_stage(self.swarm.stage_map(self.key), self.stage, self.swarm.peer_id)
             if move is not None:
                 self.swarm.log("stage %d has no peer: moving there from stage %d", move, self.stage)
