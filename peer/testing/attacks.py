@@ -167,13 +167,20 @@ def signed_record_body(*, neighbours: list[str], links: list[list], key=None, st
     ns = SimpleNamespace(peer_id=ident.peer_id_from_public_bytes(pub), public_key=pub, version=1,
                          issued=time.time(), neighbours=neighbours,
                          links=[SimpleNamespace(peer=p, bandwidth_bps=b, rtt_s=r) for p, b, r in links],
-                         stage=None if stage is None else SimpleNamespace(**stage))
+                         stage=None if stage is None else _stage_namespace(stage))
     body = {"peer_id": ns.peer_id, "public_key": pub, "version": 1, "issued": ns.issued, "neighbours": neighbours,
             "links": [{"peer": p, "bandwidth_bps": b, "rtt_s": r} for p, b, r in links],
             "signature": ident.sign(key, topology_record_signing_bytes(ns))}
     if stage is not None:
         body["stage"] = stage
     return body
+
+
+def _stage_namespace(stage: dict) -> SimpleNamespace:
+    """The attribute view of a stage announcement that the signing bytes read (optional fields defaulted)."""
+    full = {"step": 0, "moving_to": -1, "moved_from": -1, "copies": [], **stage}
+    full["copies"] = [SimpleNamespace(**c) for c in full["copies"]]
+    return SimpleNamespace(**full)
 
 
 BAD_RECORDS = {  # the field the victim must name in its reason -> a record bad in that field
@@ -187,6 +194,12 @@ BAD_RECORDS = {  # the field the victim must name in its reason -> a record bad 
         "pipeline": "p", "stage": 0, "stages": 2, "samples_per_s": 1e12, "queue": 0, "cuts": [1]}),
     "cuts": lambda: signed_record_body(neighbours=[], links=[], stage={
         "pipeline": "p", "stage": 0, "stages": 3, "samples_per_s": 1.0, "queue": 0, "cuts": [5, 2]}),
+    # a move to a stage the pipeline does not have, or more stage copies than a record may list
+    "moving_to": lambda: signed_record_body(neighbours=[], links=[], stage={
+        "pipeline": "p", "stage": 0, "stages": 2, "samples_per_s": 1.0, "queue": 0, "cuts": [1], "moving_to": 7}),
+    "copies": lambda: signed_record_body(neighbours=[], links=[], stage={
+        "pipeline": "p", "stage": 0, "stages": 2, "samples_per_s": 1.0, "queue": 0, "cuts": [1],
+        "copies": [{"stage": 1, "step": i} for i in range(50)]}),
 }
 
 

@@ -27,7 +27,7 @@ from protocol.schema.gossip import (
     ParamsRequest,
     TensorSpec,
 )
-from protocol.schema.pipeline import StageAnnouncement, StageCall, StageReply
+from protocol.schema.pipeline import StageAnnouncement, StageCall, StageCopy, StageReply, StageStateReply, StageStateRequest
 from protocol.schema.tensor import TensorCancel, TensorHeader
 from protocol.schema.topology import (
     EdgeAccept,
@@ -58,7 +58,7 @@ __all__ = [
     "AverageAbort", "AverageAccept", "AverageCommit", "AverageOffer", "AverageReject", "ParamsReply", "ParamsRequest", "TensorSpec",
     "EdgeAccept", "EdgeCommit", "EdgeDrop", "EdgePropose", "EdgeReject", "LinkReport", "ProbeReply", "ProbeRequest",
     "TopologyRecord", "TopologyRecords", "topology_record_signing_bytes",
-    "StageAnnouncement", "StageCall", "StageReply",
+    "StageAnnouncement", "StageCall", "StageCopy", "StageReply", "StageStateReply", "StageStateRequest",
 ]
 
 MESSAGES: tuple[type[Message], ...] = (
@@ -93,6 +93,8 @@ MESSAGES: tuple[type[Message], ...] = (
     # pipeline plane
     StageCall,
     StageReply,
+    StageStateRequest,
+    StageStateReply,
 )
 
 DEFAULT_REGISTRY = Registry(MESSAGES)

@@ -7,6 +7,12 @@ view it holds anyway. A driver moves one microbatch with `StageCall` requests, o
   driver → server  StageCall(kind="forward" | "backward" | "loss" | "evaluate"); its input tensors follow
   server → driver  StageReply (the output tensors follow) | ErrorReply (refused, with a code and reason)
 
+A peer moving to another stage, or taking over a stage nobody serves, downloads that stage's state (weights,
+optimizer state, step) from a peer serving it or holding a copy of it (records say which, `copies`):
+
+  mover  → holder  StageStateRequest(pipeline, cuts, stage)
+  holder → mover   StageStateReply (the state's tensors follow) | ErrorReply
+
 Servers keep nothing between a forward and its backward: "backward" carries the stage's inputs and the
 gradient of its output, and the server recomputes the forward with the call's `seed` (the same dropout), so
 any live peer of the stage can serve it. The last stage answers "loss" with the loss and the gradient of its
@@ -21,7 +27,8 @@ from protocol.schema.gossip import TensorSpec
 
 from protocol.messages import Message
 
-__all__ = ["CALL_KINDS", "MAX_STAGES", "MAX_STAGE_TENSORS", "StageAnnouncement", "StageCall", "StageReply"]
+__all__ = ["CALL_KINDS", "MAX_COPIES", "MAX_STAGES", "MAX_STAGE_TENSORS", "MAX_STATE_TENSORS", "StageAnnouncement",
+           "StageCall", "StageCopy", "StageReply", "StageStateReply", "StageStateRequest"]
 
 MAX_STAGES = 64
 """Stages one pipeline may have: more than any model cut across peers needs (SWARM ran 12 - 32 layers in a
@@ -37,6 +44,13 @@ MAX_SAMPLES_PER_S = 1e9
 """A throughput no stage reaches: a larger claim is a lie that would draw every microbatch to its author."""
 MAX_QUEUE = 1 << 20
 """Requests a server may claim to have queued; it only ranks the server (a real queue is far shorter)."""
+MAX_STEP = 1 << 53
+"""Optimizer steps a stage may claim: exact in a float, more than any run takes; it only ranks state holders."""
+MAX_COPIES = 4
+"""Stage copies one record may list: a peer keeps the stage it left and the one it backs up (2), with room."""
+MAX_STATE_TENSORS = 1 << 14
+"""Tensors of one stage's state: every weight and buffer plus up to 8 optimizer values each (the receiver
+checks the exact list against its own copy of the stage's blocks before allocating; this bounds the message)."""
 CALL_KINDS = ("forward", "backward", "loss", "evaluate")
 
 
@@ -53,8 +67,22 @@ def _check_stage(stage: int, stages: int) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class StageCopy:
+    """A stage's state a peer keeps without serving it (the stage it left, or one it backs up), at `step`."""
+
+    stage: int
+    step: int
+
+    def __post_init__(self) -> None:
+        _check_stage(self.stage, MAX_STAGES)
+        if not 0 <= self.step <= MAX_STEP:
+            raise ValueError(f"copy step must be in [0, {MAX_STEP}], got {self.step}")
+
+
+@dataclass(frozen=True, slots=True)
 class StageAnnouncement:
-    """What a server says of itself in its record: the stage it serves and how fast and busy it is."""
+    """What a server says of itself in its record: the stage it serves, how fast and busy it is, how far its
+    stage has trained, a move it is making (rebalancing), and the stage copies it could hand out."""
 
     pipeline: str
     stage: int
@@ -62,10 +90,23 @@ class StageAnnouncement:
     samples_per_s: float = 0.0  # measured forward+backward throughput (0: not measured yet)
     queue: int = 0  # calls waiting or running at the server
     cuts: list[int] = field(default_factory=list)  # where the model is cut: stage s holds blocks [cuts[s-1], cuts[s])
+    step: int = 0  # optimizer steps of the stage's state this peer serves
+    moving_to: int = -1  # the stage this peer is moving to (downloading its state), or -1
+    moved_from: int = -1  # the stage this peer left lately (for a while after a move: its old stage cools down), or -1
+    copies: list[StageCopy] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_name(self.pipeline)
         _check_stage(self.stage, self.stages)
+        for name in ("moving_to", "moved_from"):
+            v = getattr(self, name)
+            if not -1 <= v < self.stages or v == self.stage:
+                raise ValueError(f"{name} must be -1 or another stage in [0, {self.stages}), got {v}")
+        if not 0 <= self.step <= MAX_STEP:
+            raise ValueError(f"step must be in [0, {MAX_STEP}], got {self.step}")
+        if len(self.copies) > MAX_COPIES or any(c.stage >= self.stages for c in self.copies):
+            raise ValueError(f"at most {MAX_COPIES} copies of stages in [0, {self.stages}), got "
+                             f"{[c.stage for c in self.copies[:MAX_COPIES + 1]]}")
         if len(self.cuts) != self.stages - 1 or any(not 0 < c <= MAX_BLOCKS for c in self.cuts) \
                 or any(a >= b for a, b in zip(self.cuts, self.cuts[1:])):
             raise ValueError(f"cuts must be {self.stages - 1} increasing block indices in (0, {MAX_BLOCKS}], "
@@ -125,3 +166,39 @@ class StageReply(Message):
                              f"(equal numbers, at most {MAX_STAGE_TENSORS})")
         if self.compute_s < 0:
             raise ValueError(f"compute_s must be >= 0, got {self.compute_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class StageStateRequest(Message):
+    """Send me stage `stage`'s state (weights, optimizer state, step) of pipeline `pipeline` cut at `cuts`."""
+
+    TYPE = "stage_state_request"
+    pipeline: str
+    stage: int
+    cuts: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_name(self.pipeline)
+        _check_stage(self.stage, MAX_STAGES)
+        if len(self.cuts) >= MAX_STAGES:
+            raise ValueError(f"{len(self.cuts)} cuts (at most {MAX_STAGES - 1})")
+
+
+@dataclass(frozen=True, slots=True)
+class StageStateReply(Message):
+    """A stage's state: its tensors follow on `streams`; `live` if the sender serves the stage (else a copy)."""
+
+    TYPE = "stage_state_reply"
+    tensors: list[TensorSpec]
+    streams: list[int]
+    step: int
+    samples: int = 0  # samples the stage has trained on, for the receiver's figures
+    live: bool = True
+
+    def __post_init__(self) -> None:
+        if len(self.tensors) > MAX_STATE_TENSORS or len(self.streams) != len(self.tensors):
+            raise ValueError(f"{len(self.tensors)} tensor specs and {len(self.streams)} streams "
+                             f"(equal numbers, at most {MAX_STATE_TENSORS})")
+        for name in ("step", "samples"):
+            if not 0 <= getattr(self, name) <= MAX_STEP:
+                raise ValueError(f"{name} must be in [0, {MAX_STEP}], got {getattr(self, name)}")

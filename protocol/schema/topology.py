@@ -97,9 +97,13 @@ def topology_record_signing_bytes(r: TopologyRecord) -> bytes:
                           list(r.neighbours),
                           [[lr.peer, lr.bandwidth_bps, lr.rtt_s] for lr in r.links]]
                          # appended only when present, so a record without a stage signs as before
-                         + ([] if r.stage is None else [[r.stage.pipeline, r.stage.stage, r.stage.stages,
-                                                          float(r.stage.samples_per_s), r.stage.queue, list(r.stage.cuts)]]),
+                         + ([] if r.stage is None else [_stage_signing_list(r.stage)]),
                          use_bin_type=True)
+
+
+def _stage_signing_list(a: StageAnnouncement) -> list:
+    return [a.pipeline, a.stage, a.stages, float(a.samples_per_s), a.queue, list(a.cuts), a.step, a.moving_to,
+            a.moved_from, [[c.stage, c.step] for c in a.copies]]
 
 
 @dataclass(frozen=True, slots=True)
