@@ -5,12 +5,16 @@ A tiny char transformer (6 blocks: embedding, 4 x Block, head) is cut [0,1) [1,3
 
 from __future__ import annotations
 
+import re
+import threading
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainers.baseline import seeded_model
+from trainers.baseline import make_optimizer, seeded_model
 from trainers.pipeline.blocks import PipelineModel, char_transformer_pipeline, from_factory, seeded
 from trainers.pipeline.stage import StageWorker
 
@@ -246,6 +250,228 @@ def test_state_dict_round_trip() -> None:
     bad["module"]["3.ln1.weight"] = torch.ones(3)
     with pytest.raises(ValueError, match="3.ln1.weight is \\[3\\], expected \\[32\\]"):
         b[2].load_state_dict(bad)
+
+
+# --- live state transfer (export_state / check_state_specs / import_state) ----------------------------
+
+
+def adam(ps):
+    return make_optimizer(ps, "adam", lr=1e-2)
+
+
+def specs(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int]]]:
+    return [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in tensors]
+
+
+def assert_same_state(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> None:
+    assert [n for n, _ in a] == [n for n, _ in b]
+    assert all(x.dtype == y.dtype and torch.equal(x, y) for (_, x), (_, y) in zip(a, b))
+
+
+def train_stage(w: StageWorker, seed: int) -> None:
+    """One backward request of max_batch (4) samples on a middle stage: one optimizer step."""
+    g = torch.Generator().manual_seed(seed)
+    w.compute("backward", [torch.randn(4, BLOCK, 32, generator=g), torch.randn(4, BLOCK, 32, generator=g)], seed)
+
+
+class TaggedAdam(torch.optim.Adam):
+    """Adam with a constructor the state probe cannot call: the stage does not know its state keys."""
+
+    def __init__(self, params, tag: str, **kw) -> None:
+        super().__init__(params, **kw)
+
+
+class CountingSGD(torch.optim.SGD):
+    """SGD that also keeps Python-number state, as older optimizers kept `step`."""
+
+    def step(self, closure=None):
+        for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
+            self.state[p]["count"] = self.state[p].get("count", 0) + 1
+            self.state[p]["frac"] = self.state[p]["count"] / 4
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_state_round_trip_is_exact(name: str) -> None:
+    def opt(ps):
+        return make_optimizer(ps, name, lr=1e-2, momentum=0.9)
+    a, b = workers(tiny(0.1), optimizer=opt), workers(tiny(0.1, seed=5), optimizer=opt)
+    x, y = data(12)
+    for i in (0, 4):
+        run_chain(a, x[i:i + 4], y[i:i + 4], [i + 1, i + 2, i + 3, i + 4])
+    for wa, wb in zip(a, b):
+        tensors, steps, samples = wa.export_state()
+        assert (steps, samples) == (2, 8) and wb.check_state_specs(specs(tensors)) is None
+        assert {n.rsplit("/", 1)[1] for n, _ in tensors if n.startswith("o/")} == \
+            ({"step", "exp_avg", "exp_avg_sq"} if name == "adam" else {"momentum_buffer"})
+        assert all(t.is_contiguous() and t.device == CPU for _, t in tensors)
+        wb.import_state(tensors, steps, samples)
+        again, steps_b, samples_b = wb.export_state()
+        assert_same_state(again, tensors)
+        assert (steps_b, samples_b) == (2, 8)
+    run_chain(a, x[8:], y[8:], [7, 8, 9, 10])  # the same step on both: equal only if the optimizer state loaded
+    run_chain(b, x[8:], y[8:], [7, 8, 9, 10])
+    for wa, wb in zip(a, b):
+        assert wb.steps == 3 and all(torch.equal(v, wb.params()[k]) for k, v in wa.params().items())
+
+
+def test_fresh_state_has_only_module_entries() -> None:
+    a = workers(tiny(0.0), optimizer=adam)[1]
+    b = workers(tiny(0.0, seed=5), optimizer=adam)[1]
+    train_stage(b, 1)
+    b.accumulate_samples = 100
+    train_stage(b, 2)  # pending gradients, dropped by the import
+    tensors, steps, samples = a.export_state()
+    assert (steps, samples) == (0, 0) and tensors and all(n.startswith("m/") for n, _ in tensors)
+    assert [n for n, _ in tensors] == [f"m/{k}" for k in b.params()]  # blocks 1-2 have no buffers
+    b.import_state(tensors, steps, samples)
+    assert_same_state(b.export_state()[0], tensors)  # b's optimizer state is gone too
+    assert (b.steps, b.samples) == (0, 0) and all(float(g.abs().max()) == 0 for g in b.accumulated_grads().values())
+    b.accumulate_samples = 4
+    train_stage(b, 3)
+    assert b.steps == 1 and any(n.startswith("o/") for n, _ in b.export_state()[0])
+
+
+def test_python_number_state_travels_as_num() -> None:
+    def opt(ps):
+        return CountingSGD(ps, lr=LR, momentum=0.9)
+    a, b = workers(tiny(0.0), optimizer=opt)[1], workers(tiny(0.0, seed=5), optimizer=opt)[1]
+    for seed in (1, 2, 3):
+        train_stage(a, seed)
+    tensors, steps, samples = a.export_state()
+    nums = {n: t for n, t in tensors if n.endswith(":num")}
+    assert nums["o/1.ln1.bias/count:num"].dtype == torch.float64 and float(nums["o/1.ln1.bias/frac:num"]) == 0.75
+    b.import_state(tensors, steps, samples)
+    state = b._optimizer.state[b._params[1]]
+    assert state["count"] == 3 and type(state["count"]) is int and state["frac"] == 0.75
+    assert_same_state(b.export_state()[0], tensors)
+    train_stage(a, 4)
+    train_stage(b, 4)
+    assert all(torch.equal(v, b.params()[k]) for k, v in a.params().items())
+
+
+def test_check_state_specs_rejects_with_a_reason() -> None:
+    a = workers(tiny(0.0), optimizer=adam)
+    x, y = data(4)
+    run_chain(a, x, y, [1, 2, 3, 4])
+    w = a[1]
+    good = specs(w.export_state()[0])
+    assert w.check_state_specs(good) is None
+    n_module = sum(n.startswith("m/") for n, _, _ in good)
+
+    def drop(name):
+        return [s for s in good if s[0] != name]
+
+    def change(name, dtype=None, shape=None):
+        return [(n, dtype or d, shape if shape is not None else sh) if n == name else (n, d, sh) for n, d, sh in good]
+
+    def put(name, spec):
+        return [spec if s[0] == name else s for s in good]
+
+    cases = [
+        (drop("m/1.ln1.weight"), r"^'m/1.ln1.weight': missing"),
+        (change("m/1.ln1.bias", shape=[3]), r"'m/1.ln1.bias': shape \[3\], expected \[32\]"),
+        (change("m/1.ln1.bias", dtype="float64"), r"'m/1.ln1.bias': dtype 'float64', expected float32"),
+        (good + [("x/1.ln1.bias", "float32", [32])], r"'x/1.ln1.bias': unknown prefix"),
+        (good + [("1.ln1.bias", "float32", [32])], r"'1.ln1.bias': unknown prefix"),
+        (good + [("o/0.tok.weight/exp_avg", "float32", [VOCAB, 32])], r"'o/0.tok.weight/exp_avg': not a parameter"),
+        (good + [("o/1.ln1.bias/exp-avg", "float32", [32])], r"'o/1.ln1.bias/exp-avg': bad state key"),
+        (good + [(f"o/1.ln1.bias/{'k' * 33}", "float32", [32])], "bad state key"),
+        (change("o/1.ln1.bias/exp_avg", shape=[31]), r"exp_avg': shape \[31\], expected the parameter's \[32\]"),
+        (change("o/1.ln1.bias/exp_avg", dtype="int64"), r"exp_avg': dtype 'int64': optimizer state must be a float"),
+        (change("o/1.ln1.bias/exp_avg", shape=[]), r"exp_avg': .*keeps 'exp_avg' as a parameter-shaped tensor"),
+        (change("o/1.ln1.bias/step", shape=[32]), r"step': .*keeps 'step' 0-d"),
+        (good + [("o/1.ln1.bias/momentum_buffer", "float32", [32])], r"momentum_buffer': .*keeps no state"),
+        (drop("o/1.ln1.bias/exp_avg_sq"), r"^'o/1.ln1.bias/exp_avg_sq': missing"),
+        (good + [("o/1.ln1.bias/step:num", "float64", [])], r"step:num': duplicate state key"),
+        (put("o/1.ln1.bias/step", ("o/1.ln1.bias/step:num", "float32", [])), r"step:num': .*0-d float64"),
+        (good + [good[5]], rf"entry {len(good)} '{good[5][0]}': duplicate name"),
+        (good + [("x", "float32", [])] * (9 * n_module - len(good) + 1), rf"entry {9 * n_module}: more than"),
+        (good + [("m/1.ln1.bias", "float32")], r"not a \(name, dtype, shape\) triple"),
+        (change("m/1.ln1.bias", shape=[32.0]), "list of ints"),
+        (good + [("o/" + "a" * 1000 + "/exp_avg", "float32", [32])], "not a parameter"),
+        ("m/1.ln1.bias", "not a list"),
+    ]
+    for bad, msg in cases:
+        why = w.check_state_specs(bad)
+        assert why is not None and len(why) <= 300, msg
+        assert re.search(msg, why), (msg, why)
+    assert w.check_state_specs(put("o/1.ln1.bias/step", ("o/1.ln1.bias/step:num", "float64", []))) is None  # a float step
+    assert a[2].check_state_specs(good) is not None  # another stage's state
+
+    # An optimizer the stage cannot probe: the grammar alone applies, at most 8 state keys per parameter.
+    u = workers(tiny(0.0), optimizer=lambda ps: TaggedAdam(ps, "t", lr=1e-2))[1]
+    base = specs(u.export_state()[0])
+    extra = [(f"o/1.ln1.bias/k{i}", "float32", [32]) for i in range(9)]
+    assert u.check_state_specs(base + extra[:8]) is None
+    assert "'o/1.ln1.bias/k8': more than 8 state keys" in u.check_state_specs(base + extra)
+
+
+def test_import_state_rejects_without_state_change() -> None:
+    a = workers(tiny(0.0), optimizer=adam)[1]
+    b = workers(tiny(0.0, seed=5), optimizer=adam)[1]
+    train_stage(a, 1)
+    train_stage(b, 2)
+    before = b.export_state()
+    tensors, steps, samples = a.export_state()
+    names = [n for n, _ in tensors]
+    wrong = list(tensors)
+    wrong[names.index("o/2.ln2.bias/exp_avg")] = ("o/2.ln2.bias/exp_avg", torch.zeros(31))  # the last checked
+    cases = [
+        ((wrong, steps, samples), "'o/2.ln2.bias/exp_avg': shape"),
+        ((tensors[1:], steps, samples), "'m/1.ln1.weight': missing"),
+        ((tensors + [("o/1.ln1.bias/bogus", torch.zeros(32))], steps, samples), "keeps no state 'bogus'"),
+        ((tensors, -1, samples), "steps must be an int >= 0"),
+        ((tensors, steps, True), "samples must be an int >= 0"),
+        (([(n, t.numpy()) for n, t in tensors], steps, samples), r"\(name, tensor\) pairs"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            b.import_state(*args)
+    after = b.export_state()
+    assert_same_state(after[0], before[0])
+    assert after[1:] == before[1:] == (1, 4)
+
+    # An optimizer the stage could not probe refuses the state it is given: it keeps its own.
+    def tagged(ps):
+        return TaggedAdam(ps, "t", lr=1e-2)
+    u = workers(tiny(0.0), optimizer=tagged)[1]
+    train_stage(u, 3)
+    mine = u.export_state()
+    no_step = [(n, t) for n, t in tensors if not n.endswith("/step")]
+    with pytest.raises(ValueError, match="the optimizer refused its state"):
+        u.import_state(no_step, steps, samples)
+    assert_same_state(u.export_state()[0], mine[0])
+    train_stage(u, 4)  # and still steps
+    assert u.steps == 2
+
+
+def test_export_state_while_another_thread_trains() -> None:
+    w = workers(tiny(0.0), optimizer=adam)[1]
+    stop, errors = threading.Event(), []
+
+    def train() -> None:
+        try:
+            seed = 0
+            while not stop.is_set():
+                seed += 1
+                train_stage(w, seed)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    t = threading.Thread(target=train)
+    t.start()
+    try:
+        seen, deadline = set(), time.monotonic() + 30
+        while len(seen) < 4 and not errors and time.monotonic() < deadline:  # exports of several steps
+            tensors, steps, samples = w.export_state()
+            assert samples == 4 * steps and any(n.startswith("o/") for n, _ in tensors) == (steps > 0)
+            assert w.check_state_specs(specs(tensors)) is None
+            seen.add(steps)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors and len(seen) == 4
 
 
 # --- from_factory ----------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ single-process batch of them.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import threading
 import time
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from protocol.tensor_codec import DTYPES
+from trainers.pipeline import stage_state
 from trainers.pipeline.blocks import LossFn, PipelineModel, seeded
 
 # Weight of the newest measurement in the throughput EWMA: remembers ~10 requests, enough to
@@ -67,8 +69,9 @@ class StageWorker:
 
     The worker takes over those block objects (no copy): build a PipelineModel per worker if one
     process hosts the same stage twice. `lock` is held around every compute and optimizer step;
-    the daemon takes it to average `params()` in place. `accumulated_grads`, `state_dict` and
-    `load_state_dict` take it themselves (it is not reentrant: do not call them while holding it).
+    the daemon takes it to average `params()` in place. `accumulated_grads`, `state_dict`,
+    `load_state_dict`, `export_state` and `import_state` take it themselves (it is not reentrant:
+    do not call them while holding it).
     """
 
     def __init__(
@@ -361,3 +364,60 @@ class StageWorker:
             self._pending = 0
             self.steps = int(d["steps"])
             self.samples = int(d.get("samples", self.samples))
+
+    # --- live state transfer (names: see trainers/pipeline/stage_state.py) -----------------------
+
+    @functools.cached_property
+    def _layout(self) -> stage_state.StateLayout:
+        """Fixed once built: loads copy into the same tensors, and gossip averages them in place."""
+        names = {id(p): n for n, p in self._named_params()}
+        params = {names[id(p)]: (i, p) for i, p in enumerate(stage_state.optimizer_params(self._optimizer))
+                  if id(p) in names}
+        module = {self._global(k): (stage_state.dtype_name(v), list(v.shape))
+                  for k, v in self.module.state_dict().items()}
+        return stage_state.StateLayout(module, params, stage_state.probe_keys(self._optimizer))
+
+    def export_state(self) -> tuple[list[tuple[str, Tensor]], int, int]:
+        """(named tensors, steps, samples): copies (detached, contiguous, on CPU) taken under `lock`, of
+        every module state_dict entry ("m/<global key>", state_dict order) and every per-parameter
+        optimizer state value ("o/<global param name>/<state key>", the optimizer's parameter order).
+        Pending gradients do not travel. ValueError if the optimizer keeps a state no tensor can carry."""
+        named = [(name, p) for name, (_, p) in self._layout.params.items()]
+        with self.lock:
+            module = [(self._global(k), v) for k, v in self.module.state_dict().items()]
+            tensors = stage_state.flatten(module, named, self._optimizer.state)
+            return tensors, self.steps, self.samples
+
+    def check_state_specs(self, specs: list[tuple[str, str, list[int]]]) -> str | None:
+        """None if `specs` [(name, dtype, shape)] is a state this stage can load; else a reason naming
+        the first offending entry (<= 300 chars). Pure; allocates nothing proportional to the specs
+        beyond a set of names. Call it before allocating the tensors of a state from a peer."""
+        return stage_state.check_specs(self._layout, specs)
+
+    def import_state(self, tensors: list[tuple[str, Tensor]], steps: int, samples: int) -> None:
+        """Load an `export_state()` of the same blocks: module entries, optimizer state, counters; drops
+        the gradients accumulated so far (as load_state_dict does). The optimizer may keep the given
+        tensors as its state (no copy): pass tensors nothing else uses. Takes `lock`. ValueError with a
+        reason if anything does not fit, checked before anything changes."""
+        where = f"stage {self.stage}: cannot import state"
+        for what, n in (("steps", steps), ("samples", samples)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"{where}: {what} must be an int >= 0, got {n!r}")
+        if not isinstance(tensors, (list, tuple)) or not all(
+                isinstance(e, tuple) and len(e) == 2 and isinstance(e[1], Tensor) for e in tensors):
+            raise ValueError(f"{where}: expected a list of (name, tensor) pairs")
+        why = self.check_state_specs([(n, stage_state.dtype_name(t), list(t.shape)) for n, t in tensors])
+        if why is not None:
+            raise ValueError(f"{where}: {why}")
+        module, state = stage_state.split(self._layout, list(tensors))
+        with self.lock:
+            old = self._optimizer.state_dict()
+            try:  # the receiver's param_groups: hyperparameters are its own
+                self._optimizer.load_state_dict({**old, "state": state})
+            except Exception as e:  # an optimizer that could not be probed refused the state
+                self._optimizer.load_state_dict(old)
+                raise ValueError(f"{where}: the optimizer refused its state: {e}") from e
+            self.module.load_state_dict({self._local(k): v for k, v in module.items()})
+            self._optimizer.zero_grad(set_to_none=True)
+            self._pending = 0
+            self.steps, self.samples = steps, samples
