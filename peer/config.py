@@ -193,6 +193,12 @@ class PipelineSection:
     first_ban: float = _f(2.0, "Seconds a driver avoids a peer after a failed call; doubles with each further "
                           "failure in a row, up to max_ban.", lo=0.0, hi=_HOUR, unit="s")
     max_ban: float = _f(120.0, "Longest a driver avoids a failing peer.", lo=0.0, hi=_DAY, unit="s")
+    max_state_uploads: int = _f(2, "Stage states (weights and optimizer state) this daemon sends at once to peers "
+                                "taking a stage over; each holds a snapshot of the stage in memory while it streams.",
+                                lo=1, hi=64)
+    state_timeout: float = _f(120.0, "Longest one stage-state transfer may take (a stage of 100 MB at ~10 MB/s, "
+                              "with room); a slower one is abandoned and the mover asks another holder.",
+                              lo=1.0, hi=_DAY, unit="s")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from peer.averaging.shared import SharedTensors
 from peer.pipeline.directory import PipelineKey, StagePeer
 from peer.pipeline.driver import DriverHandle
 from peer.pipeline.server import StageHandler
+from peer.pipeline.state import FetchedState
 from protocol.schema.pipeline import StageAnnouncement
 from peer.home import Home, atomic_write
 
@@ -84,6 +85,10 @@ class Swarm:
         self._host.gossip.register(group, partners)
         return group
 
+    def unshare(self, name: str) -> None:
+        """Stop sharing group `name` (what `share` offered under it is no longer averaged or served)."""
+        self._call_sync(self._host.gossip.unregister, name)
+
     def average(self, group: str, *, mode: str = "one") -> list[ExchangeResult]:
         """Average now (blocking this thread): with one random neighbour, or with all of them."""
         return self._call(self._host.gossip.average, group, mode=mode)
@@ -116,6 +121,31 @@ class Swarm:
     def stage_partners(self) -> set[str]:
         """The live peers serving our stage. Runs on the daemon's thread: pass it as `share(partners=...)`."""
         return self._host.daemon.pipeline.stage_partners()
+
+    def fetch_stage_state(self, key: PipelineKey, stage: int, peer_id: str, check) -> FetchedState:
+        """Download stage `stage`'s state (weights, optimizer state, step) from `peer_id`, a peer serving it or
+        keeping a copy; `check(specs)` refuses a list of (name, dtype, shape) that is not this stage's state
+        before anything is allocated. Raises StateUnavailable with the reason (peer/pipeline/state.py)."""
+        return self._call(self._host.daemon.pipeline.fetch_state, key, stage, peer_id, check)
+
+    def keep_stage_copy(self, key: PipelineKey, stage: int, tensors: list, step: int, samples: int) -> None:
+        """Keep a copy of a stage's state (one we left, or back up) to hand to whoever takes the stage over."""
+        self._call_sync(self._host.daemon.pipeline.keep_copy, key, stage, tensors, step, samples)
+
+    def stage_copy(self, key: PipelineKey, stage: int) -> tuple[list, int, int] | None:
+        """(tensors, step, samples) of the copy of `stage` this daemon keeps, or None."""
+        return self._call_sync(self._host.daemon.pipeline.copy_of, key, stage)
+
+    def drop_stage_copy(self, key: PipelineKey, stage: int) -> None:
+        self._call_sync(self._host.daemon.pipeline.drop_copy, key, stage)
+
+    def announce_move(self, moving_to: int = -1, moved_from: int = -1) -> None:
+        """Tell the swarm (our record) that we are moving to a stage, or lately left one (-1: neither)."""
+        self._call_sync(self._host.daemon.pipeline.announce_move, moving_to, moved_from)
+
+    def note_move(self, **move: Any) -> None:
+        """Record one of our moves (from, to, reason, ...) for `peer status`."""
+        self._call_sync(self._host.daemon.pipeline.note_move, move)
 
     def open_driver(self, key: PipelineKey, *, reply_shapes, in_flight: int, forward_codec: str = "raw",
                     backward_codec: str = "raw") -> DriverHandle:

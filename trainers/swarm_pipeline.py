@@ -22,23 +22,23 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from peer.pipeline.directory import PipelineKey
 from peer.pipeline.driver import Microbatch
-from trainers.baseline import make_optimizer
 from trainers.datasets import load_char_corpus, load_factory, partition
 from trainers.options import parse_options
 from trainers.pipeline.blocks import char_transformer_pipeline, from_factory
+from trainers.pipeline.keeper import SeatKeeper
 from trainers.pipeline.partition import format_plan, plan_stages, profile_blocks
-from trainers.pipeline.placement import adopted_cut, better_stage, initial_stage
-from trainers.pipeline.stage import StageWorker
-from trainers.pipeline.slowed import Slowed
+from trainers.pipeline.placement import adopted_cut, initial_stage
+from trainers.pipeline.seat import StageSeat
 
 DRAIN_S = 600.0  # most seconds to wait for the microbatches still in flight when driving ends (each is bounded anyway)
 EVAL_S = 600.0  # most seconds one validation pass may take
+KEEPER_STOP_S = 30.0  # most seconds to wait for the keeper's round (a move's download is bounded by state_timeout)
 SETTLE_S = 6.0  # seconds peers starting together take to agree on a cut and spread over the stages: 3 record intervals
 
 
@@ -76,7 +76,14 @@ class SwarmPipelineOptions:
     join_wait: float = 60.0  # most seconds to wait for every stage to have a peer before driving
     slowdown: float = 1.0  # benchmark only: this peer computes its stage this many times slower
     initial_stage: int = -1  # the stage this peer starts on (-1: the placement rule picks; benchmarks pin it)
-    rebalance: bool = True  # move between stages toward the bottleneck while running (trainers/pipeline/rebalance.py)
+    rebalance: bool = True  # move between stages toward the bottleneck, and into a stage left empty, while running
+    rebalance_every: float = 10.0  # mean seconds between rebalancing checks: a few record intervals, so a move's
+    #                                effect is measured before the next is weighed
+    min_gain: float = 0.1  # a move must raise the predicted throughput by this fraction at least (above the ~5%
+    #                        spread of measured stage rates, so peers do not oscillate between near-equal stages)
+    copy_every: float = 30.0  # seconds between backups of the next stage's state (0: none); a stage that loses its
+    #                           last peer resumes from a copy at most this old
+    checkpoint_every: float = 60.0  # seconds between checkpoints of this peer's stage (0: only on request and shutdown)
 
 
 def _check(o: SwarmPipelineOptions) -> None:
@@ -93,6 +100,14 @@ def _check(o: SwarmPipelineOptions) -> None:
         raise ValueError(f"{where} initial_stage: must be -1 (automatic) or a stage in [0, {o.stages}), got {o.initial_stage}")
     if o.in_flight < 1:
         raise ValueError(f"[trainer.options] in_flight: must be >= 1, got {o.in_flight}")
+    for k in ("rebalance_every",):
+        v = getattr(o, k)
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{where} {k}: must be a finite number above 0, got {v}")
+    for k in ("min_gain", "copy_every", "checkpoint_every"):
+        v = getattr(o, k)
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"{where} {k}: must be a finite number >= 0, got {v}")
     for k in ("samples", "average_every", "eval_every", "world"):
         if getattr(o, k) < 0:
             raise ValueError(f"{where} {k}: must be >= 0, got {getattr(o, k)}")
@@ -137,13 +152,17 @@ def run(swarm, options: dict) -> dict:
     env_rank = rank if o.world or _launcher_numbered() else None
     rng = random.Random(hash((swarm.peer_id, o.seed)))
 
-    state = _Placement(swarm, o, model, sample_x, sample_y, costs)
+    state = StageSeat(swarm, o, model, sample_x, sample_y, costs)
+    keeper = None
     if o.role != "driver":
         key = PipelineKey(o.pipeline, adopted_cut(o.pipeline, own_cuts, swarm.stage_announcements(), swarm.peer_id))
-        first = o.initial_stage if o.initial_stage >= 0 else \
-            initial_stage(key, swarm.stage_map(key), env_rank, rng, state.stage_seconds(key))
-        state.take(key, first)
-        state.settle(own_cuts, env_rank, rng, deadline=time.monotonic() + SETTLE_S)
+        state.key = key
+        ckpt = _own_checkpoint(swarm, key)
+        if ckpt is None or not state.resume(ckpt):
+            first = o.initial_stage if o.initial_stage >= 0 else \
+                initial_stage(key, swarm.stage_map(key), env_rank, rng, state.stage_seconds(key))
+            state.take(key, first)
+            state.settle(own_cuts, env_rank, rng, deadline=time.monotonic() + SETTLE_S)
         key = state.key
     else:
         key = _wait_for_cut(swarm, o, own_cuts)
@@ -152,7 +171,10 @@ def run(swarm, options: dict) -> dict:
                    "plan_ms": [round(s * 1000, 2) for s in plan.stage_seconds]})
     if not _wait_for_stages(swarm, key, o.join_wait):
         swarm.log("not every stage has a peer after %.0fs; driving anyway (microbatches wait for them)", o.join_wait)
-    state.join_stage()
+    if o.role != "driver":
+        state.join_stage()
+        keeper = SeatKeeper(state, rng)
+        keeper.start()
     swarm.on_checkpoint_request(state.save)
 
     result: dict = {}
@@ -177,8 +199,19 @@ def run(swarm, options: dict) -> dict:
     while not swarm.should_stop() and o.role != "driver":
         state.housekeeping()
         time.sleep(0.2)
+    if keeper is not None:
+        keeper.stop(timeout=KEEPER_STOP_S)
     state.save()
     return dict(result, state="done")
+
+
+def _own_checkpoint(swarm, key: PipelineKey) -> dict | None:
+    """Our checkpoint of a stage of this pipeline and cut (a restarted peer), else None."""
+    ckpt = swarm.load_checkpoint()
+    if not isinstance(ckpt, dict) or ckpt.get("pipeline") != key.name or tuple(ckpt.get("cuts", ())) != key.cuts \
+            or not isinstance(ckpt.get("worker"), dict):
+        return None
+    return ckpt
 
 
 def _launcher_numbered() -> bool:
@@ -216,110 +249,6 @@ def _reply_shapes(key: PipelineKey, boundary):
     return shapes
 
 
-class _Placement:
-    """This peer's stage: its worker, what it serves, its shared parameters, and housekeeping."""
-
-    def __init__(self, swarm, o: SwarmPipelineOptions, model, sample_x, sample_y, costs):
-        self.swarm, self.o, self.model, self.costs = swarm, o, model, costs
-        self.sample_x, self.sample_y = sample_x, sample_y
-        self.key: PipelineKey | None = None
-        self.stage: int | None = None
-        self.worker: StageWorker | None = None
-        self.averaged_at = 0
-
-    def stage_seconds(self, key: PipelineKey) -> list[float]:
-        """Our measured compute seconds per microbatch of each stage of `key`'s cut."""
-        return [sum(c.seconds for c in self.costs[lo:hi]) for lo, hi in zip((0, *key.cuts), (*key.cuts, len(self.costs)))]
-
-    def take(self, key: PipelineKey, stage: int) -> None:
-        o = self.o
-        bounds = list(zip((0, *key.cuts), (*key.cuts, len(self.model.blocks))))
-        self.worker = StageWorker(
-            self.model, bounds[stage], stage=stage, stages=key.stages,
-            optimizer=lambda ps: make_optimizer(ps, o.optimizer, lr=o.lr, weight_decay=o.weight_decay),
-            max_batch=o.microbatch, sample_x=self.sample_x, sample_y=self.sample_y, grad_clip=o.grad_clip)
-        self.key, self.stage = key, stage
-        self.set_accumulation()  # before serving: calls may come at once, and must not step at max_batch
-        handler = Slowed(self.worker, o.slowdown) if o.slowdown > 1 else self.worker
-        self.swarm.serve_stage(key, stage, o.microbatch, handler)
-
-    def settle(self, own_cuts, rank: int | None, rng: random.Random, *, deadline: float) -> None:
-        """Agree on the cut and spread over the stages with the peers starting with us (module docstring).
-        A peer the launcher numbered keeps its stage when it adopts another cut (the stages stay covered)."""
-        while time.monotonic() < deadline and not self.swarm.should_stop():
-            time.sleep(0.5)
-            cut = adopted_cut(self.o.pipeline, own_cuts, self.swarm.stage_announcements(), self.swarm.peer_id)
-            if cut != self.key.cuts:
-                key = PipelineKey(self.o.pipeline, cut)
-                self.swarm.log("adopting the cut %s announced by the pipeline's smallest peer ID", list(cut))
-                pinned = self.o.initial_stage
-                self.take(key, pinned if pinned >= 0 else
-                          initial_stage(key, self.swarm.stage_map(key), rank, rng, self.stage_seconds(key)))
-                continue
-            if self.o.initial_stage >= 0:
-                continue  # pinned: the benchmark chose this stage
-            move = better_stage(self.swarm.stage_map(self.key), self.stage, self.swarm.peer_id)
-            if move is not None:
-                self.swarm.log("stage %d has no peer: moving there from stage %d", move, self.stage)
-                self.take(self.key, move)
-
-    def join_stage(self) -> None:
-        """Share the stage's parameters with its other peers, starting from theirs if they are training."""
-        if self.worker is None:
-            return
-        name = self.group_name()
-        self.group = self.swarm.share(name, self.worker.params(), lock=self.worker.lock,
-                                      partners=self.swarm.stage_partners)
-        if self.swarm_stage_partners():
-            got = self.swarm.fetch_params(name)
-            if got is not None and got[1] > 0:
-                self.group.load(got[0])  # takes the worker's lock itself (not reentrant: do not hold it here)
-                self.swarm.log("joined stage %d at its step %d: downloaded its parameters", self.stage, got[1])
-
-    def swarm_stage_partners(self) -> list[str]:
-        return [p.peer_id for p in self.swarm.stage_map(self.key)[self.stage] if not p.me]
-
-    def group_name(self) -> str:
-        return f"{self.key.name}/stage{self.stage}"
-
-    def housekeeping(self) -> None:
-        """Step size by the stage's peers, and an averaging round after every `average_every` steps."""
-        w = self.worker
-        if w is None:
-            return
-        n = self.set_accumulation()
-        self.group.step = w.steps
-        if self.o.average_every and n > 1 and w.steps - self.averaged_at >= self.o.average_every:
-            if self.swarm.average_in_background(self.group_name()):
-                self.averaged_at = w.steps
-
-    def set_accumulation(self) -> int:
-        """Step after this peer's share of `batch_size` samples (the stage's peers share a batch); the peers
-        of the stage counted, us included."""
-        n = max(1, len([p for p in self.swarm.stage_map(self.key)[self.stage] if not p.me]) + 1)
-        self.worker.accumulate_samples = max(1, self.o.batch_size // n)
-        return n
-
-    def save(self) -> None:
-        """Checkpoint this peer's stage: where the model is cut, the stage's blocks and optimizer, and the
-        gradient the next step would use (written atomically; `peer checkpoint` and shutdown call it)."""
-        w = self.worker
-        if w is None:
-            return
-        grads = w.accumulated_grads()
-        state = w.state_dict()
-        self.swarm.save_checkpoint({"pipeline": self.key.name, "cuts": list(self.key.cuts), "stage": self.stage,
-                                    "worker": state, "accumulated_grads": grads, "samples": w.samples,
-                                    "options": asdict(self.o)})
-
-    def figures(self) -> dict:
-        w = self.worker
-        if w is None:
-            return {}
-        return {"my_stage": self.stage, "stage_steps": w.steps, "stage_samples": w.samples,
-                "stage_samples_per_s": round(w.samples_per_s(), 2)}
-
-
 def _wait_for_cut(swarm, o, own_cuts) -> PipelineKey:
     deadline = time.monotonic() + o.join_wait
     while time.monotonic() < deadline and not swarm.should_stop():
@@ -340,7 +269,7 @@ def _wait_for_stages(swarm, key: PipelineKey, wait: float) -> bool:
     return False
 
 
-def _drive(swarm, o, handle, shard, test, state: _Placement, rank: int) -> dict:
+def _drive(swarm, o, handle, shard, test, state: StageSeat, rank: int) -> dict:
     gen = torch.Generator().manual_seed(o.seed * 7919 + rank * 104729)
     seed_base = (rank + 1) * 1_000_000
     t0 = time.monotonic()

@@ -117,6 +117,12 @@ class GossipEngine:
             self._partners[group.name] = partners
         self.topology.shard_bytes = max((g.nbytes for g in self.groups.values()), default=self.topology.shard_bytes)
 
+    def unregister(self, name: str) -> None:
+        """Stop sharing group `name` (a peer that moved to another pipeline stage): later offers for it are
+        refused as for any group we do not hold; an exchange already under way finishes on its own tensors."""
+        self.groups.pop(name, None)
+        self._partners.pop(name, None)
+
     # ---- the trainer-facing calls -------------------------------------------------------------------
     async def average(self, group: str, *, mode: str = "one") -> list[ExchangeResult]:
         """`one`: with one random neighbour, pairwise weight (AD-PSGD); `all`: with every neighbour at

@@ -20,6 +20,9 @@ class StagePeer:
     samples_per_s: float  # as the peer announced it (0: not measured yet)
     queue: int  # calls it announced as waiting or running
     me: bool = False
+    step: int = 0  # optimizer steps of its stage's state
+    moving_to: int = -1  # the stage it is moving to (rebalancing), or -1
+    moved_from: int = -1  # the stage it left lately, or -1
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,8 @@ def stage_map(key: PipelineKey, announcements: dict[str, StageAnnouncement], liv
     for pid, ann in announcements.items():
         if PipelineKey.of(ann) != key or (pid != me and pid not in live):
             continue
-        out[ann.stage].append(StagePeer(pid, ann.stage, ann.samples_per_s, ann.queue, me=pid == me))
+        out[ann.stage].append(StagePeer(pid, ann.stage, ann.samples_per_s, ann.queue, me=pid == me, step=ann.step,
+                                        moving_to=ann.moving_to, moved_from=ann.moved_from))
     for peers in out.values():
         peers.sort(key=lambda p: p.peer_id)
     return out

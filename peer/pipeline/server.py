@@ -40,6 +40,7 @@ class StageHandler(Protocol):
     def input_specs(self, kind: str, batch: int) -> list[tuple[str, str, list[int]]]: ...
     def compute(self, kind: str, tensors: list[Any], seed: int) -> tuple[float | None, list[Any]]: ...
     def samples_per_s(self) -> float: ...
+    def export_state(self) -> tuple[list[tuple[str, Any]], int, int]: ...  # (named tensors, steps, samples)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class ServerStats:
     served: int = 0
     refused: Counter = field(default_factory=Counter)  # refusal code -> count
     failed: int = 0  # accepted calls that did not complete (deadline, session lost, bad input)
+    handed_back: int = 0  # accepted calls answered `moved`: we switched stage while they waited (re-sent elsewhere)
     queue: int = 0  # calls held now (receiving, waiting for compute, computing or replying)
     compute_s: float = 0.0
     last_error: str = ""
@@ -106,7 +108,8 @@ class StageServer:
         try:
             async with self.compute_lock:
                 if self.stage is not st:
-                    raise LookupError("not_serving", "this peer left the stage")
+                    self.stats.handed_back += 1
+                    raise LookupError("moved", "this peer moved to another stage while the call waited")
                 t0 = time.perf_counter()
                 loss, outputs = await trio.to_thread.run_sync(st.handler.compute, call.kind, tensors, call.seed)
                 seconds = time.perf_counter() - t0
@@ -140,8 +143,10 @@ class StageServer:
             with trio.fail_after(hold):  # past the driver's deadline nobody waits for the answer
                 inputs = await theirs.receive(timeout=hold)
                 async with self.compute_lock:
-                    if self.stage is not st:  # we stopped serving (or moved) while it waited
-                        await session.reply(env, ErrorReply(code="not_serving", message="this peer left the stage"))
+                    if self.stage is not st:  # we moved (or stopped serving) while it waited: hand it back
+                        self.stats.handed_back += 1
+                        await session.reply(env, ErrorReply(code="moved", message="this peer left the stage while "
+                                                                                  "the call waited; send it to another"))
                         return
                     t0 = time.perf_counter()
                     try:

@@ -9,6 +9,8 @@ record; the stage map is the fresh records' announcements joined with the sessio
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from typing import Any
 
 import trio
@@ -16,9 +18,12 @@ import trio
 from peer.pipeline.directory import PipelineKey, StagePeer, bottleneck, capacity, stage_map
 from peer.pipeline.driver import Driver, DriverHandle
 from peer.pipeline.server import ServedStage, StageHandler, StageServer
-from protocol.schema.pipeline import MAX_QUEUE, MAX_SAMPLES_PER_S, StageAnnouncement, StageCall
+from peer.pipeline.state import FetchedState, KeptCopy, SpecCheck, StageStates
+from protocol.schema.pipeline import MAX_QUEUE, MAX_SAMPLES_PER_S, MAX_STEP, StageAnnouncement, StageCall, StageStateRequest
 
 log = logging.getLogger("peertrain.pipeline")
+
+MOVES_KEPT = 10  # moves `peer status` lists: enough to see a rebalancing settle, short enough to read
 
 
 class PipelineService:
@@ -32,8 +37,13 @@ class PipelineService:
         self.server = StageServer(self.cfg)
         self.drivers: dict[str, Driver] = {}
         self.loss: dict[str, Any] = {}  # the trainer's latest figures for the stage map (publish_pipeline)
+        self.states = StageStates(self, self.cfg)
+        self.moving_to = -1  # the stage we are moving to (downloading its state), announced while it lasts
+        self.moved_from = -1  # the stage we left lately, announced while the trainer's cool-down lasts
+        self.moves: deque[dict] = deque(maxlen=MOVES_KEPT)
         self._nursery: trio.Nursery | None = None
         daemon.router.register(StageCall, self._on_call)
+        daemon.router.register(StageStateRequest, self._on_state_request)
         topology.announce_stage = self.announcement
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -45,12 +55,42 @@ class PipelineService:
     async def _on_call(self, session, env) -> None:
         await self.server.on_call(session, env, self._nursery)
 
+    async def _on_state_request(self, session, env) -> None:
+        await self.states.on_request(session, env, self._nursery)
+
     # ---- serving ------------------------------------------------------------------------------------
     def serve(self, key: PipelineKey, stage: int, max_batch: int, handler: StageHandler) -> None:
-        """Serve `stage` of pipeline `key` from now on (replacing what we served) and tell the swarm at once."""
+        """Serve `stage` of pipeline `key` from now on (replacing what we served) and tell the swarm at once.
+        Calls held for the stage we served before are handed back (server.py, `moved`)."""
         StageAnnouncement(key.name, stage, key.stages, cuts=list(key.cuts))  # a receiver's checks: a clear error here
         self.server.stage = ServedStage(key, stage, max_batch, handler)
+        self.moving_to = -1
         log.info("serving stage %d of %d of pipeline %r (cut at blocks %s)", stage, key.stages, key.name, list(key.cuts))
+        self.topology.announce_soon()
+
+    def announce_move(self, moving_to: int, moved_from: int) -> None:
+        """Say in our record that we are moving to a stage (-1: not), or lately left one (-1: cooled down)."""
+        self.moving_to, self.moved_from = moving_to, moved_from
+        self.topology.announce_soon()
+
+    def note_move(self, move: dict) -> None:
+        """Remember one of our moves for `peer status` (what, when, why, how long the state took)."""
+        self.moves.append({"at": time.time(), **move})
+
+    async def fetch_state(self, key: PipelineKey, stage: int, peer_id: str, check: SpecCheck) -> FetchedState:
+        return await self.states.fetch(key, stage, peer_id, check)
+
+    def keep_copy(self, key: PipelineKey, stage: int, tensors: list, step: int, samples: int) -> None:
+        self.states.keep(KeptCopy(key, stage, tensors, step, samples))
+        self.topology.announce_soon()
+
+    def copy_of(self, key: PipelineKey, stage: int) -> tuple[list, int, int] | None:
+        """(tensors, step, samples) of our copy of `stage`, or None."""
+        c = self.states.copies.get((key, stage))
+        return None if c is None else (c.tensors, c.step, c.samples)
+
+    def drop_copy(self, key: PipelineKey, stage: int) -> None:
+        self.states.drop(key, stage)
         self.topology.announce_soon()
 
     def stop_serving(self) -> None:
@@ -65,8 +105,14 @@ class PipelineService:
             return None
         rate = st.handler.samples_per_s()
         rate = min(MAX_SAMPLES_PER_S, rate) if rate == rate and rate > 0 else 0.0  # NaN / negative: not measured
+        def other(s: int) -> int:  # a stale value (we moved since) must not make our record invalid
+            return s if 0 <= s < st.key.stages and s != st.stage else -1
+
         return StageAnnouncement(st.key.name, st.stage, st.key.stages, samples_per_s=rate,
-                                 queue=min(MAX_QUEUE, self.server.stats.queue), cuts=list(st.key.cuts))
+                                 queue=min(MAX_QUEUE, self.server.stats.queue), cuts=list(st.key.cuts),
+                                 step=min(MAX_STEP, max(0, int(getattr(st.handler, "steps", 0)))),
+                                 moving_to=other(self.moving_to), moved_from=other(self.moved_from),
+                                 copies=self.states.announced(st.key, st.stage))
 
     # ---- who serves what ------------------------------------------------------------------------------
     def announcements(self) -> dict[str, StageAnnouncement]:
@@ -115,11 +161,15 @@ class PipelineService:
             "bottleneck": bottleneck(smap),
             "stage_map": [{"stage": s, "capacity": round(capacity(peers), 2),
                            "peers": [{"peer_id": p.peer_id, "samples_per_s": round(p.samples_per_s, 2),
-                                      "queue": p.queue, "me": p.me,
+                                      "queue": p.queue, "me": p.me, "step": p.step, "moving_to": p.moving_to,
                                       "avoided": driver.balancers[s].avoided(p.peer_id, now) if driver else None}
                                      for p in peers]} for s, peers in smap.items()],
+            "moving_to": self.moving_to if self.moving_to >= 0 else None,
+            "moves": list(self.moves),
+            "state_transfers": self.states.status(),
             "server": {"served": self.server.stats.served, "refused": dict(self.server.stats.refused),
-                       "failed": self.server.stats.failed, "queue": self.server.stats.queue,
+                       "failed": self.server.stats.failed, "handed_back": self.server.stats.handed_back,
+                       "queue": self.server.stats.queue,
                        "compute_s": round(self.server.stats.compute_s, 3), "last_error": self.server.stats.last_error},
             **self.loss,
         }

@@ -7,6 +7,7 @@ from a "pkg.module:fn" factory returning `(blocks, loss_fn)`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +18,11 @@ from torch import Tensor, nn
 
 from trainers.datasets import load_factory
 from trainers.models import Block
+
+# torch's CPU generator is one per process: a stage computing under its seed and a worker being built for
+# another stage (a move, a backup) in another thread would otherwise reseed it under each other's feet, and a
+# backward's recomputed dropout masks would no longer match its forward's. Re-entrant: seeded code may nest.
+_RNG_LOCK = threading.RLock()
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -47,7 +53,7 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
     """
     devices = [device.index if device.index is not None else torch.cuda.current_device()] \
         if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with _RNG_LOCK, torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
 

@@ -31,3 +31,10 @@ class Slowed:
 
     def samples_per_s(self) -> float:
         return self.worker.samples_per_s() / self.factor
+
+    @property
+    def steps(self) -> int:
+        return self.worker.steps
+
+    def export_state(self):
+        return self.worker.export_state()

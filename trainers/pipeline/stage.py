@@ -280,6 +280,11 @@ class StageWorker:
             raise ValueError(f"stage {self.stage}: accumulate_samples must be an int >= 1, got {n!r}")
         self._accumulate = n
 
+    @property
+    def pending_samples(self) -> int:
+        """Samples whose gradients are accumulated toward the next step (a move drops them: counted there)."""
+        return self._pending
+
     def accumulated_grads(self) -> dict[str, Tensor]:
         """Name -> the gradient the next step would use (accumulated / samples, before clipping); copies."""
         with self.lock:

@@ -1,0 +1,228 @@
+"""Handing a stage's whole state (weights, optimizer state, step) to a peer that takes the stage over.
+
+A peer that moves to another stage (rebalancing), or takes over a stage nobody serves any more, needs that
+stage's training state, not just its weights: an optimizer restarted from nothing would throw away what
+Adam's moments learned. It downloads the state from a peer serving the stage (live) or from a peer holding a
+copy of it (`copies`: the stage it left, or one it backs up), whichever its records say is freshest.
+
+Serving is bounded like every other transfer: only a connected peer that announces a stage of the same
+pipeline (same name, same cut) may ask (the model is for the pipeline's peers, not for anyone who dials); at
+most `[pipeline] max_state_uploads` transfers at once per daemon (each holds a snapshot of a stage in memory
+while it streams) and one per asking peer; each ends within `[pipeline] state_timeout`.
+
+Fetching checks before it allocates: the holder names every tensor (name, dtype, shape) in its reply, and the
+trainer's `check` (trainers/pipeline/stage.py, check_state_specs) refuses any list that is not exactly a state
+of that stage's blocks; the session then refuses any tensor that contradicts its spec. A state with a NaN or
+an infinity is refused too. What a hostile holder can still do is send finite nonsense for a stage: like a
+hostile server computing wrong activations, that is Byzantine compute, out of scope (docs/design.md).
+
+The daemon keeps the copies itself (`keep` / `drop`), at most MAX_COPIES, because they are served from here
+and announced in our record (protocol/schema/pipeline.py, StageCopy).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import trio
+
+from peer.pipeline.directory import PipelineKey
+from peer.session.groups import IncomingGroup, OutgoingGroup
+from peer.session.transport import SessionClosed
+from protocol.errors import ProtocolError
+from protocol.schema.gossip import TensorSpec
+from protocol.schema.pipeline import MAX_COPIES, StageCopy, StageStateReply, StageStateRequest
+from protocol.schema.session import ErrorReply
+
+log = logging.getLogger("peertrain.pipeline")
+
+SpecCheck = Callable[[list[tuple[str, str, list[int]]]], "str | None"]
+
+
+@dataclass
+class KeptCopy:
+    key: PipelineKey
+    stage: int
+    tensors: list[tuple[str, Any]]  # (name, tensor) as the stage's export_state gave them
+    step: int
+    samples: int
+    kept_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class FetchedState:
+    tensors: list[tuple[str, Any]]
+    step: int
+    samples: int
+    live: bool  # from a peer serving the stage (else from a copy)
+    source: str  # the peer it came from
+    nbytes: int
+    seconds: float
+
+
+class StateUnavailable(Exception):
+    """The state could not be had from that peer; the message says why."""
+
+
+@dataclass
+class StateStats:
+    served: int = 0
+    refused: Counter = field(default_factory=Counter)  # refusal code -> count
+    fetched: int = 0
+    fetch_failed: int = 0
+    last_error: str = ""
+
+
+class StageStates:
+    def __init__(self, service, cfg):
+        self.service = service  # the pipeline service: what we serve, who announces what, sessions
+        self.cfg = cfg  # [pipeline]
+        self.copies: dict[tuple[PipelineKey, int], KeptCopy] = {}
+        self.uploads = 0
+        self.per_peer: Counter = Counter()
+        self.stats = StateStats()
+
+    # ---- the copies we keep ---------------------------------------------------------------------
+    def keep(self, copy: KeptCopy) -> None:
+        """Keep `copy` (replacing an older one of that stage); the oldest goes past MAX_COPIES."""
+        self.copies[(copy.key, copy.stage)] = copy
+        while len(self.copies) > MAX_COPIES:
+            del self.copies[min(self.copies, key=lambda k: self.copies[k].kept_at)]
+
+    def drop(self, key: PipelineKey, stage: int) -> None:
+        self.copies.pop((key, stage), None)
+
+    def announced(self, key: PipelineKey, serving: int) -> list[StageCopy]:
+        """Our copies of `key`'s stages (not the one we serve), for our record."""
+        return [StageCopy(c.stage, min(c.step, 1 << 53)) for (k, s), c in sorted(self.copies.items(), key=lambda kv: kv[0][1])
+                if k == key and s != serving]
+
+    # ---- serving ---------------------------------------------------------------------------------
+    def refusal(self, req: StageStateRequest, peer_id: str) -> tuple[str, str] | None:
+        key = PipelineKey(req.pipeline, tuple(req.cuts))
+        theirs = self.service.announcements().get(peer_id)
+        if theirs is None or PipelineKey.of(theirs) != key:
+            return "not_a_member", "only a peer announcing a stage of this pipeline (same cut) may fetch its state"
+        st = self.service.server.stage
+        live = st is not None and st.key == key and st.stage == req.stage
+        if not live and (key, req.stage) not in self.copies:
+            return "no_state", f"this peer neither serves nor keeps stage {req.stage} of {req.pipeline[:64]!r}"
+        if self.uploads >= self.cfg.max_state_uploads:
+            return "busy", f"{self.uploads} stage states being sent, the most this peer sends at once"
+        if self.per_peer[peer_id]:
+            return "busy", "one stage state per peer at a time"
+        return None
+
+    async def on_request(self, session, env, nursery: trio.Nursery) -> None:
+        req: StageStateRequest = env.message
+        refused = self.refusal(req, session.peer_id)
+        if refused is not None:
+            self.stats.refused[refused[0]] += 1
+            await session.reply(env, ErrorReply(code=refused[0], message=refused[1]))
+            return
+        self.uploads += 1
+        self.per_peer[session.peer_id] += 1
+        nursery.start_soon(self._serve, session, env)  # not in the dispatch task: a slow reader would stall it
+
+    async def _serve(self, session, env) -> None:
+        req: StageStateRequest = env.message
+        key = PipelineKey(req.pipeline, tuple(req.cuts))
+        try:
+            with trio.fail_after(self.cfg.state_timeout):
+                st = self.service.server.stage
+                if st is not None and st.key == key and st.stage == req.stage:
+                    tensors, step, samples = await trio.to_thread.run_sync(st.handler.export_state)
+                    live = True
+                else:
+                    kept = self.copies.get((key, req.stage))
+                    if kept is None:
+                        await session.reply(env, ErrorReply(code="no_state", message="the copy is gone"))
+                        return
+                    tensors, step, samples, live = kept.tensors, kept.step, kept.samples, False
+                specs = [TensorSpec(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in tensors]
+                ours = OutgoingGroup(session, specs)
+                await session.reply(env, StageStateReply(tensors=specs, streams=ours.streams, step=step,
+                                                         samples=samples, live=live))
+                await ours.send([t for _, t in tensors])
+            self.stats.served += 1
+            log.info("sent stage %d's state (step %d, %s) to %s", req.stage, step, "live" if live else "copy",
+                     session.short)
+        except (trio.TooSlowError, SessionClosed) as exc:
+            log.info("stage %d's state for %s not sent: %s", req.stage, session.short, str(exc) or "deadline passed")
+        except Exception:  # a bug here must not take the daemon down: this transfer just fails
+            log.exception("sending stage %d's state to %s failed", req.stage, session.short)
+        finally:
+            self.uploads -= 1
+            self.per_peer[session.peer_id] -= 1
+            if self.per_peer[session.peer_id] <= 0:
+                del self.per_peer[session.peer_id]
+
+    # ---- fetching --------------------------------------------------------------------------------
+    async def fetch(self, key: PipelineKey, stage: int, peer_id: str, check: SpecCheck) -> FetchedState:
+        """Download stage `stage`'s state from `peer_id`; raises StateUnavailable with the reason."""
+        try:
+            return await self._fetch(key, stage, peer_id, check)
+        except StateUnavailable as exc:
+            self.stats.fetch_failed += 1
+            self.stats.last_error = f"{peer_id[:8]}: stage {stage}: {exc}"[:300]
+            raise
+
+    async def _fetch(self, key: PipelineKey, stage: int, peer_id: str, check: SpecCheck) -> FetchedState:
+        session = self.service.session_of(peer_id)
+        if session is None:
+            raise StateUnavailable("no session with it")
+        t0 = trio.current_time()
+        theirs: IncomingGroup | None = None
+        try:
+            with trio.fail_after(self.cfg.state_timeout):
+                env = await session.request(StageStateRequest(key.name, stage, list(key.cuts)),
+                                            timeout=self.cfg.state_timeout)
+                reply = env.message
+                if isinstance(reply, ErrorReply):
+                    raise StateUnavailable(f"refused ({reply.code}): {reply.message[:200]}")
+                if not isinstance(reply, StageStateReply):
+                    raise ProtocolError(f"expected stage_state_reply, got {type(reply).__name__}")
+                specs = list(reply.tensors)
+                why = check([(s.name, s.dtype, list(s.shape)) for s in specs])
+                if why is not None:
+                    IncomingGroup(session, reply.streams, []).discard()  # drop the tensors as they come
+                    raise StateUnavailable(f"not a state of stage {stage}: {why}")
+                theirs = IncomingGroup(session, reply.streams, specs, as_torch=True)
+                values = await theirs.receive(timeout=self.cfg.state_timeout)
+        except trio.TooSlowError:
+            raise StateUnavailable(f"not received within [pipeline] state_timeout {self.cfg.state_timeout:g}s") from None
+        except SessionClosed as exc:
+            raise StateUnavailable(f"session ended: {exc}") from None
+        except ProtocolError as exc:
+            await session.aclose(f"protocol error: {exc}")
+            raise StateUnavailable(f"bad reply: {exc}") from None
+        finally:
+            if theirs is not None:
+                theirs.discard()
+        bad = await trio.to_thread.run_sync(_first_not_finite, specs, values)
+        if bad is not None:
+            raise StateUnavailable(f"tensor {bad[:80]!r} has NaN or Inf")
+        self.stats.fetched += 1
+        nbytes = sum(v.numel() * v.element_size() for v in values)
+        return FetchedState([(s.name, v) for s, v in zip(specs, values)], reply.step, reply.samples, reply.live,
+                            peer_id, nbytes, trio.current_time() - t0)
+
+    def status(self) -> dict:
+        s = self.stats
+        return {"copies": [{"stage": c.stage, "step": c.step, "age_s": round(time.monotonic() - c.kept_at, 1)}
+                           for c in self.copies.values()],
+                "served": s.served, "refused": dict(s.refused), "fetched": s.fetched, "fetch_failed": s.fetch_failed,
+                "uploads": self.uploads, "last_error": s.last_error}
+
+
+def _first_not_finite(specs: list[TensorSpec], values: list[Any]) -> str | None:
+    import torch
+
+    for s, v in zip(specs, values):
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            return s.name
+    return None

@@ -1,0 +1,273 @@
+"""The stage this peer holds: its worker, what the daemon serves for it, and moving it to another stage live.
+
+`StageSeat` owns the peer's StageWorker for one stage of one cut of the model, tells the daemon to serve it,
+shares its parameters with the stage's other peers (gossip partners: that stage's peers only), and checkpoints it.
+
+Moving (`move`, trainers/pipeline/rebalance.py says when and where): the peer announces the move, builds a
+worker for the target stage and downloads that stage's state (weights, optimizer state, step) from the
+freshest holder, a peer serving it or keeping a copy, while its old stage keeps serving. Only when the state is
+loaded, and the records still say its old stage keeps another peer, does it switch: the daemon serves the new
+stage at once (calls still waiting for the old one are handed back, and their drivers re-send them elsewhere:
+each is counted), the old stage's parameters stop being shared, its worker (optimizer state, gradients) is
+dropped, and a copy of its state is kept to hand out should that stage lose its last peer. Gradients the old
+worker had accumulated toward its next step are dropped with it (at most one step's share; counted).
+
+Copies: besides the stage it left, a peer keeps a backup of the next stage's state, pulled every `copy_every`
+seconds from a live peer of it (pull, not push: nobody can make us hold what we did not ask for). A stage that
+loses its last peer to a crash is taken over from the freshest copy any live peer holds, so at most
+`copy_every` seconds of that stage's training are lost. The daemon holds the copies (peer/pipeline/state.py)
+and announces them in our record.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import asdict
+
+from peer.pipeline.directory import PipelineKey
+from peer.pipeline.state import StateUnavailable
+from trainers.baseline import make_optimizer
+from trainers.pipeline.placement import adopted_cut, better_stage, initial_stage
+from trainers.pipeline.rebalance import state_sources
+from trainers.pipeline.slowed import Slowed
+from trainers.pipeline.stage import StageWorker
+
+MAX_SOURCES_TRIED = 3  # holders asked for one stage's state before a move is given up (each bounded by state_timeout)
+
+
+class StageSeat:
+    def __init__(self, swarm, o, model, sample_x, sample_y, costs):
+        self.swarm, self.o, self.model, self.costs = swarm, o, model, costs
+        self.sample_x, self.sample_y = sample_x, sample_y
+        self.key: PipelineKey | None = None
+        self.stage: int | None = None
+        self.worker: StageWorker | None = None
+        self.group = None
+        self.averaged_at = 0
+        self.lock = threading.Lock()  # the worker and group swap under it; housekeeping reads them under it
+        self.moved_at = float("-inf")  # when this peer last switched stage (monotonic)
+        self.cooling_from = -1  # the stage we left, announced until `cool_until`
+        self.cool_until = 0.0
+        self.dropped_samples = 0  # accumulated samples whose gradients a move dropped
+        self._shadows: dict[tuple[PipelineKey, int], StageWorker] = {}  # workers of stages we back up (specs only)
+
+    # ---- building -------------------------------------------------------------------------------
+    def stage_seconds(self, key: PipelineKey) -> list[float]:
+        """Our measured compute seconds per microbatch of each stage of `key`'s cut."""
+        return [sum(c.seconds for c in self.costs[lo:hi]) for lo, hi in zip((0, *key.cuts), (*key.cuts, len(self.costs)))]
+
+    def _worker(self, key: PipelineKey, stage: int) -> StageWorker:
+        o = self.o
+        bounds = list(zip((0, *key.cuts), (*key.cuts, len(self.model.blocks))))
+        return StageWorker(
+            self.model, bounds[stage], stage=stage, stages=key.stages,
+            optimizer=lambda ps: make_optimizer(ps, o.optimizer, lr=o.lr, weight_decay=o.weight_decay),
+            max_batch=o.microbatch, sample_x=self.sample_x, sample_y=self.sample_y, grad_clip=o.grad_clip)
+
+    def _serve(self) -> None:
+        self.set_accumulation()  # before serving: calls may come at once, and must not step at max_batch
+        handler = Slowed(self.worker, self.o.slowdown) if self.o.slowdown > 1 else self.worker
+        self.swarm.serve_stage(self.key, self.stage, self.o.microbatch, handler)
+
+    def take(self, key: PipelineKey, stage: int) -> None:
+        """Serve `stage` with a fresh worker (start-up: nothing trained yet to carry over)."""
+        self.worker, self.key, self.stage = self._worker(key, stage), key, stage
+        self._serve()
+
+    def settle(self, own_cuts, rank: int | None, rng: random.Random, *, deadline: float) -> None:
+        """Agree on the cut and spread over the stages with the peers starting with us
+        (trainers/pipeline/placement.py). A pinned peer (`initial_stage`) keeps its stage."""
+        while time.monotonic() < deadline and not self.swarm.should_stop():
+            time.sleep(0.5)
+            cut = adopted_cut(self.o.pipeline, own_cuts, self.swarm.stage_announcements(), self.swarm.peer_id)
+            if cut != self.key.cuts:
+                key = PipelineKey(self.o.pipeline, cut)
+                self.swarm.log("adopting the cut %s announced by the pipeline's smallest peer ID", list(cut))
+                pinned = self.o.initial_stage
+                self.take(key, pinned if pinned >= 0 else
+                          initial_stage(key, self.swarm.stage_map(key), rank, rng, self.stage_seconds(key)))
+                continue
+            if self.o.initial_stage >= 0:
+                continue
+            move = better_stage(self.swarm.stage_map(self.key), self.stage, self.swarm.peer_id)
+            if move is not None:
+                self.swarm.log("stage %d has no peer: moving there from stage %d", move, self.stage)
+                self.take(self.key, move)
+
+    def resume(self, ckpt: dict) -> bool:
+        """Take the stage our checkpoint holds if it is still needed (no live peer serves it and nobody holds a
+        fresher copy); False: leave it (the caller joins where it is needed, with the live state)."""
+        stage = ckpt.get("stage")
+        if not isinstance(stage, int) or not 0 <= stage < self.key.stages or self.swarm.stage_map(self.key)[stage]:
+            return False
+        step = int(ckpt["worker"].get("steps", 0))
+        fresher = [s for s in self._sources(stage) if s.step > step]
+        self.worker, self.stage = self._worker(self.key, stage), stage
+        if fresher:
+            self._adopt(self.worker, stage)
+        else:
+            self.worker.load_state_dict(ckpt["worker"])
+            self.swarm.log("resumed stage %d from our checkpoint at step %d (no peer serves it)", stage, step)
+        self._serve()
+        return True
+
+    def join_stage(self) -> None:
+        """Share the stage's parameters with its other peers, starting from their state if they are training."""
+        live = [s for s in self._sources(self.stage) if s.live and s.step > 0]
+        if live and self.worker.steps < live[0].step:
+            got = self._adopt(self.worker, self.stage)
+            if got is not None:
+                self.swarm.log("joined stage %d at its step %d", self.stage, got["step"])
+        self._share()
+
+    def _share(self) -> None:
+        self.group = self.swarm.share(self.group_name(), self.worker.params(), lock=self.worker.lock,
+                                      partners=self.swarm.stage_partners)
+        self.averaged_at = self.worker.steps
+
+    def group_name(self, stage: int | None = None) -> str:
+        return f"{self.key.name}/stage{self.stage if stage is None else stage}"
+
+    # ---- state transfer -------------------------------------------------------------------------
+    def _sources(self, stage: int):
+        anns = self.swarm.stage_announcements()
+        live = {p.peer_id for peers in self.swarm.stage_map(self.key).values() for p in peers}
+        return state_sources(anns, live, lambda a: PipelineKey.of(a) == self.key, stage, self.swarm.peer_id)
+
+    def _adopt(self, worker: StageWorker, stage: int) -> dict | None:
+        """Load `stage`'s freshest state into `worker`: from our own copy if none is fresher, else downloaded.
+        Returns where it came from, or None if no holder could give it (the worker keeps what it has)."""
+        own = self.swarm.stage_copy(self.key, stage)
+        for src in self._sources(stage)[:MAX_SOURCES_TRIED]:
+            if own is not None and own[1] >= src.step:
+                break
+            try:
+                got = self.swarm.fetch_stage_state(self.key, stage, src.peer_id, worker.check_state_specs)
+            except StateUnavailable as exc:
+                self.swarm.log("stage %d's state from %s: %s", stage, src.peer_id[:8], exc)
+                continue
+            worker.import_state(got.tensors, got.step, got.samples)
+            self.swarm.log("downloaded stage %d's state (step %d, %s, %.1f MB in %.2fs) from %s", stage, got.step,
+                           "live" if got.live else "copy", got.nbytes / 1e6, got.seconds, src.peer_id[:8])
+            return {"source": src.peer_id[:8], "step": got.step, "live": got.live, "mb": round(got.nbytes / 1e6, 2),
+                    "download_s": round(got.seconds, 3)}
+        if own is not None:
+            worker.import_state(own[0], own[1], own[2])
+            return {"source": "own copy", "step": own[1], "live": False, "mb": 0.0, "download_s": 0.0}
+        return None
+
+    def backup(self) -> None:
+        """Keep a fresh copy of the next stage's state (see the module docstring)."""
+        if self.key is None or self.key.stages < 2:
+            return
+        target = (self.stage + 1) % self.key.stages
+        live = [s for s in self._sources(target) if s.live]
+        if not live:
+            return
+        shadow = self._shadows.get((self.key, target))
+        if shadow is None:
+            self._shadows = {(self.key, target): self._worker(self.key, target)}  # one at a time: specs only
+            shadow = self._shadows[(self.key, target)]
+        for src in live[:MAX_SOURCES_TRIED]:
+            try:
+                got = self.swarm.fetch_stage_state(self.key, target, src.peer_id, shadow.check_state_specs)
+            except StateUnavailable as exc:
+                self.swarm.log("backup of stage %d from %s: %s", target, src.peer_id[:8], exc)
+                continue
+            self.swarm.keep_stage_copy(self.key, target, got.tensors, got.step, got.samples)
+            return
+
+    def move(self, to: int, reason: str, *, may_switch, settle_s: float) -> dict | None:
+        """Move to stage `to` (module docstring). `may_switch(from_stage)` is asked last (None: go). Returns
+        the move's record, or None if it was given up (logged)."""
+        key, old_stage, t0 = self.key, self.stage, time.monotonic()
+        self.swarm.log("moving from stage %d to stage %d: %s", old_stage, to, reason)
+        self.swarm.announce_move(moving_to=to, moved_from=self.cooling_from)
+        switched = False
+        try:
+            worker = self._worker(key, to)
+            got = self._adopt(worker, to)
+            if got is None and self.swarm.stage_map(key)[to]:
+                self.swarm.log("move to stage %d given up: no peer could hand out its state", to)
+                return None
+            if got is None:
+                self.swarm.log("stage %d has no peer and nobody holds a copy: it restarts from our blocks", to)
+                got = {"source": "none (restarted)", "step": 0, "live": False, "mb": 0.0, "download_s": 0.0}
+            time.sleep(max(0.0, t0 + settle_s - time.monotonic()))  # let every peer see our claim first
+            why = may_switch(old_stage)
+            if why is not None:
+                self.swarm.log("move to stage %d given up: %s", to, why)
+                return None
+            with self.lock:
+                old, old_group = self.worker, self.group_name()
+                dropped = old.pending_samples
+                self.worker, self.stage = worker, to
+                self._serve()
+                switched = True
+                self.swarm.unshare(old_group)
+                self._share()
+            self.dropped_samples += dropped
+            tensors, step, samples = old.export_state()
+            del old  # its optimizer state and gradients go; the copy below is what we keep of that stage
+            self.swarm.keep_stage_copy(key, old_stage, tensors, step, samples)
+            self.swarm.drop_stage_copy(key, to)  # we serve it now: its state is live here
+            self._shadows.clear()
+            self.moved_at = time.monotonic()
+            self.cooling_from, self.cool_until = old_stage, self.moved_at + max(self.o.rebalance_every, settle_s)
+            record = {"from": old_stage, "to": to, "reason": reason, "took_s": round(self.moved_at - t0, 3),
+                      "dropped_samples": dropped, **got}
+            self.swarm.note_move(**record)
+            self.swarm.log("now serving stage %d (was %d) after %.2fs", to, old_stage, self.moved_at - t0)
+            return record
+        finally:
+            self.swarm.announce_move(moving_to=-1, moved_from=self.cooling_from if switched or
+                                     time.monotonic() < self.cool_until else -1)
+
+    def cool_down(self) -> None:
+        """Stop announcing the stage we left once its cool-down is over."""
+        if self.cooling_from >= 0 and time.monotonic() >= self.cool_until:
+            self.cooling_from = -1
+            self.swarm.announce_move(moving_to=-1, moved_from=-1)
+
+    # ---- while training -------------------------------------------------------------------------
+    def housekeeping(self) -> None:
+        """Step size by the stage's peers, and an averaging round after every `average_every` steps."""
+        with self.lock:
+            w = self.worker
+            if w is None or self.group is None:
+                return
+            n = self.set_accumulation()
+            self.group.step = w.steps
+            if self.o.average_every and n > 1 and w.steps - self.averaged_at >= self.o.average_every:
+                if self.swarm.average_in_background(self.group_name()):
+                    self.averaged_at = w.steps
+
+    def set_accumulation(self) -> int:
+        """Step after this peer's share of `batch_size` samples (the stage's peers share a batch); the peers
+        of the stage counted, us included."""
+        n = max(1, len([p for p in self.swarm.stage_map(self.key)[self.stage] if not p.me]) + 1)
+        self.worker.accumulate_samples = max(1, self.o.batch_size // n)
+        return n
+
+    def save(self) -> None:
+        """Checkpoint this peer's stage: where the model is cut, the stage's blocks and optimizer, and the
+        gradient the next step would use (written atomically; `peer checkpoint`, shutdown and every
+        `checkpoint_every` seconds)."""
+        with self.lock:
+            w, key, stage = self.worker, self.key, self.stage
+        if w is None:
+            return
+        grads = w.accumulated_grads()
+        state = w.state_dict()
+        self.swarm.save_checkpoint({"pipeline": key.name, "cuts": list(key.cuts), "stage": stage,
+                                    "worker": state, "accumulated_grads": grads, "samples": w.samples,
+                                    "options": asdict(self.o)})
+
+    def figures(self) -> dict:
+        w = self.worker
+        if w is None:
+            return {}
+        return {"my_stage": self.stage, "stage_steps": w.steps, "stage_samples": w.samples,
+                "stage_samples_per_s": round(w.samples_per_s(), 2), "moves_dropped_samples": self.dropped_samples}
