@@ -1,0 +1,187 @@
+"""Rebalancing between pipeline stages with real daemons on 127.0.0.1 (issue 17, "Tests"):
+
+  * a peer slowed 8x makes its stage the bottleneck: a peer of a stage with spare capacity moves there, and the
+    drivers' throughput rises; every microbatch in flight during the move is accounted for (none failed, the calls
+    handed back were re-sent), and no two peers left one stage at once;
+  * a stage emptied by kill -9 of its only peer is taken over by a peer of another stage from a copy of its state,
+    and training goes on (the stage steps again, every surviving driver finishes);
+  * a peer joining a trained stage holds, after the transfer, exactly the state of the peer it came from
+    (weights, optimizer state, step).
+
+Peers are pinned to their first stage (`initial_stage`) so each test starts from a known assignment.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from peer.testing.process import wait_for
+from peer.testing.swarm import rank_env, swarm_config, unique_swarm
+from peer.trainer_host import read_checkpoint
+
+pytestmark = pytest.mark.slow
+
+TRAINER = "trainers.swarm_pipeline"
+TINY = dict(d_model=32, n_layers=2, n_heads=2, block=16, microbatch=8, batch_size=16, stages=4, dropout=0.0,
+            lr=3e-3, grad_clip=0.0, seed=0, join_wait=60.0, rebalance_every=3.0, copy_every=3.0)
+START_S = 90.0  # start, profile, agree on a cut, cover every stage: ~10 s here, generous for a loaded CI machine
+TOPOLOGY = {"record_interval": 1.0}  # stage records (and the moves in them) spread within a second
+SLOW = 8.0  # the slowed peer: slow enough that its stage, not the shared 2-core CPU, bounds the pipeline
+
+
+def config(swarm: str, **options):
+    return swarm_config(swarm=swarm, trainer=TRAINER, options={**TINY, **options}, topology=TOPOLOGY)
+
+
+def trainer(st: dict | None) -> dict:
+    return (st or {}).get("trainer", {})
+
+
+def pipe(st: dict | None) -> dict:
+    return (st or {}).get("pipeline", {})
+
+
+def driver(st: dict | None) -> dict:
+    return pipe(st).get("driver", {})
+
+
+def stage_of(st: dict | None) -> int | None:
+    return pipe(st).get("my_stage")
+
+
+def peers_per_stage(st: dict) -> dict[int, list[str]]:
+    return {e["stage"]: [p["peer_id"] for p in e["peers"]] for e in pipe(st).get("stage_map", [])}
+
+
+def moves(sts) -> list[dict]:
+    return [dict(m, peer=s["peer_id"]) for s in sts if s for m in pipe(s).get("moves", [])]
+
+
+def assert_one_leaver_per_stage(all_moves: list[dict]) -> None:
+    """No two moves out of one stage overlap in time (each runs from its claim, `took_s` before it ended)."""
+    by_stage: dict[int, list[tuple[float, float, str]]] = {}
+    for m in all_moves:
+        by_stage.setdefault(m["from"], []).append((m["at"] - m["took_s"], m["at"], m["peer"]))
+    for stage, spans in by_stage.items():
+        spans.sort()
+        for (a0, a1, p), (b0, b1, q) in zip(spans, spans[1:]):
+            assert b0 >= a1, f"{p[:8]} and {q[:8]} left stage {stage} at once: {a0:.1f}-{a1:.1f} and {b0:.1f}-{b1:.1f}"
+
+
+def test_a_slowed_peer_draws_a_move_that_raises_throughput(cluster):
+    """Five daemons on stages 0, 0, 1, 2, 3; the lone peer of stage 3 computes 8x slower, so stage 3 bounds the
+    pipeline. A stage-0 peer must move to stage 3 (the only stage it can leave), and the drivers' samples/s
+    after the move must beat the rate before it."""
+    o = dict(d_model=128, block=64, n_heads=4, samples=0, in_flight=2)
+    swarm = unique_swarm("rb")
+    stages = [0, 0, 1, 2, 3]
+    ds = [cluster.start(f"node{i + 1}", config=config(swarm, initial_stage=s, slowdown=SLOW if s == 3 else 1.0, **o),
+                        env=rank_env(i, len(stages))) for i, s in enumerate(stages)]
+    trace: list[tuple[float, int]] = []  # (time, samples done by all drivers)
+
+    def poll_until(pred, timeout: float, what: str):
+        def once():
+            sts = cluster.statuses()
+            trace.append((time.time(), sum(trainer(s).get("samples") or 0 for s in sts)))
+            return pred(sts) and sts
+        return wait_for(once, timeout=timeout, what=what, interval=0.5)
+    poll_until(lambda sts: trace[-1][1] > 0, START_S, "the drivers to start")
+    moved = poll_until(lambda sts: any(m["to"] == 3 for m in moves(sts)), 120, "a peer to move to the slowed stage 3")
+    move = next(m for m in moves(moved) if m["to"] == 3)
+    assert move["from"] == 0, move  # the only stage with a peer to spare
+    settled = time.time() + 15
+    final = poll_until(lambda sts: time.time() > settled, 60, "15 s after the move")
+
+    def rate(t0: float, t1: float) -> float:
+        pts = [(t, n) for t, n in trace if t0 <= t <= t1]
+        return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+    start = move["at"] - move["took_s"]
+    before = rate(max(trace[0][0], start - 10), start)
+    after = rate(move["at"] + 3, trace[-1][0])
+    print(f"move {move}: drivers' samples/s {before:.1f} before, {after:.1f} after")
+    assert after > before * 1.2, f"throughput {before:.1f} -> {after:.1f} samples/s after the move"
+    assert len(peers_per_stage(final[0])[3]) == 2, peers_per_stage(final[0])
+
+    # Every microbatch accounted for: none failed; calls the mover held for its old stage were handed back and re-sent.
+    for d, s in zip(ds, final):
+        assert driver(s).get("failed") == 0 and not driver(s).get("failures"), (d.name, driver(s))
+    handed_back = sum(pipe(s)["server"].get("handed_back", 0) for s in final)
+    resent = sum(driver(s).get("resent", 0) for s in final)
+    assert handed_back <= resent, (handed_back, resent)
+    assert_one_leaver_per_stage(moves(final))
+
+
+def test_a_stage_emptied_by_kill_is_taken_over_and_training_resumes(cluster):
+    """Five daemons on stages 0, 0, 1, 2, 3 drive their samples. Mid-run the only peer of stage 2 is killed: a
+    stage-0 peer takes stage 2 over from the freshest copy (peers back up the next stage every `copy_every`
+    seconds), the drivers' waiting ends, stage 2 steps again, and every surviving driver finishes with nothing lost."""
+    n, samples = 5, 1200
+    swarm = unique_swarm("rb")
+    stages = [0, 0, 1, 2, 3]
+    ds = [cluster.start(f"node{i + 1}", config=config(swarm, initial_stage=s, samples=samples, rebalance_every=600.0),
+                        env=rank_env(i, n)) for i, s in enumerate(stages)]
+    sts: list = [None] * n
+
+    def mid_run() -> bool:
+        sts[:] = cluster.statuses()
+        copies = [c for s in sts for c in (pipe(s).get("state_transfers") or {}).get("copies", []) if c["stage"] == 2]
+        return all(s and 160 <= (trainer(s).get("samples") or 0) < samples // 2 for s in sts) and bool(copies)
+    cluster.wait(lambda _: mid_run(), timeout=START_S, what="every daemon driving and a copy of stage 2 kept",
+                 interval=0.3)
+    victim = ds[stages.index(2)]
+    assert stage_of(sts[stages.index(2)]) == 2 and len(peers_per_stage(sts[0])[2]) == 1, peers_per_stage(sts[0])
+    assert victim.kill() == -9
+    survivors = [d for d in ds if d is not victim]
+
+    def taken_over():
+        got = [d.try_status() for d in survivors]
+        return got if any(stage_of(s) == 2 for s in got) else None
+    got = wait_for(taken_over, timeout=60, what="a peer to take stage 2 over", interval=0.3)
+    taker = next(s for s in got if stage_of(s) == 2)
+    move = next(m for m in pipe(taker)["moves"] if m["to"] == 2)
+    assert move["from"] == 0 and "no peer" in move["reason"] and move["step"] > 0, move
+    steps_at_takeover = trainer(taker).get("stage_steps", 0)
+
+    def finished():
+        got = [d.try_status() for d in survivors]
+        return got if all(trainer(s).get("driving_done") for s in got) else None
+    final = wait_for(finished, timeout=180, what="the surviving drivers to finish", interval=0.5)
+    for d, s in zip(survivors, final):
+        t, dr = trainer(s), driver(s)
+        assert t["samples"] == samples and t["microbatches_failed"] == 0 and dr["failed"] == 0, (d.name, t, dr)
+    taker_now = next(s for s in final if s["peer_id"] == taker["peer_id"])
+    assert trainer(taker_now)["stage_steps"] > steps_at_takeover, "stage 2 did not step after the takeover"
+    assert_one_leaver_per_stage(moves(final))
+
+
+def test_a_joining_peer_holds_exactly_its_sources_stage_state(cluster):
+    """node1 (stage 0) drives 160 samples through node2 (stage 1), then both only serve. node3 then joins stage 1:
+    it downloads node2's state, and both checkpoints hold the same weights, optimizer state and step, bit for bit."""
+    o = dict(stages=2, average_every=0, rebalance=False, copy_every=0.0)
+    swarm = unique_swarm("rb")
+    d1 = cluster.start("node1", config=config(swarm, initial_stage=0, samples=160, **o), env=rank_env(0, 2))
+    d2 = cluster.start("node2", config=config(swarm, initial_stage=1, role="server", **o), env=rank_env(1, 2))
+    d1.wait_until(lambda st: trainer(st).get("driving_done"), timeout=START_S, what="node1 to drive its samples")
+    d3 = cluster.start("node3", config=config(swarm, initial_stage=1, role="server", **o), env=rank_env(1, 2))
+    def my_step(st: dict) -> int:
+        return next((p["step"] for e in pipe(st).get("stage_map", []) for p in e["peers"] if p["me"]), 0)
+    d3.wait_until(lambda st: stage_of(st) == 1 and my_step(st) > 0, timeout=START_S,
+                  what="node3 to join stage 1 with its state")
+    states = []
+    for d in (d2, d3):
+        assert wait_for(lambda: d.command("checkpoint", timeout=60), timeout=60, what=f"{d.name}'s checkpoint") \
+            == {"saved": True}
+        states.append(read_checkpoint(d.home / "checkpoints" / "latest.pt")["worker"])
+    src, got = states
+    assert got["steps"] == src["steps"] > 0 and got["samples"] == src["samples"], (got["steps"], src["steps"])
+    assert got["module"].keys() == src["module"].keys()
+    for k, v in src["module"].items():
+        assert torch.equal(got["module"][k], v), k
+    so, go = src["optimizer"]["state"], got["optimizer"]["state"]
+    assert so.keys() == go.keys() and so, "no optimizer state moved"
+    for i, entry in so.items():
+        for k, v in entry.items():
+            assert torch.equal(torch.as_tensor(go[i][k]), torch.as_tensor(v)), (i, k)
