@@ -166,10 +166,18 @@ def test_kill_of_a_stage_peer_loses_no_microbatch(cluster):
         sts[:] = cluster.statuses()
         return all(s and 80 <= (trainer(s).get("samples") or 0) < samples for s in sts)
     cluster.wait(lambda _: mid_run(), timeout=START_S, what="every daemon to be driving", interval=0.2)
-    smap = stage_peers(sts[0])
     ids = [s["peer_id"] for s in sts]
-    stage, peers = next((s, p) for s, p in sorted(smap.items()) if len(p) >= 2)  # two stages have 2, or one 3
-    victim = ds[ids.index(peers[-1])]
+    smap = stage_peers(sts[0])
+
+    def holding_calls():  # a peer of a stage with two or more that holds calls right now (so some must be re-sent)
+        got = cluster.statuses()
+        busy = [(s["pipeline"]["server"]["queue"], st, s["peer_id"]) for st, ps in smap.items() if len(ps) >= 2
+                for s in got if s and s["peer_id"] in ps and (s.get("pipeline") or {}).get("server")]
+        best = max(busy, default=None)
+        return best if best and best[0] >= 2 else None
+    _, stage, victim_id = wait_for(holding_calls, timeout=60, what="a stage peer holding calls", interval=0.1)
+    peers = [p for p in smap[stage] if p != victim_id] + [victim_id]  # the victim last, as the checks below read it
+    victim = ds[ids.index(victim_id)]
     survivors = [d for d in ds if d is not victim]
     steps_before = {d.name: trainer(s).get("stage_steps", 0) for d, s in zip(ds, sts)}
     assert victim.kill() == -9
