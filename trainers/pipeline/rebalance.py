@@ -134,9 +134,10 @@ def empty_stages(smap: StageMap) -> list[int]:
 
 def takeover_order(smap: StageMap, cost: list[float], empty: int, copies: dict[str, int]) -> list[Move]:
     """Who should take over `empty` stage, best first: peers whose stage keeps another peer (not leaving).
-    `copies`: peer -> the step of the copy of `empty` it holds (absent: none)."""
+    `copies`: peer -> the step of the copy of `empty` it holds (absent: none); only peers on `smap` count."""
     speeds = _speeds(smap, cost)
     where = _placement(smap)
+    copies = {pid: step for pid, step in copies.items() if pid in where}
     counts = [0] * len(cost)
     for s in where.values():
         counts[s] += 1
