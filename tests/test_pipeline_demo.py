@@ -11,6 +11,7 @@ import pytest
 from rich.console import Console
 
 from peer.cli.local import _training_finished
+from peer.cli.pipeline_view import render_pipeline
 from peer.cli.status_view import render_local_summary, render_status
 from peer.config import load
 from peer.testing.process import ManagedProcess
@@ -83,6 +84,61 @@ def test_peer_status_shows_the_stage_map_and_the_accounting():
     assert "for stage 2 (12s)" in out and "3.0383" in out and "val loss 2.9356" in out
     assert "microbatch 7: stage 3 loss" in out
     assert "served  816 calls" in out and "refused busy 3" in out
+
+
+def test_peer_status_shows_moves_steps_copies_and_handed_back_calls():
+    now = 1_000_000.0
+    st = _status([[_peer("a", 4535.0, me=True)], [_peer("b", 1393.0, 4), _peer("c", 700.0)], [_peer("e", 0.0)],
+                  [_peer("d", 2766.0)]], bottleneck=2)
+    pl = st["pipeline"]
+    for entry in pl["stage_map"]:
+        for p in entry["peers"]:
+            p["step"], p["moving_to"] = 1200 + entry["stage"], -1
+    pl["stage_map"][1]["peers"][1]["moving_to"] = 2  # c is leaving stage 1 for the bottleneck
+    pl["stage_map"][1]["peers"][1]["avoided"] = "avoided for 2.0s more: refused (moved)"
+    pl["moving_to"] = 3
+    pl["server"]["handed_back"] = 6
+    long_reason = ("stage 2 is the bottleneck (812.4 samples/s); stage 1 has 2093.0: predicted 812.4 -> 1406.9 "
+                   "samples/s (gain 73%, needed 10%)")
+    pl["moves"] = [  # this peer (now on stage 0) went 1 -> 2 an hour ago, then took over stage 0 when it emptied
+        {"at": now - 3725.0, "from": 1, "to": 2, "reason": long_reason, "took_s": 4.62, "dropped_samples": 24,
+         "source": "dddddddd", "step": 977, "live": True, "mb": 12.34, "download_s": 0.61},
+        {"at": now - 125.0, "from": 2, "to": 0, "reason": "stage 0 has no peer", "took_s": 1.4,
+         "dropped_samples": 0, "source": "none (restarted)", "step": 0, "live": False, "mb": 0.0, "download_s": 0.0},
+    ]
+    pl["state_transfers"] = {"copies": [{"stage": 2, "step": 1180, "age_s": 125.2}, {"stage": 1, "step": 977,
+                                                                                    "age_s": 30.0}],
+                             "served": 2, "refused": {"busy": 1}, "fetched": 1, "fetch_failed": 1, "uploads": 1,
+                             "last_error": "cccccccc: stage 3: refused (no_state): the copy is gone"}
+    out = _text(render_pipeline(pl, st["trainer"], now=now))
+    assert "my stage 0   moving to stage 3" in out
+    assert "step" in out and "1201" in out and "1203" in out  # each peer's step
+    c_row = next(line for line in out.splitlines() if "cccccccc" in line)
+    assert "-> stage 2" in c_row and "avoided for 2.0s more" in c_row  # moving, and avoided after its hand-back
+    assert "-> stage" not in next(line for line in out.splitlines() if "bbbbbbbb" in line)
+    assert "handed back 6" in out and "served  816 calls" in out
+    newest, oldest = (next(line for line in out.splitlines() if mark in line) for mark in ("2 -> 0", "1 -> 2"))
+    assert out.index("2 -> 0") < out.index("1 -> 2")  # newest first
+    assert "2m05s" in newest and "1.4s" in newest and "none (restarted): step 0" in newest
+    assert "stage 0 has no peer" in newest
+    assert "1h02m" in oldest and "4.6s" in oldest and "dddddddd: step 977 live, 12.3 MB in 0.6s" in oldest
+    assert " 24 " in oldest and "stage 2 is the bottleneck" in oldest and "…" in oldest
+    assert "(gain 73%" not in out  # the reason is cut to fit; --json has it whole
+    assert "stage 1 step 977 (30s old)   stage 2 step 1180 (2m05s old)" in out
+    assert "2 sent   refused busy 1   1 sending   1 fetched   1 fetches failed" in out
+    assert "refused (no_state): the copy is gone" in out
+
+
+def test_peer_status_without_moves_shows_no_moves_block():
+    st = _status([[_peer("a", 10.0, me=True)], [_peer("b", 9.0)]], bottleneck=1)
+    st["pipeline"]["state_transfers"] = {"copies": [], "served": 0, "refused": {}, "fetched": 0, "fetch_failed": 0,
+                                         "uploads": 0, "last_error": ""}
+    st["pipeline"]["moves"], st["pipeline"]["moving_to"] = [], None
+    out = _text(render_status(st))
+    assert "moves" not in out and "moving to" not in out and "handed back" not in out and "aaaaaaaa (me)" in out
+    st["pipeline"]["state_transfers"]["copies"] = [{"stage": 1, "step": 5, "age_s": 3.0}]  # a backup, no move yet
+    out = _text(render_status(st))
+    assert "moves" in out and "stage 1 step 5 (3s old)" in out and "0 sent" in out
 
 
 def test_peer_local_table_shows_each_nodes_stage_and_ends_when_every_driver_is_done():

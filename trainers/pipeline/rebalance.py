@@ -69,6 +69,11 @@ def throughput(placement: dict[str, int], speeds: dict[str, float], cost: list[f
     return min(caps), caps
 
 
+def _movers(smap: StageMap) -> set[str]:
+    """Peers announcing a move: busy with it, so never named for another one."""
+    return {p.peer_id for peers in smap.values() for p in peers if p.moving_to >= 0}
+
+
 def _cooling(smap: StageMap) -> set[int]:
     """Stages a peer is leaving now or left lately: none more may leave them until that settles."""
     out = set()
@@ -102,14 +107,14 @@ def plan_move(smap: StageMap, cost: list[float], *, min_gain: float) -> Move | N
         return None  # a stage is empty or moving-to: takeover_order's case
     target = min(range(len(caps)), key=lambda s: (caps[s], s))
     cooling = _cooling(smap)
+    movers = _movers(smap)
     counts = [0] * len(cost)
     for s in where.values():
         counts[s] += 1
     best: Move | None = None
     for pid in sorted(where):
         src = where[pid]
-        if src == target or counts[src] < 2 or src in cooling or any(p.peer_id == pid and p.moving_to >= 0
-                                                                      for p in smap[src]):
+        if src == target or counts[src] < 2 or src in cooling or pid in movers:
             continue
         after, _ = throughput({**where, pid: target}, speeds, cost)
         if best is None or after > best.after:
@@ -129,16 +134,18 @@ def empty_stages(smap: StageMap) -> list[int]:
 
 def takeover_order(smap: StageMap, cost: list[float], empty: int, copies: dict[str, int]) -> list[Move]:
     """Who should take over `empty` stage, best first: peers whose stage keeps another peer (not leaving).
-    `copies`: peer -> the step of the copy of `empty` it holds (absent: none)."""
+    `copies`: peer -> the step of the copy of `empty` it holds (absent: none); only peers on `smap` count."""
     speeds = _speeds(smap, cost)
     where = _placement(smap)
+    copies = {pid: step for pid, step in copies.items() if pid in where}
     counts = [0] * len(cost)
     for s in where.values():
         counts[s] += 1
+    movers = _movers(smap)
     freshest = max(copies.values(), default=None)
     ranked = []
     for pid, src in where.items():
-        if src == empty or counts[src] < 2 or any(p.peer_id == pid and p.moving_to >= 0 for p in smap[src]):
+        if src == empty or counts[src] < 2 or pid in movers:
             continue
         moved = {**where, pid: empty}
         _, caps = throughput(moved, speeds, cost)
