@@ -105,16 +105,16 @@ def test_no_move_below_min_gain():
     assert plan_move(smap_of(2, ("a", 0, 5.0), ("b", 0, 5.0), ("c", 1, 10.0)), [1.0, 1.0], min_gain=0.0) is None
 
 
-@pytest.mark.xfail(strict=True, reason="plan_move weighs one move by the new minimum only: with two stages about "
-                                       "as slow, no single move lifts the minimum by min_gain, so none is made")
 def test_two_stages_about_as_slow_are_both_filled():
     """Four spare peers on stage 0, stages 1 and 2 each one slow peer (2.5 and 2.6 samples/s): moving one
     spare peer to stage 1 only raises the pipeline to stage 2's 2.6 (+4%), so the pipeline stays at 2.5 while
-    40 samples/s of stage 0 idle. The rule a fix would need: a move that lifts the bottleneck stage by min_gain
-    without lowering the minimum (the sorted capacities rise, so moves still cannot cycle)."""
+    40 samples/s of stage 0 idle. The rule: a move that lifts the bottleneck stage (and leaves its source) above
+    today's throughput by min_gain, without lowering the minimum, is made (the sorted capacities rise, so moves
+    cannot cycle); the next round fills stage 2."""
     smap = smap_of(3, ("a", 0, 10.0), ("b", 0, 10.0), ("c", 0, 10.0), ("d", 0, 10.0), ("e", 1, 2.5),
                    ("f", 2, 2.6))
-    assert plan_move(smap, COST3, min_gain=0.1) is not None
+    plan = plan_move(smap, COST3, min_gain=0.1)
+    assert plan is not None and plan.to_stage == 1 and plan.from_stage == 0, plan
 
 
 def test_never_from_a_stage_with_one_peer():

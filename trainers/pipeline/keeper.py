@@ -136,7 +136,7 @@ class SeatKeeper:
         plan = plan_move(self.swarm.stage_map(seat.key), seat.stage_seconds(seat.key), min_gain=threshold)
         if plan is None or plan.peer_id != self.swarm.peer_id:
             return
-        seat.move(plan.to_stage, plan.reason + f" (gain {plan.after / plan.before - 1:.0%}, needed {threshold:.0%})",
+        seat.move(plan.to_stage, plan.reason + f" (noise {threshold:.0%})",
                   may_switch=self._may_switch, settle_s=CLAIM_SETTLE_S)
         self.predictions.clear()
 

@@ -12,10 +12,13 @@ A peer not measured yet counts with the typical speed of those measured. A peer 
 the stage it is moving to (the move is as good as made), so two peers never both fill one gap.
 
 Rebalancing (`plan_move`): consider moving each peer of every stage that keeps another peer to the bottleneck
-stage; take the move with the best predicted throughput (ties: the smallest peer ID); make it only if it beats
-today's by `min_gain` (hysteresis: above the noise of the measured rates, so peers do not oscillate). Only the
-peer the plan names acts. A stage some peer is leaving or left lately (`moved_from`, announced for a cool-down)
-gives no further peer until its rates are measured again: at most one peer moves out of a stage at a time.
+stage; a move qualifies when, predicted, the bottleneck stage and the stage left both end at least `min_gain`
+above today's throughput and no stage ends below it (hysteresis above the noise of the measured rates, so peers
+do not oscillate; each move raises the sorted stage capacities, so moves cannot cycle, and with two stages
+about as slow the next move fills the other). Of those, the best predicted throughput wins (ties: more capacity
+at the bottleneck, then the smallest peer ID). Only the peer the plan names acts. A stage some peer is leaving
+or left lately (`moved_from`, announced for a cool-down) gives no further peer until its rates are measured
+again: at most one peer moves out of a stage at a time.
 
 An empty stage (`takeover_order`) is urgent: the peers that could leave their stage without emptying it are
 ranked (a holder of the freshest copy of the empty stage first, then the best predicted throughput, then peer
@@ -97,7 +100,14 @@ def settling(smap: StageMap) -> bool:
 
 
 def plan_move(smap: StageMap, cost: list[float], *, min_gain: float) -> Move | None:
-    """The one move that raises the predicted throughput most, if by at least `min_gain` (a fraction)."""
+    """The move that best relieves the bottleneck stage, if it clears the noise (module docstring).
+
+    A move of peer p from stage a to the bottleneck b is worth making when, predicted, b's capacity and a's
+    (without p) both end at least `min_gain` above today's throughput, and no stage ends below it. Usually the
+    throughput then rises by `min_gain` or more; with two stages about as slow, filling one lifts the pipeline
+    only to the other, and the next move fills that. Each move raises the sorted list of stage capacities, so
+    moves cannot cycle. Among such moves: the best predicted throughput, then the most capacity at b, then the
+    smallest peer ID."""
     if len(cost) != len(smap) or any(c <= 0 for c in cost):
         raise ValueError(f"stage costs must be {len(smap)} positive numbers, got {cost}")
     speeds = _speeds(smap, cost)
@@ -111,19 +121,24 @@ def plan_move(smap: StageMap, cost: list[float], *, min_gain: float) -> Move | N
     counts = [0] * len(cost)
     for s in where.values():
         counts[s] += 1
-    best: Move | None = None
+    bar = before * (1.0 + min_gain)
+    best: tuple[float, float, str] | None = None
+    move: Move | None = None
     for pid in sorted(where):
         src = where[pid]
         if src == target or counts[src] < 2 or src in cooling or pid in movers:
             continue
-        after, _ = throughput({**where, pid: target}, speeds, cost)
-        if best is None or after > best.after:
-            best = Move(pid, src, target, before, after,
+        after, new = throughput({**where, pid: target}, speeds, cost)
+        if after < before or new[target] < bar or new[src] < bar:
+            continue
+        key = (-after, -new[target], pid)
+        if best is None or key < best:
+            best = key
+            move = Move(pid, src, target, before, after,
                         f"stage {target} is the bottleneck ({caps[target]:.1f} samples/s); stage {src} has "
-                        f"{caps[src]:.1f}: predicted {before:.1f} -> {after:.1f} samples/s")
-    if best is None or best.after < before * (1.0 + min_gain):
-        return None
-    return best
+                        f"{caps[src]:.1f}: predicted {before:.1f} -> {after:.1f} samples/s "
+                        f"(stage {target} {caps[target]:.1f} -> {new[target]:.1f})")
+    return move
 
 
 def empty_stages(smap: StageMap) -> list[int]:
