@@ -73,7 +73,7 @@ def assert_one_leaver_per_stage(all_moves: list[dict]) -> None:
 
 def test_a_slowed_peer_draws_a_move_that_raises_throughput(cluster):
     """Five daemons on stages 0, 0, 1, 2, 3; the lone peer of stage 3 computes 8x slower, so stage 3 bounds the
-    pipeline. A stage-0 peer must move to stage 3 (the only stage it can leave), and the drivers' samples/s
+    pipeline. A peer must move to stage 3 (leaving a stage that keeps a peer), and the drivers' samples/s
     after the move must beat the rate before it."""
     o = dict(d_model=128, block=64, n_heads=4, samples=0, in_flight=2)
     swarm = unique_swarm("rb")
@@ -90,8 +90,7 @@ def test_a_slowed_peer_draws_a_move_that_raises_throughput(cluster):
         return wait_for(once, timeout=timeout, what=what, interval=0.5)
     poll_until(lambda sts: trace[-1][1] > 0, START_S, "the drivers to start")
     moved = poll_until(lambda sts: any(m["to"] == 3 for m in moves(sts)), 120, "a peer to move to the slowed stage 3")
-    move = next(m for m in moves(moved) if m["to"] == 3)
-    assert move["from"] == 0, move  # the only stage with a peer to spare
+    move = next(m for m in moves(moved) if m["to"] == 3)  # from stage 0, or from a stage a stage-0 peer went to first
     settled = time.time() + 15
     final = poll_until(lambda sts: time.time() > settled, 60, "15 s after the move")
 
@@ -103,7 +102,7 @@ def test_a_slowed_peer_draws_a_move_that_raises_throughput(cluster):
     after = rate(move["at"] + 3, trace[-1][0])
     print(f"move {move}: drivers' samples/s {before:.1f} before, {after:.1f} after")
     assert after > before * 1.2, f"throughput {before:.1f} -> {after:.1f} samples/s after the move"
-    assert len(peers_per_stage(final[0])[3]) == 2, peers_per_stage(final[0])
+    assert len(peers_per_stage(final[0])[3]) >= 2 and all(peers_per_stage(final[0]).values()), peers_per_stage(final[0])
 
     # Every microbatch accounted for: none failed; calls the mover held for its old stage were handed back and re-sent.
     for d, s in zip(ds, final):
