@@ -386,3 +386,16 @@ def test_state_sources_at_equal_step_and_kind_go_by_peer_id():
     anns = {"z": _ann(1, 3), "y": _ann(1, 3), "x": _ann(0, 0, copies=[(1, 3)])}
     got = state_sources(anns, {"x", "y", "z"}, lambda a: True, 1, "me")
     assert [(s.peer_id, s.live) for s in got] == [("y", True), ("z", True), ("x", False)]
+
+
+def test_a_move_that_only_shuffles_which_stage_is_slowest_is_not_made():
+    """Stage 1 (20.3/s) is the bottleneck and stage 2 has two peers of 25/s: moving one to stage 1 lifts the
+    pipeline only to stage 0's 20.5 (+1%), and no second move gets past stage 3's 20.6: nothing is worth a move.
+    With stage 3 at 30/s, the same first move and one more (stage 1's slow peer to stage 0) reach 25/s (+23%)."""
+    cost = [1.0, 1.0, 1.0, 1.0]
+    shuffle = smap_of(4, ("a", 0, 20.5), ("b", 1, 20.3), ("c", 2, 25.0), ("d", 2, 25.0), ("e", 3, 20.6))
+    assert plan_move(shuffle, cost, min_gain=0.1) is None
+    two_step = smap_of(4, ("a", 0, 20.5), ("b", 1, 20.3), ("c", 2, 25.0), ("d", 2, 25.0), ("e", 3, 30.0))
+    plan = plan_move(two_step, cost, min_gain=0.1)
+    assert plan is not None and (plan.from_stage, plan.to_stage) == (2, 1), plan
+    assert plan.after == pytest.approx(20.5) and "with one more move" in plan.reason, plan

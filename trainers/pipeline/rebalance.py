@@ -12,13 +12,13 @@ A peer not measured yet counts with the typical speed of those measured. A peer 
 the stage it is moving to (the move is as good as made), so two peers never both fill one gap.
 
 Rebalancing (`plan_move`): consider moving each peer of every stage that keeps another peer to the bottleneck
-stage; a move qualifies when, predicted, the bottleneck stage and the stage left both end at least `min_gain`
-above today's throughput and no stage ends below it (hysteresis above the noise of the measured rates, so peers
-do not oscillate; each move raises the sorted stage capacities, so moves cannot cycle, and with two stages
-about as slow the next move fills the other). Of those, the best predicted throughput wins (ties: more capacity
-at the bottleneck, then the smallest peer ID). Only the peer the plan names acts. A stage some peer is leaving
-or left lately (`moved_from`, announced for a cool-down) gives no further peer until its rates are measured
-again: at most one peer moves out of a stage at a time.
+stage; a move qualifies when it does not lower the predicted throughput and, alone or followed by one more
+such move, raises it by `min_gain` (hysteresis above the noise of the measured rates, so peers do not
+oscillate; the look-ahead fills two stages about as slow one after the other, where neither move alone
+gains much). Of those, the best reachable throughput wins (ties: the best right after the move, then the
+smallest peer ID). Only the peer the plan names acts. A stage some peer is leaving or left lately
+(`moved_from`, announced for a cool-down) gives no further peer until its rates are measured again: at most
+one peer moves out of a stage at a time.
 
 An empty stage (`takeover_order`) is urgent: the peers that could leave their stage without emptying it are
 ranked (a holder of the freshest copy of the empty stage first, then the best predicted throughput, then peer
@@ -99,15 +99,31 @@ def settling(smap: StageMap) -> bool:
     return any(p.moving_to >= 0 or p.moved_from >= 0 for peers in smap.values() for p in peers)
 
 
-def plan_move(smap: StageMap, cost: list[float], *, min_gain: float) -> Move | None:
-    """The move that best relieves the bottleneck stage, if it clears the noise (module docstring).
+def _moves_to_bottleneck(where: dict[str, int], speeds, cost, skip: set[str]):
+    """(peer, from, to, throughput after, capacities after) for each move of one peer to today's bottleneck
+    from a stage that keeps a peer, that does not lower the throughput."""
+    before, caps = throughput(where, speeds, cost)
+    target = min(range(len(caps)), key=lambda s: (caps[s], s))
+    counts = [0] * len(cost)
+    for s in where.values():
+        counts[s] += 1
+    for pid in sorted(where):
+        src = where[pid]
+        if src == target or counts[src] < 2 or pid in skip:
+            continue
+        after, new = throughput({**where, pid: target}, speeds, cost)
+        if after >= before:
+            yield pid, src, target, after, new
 
-    A move of peer p from stage a to the bottleneck b is worth making when, predicted, b's capacity and a's
-    (without p) both end at least `min_gain` above today's throughput, and no stage ends below it. Usually the
-    throughput then rises by `min_gain` or more; with two stages about as slow, filling one lifts the pipeline
-    only to the other, and the next move fills that. Each move raises the sorted list of stage capacities, so
-    moves cannot cycle. Among such moves: the best predicted throughput, then the most capacity at b, then the
-    smallest peer ID."""
+
+def plan_move(smap: StageMap, cost: list[float], *, min_gain: float) -> Move | None:
+    """The move to the bottleneck stage worth making now, if any (module docstring).
+
+    A move qualifies when it does not lower the predicted throughput and, on its own or followed by one
+    more such move, raises it by `min_gain` at least: with two stages about as slow, filling one lifts the
+    pipeline only to the other, and the next move fills that; a move that only shuffles which stage is
+    slowest is not made. Among qualifying moves: the best throughput reachable, then the best right after
+    this move, then the smallest peer ID."""
     if len(cost) != len(smap) or any(c <= 0 for c in cost):
         raise ValueError(f"stage costs must be {len(smap)} positive numbers, got {cost}")
     speeds = _speeds(smap, cost)
@@ -115,30 +131,21 @@ def plan_move(smap: StageMap, cost: list[float], *, min_gain: float) -> Move | N
     before, caps = throughput(where, speeds, cost)
     if before <= 0:
         return None  # a stage is empty or moving-to: takeover_order's case
-    target = min(range(len(caps)), key=lambda s: (caps[s], s))
-    cooling = _cooling(smap)
-    movers = _movers(smap)
-    counts = [0] * len(cost)
-    for s in where.values():
-        counts[s] += 1
-    bar = before * (1.0 + min_gain)
-    best: tuple[float, float, str] | None = None
-    move: Move | None = None
-    for pid in sorted(where):
-        src = where[pid]
-        if src == target or counts[src] < 2 or src in cooling or pid in movers:
+    skip = {p.peer_id for peers in smap.values() for p in peers if p.stage in _cooling(smap)} | _movers(smap)
+    best: tuple | None = None
+    for pid, src, target, after, new in _moves_to_bottleneck(where, speeds, cost, skip):
+        moved = {**where, pid: target}
+        then = max((a for *_, a, _ in _moves_to_bottleneck(moved, speeds, cost, set())), default=after)
+        reach = max(after, then)
+        if reach < before * (1.0 + min_gain):
             continue
-        after, new = throughput({**where, pid: target}, speeds, cost)
-        if after < before or new[target] < bar or new[src] < bar:
-            continue
-        key = (-after, -new[target], pid)
-        if best is None or key < best:
-            best = key
-            move = Move(pid, src, target, before, after,
-                        f"stage {target} is the bottleneck ({caps[target]:.1f} samples/s); stage {src} has "
-                        f"{caps[src]:.1f}: predicted {before:.1f} -> {after:.1f} samples/s "
-                        f"(stage {target} {caps[target]:.1f} -> {new[target]:.1f})")
-    return move
+        key = (-reach, -after, pid)
+        if best is None or key < best[0]:
+            best = (key, Move(pid, src, target, before, after,
+                              f"stage {target} is the bottleneck ({caps[target]:.1f} samples/s); stage {src} has "
+                              f"{caps[src]:.1f}: predicted {before:.1f} -> {after:.1f} samples/s"
+                              + (f" (-> {reach:.1f} with one more move)" if reach > after else "")))
+    return best[1] if best else None
 
 
 def empty_stages(smap: StageMap) -> list[int]:
