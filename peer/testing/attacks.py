@@ -43,6 +43,7 @@ from protocol.frames import KIND_MESSAGE
 from protocol.limits import GiB
 from protocol.schema import EdgeAccept, EdgeCommit, EdgeDrop, EdgePropose, Ping, Pong, TensorHeader
 from protocol.schema.gossip import AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsRequest, TensorSpec
+from protocol.schema.pipeline import StageStateRequest
 from protocol.schema.session import ErrorReply
 from protocol.schema.topology import topology_record_signing_bytes
 
@@ -366,6 +367,22 @@ async def params_as_non_neighbour(status: dict) -> Observed:
         obs.ok = (isinstance(reply.message, ErrorReply) and reply.message.code == "not_neighbour"
                   and isinstance(rejected.message, AverageReject) and "neighbour" in rejected.message.reason)
         obs.reason = obs.facts["params_reply"]
+        n.cancel_scope.cancel()
+    return obs
+
+
+@scenario("stage_state_as_non_member", "refuse",
+          "a stage's state (weights, optimizer) asked for by a peer that serves no stage of the pipeline")
+async def stage_state_as_non_member(status: dict) -> Observed:
+    pl = status.get("pipeline") or {}
+    async with attacker_session(status) as s, trio.open_nursery() as n:
+        n.start_soon(answer_pings, s)
+        obs = Observed(attacker=my_id(s))
+        req = StageStateRequest(pl.get("pipeline") or "shakespeare", pl.get("my_stage") or 0, pl.get("cuts") or [])
+        reply = await s.request(req, timeout=10)
+        obs.facts = {"state_reply": _describe(reply.message), "session_kept": not s.closed.is_set()}
+        obs.ok = isinstance(reply.message, ErrorReply) and reply.message.code == "not_a_member"
+        obs.reason = obs.facts["state_reply"]
         n.cancel_scope.cancel()
     return obs
 
