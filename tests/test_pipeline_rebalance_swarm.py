@@ -13,6 +13,7 @@ Peers are pinned to their first stage (`initial_stage`) so each test starts from
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -184,3 +185,32 @@ def test_a_joining_peer_holds_exactly_its_sources_stage_state(cluster):
     for i, entry in so.items():
         for k, v in entry.items():
             assert torch.equal(torch.as_tensor(go[i][k]), torch.as_tensor(v)), (i, k)
+
+
+def test_a_restarted_peer_resumes_its_stage_from_its_checkpoint_when_still_needed(cluster):
+    """node1 (stage 0) drives through node2, the only peer of stage 1, which checkpoints every second. node2 is
+    killed mid-run; with rebalancing off and no copies nobody takes stage 1 over, so node1's microbatches wait.
+    node2 restarted on its home finds stage 1 still without a peer: it resumes it from its own checkpoint (its
+    step, not a fresh start), and node1 finishes with nothing lost."""
+    o = dict(stages=2, rebalance=False, copy_every=0.0, checkpoint_every=1.0, samples=4000, in_flight=1,
+             d_model=64, block=64, n_heads=4)  # a few seconds of driving: long enough to kill node2 mid-run
+    swarm = unique_swarm("rb")
+    d1 = cluster.start("node1", config=config(swarm, initial_stage=0, **o), env=rank_env(0, 2))
+    cfg2 = config(swarm, initial_stage=1, role="server", **o)
+    d2 = cluster.start("node2", config=cfg2, env=rank_env(1, 2))
+    d1.wait_until(lambda st: (trainer(st).get("samples") or 0) >= 160, timeout=START_S, what="node1 to be driving")
+    wait_for(lambda: (d2.home / "checkpoints" / "latest.pt").exists(), timeout=30, what="node2's first checkpoint")
+    time.sleep(1.5)  # one more checkpoint, of a stage that has stepped
+    assert d2.kill() == -9
+    saved = read_checkpoint(d2.home / "checkpoints" / "latest.pt")
+    assert saved["stage"] == 1 and saved["worker"]["steps"] > 0, (saved["stage"], saved["worker"]["steps"])
+    d1.wait_until(lambda st: driver(st).get("waiting"), timeout=30, what="node1's microbatches to wait for stage 1")
+    d2 = cluster.start("node2", config=cfg2, env=rank_env(1, 2))  # the same home: its identity and checkpoint
+    d2.wait_until(lambda st: stage_of(st) == 1, timeout=START_S, what="node2 to serve stage 1 again")
+    log = d2.log_path.read_text()
+    resumed = re.search(r"resumed stage 1 from our checkpoint at step (\d+)", log)
+    assert resumed and int(resumed.group(1)) >= saved["worker"]["steps"], log[-2000:]
+    st = d1.wait_until(lambda st: trainer(st).get("driving_done") and st, timeout=START_S + 60,
+                       what="node1 to finish driving")
+    t, dr = trainer(st), driver(st)
+    assert t["samples"] == 4000 and t["microbatches_failed"] == 0 and dr["failed"] == 0, (t, dr)
