@@ -4,13 +4,19 @@ and any peer holding data drives microbatches through whichever peers of each st
 Start-up: build the model's blocks (the built-in char transformer on the shipped Shakespeare corpus, or the
 user's `model_factory`), profile every block's forward+backward time and activation size, cut the model with
 PipeDream's dynamic program (printed), agree on one cut with the peers already serving it, pick a stage
-(trainers/pipeline/placement.py), keep only that stage's blocks, download the stage's current parameters from
-a peer of the stage if it is already training, and serve it.
+(trainers/pipeline/placement.py), keep only that stage's blocks, download the stage's current state from a
+peer of the stage if it is already training, and serve it.
 
 Learning: a server accumulates gradients for its stage until it has seen its share of `batch_size` samples
 (`batch_size` / peers of the stage, so the stage as a whole steps once per `batch_size` samples, as one process
 would), steps its own optimizer (its state stays local), then averages the stage's parameters with another peer
 of the same stage through the gossip engine (partners: the peers of that stage only).
+
+Moving (trainers/pipeline/seat.py, keeper.py, rebalance.py): a background thread moves this peer to the
+bottleneck stage when a move beats the measured noise, carrying the stage's weights, optimizer state and step
+from a live peer; takes over a stage left without peers from the freshest copy; backs up the next stage's
+state every `copy_every` seconds and checkpoints its own every `checkpoint_every`. A restarted peer resumes its
+stage from its checkpoint if nobody serves it.
 
 Driving: microbatches of `microbatch` windows from this peer's shard, at most `in_flight` at once, until it
 has driven `samples` of them; then a validation pass through the pipeline. The peer keeps serving until it is
