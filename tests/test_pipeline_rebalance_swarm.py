@@ -22,6 +22,7 @@ import torch
 from peer.testing.process import wait_for
 from peer.testing.swarm import rank_env, swarm_config, unique_swarm
 from peer.trainer_host import read_checkpoint
+from tests.pipeline_status import driver, pipe, trainer
 
 pytestmark = pytest.mark.slow
 
@@ -35,18 +36,6 @@ SLOW = 8.0  # the slowed peer: slow enough that its stage, not the shared 2-core
 
 def config(swarm: str, **options):
     return swarm_config(swarm=swarm, trainer=TRAINER, options={**TINY, **options}, topology=TOPOLOGY)
-
-
-def trainer(st: dict | None) -> dict:
-    return (st or {}).get("trainer", {})
-
-
-def pipe(st: dict | None) -> dict:
-    return (st or {}).get("pipeline", {})
-
-
-def driver(st: dict | None) -> dict:
-    return pipe(st).get("driver", {})
 
 
 def stage_of(st: dict | None) -> int | None:

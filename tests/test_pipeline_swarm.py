@@ -22,6 +22,7 @@ import torch
 from peer.testing.process import wait_for
 from peer.testing.swarm import rank_env, swarm_config, unique_swarm
 from peer.trainer_host import read_checkpoint
+from tests.pipeline_status import driver, pipe, trainer
 from trainers.datasets import load_char_corpus, partition
 from trainers.pipeline.blocks import char_transformer_pipeline
 from trainers.pipeline.reference import train_reference
@@ -39,18 +40,6 @@ TOPOLOGY = {"record_interval": 1.0}  # stage announcements spread within a secon
 def config(swarm: str, pipeline: dict | None = None, **options):
     cfg = swarm_config(swarm=swarm, trainer=TRAINER, options={**TINY, **options}, topology=TOPOLOGY)
     return cfg.replace(pipeline=pipeline) if pipeline else cfg
-
-
-def trainer(st: dict | None) -> dict:
-    return (st or {}).get("trainer", {})
-
-
-def pipe(st: dict | None) -> dict:
-    return (st or {}).get("pipeline", {})
-
-
-def driver(st: dict | None) -> dict:
-    return pipe(st).get("driver", {})
 
 
 def driving_done(sts) -> bool:
