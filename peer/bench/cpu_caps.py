@@ -40,11 +40,13 @@ def _v2_root() -> Path | None:
 
 @dataclass
 class CpuCaps:
-    """One cgroup per process index, each capped at `cpus_each` CPUs; a context manager that removes them."""
+    """One cgroup per process index, each capped at `cpus_each` CPUs (or cap i at `per_index[i]`, for caps of
+    different sizes); a context manager that removes them. `set(i, cpus)` resizes one while it runs."""
 
     n: int
     cpus_each: float
     support: CapSupport
+    per_index: list[float] | None = None
     dirs: list[Path] = field(default_factory=list)
 
     @staticmethod
@@ -65,7 +67,8 @@ class CpuCaps:
         s = self.support
         if s.mechanism is None:
             raise RuntimeError(f"cannot cap CPU: {s.reason}")
-        quota = max(MIN_QUOTA_US, int(self.cpus_each * PERIOD_US))
+        if self.per_index is not None and len(self.per_index) != self.n:
+            raise ValueError(f"{len(self.per_index)} per-index caps for {self.n} processes")
         try:
             if s.mechanism.startswith("cgroup2"):
                 sub = (s.root / "cgroup.subtree_control")
@@ -75,15 +78,22 @@ class CpuCaps:
                 d = s.root / f"ptbench{os.getpid()}p{i}"
                 d.mkdir()
                 self.dirs.append(d)
-                if s.mechanism.startswith("cgroup2"):
-                    (d / "cpu.max").write_text(f"{quota} {PERIOD_US}")
-                else:
+                if not s.mechanism.startswith("cgroup2"):
                     (d / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-                    (d / "cpu.cfs_quota_us").write_text(str(quota))
+                self.set(i, self.per_index[i] if self.per_index is not None else self.cpus_each)
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def set(self, i: int, cpus: float) -> None:
+        """Cap i at `cpus` CPUs from now on (its processes stay in it)."""
+        quota = max(MIN_QUOTA_US, int(cpus * PERIOD_US))
+        d = self.dirs[i]
+        if self.support.mechanism.startswith("cgroup2"):
+            (d / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+        else:
+            (d / "cpu.cfs_quota_us").write_text(str(quota))
 
     def add(self, i: int, pid: int) -> None:
         """Move process `pid` (all its threads, and what it starts later) into cap i."""
