@@ -161,3 +161,30 @@ def test_moves_reported_by_the_rebalancer_are_collected_when_present() -> None:
            {"pipeline": {}}, None]
     assert reported_moves(sts, t0_unix=100.0) == [{"daemon": 0, "at": 105.0, "from": 0, "to": 3,
                                                    "reason": "bottleneck", "took_s": 1.5, "at_s": 5.0}]
+
+
+@pytest.mark.slow
+def test_bench_pipeline_tiny_uneven_churn_run_reports_every_figure() -> None:
+    proc = subprocess.run([sys.executable, "-m", "peer", "bench", "pipeline", "--tiny", "--daemons", "5", "--no-netns",
+                           "--uneven", "--churn", "--warmup", "1", "--measure", "3", "--rebalance-for", "3",
+                           "--churn-every", "4", "--churn-events", "1", "--window", "1", "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # ~60 s idle; minutes on a loaded host
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(proc.stdout)
+    for key in ("fraction_of_best_static", "fraction_of_best_rebalanced", "fraction_of_best_churn", "recovery_s",
+                "lost", "lost_with_killed_drivers", "static", "best", "rebalanced", "churn", "speeds", "caps",
+                "durations_s", "command"):
+        assert key in out, key
+    assert out["static"]["pinned"] == [0, 1, 2, 3, 0] and out["static"]["assignment"] == [0, 1, 2, 3, 0]
+    best = out["best"]
+    assert sorted(set(best["pinned"])) == [0, 1, 2, 3] and best["assignment"] == best["pinned"]
+    assert best["predicted_samples_per_s"] >= out["static"]["predicted_samples_per_s"] > 0
+    assert best["measured_samples_per_s"] > 0 and out["fraction_of_best_static"] > 0
+    assert out["fraction_of_best_rebalanced"] > 0 and out["fraction_of_best_churn"] >= 0
+    assert len(out["speeds"]["per_daemon"]) == 5 and len(out["speeds"]["plan_ms"]) == 4
+    assert len(out["recovery_s"]) == 1 and len(out["churn"]["events"]) == 1
+    assert out["churn"]["events"][0]["restarted_after_s"] >= 1
+    assert out["lost"] >= 0 and out["lost_with_killed_drivers"] >= 0
+    assert out["rebalanced"]["series"] and out["churn"]["series"]
+    if out["caps"]["cpus"]:
+        assert sum(out["caps"]["cpus"]) == pytest.approx(2.0, abs=0.01) and len(set(out["caps"]["cpus"])) > 1
