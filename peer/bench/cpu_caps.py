@@ -47,6 +47,7 @@ class CpuCaps:
     cpus_each: float
     support: CapSupport
     per_index: list[float] | None = None
+    period_us: int = PERIOD_US  # shorter: a process busy only now and then no longer runs a whole quota at full speed
     dirs: list[Path] = field(default_factory=list)
 
     @staticmethod
@@ -79,7 +80,7 @@ class CpuCaps:
                 d.mkdir()
                 self.dirs.append(d)
                 if not s.mechanism.startswith("cgroup2"):
-                    (d / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                    (d / "cpu.cfs_period_us").write_text(str(self.period_us))
                 self.set(i, self.per_index[i] if self.per_index is not None else self.cpus_each)
         except BaseException:
             self.__exit__()
@@ -88,10 +89,10 @@ class CpuCaps:
 
     def set(self, i: int, cpus: float) -> None:
         """Cap i at `cpus` CPUs from now on (its processes stay in it)."""
-        quota = max(MIN_QUOTA_US, int(cpus * PERIOD_US))
+        quota = max(MIN_QUOTA_US, int(cpus * self.period_us))
         d = self.dirs[i]
         if self.support.mechanism.startswith("cgroup2"):
-            (d / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+            (d / "cpu.max").write_text(f"{quota} {self.period_us}")
         else:
             (d / "cpu.cfs_quota_us").write_text(str(quota))
 

@@ -53,6 +53,11 @@ from peer.testing.swarm import LocalSwarm, rank_env, unique_swarm
 
 STAGES = base.STAGES
 DEFAULT_SHARES = (2.0, 2.0, 1.5, 1.0, 1.0, 0.5)
+# The caps' period: with the kernel's 100 ms, a peer busy only now and then computes a whole quota at full
+# speed (a 0.5-CPU peer busy ~20% of the time measured 97 samples/s on a stage where its speed measured on a
+# busy stage predicted 52), so its measured speed would depend on how busy its stage keeps it. In 10 ms
+# periods a call of ~60 ms CPU is throttled all along, so speeds follow the caps whatever the load.
+CAP_PERIOD_US = 10_000
 
 
 class Poller(base.Poller):
@@ -175,14 +180,41 @@ class Swarm:
         self.poller.dead.discard(i)
 
 
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds process `pid` has used (all its threads), from /proc."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    f = text[text.rindex(")") + 2:].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _window(s: Swarm, t0: float, t1: float) -> dict:
+    """Poll until t1 (run seconds); throughput, each peer's stage, samples/s and share of its cap used in [t0, t1]."""
+    s.until(t0)
+    c0 = [_cpu_s(d.pid) for d in s.swarm.daemons]
+    load0 = os.getloadavg()[0]
+    s.until(t1)
+    c1 = [_cpu_s(d.pid) for d in s.swarm.daemons]
+    n = s.a.daemons
+    sps = [pr.own_samples_per_s(s.polls, i, s.t_ready + t0, s.t_ready + t1) for i in range(n)]
+    stages = s.assignment()
+    cap = [0.0] * STAGES
+    for st, r in zip(stages, sps):
+        if st is not None and r is not None:
+            cap[st] += r
+    return {"samples_per_s": pr.series_rate(s.series(), t0, t1), "window_s": [t0, t1], "assignment": stages,
+            "peer_samples_per_s": sps, "stage_capacity_samples_per_s": [_r(c) for c in cap],
+            "cpu_used_of_cap": [None if x is None or y is None else round((y - x) / (t1 - t0) / s.cpus[i], 2)
+                                for i, (x, y) in enumerate(zip(c0, c1))],
+            "load_1m": [round(load0, 2), round(os.getloadavg()[0], 2)]}
+
+
 def _measure(s: Swarm, a) -> dict:
     """Warm-up, then `--measure` seconds: throughput, and every peer's measured samples/s on its stage."""
-    t0, t1 = a.warmup, a.warmup + a.measure
-    s.until(t1)
-    sps = [pr.own_samples_per_s(s.polls, i, s.t_ready + t0, s.t_ready + t1) for i in range(a.daemons)]
-    return {"samples_per_s": pr.series_rate(s.series(), t0, t1), "peer_samples_per_s": sps,
-            "assignment": s.assignment(), "window_s": [t0, t1], "startup_s": s.startup_s,
-            "lost": _lost(s, t0, t1)}
+    return {**_window(s, a.warmup, a.warmup + a.measure), "startup_s": s.startup_s,
+            "lost": _lost(s, a.warmup, a.warmup + a.measure)}
 
 
 def _lost(s: Swarm, t0: float, t1: float) -> int:
@@ -218,12 +250,13 @@ def _speeds(s: Swarm, m: dict) -> dict:
 
 
 def _rebalanced(s: Swarm, a) -> dict:
-    s.until(a.rebalance_for)
     t1 = a.rebalance_for
     t0 = max(0.0, t1 - a.measure)
+    w = _window(s, t0, t1)
     series = s.series()
-    return {"samples_per_s": pr.series_rate(series, t0, t1), "settled_window_s": [t0, t1],
-            "series": pr.windowed(series, 0.0, t1, a.window), "assignment_at_end": s.assignment(),
+    return {**{k: v for k, v in w.items() if k not in ("window_s", "assignment")},
+            "settled_window_s": [t0, t1], "series": pr.windowed(series, 0.0, t1, a.window),
+            "assignment_at_end": w["assignment"],
             "stage_changes": pr.stage_changes(s.polls, s.t_ready),
             "moves": pr.reported_moves([s.last(i) for i in range(a.daemons)]),
             "startup_s": s.startup_s, "lost": _lost(s, 0.0, t1)}
@@ -330,7 +363,8 @@ def run(a) -> int:
         else:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="peertrain-uneven-")))
         lan = stack.enter_context(virtual_lan(a.daemons, prefix="ptu", subnet="10.77.17")) if netns else None
-        caps = stack.enter_context(CpuCaps(a.daemons, a.cpus / a.daemons, support)) if use_caps else None
+        caps = stack.enter_context(CpuCaps(a.daemons, a.cpus / a.daemons, support, period_us=CAP_PERIOD_US)) \
+            if use_caps else None
 
         if a.uneven:
             static_assignment = pr.round_robin(a.daemons, STAGES)
@@ -394,6 +428,7 @@ def run(a) -> int:
         else out["fraction_of_best_churn"] >= 0.85,
         "zero_lost": out["lost"] == 0}
     out["caps"] = {"mechanism": support.mechanism if use_caps else None, "cpus": cpus if use_caps else None,
+                   "period_us": CAP_PERIOD_US if use_caps else None,
                    "shares": a.shares or (",".join(f"{x:g}" for x in DEFAULT_SHARES) if a.uneven else "equal"),
                    "startup_cpus_each": round(a.cpus / a.daemons, 4) if use_caps else None,
                    "note": ("off (--no-caps)" if a.no_caps else support.reason) if use_caps or a.no_caps
