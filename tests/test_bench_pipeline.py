@@ -16,6 +16,7 @@ from peer.bench.pipeline_rebalance import (best_assignment, cpu_caps_from_shares
                                            reported_moves, round_robin, series_rate, shares, speed_factors,
                                            stage_changes, stage_rates, windowed)
 from peer.bench.pipeline_rebalance import recovery as churn_recovery
+from peer.bench.pipeline_uneven import contention
 from tests.daemons import REPO
 
 
@@ -188,3 +189,11 @@ def test_bench_pipeline_tiny_uneven_churn_run_reports_every_figure() -> None:
     assert out["rebalanced"]["series"] and out["churn"]["series"]
     if out["caps"]["cpus"]:
         assert sum(out["caps"]["cpus"]) == pytest.approx(2.0, abs=0.01) and len(set(out["caps"]["cpus"])) > 1
+
+
+def test_a_starved_slowest_stage_is_flagged() -> None:
+    w = {"stage_capacity_samples_per_s": [30.0, 20.0, 40.0, 35.0], "assignment_at_end": [0, 1, 2, 3, 1],
+         "cpu_used_of_cap": [0.5, 0.6, 0.4, 0.5, 0.95], "load_1m": [7.0, 8.0]}
+    assert "stage (1) used 60%" in contention("best", w)
+    w["cpu_used_of_cap"][1] = 0.9
+    assert contention("best", w) is None

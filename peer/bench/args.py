@@ -177,7 +177,7 @@ def pipeline_arguments(p: Parser) -> None:
         "fraction divides by) and 'rebalanced' (static's start with rebalancing on). --churn then kills -9 "
         "and restarts a random peer every --churn-every seconds in the rebalanced swarm (alone: in one "
         "equal-capped swarm, its own throughput before the churn is the reference). Default total with "
-        "both: ~10 minutes. --duration and --no-kill do not apply.")
+        "both: ~8 minutes. --duration and --no-kill do not apply.")
     g.add_argument("--uneven", action="store_true",
                    help="per-daemon CPU caps of different sizes (--shares of --cpus) and the static / best / "
                         "rebalanced runs: fraction_of_best_static and fraction_of_best_rebalanced")
@@ -187,6 +187,11 @@ def pipeline_arguments(p: Parser) -> None:
                    help="relative CPU per daemon, scaled to add up to --cpus (default 2,2,1.5,1,1,0.5: with 2 CPUs "
                         "0.5 .. 0.125 each; the best assignment can even out the 4 stages only by pairing a slow "
                         "peer with a fast one, so a speed-blind layout is far from it)")
+    g.add_argument("--cpu-priority", type=float, default=1.0, metavar="X",
+                   help="the daemons' cgroups weigh X times a normal process against other work on the host (v1 "
+                        "cpu.shares, v2 cpu.weight); the caps still bound them. On a host busy with other work "
+                        "the peers otherwise get less than their caps, and unevenly (see cpu_used_of_cap in the "
+                        "JSON): X=8 gives them their caps, leaving others the CPUs beyond --cpus (default 1)")
     g.add_argument("--warmup", type=float, default=20.0,
                    help="seconds after every driver's first microbatch (and the switch to the uneven caps) before "
                         "measuring: the stage servers' speed averages settle (default 20)")

@@ -48,6 +48,7 @@ class CpuCaps:
     support: CapSupport
     per_index: list[float] | None = None
     period_us: int = PERIOD_US  # shorter: a process busy only now and then no longer runs a whole quota at full speed
+    priority: float = 1.0  # x the default CPU weight (v1 cpu.shares 1024, v2 cpu.weight 100) against other work
     dirs: list[Path] = field(default_factory=list)
 
     @staticmethod
@@ -81,6 +82,11 @@ class CpuCaps:
                 self.dirs.append(d)
                 if not s.mechanism.startswith("cgroup2"):
                     (d / "cpu.cfs_period_us").write_text(str(self.period_us))
+                if self.priority != 1.0:
+                    if s.mechanism.startswith("cgroup2"):
+                        (d / "cpu.weight").write_text(str(max(1, min(10_000, round(100 * self.priority)))))
+                    else:
+                        (d / "cpu.shares").write_text(str(max(2, round(1024 * self.priority))))
                 self.set(i, self.per_index[i] if self.per_index is not None else self.cpus_each)
         except BaseException:
             self.__exit__()

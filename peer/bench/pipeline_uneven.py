@@ -8,6 +8,11 @@ paired across stages by their speeds; a speed-blind layout lands far from it; an
 of the fastest, as volunteers' machines differ. Start-up (imports, profiling, planning) runs under equal caps of
 `--cpus`/N each, so the slowest peer does not hold every run's start back for minutes; the uneven caps are set
 once every driver has finished a microbatch, before the warm-up. A restarted peer starts under its own cap.
+A cap is an upper bound: on a host busy with other work the peers get less, and unevenly, and the runs
+compared are minutes apart (on this shared VM at load 5-12 two runs of one layout differed by 1.6x). Each
+run reports the CPU each peer used of its cap (`cpu_used_of_cap`) and `warnings` flags a starved slowest
+stage; `--cpu-priority 8` weighs the daemons' cgroups above other work so they get their caps (with
+`--cpus 1.5`, others keep half a core): then two runs of one layout agreed within 2%.
 
 Runs, each a fresh swarm (daemon i always has cap i):
   a. static: peer i pinned to stage i mod 4 (`initial_stage`), `rebalance` off: the layout a config written
@@ -322,6 +327,23 @@ def _cpus(a) -> list[float]:
     return pr.cpu_caps_from_shares(weights, a.cpus)
 
 
+def contention(run: str, w: dict) -> str | None:
+    """A warning when the peers of a run's slowest stage used under 85% of their caps over its window: then
+    other work on the host (or too few microbatches in flight), not the caps, set the speeds compared."""
+    caps = w.get("stage_capacity_samples_per_s")
+    used = w.get("cpu_used_of_cap")
+    if not caps or not used or not any(caps):
+        return None
+    slow = min(range(len(caps)), key=lambda st: caps[st] if caps[st] else float("inf"))
+    stages = w.get("assignment") or w.get("assignment_at_end") or []
+    mine = [u for st, u in zip(stages, used) if st == slow and u is not None]
+    if not mine or min(mine) >= 0.85:
+        return None
+    return (f"{run}: the peers of the slowest stage ({slow}) used {min(mine):.0%} of their CPU caps (load "
+            f"{w['load_1m'][1]}): other work on the host, not the caps, set their speed; "
+            f"--cpu-priority 8 with --cpus 1.5 gives them their caps")
+
+
 def _public(d: dict) -> dict:
     return {k: v for k, v in d.items() if not k.startswith("_")}
 
@@ -363,7 +385,8 @@ def run(a) -> int:
         else:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="peertrain-uneven-")))
         lan = stack.enter_context(virtual_lan(a.daemons, prefix="ptu", subnet="10.77.17")) if netns else None
-        caps = stack.enter_context(CpuCaps(a.daemons, a.cpus / a.daemons, support, period_us=CAP_PERIOD_US)) \
+        caps = stack.enter_context(CpuCaps(a.daemons, a.cpus / a.daemons, support, period_us=CAP_PERIOD_US,
+                                                   priority=a.cpu_priority)) \
             if use_caps else None
 
         if a.uneven:
@@ -416,6 +439,8 @@ def run(a) -> int:
             out["fraction_of_best_static"] = out["fraction_of_best_rebalanced"] = None
         out["best"]["measured_samples_per_s"] = _r(denominator)
         out["best"]["source"] = best_source
+    out["warnings"] = [w for run in ("static", "best", "rebalanced", "before_churn") if run in out
+                       if (w := contention(run, out[run]))]
     churn = out.get("churn")
     out["fraction_of_best_churn"] = pr.fraction(churn["samples_per_s"], denominator) if churn else None
     out["recovery_s"] = churn["recovery_s"] if churn else []
@@ -428,7 +453,7 @@ def run(a) -> int:
         else out["fraction_of_best_churn"] >= 0.85,
         "zero_lost": out["lost"] == 0}
     out["caps"] = {"mechanism": support.mechanism if use_caps else None, "cpus": cpus if use_caps else None,
-                   "period_us": CAP_PERIOD_US if use_caps else None,
+                   "period_us": CAP_PERIOD_US if use_caps else None, "priority": a.cpu_priority if use_caps else None,
                    "shares": a.shares or (",".join(f"{x:g}" for x in DEFAULT_SHARES) if a.uneven else "equal"),
                    "startup_cpus_each": round(a.cpus / a.daemons, 4) if use_caps else None,
                    "note": ("off (--no-caps)" if a.no_caps else support.reason) if use_caps or a.no_caps
