@@ -152,7 +152,8 @@ def pipeline_arguments(p: Parser) -> None:
                    help="seconds of throughput averaged when timing the recovery after the kill (default 10: a "
                         "microbatch is 8 samples, so a shorter window at ~13 samples/s swings by more than 10%%)")
     p.add_argument("--cpus", type=float, default=2.0,
-                   help="CPUs the whole swarm gets: each daemon is capped at CPUS/daemons (default 2)")
+                   help="CPUs the whole swarm gets: each daemon is capped at CPUS/daemons, or at its --shares of "
+                        "them with --uneven (default 2)")
     p.add_argument("--no-caps", action="store_true", help="do not cap the daemons' CPU (cgroup cpu.max)")
     p.add_argument("--no-netns", action="store_true",
                    help="daemons on 127.0.0.1 instead of one network namespace each (no root needed)")
