@@ -12,6 +12,11 @@ import sys
 import pytest
 
 from peer.bench.pipeline_figures import Poll, bytes_per_microbatch, rate, recovery, stage_capacities
+from peer.bench.pipeline_rebalance import (best_assignment, cpu_caps_from_shares, cumulative, fraction, moved, predicted,
+                                           reported_moves, round_robin, series_rate, shares, speed_factors,
+                                           stage_changes, stage_rates, windowed)
+from peer.bench.pipeline_rebalance import recovery as churn_recovery
+from peer.bench.pipeline_uneven import contention
 from tests.daemons import REPO
 
 
@@ -75,3 +80,120 @@ def test_bench_pipeline_tiny_loopback_run_reports_every_figure() -> None:
     assert sorted(out["bytes_per_microbatch"]["per_cut"]) == ["float16", "q8", "raw"]
     assert out["daemons"] == 5 and out["stages"] == 4 and sum(out["peers_per_stage"]) == 5
     assert out["cpu_cap"]["note"]  # capped, or a clear reason why not
+
+
+# ---- --uneven / --churn (issue 17): pipeline_rebalance.py ------------------------------------------------------
+def test_brute_force_finds_the_hand_made_best_assignment() -> None:
+    # 4 equal stages, peers of speed 2, 2, 1.5, 1, 1, 0.5 (speed = share of the model per second): the best
+    # gives each stage 2 ({0}, {1}, {2, 5}, {3, 4}): 2 / 0.25 = 8 samples/s; round-robin leaves stage 3 with 1
+    plan = shares([10.0, 10.0, 10.0, 10.0])
+    speeds = [2.0, 2.0, 1.5, 1.0, 1.0, 0.5]
+    rr = round_robin(6, 4)
+    assert rr == (0, 1, 2, 3, 0, 1)
+    assert predicted(rr, speeds, plan) == pytest.approx(4.0)
+    best, thr = best_assignment(speeds, plan, start=rr)
+    assert thr == pytest.approx(8.0)
+    assert sorted(stage_rates(best, speeds, plan)) == pytest.approx([8.0] * 4)
+    assert {frozenset(p for p in range(6) if best[p] == s) for s in range(4)} == \
+        {frozenset({0}), frozenset({1}), frozenset({2, 5}), frozenset({3, 4})}
+    assert moved(rr, best) == 2  # of the ties, the one closest to the start: two peers move
+    assert best == (0, 1, 2, 3, 3, 2)
+
+
+def test_brute_force_weighs_stages_by_their_planned_cost() -> None:
+    # stage 0 costs 3x each other stage: the one fast peer belongs there, where it runs as fast as a slow one
+    # elsewhere (1.5 / 0.5 = 0.5 / (1/6) = 3 samples/s); anywhere else stage 0 gets 0.5 / 0.5 = 1
+    plan = shares([3.0, 1.0, 1.0, 1.0])
+    speeds = [0.5, 1.5, 0.5, 0.5]
+    best, thr = best_assignment(speeds, plan)
+    assert best == (1, 0, 2, 3) and thr == pytest.approx(3.0)  # ties among the slow ones: the first in order
+    assert predicted((0, 1, 2, 3), speeds, plan) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        best_assignment([1.0, 1.0], plan)  # fewer peers than stages
+
+
+def test_speed_factor_is_measured_rate_times_planned_share() -> None:
+    plan = shares([1.0, 3.0])
+    v = speed_factors([40.0, 10.0], [0, 1], plan)
+    assert v == pytest.approx([10.0, 7.5])
+    assert stage_rates((1, 0), v, plan) == pytest.approx([30.0, 40 / 3])  # each peer on the other stage
+
+
+def test_uneven_caps_add_up_to_the_cpus() -> None:
+    assert cpu_caps_from_shares([2, 2, 1.5, 1, 1, 0.5], 2.0) == [0.5, 0.5, 0.375, 0.25, 0.25, 0.125]
+    with pytest.raises(ValueError):
+        cpu_caps_from_shares([1, 0], 2.0)
+
+
+def _dst(samples: int, pid: int = 1, failed: int = 0, stage: int | None = 0) -> dict:
+    return {"pid": pid, "pipeline": {"my_stage": stage, "driver": {"samples": samples, "failed": failed}}}
+
+
+def test_cumulative_counts_survive_a_kill_and_a_restart() -> None:
+    # daemon 1 drives 80 samples, is killed (no answer), comes back as a new process counting from 0
+    polls = [Poll(0.0, [_dst(0), _dst(0, 2)]), Poll(1.0, [_dst(10), _dst(80, 2)]), Poll(2.0, [_dst(20), None]),
+             Poll(3.0, [_dst(30), _dst(0, 3, stage=None)]), Poll(4.0, [_dst(40), _dst(16, 3, stage=2)])]
+    assert [v for _, v in cumulative(polls)] == [0, 90, 100, 110, 136]
+    assert series_rate(cumulative(polls), 1.0, 4.0) == pytest.approx(46 / 3)
+    assert stage_changes(polls) == [{"at_s": 4.0, "daemon": 1, "from": 0, "to": 2}]
+
+
+def test_churn_figures_on_synthetic_polls() -> None:
+    # 10 samples/s; a kill at t=10 stops everything for 3 s, then 10 samples/s again; the fraction of a
+    # best of 10 over the 20 s after the kill is 17/20
+    polls, n = [], 0
+    for i in range(61):
+        t = i * 0.5
+        polls.append(Poll(t, [_dst(n)]))
+        n += 0 if 10.0 <= t < 13.0 else 5
+    series = cumulative(polls)
+    pre = series_rate(series, 8.0, 10.0)
+    assert pre == pytest.approx(10.0)
+    got, trace = churn_recovery(series, 10.0, pre, window=2.0, t_end=30.0)
+    # the first 2 s window with >= 9 samples/s starts at 13 s (the one from 12.5 s holds 3 polls' progress: 7.5)
+    assert got == pytest.approx(3.0) and trace[0] == [0.0, 0.0] and [2.5, 7.5] in trace
+    assert fraction(series_rate(series, 10.0, 30.0), 10.0) == pytest.approx(0.85)
+    assert churn_recovery(series, 10.0, 100.0, window=2.0, t_end=30.0)[0] is None  # never back to 90 of 100
+    assert windowed(series, 0.0, 30.0, 10.0) == [[0.0, 10.0], [10.0, 7.0], [20.0, 10.0]]
+
+
+def test_moves_reported_by_the_rebalancer_are_collected_when_present() -> None:
+    sts = [{"pipeline": {"moves": [{"at": 105.0, "from": 0, "to": 3, "reason": "bottleneck", "took_s": 1.5}]}},
+           {"pipeline": {}}, None]
+    assert reported_moves(sts, t0_unix=100.0) == [{"daemon": 0, "at": 105.0, "from": 0, "to": 3,
+                                                   "reason": "bottleneck", "took_s": 1.5, "at_s": 5.0}]
+
+
+@pytest.mark.slow
+def test_bench_pipeline_tiny_uneven_churn_run_reports_every_figure() -> None:
+    proc = subprocess.run([sys.executable, "-m", "peer", "bench", "pipeline", "--tiny", "--daemons", "5", "--no-netns",
+                           "--uneven", "--churn", "--warmup", "1", "--measure", "3", "--rebalance-for", "3",
+                           "--churn-every", "4", "--churn-events", "1", "--window", "1", "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # ~60 s idle; minutes on a loaded host
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(proc.stdout)
+    for key in ("fraction_of_best_static", "fraction_of_best_rebalanced", "fraction_of_best_churn", "recovery_s",
+                "lost", "lost_with_killed_drivers", "static", "best", "rebalanced", "churn", "speeds", "caps",
+                "durations_s", "command"):
+        assert key in out, key
+    assert out["static"]["pinned"] == [0, 1, 2, 3, 0] and out["static"]["assignment"] == [0, 1, 2, 3, 0]
+    best = out["best"]
+    assert sorted(set(best["pinned"])) == [0, 1, 2, 3] and best["assignment"] == best["pinned"]
+    assert best["predicted_samples_per_s"] >= out["static"]["predicted_samples_per_s"] > 0
+    assert best["measured_samples_per_s"] > 0 and out["fraction_of_best_static"] > 0
+    assert out["fraction_of_best_rebalanced"] > 0 and out["fraction_of_best_churn"] >= 0
+    assert len(out["speeds"]["per_daemon"]) == 5 and len(out["speeds"]["plan_ms"]) == 4
+    assert len(out["recovery_s"]) == 1 and len(out["churn"]["events"]) == 1
+    assert out["churn"]["events"][0]["restarted_after_s"] >= 1
+    assert out["lost"] >= 0 and out["lost_with_killed_drivers"] >= 0
+    assert out["rebalanced"]["series"] and out["churn"]["series"]
+    if out["caps"]["cpus"]:
+        assert sum(out["caps"]["cpus"]) == pytest.approx(2.0, abs=0.01) and len(set(out["caps"]["cpus"])) > 1
+
+
+def test_a_starved_slowest_stage_is_flagged() -> None:
+    w = {"stage_capacity_samples_per_s": [30.0, 20.0, 40.0, 35.0], "assignment_at_end": [0, 1, 2, 3, 1],
+         "cpu_used_of_cap": [0.5, 0.6, 0.4, 0.5, 0.95], "load_1m": [7.0, 8.0]}
+    assert "stage (1) used 60%" in contention("best", w)
+    w["cpu_used_of_cap"][1] = 0.9
+    assert contention("best", w) is None

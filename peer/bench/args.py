@@ -152,7 +152,8 @@ def pipeline_arguments(p: Parser) -> None:
                    help="seconds of throughput averaged when timing the recovery after the kill (default 10: a "
                         "microbatch is 8 samples, so a shorter window at ~13 samples/s swings by more than 10%%)")
     p.add_argument("--cpus", type=float, default=2.0,
-                   help="CPUs the whole swarm gets: each daemon is capped at CPUS/daemons (default 2)")
+                   help="CPUs the whole swarm gets: each daemon is capped at CPUS/daemons, or at its --shares of "
+                        "them with --uneven (default 2)")
     p.add_argument("--no-caps", action="store_true", help="do not cap the daemons' CPU (cgroup cpu.max)")
     p.add_argument("--no-netns", action="store_true",
                    help="daemons on 127.0.0.1 instead of one network namespace each (no root needed)")
@@ -165,9 +166,50 @@ def pipeline_arguments(p: Parser) -> None:
     p.add_argument("--backward-codec", choices=["raw", "float16", "q8"], default="raw",
                    help="gradients on the wire (default raw)")
     p.add_argument("--tiny", action="store_true", help="a tiny model (d_model 32, 4 blocks): checks the plumbing fast")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="model and data seed; with --churn also which peers are killed (default 0)")
     p.add_argument("--logs", default=None, metavar="DIR",
                    help="keep daemon homes and logs under DIR (default: a temp dir, removed)")
+    g = p.add_argument_group(
+        "peers of different speeds and churn (issue 17)",
+        "--uneven runs three fresh swarms in turn, each daemon always under its own CPU cap: 'static' (peer i "
+        "pinned to stage i mod 4, rebalancing off: a speed-blind layout; its stage maps give every peer's "
+        "speed), 'best' (the brute-force best assignment for those speeds, pinned: the reference every "
+        "fraction divides by) and 'rebalanced' (static's start with rebalancing on). --churn then kills -9 "
+        "and restarts a random peer every --churn-every seconds in the rebalanced swarm (alone: in one "
+        "equal-capped swarm, its own throughput before the churn is the reference). Default total with "
+        "both: ~8 minutes. --duration and --no-kill do not apply.")
+    g.add_argument("--uneven", action="store_true",
+                   help="per-daemon CPU caps of different sizes (--shares of --cpus) and the static / best / "
+                        "rebalanced runs: fraction_of_best_static and fraction_of_best_rebalanced")
+    g.add_argument("--churn", action="store_true",
+                   help="a churn phase with rebalancing on: fraction_of_best_churn, recovery_s per event, lost")
+    g.add_argument("--shares", default=None, metavar="W,W,...",
+                   help="relative CPU per daemon, scaled to add up to --cpus (default 2,2,1.5,1,1,0.5: with 2 CPUs "
+                        "0.5 .. 0.125 each; the best assignment can even out the 4 stages only by pairing a slow "
+                        "peer with a fast one, so a speed-blind layout is far from it)")
+    g.add_argument("--cpu-priority", type=float, default=1.0, metavar="X",
+                   help="the daemons' cgroups weigh X times a normal process against other work on the host (v1 "
+                        "cpu.shares, v2 cpu.weight); the caps still bound them. On a host busy with other work "
+                        "the peers otherwise get less than their caps, and unevenly (see cpu_used_of_cap in the "
+                        "JSON): X=8 gives them their caps, leaving others the CPUs beyond --cpus (default 1)")
+    g.add_argument("--warmup", type=float, default=20.0,
+                   help="seconds after every driver's first microbatch (and the switch to the uneven caps) before "
+                        "measuring: the stage servers' speed averages settle (default 20)")
+    g.add_argument("--measure", type=float, default=40.0,
+                   help="seconds of throughput measured in the static and best runs, and the rebalanced run's "
+                        "settled figure (its last MEASURE seconds) (default 40: ~60 microbatches at ~12 samples/s, "
+                        "so a few in flight at either end move it by ~3%%)")
+    g.add_argument("--rebalance-for", type=float, default=120.0,
+                   help="seconds the rebalanced run goes on from its first microbatches: time to find the best "
+                        "stages, then --measure of them (default 120)")
+    g.add_argument("--churn-every", type=float, default=30.0,
+                   help="seconds between kills in the churn phase (default 30; recovery is looked for until the "
+                        "next kill, in windows of --window)")
+    g.add_argument("--churn-events", type=int, default=4, help="kills in the churn phase (default 4)")
+    g.add_argument("--churn-pause", type=float, default=2.0,
+                   help="seconds a killed peer stays down before it is restarted on its own home (default 2: "
+                        "less than the peers' dead_after of 4 s, so they may still hold its calls)")
 
 
 @dataclass(frozen=True)

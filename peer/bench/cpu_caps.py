@@ -40,11 +40,15 @@ def _v2_root() -> Path | None:
 
 @dataclass
 class CpuCaps:
-    """One cgroup per process index, each capped at `cpus_each` CPUs; a context manager that removes them."""
+    """One cgroup per process index, each capped at `cpus_each` CPUs (or cap i at `per_index[i]`, for caps of
+    different sizes); a context manager that removes them. `set(i, cpus)` resizes one while it runs."""
 
     n: int
     cpus_each: float
     support: CapSupport
+    per_index: list[float] | None = None
+    period_us: int = PERIOD_US  # shorter: a process busy only now and then no longer runs a whole quota at full speed
+    priority: float = 1.0  # x the default CPU weight (v1 cpu.shares 1024, v2 cpu.weight 100) against other work
     dirs: list[Path] = field(default_factory=list)
 
     @staticmethod
@@ -65,7 +69,8 @@ class CpuCaps:
         s = self.support
         if s.mechanism is None:
             raise RuntimeError(f"cannot cap CPU: {s.reason}")
-        quota = max(MIN_QUOTA_US, int(self.cpus_each * PERIOD_US))
+        if self.per_index is not None and len(self.per_index) != self.n:
+            raise ValueError(f"{len(self.per_index)} per-index caps for {self.n} processes")
         try:
             if s.mechanism.startswith("cgroup2"):
                 sub = (s.root / "cgroup.subtree_control")
@@ -75,15 +80,27 @@ class CpuCaps:
                 d = s.root / f"ptbench{os.getpid()}p{i}"
                 d.mkdir()
                 self.dirs.append(d)
-                if s.mechanism.startswith("cgroup2"):
-                    (d / "cpu.max").write_text(f"{quota} {PERIOD_US}")
-                else:
-                    (d / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-                    (d / "cpu.cfs_quota_us").write_text(str(quota))
+                if not s.mechanism.startswith("cgroup2"):
+                    (d / "cpu.cfs_period_us").write_text(str(self.period_us))
+                if self.priority != 1.0:
+                    if s.mechanism.startswith("cgroup2"):
+                        (d / "cpu.weight").write_text(str(max(1, min(10_000, round(100 * self.priority)))))
+                    else:
+                        (d / "cpu.shares").write_text(str(max(2, round(1024 * self.priority))))
+                self.set(i, self.per_index[i] if self.per_index is not None else self.cpus_each)
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def set(self, i: int, cpus: float) -> None:
+        """Cap i at `cpus` CPUs from now on (its processes stay in it)."""
+        quota = max(MIN_QUOTA_US, int(cpus * self.period_us))
+        d = self.dirs[i]
+        if self.support.mechanism.startswith("cgroup2"):
+            (d / "cpu.max").write_text(f"{quota} {self.period_us}")
+        else:
+            (d / "cpu.cfs_quota_us").write_text(str(quota))
 
     def add(self, i: int, pid: int) -> None:
         """Move process `pid` (all its threads, and what it starts later) into cap i."""

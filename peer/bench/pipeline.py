@@ -97,15 +97,19 @@ class Poller:
         self._pool.shutdown(wait=False)
 
 
+def daemon_config(name: str, i: int, lan, options: dict):
+    """Daemon i's config in swarm `name`: on 127.0.0.1 with mDNS, or in its namespace joining the others."""
+    if lan is None:
+        return swarm_config(swarm=name, trainer="trainers.swarm_pipeline", options=options)
+    join = [f"{h.ip}:{DAEMON_PORT}" for h in lan.hosts if h is not lan.hosts[i]]
+    return swarm_config(swarm=name, listen=f"0.0.0.0:{DAEMON_PORT}", mdns=False, interfaces=[], join=join,
+                        trainer="trainers.swarm_pipeline", options=options)
+
+
 def _start(swarm: LocalSwarm, a, lan, caps, options: dict) -> None:
     name = unique_swarm("bp")
     for i in range(a.daemons):
-        if lan is None:
-            cfg = swarm_config(swarm=name, trainer="trainers.swarm_pipeline", options=options)
-        else:
-            join = [f"{h.ip}:{DAEMON_PORT}" for h in lan.hosts if h is not lan.hosts[i]]
-            cfg = swarm_config(swarm=name, listen=f"0.0.0.0:{DAEMON_PORT}", mdns=False, interfaces=[], join=join,
-                               trainer="trainers.swarm_pipeline", options=options)
+        cfg = daemon_config(name, i, lan, options)
         d = swarm.start(f"p{i}", config=cfg, host=lan.hosts[i] if lan else None,
                         env={**rank_env(i, a.daemons), "OMP_NUM_THREADS": "1"})
         if caps is not None:
@@ -249,6 +253,10 @@ def _r(x: float | None, nd: int = 2) -> float | None:
 
 
 def run(args) -> int:
+    if args.uneven or args.churn:
+        from peer.bench import pipeline_uneven
+
+        return pipeline_uneven.run(args)
     if args.daemons < STAGES + (0 if args.no_kill else 1):
         print(f"--daemons must be at least {STAGES} (and {STAGES + 1} to kill a peer of a stage that has two)",
               file=sys.stderr)

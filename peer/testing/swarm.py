@@ -96,6 +96,18 @@ class LocalSwarm:
         self.daemons.append(daemon)
         return daemon.start()
 
+    def restart(self, daemon: DaemonProcess, *, config: Config | None = None) -> DaemonProcess:
+        """Start `daemon` again after it exited (stopped, killed, crashed): the same home, so the same identity,
+        peer cache and checkpoints; the same environment and network namespace. A `Config` replaces the one
+        in its home first (e.g. to unpin what only its first start should have)."""
+        if daemon.running:
+            raise RuntimeError(f"{daemon.name} is still running (pid {daemon.pid})")
+        if config is not None:
+            if daemon.config is None:
+                raise ValueError(f"{daemon.name} was started without a config file to replace")
+            write_config(daemon.config, config)
+        return daemon.start()
+
     def start_nodes(self, n: int, config: Config | Path, *, args: tuple[str, ...] = (),
                     hosts: list[Any] | None = None, names: Callable[[int], str] | None = None) -> list[DaemonProcess]:
         """Start `n` daemons sharing one config, each told its data shard (rank i of n)."""
