@@ -165,8 +165,11 @@ def run(swarm, options: dict) -> dict:
         state.key = key
         ckpt = _own_checkpoint(swarm, key)
         if ckpt is None or not state.resume(ckpt):
+            smap = swarm.stage_map(key)
+            # Joining a pipeline that already trains: the stage that needs us most, whatever our rank says.
+            running = any(p.step > 0 for peers in smap.values() for p in peers)
             first = o.initial_stage if o.initial_stage >= 0 else \
-                initial_stage(key, swarm.stage_map(key), env_rank, rng, state.stage_seconds(key))
+                initial_stage(key, smap, None if running else env_rank, rng, state.stage_seconds(key))
             state.take(key, first)
             state.settle(own_cuts, env_rank, rng, deadline=time.monotonic() + SETTLE_S)
         key = state.key

@@ -38,6 +38,12 @@ DEADLINE_SLACK = 4.0  # a call's deadline allows this many times its expected ti
 ASSUMED_BYTES_PER_S = 10e6  # for a peer whose calls we never timed: a slow link (80 Mbit/s), so deadlines err long
 WAIT_POLL_S = 0.2  # how often a driver waiting for a stage looks again (a peer appears within a record interval)
 OUR_FAULT = {"bad_input", "wrong_specs", "too_big", "wrong_kind", "bad_codec"}
+# Refusals that say our stage map was stale: the peer moved to another stage, is (re)starting, or just left
+# (a move's handed-back calls). Not the peer failing: re-sent without using one of `max_retries`, the peer
+# avoided for that stage like a failing one, at most MAX_STALE times a call (a peer that lies this way only
+# gets itself avoided, and the bound ends the loop).
+STALE = {"wrong_stage", "not_serving", "moved"}
+MAX_STALE = 16
 """Refusals any peer of the stage would give us again: the microbatch fails at once instead of being retried."""
 STOP_POLL_S = 0.2  # a trainer waiting for a free microbatch slot notices a stop this soon
 RECENT_FAILURES = 20  # failed microbatches kept for status, with their reasons
@@ -76,10 +82,11 @@ class MicrobatchFailed(Exception):
 
 
 class _CallFailed(Exception):
-    def __init__(self, reason: str, *, ours: bool = False, busy: bool = False):
+    def __init__(self, reason: str, *, ours: bool = False, busy: bool = False, stale: bool = False):
         super().__init__(reason)
         self.ours = ours  # any peer would refuse it: do not retry
         self.busy = busy  # the peer is full, not broken: does not use up an attempt
+        self.stale = stale  # our stage map was out of date (STALE): does not use up an attempt either
 
 
 @dataclass
@@ -162,7 +169,7 @@ class Driver:
                     resent: list[int]) -> tuple[float | None, list[Any]]:
         """One stage call, re-sent to other peers of the stage until it succeeds or the attempts run out."""
         balancer = self.balancers[stage]
-        attempts, tried, last_error = 0, set(), ""
+        attempts, stale, tried, last_error = 0, 0, set(), ""
         wait_started: float | None = None
         while True:
             if self.stopped():  # the daemon is stopping: no more re-sends (the outcome says so)
@@ -197,8 +204,11 @@ class Driver:
                     continue
                 if exc.ours:
                     raise MicrobatchFailed(f"stage {stage} {kind}: {exc}") from None
-                attempts += 1
                 tried.add(pid)
+                if exc.stale and stale < MAX_STALE:
+                    stale += 1
+                else:
+                    attempts += 1
                 if attempts > self.cfg.max_retries:
                     raise MicrobatchFailed(f"stage {stage} {kind}: {attempts} calls failed, the last at "
                                            f"{last_error}") from None
@@ -228,7 +238,7 @@ class Driver:
             loss, outputs, _ = await self.service.server.compute_local(call, tensors)
         except LookupError as exc:
             code, reason = exc.args
-            raise _CallFailed(f"refused ({code}): {reason}", ours=code in OUR_FAULT) from None
+            raise _CallFailed(f"refused ({code}): {reason}", ours=code in OUR_FAULT, stale=code in STALE) from None
         except ValueError as exc:
             raise _CallFailed(f"refused (bad_input): {exc}", ours=True) from None
         if kind in ("loss", "evaluate") and loss is None:
@@ -278,7 +288,7 @@ class Driver:
                 reply = replies[0]
                 if isinstance(reply, ErrorReply):
                     raise _CallFailed(f"refused ({reply.code}): {reply.message[:300]}", ours=reply.code in OUR_FAULT,
-                                      busy=reply.code == "busy")
+                                      busy=reply.code == "busy", stale=reply.code in STALE)
                 if not isinstance(reply, StageReply):
                     raise ProtocolError(f"expected stage_reply, got {type(reply).__name__}")
                 outputs = await theirs.receive(timeout=timeout)

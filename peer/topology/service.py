@@ -85,7 +85,9 @@ class TopologyService:
         self.records_unvouched = 0  # records refused: unknown origin from a sender that is no neighbour
         self.spectral = SpectralWorker()
         self._gap_stale = trio.Event()  # status saw a view whose gap is not computed yet
-        self.version = 0
+        # Records are ordered by version: start from the wall clock in ms, so a restarted daemon (same identity)
+        # issues records newer than its previous life's, and peers that still hold those believe the new ones.
+        self.version = time.time_ns() // 1_000_000
         self.shard_bytes = shard_bytes
         self.last_move = ""
         self.moves = 0
