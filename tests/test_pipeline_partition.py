@@ -106,3 +106,22 @@ def test_profile_and_format() -> None:
     plan = plan_stages(costs, 2)
     table = format_plan(plan, costs)
     assert "bottleneck" in table and "0:TokenEmbedding" in table and len(table.splitlines()) == 3
+
+
+def test_a_profile_is_measured_once_per_home_and_model(tmp_path, monkeypatch):
+    """cached_profile measures at first, reads the file after; another key, or a damaged file, measures again."""
+    from trainers.pipeline import partition
+
+    model = char_transformer_pipeline(10, d_model=8, n_layers=1, n_heads=2, block=4, dropout=0.0, seed=0)
+    x, y = torch.randint(0, 10, (2, 4)), torch.randint(0, 10, (2, 4))
+    calls = []
+    real = partition.profile_blocks
+    monkeypatch.setattr(partition, "profile_blocks", lambda *a, **k: calls.append(1) or real(*a, **k))
+    path = tmp_path / "sub" / "profile.json"
+    first = partition.cached_profile(path, {"d": 8}, model, x, y)
+    again = partition.cached_profile(path, {"d": 8}, model, x, y)
+    assert len(calls) == 1 and again == first
+    partition.cached_profile(path, {"d": 16}, model, x, y)
+    assert len(calls) == 2
+    path.write_text("{not json")
+    assert partition.cached_profile(path, {"d": 16}, model, x, y) and len(calls) == 3

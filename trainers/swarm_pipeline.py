@@ -38,13 +38,14 @@ from trainers.datasets import load_char_corpus, load_factory, partition
 from trainers.options import parse_options
 from trainers.pipeline.blocks import char_transformer_pipeline, from_factory
 from trainers.pipeline.keeper import SeatKeeper
-from trainers.pipeline.partition import format_plan, plan_stages, profile_blocks
+from trainers.pipeline.partition import cached_profile, format_plan, plan_stages
 from trainers.pipeline.placement import adopted_cut, initial_stage
 from trainers.pipeline.seat import StageSeat
 
 DRAIN_S = 600.0  # most seconds to wait for the microbatches still in flight when driving ends (each is bounded anyway)
 EVAL_S = 600.0  # most seconds one validation pass may take
 KEEPER_STOP_S = 30.0  # most seconds to wait for the keeper's round (a move's download is bounded by state_timeout)
+PROFILE_FILE = "pipeline-profile.json"  # per-block costs measured at first start, reused by a restart (partition.py)
 SETTLE_S = 6.0  # seconds peers starting together take to agree on a cut and spread over the stages: 3 record intervals
 
 
@@ -149,7 +150,7 @@ def run(swarm, options: dict) -> dict:
     if o.stages > len(model.blocks):
         raise ValueError(f"[trainer.options] stages: {o.stages} stages for a model of {len(model.blocks)} blocks")
     sample_x, sample_y = next(iter(train.batches(o.microbatch, torch.Generator().manual_seed(o.seed))))
-    costs = profile_blocks(model, sample_x, sample_y)
+    costs = cached_profile(swarm.checkpoint_dir / PROFILE_FILE, _profile_key(o, model), model, sample_x, sample_y)
     plan = plan_stages(costs, o.stages, link_bytes_per_s=o.link_mbit * 1e6 / 8)
     own_cuts = tuple(hi for _, hi in plan.bounds[:-1])
     swarm.log("planned cut of %s into %d stages:\n%s", o.pipeline, o.stages, format_plan(plan, costs))
@@ -171,7 +172,8 @@ def run(swarm, options: dict) -> dict:
             first = o.initial_stage if o.initial_stage >= 0 else \
                 initial_stage(key, smap, None if running else env_rank, rng, state.stage_seconds(key))
             state.take(key, first)
-            state.settle(own_cuts, env_rank, rng, deadline=time.monotonic() + SETTLE_S)
+            if not running:  # peers starting together agree on a cut and spread out; a joiner need not wait
+                state.settle(own_cuts, env_rank, rng, deadline=time.monotonic() + SETTLE_S)
         key = state.key
     else:
         key = _wait_for_cut(swarm, o, own_cuts)
@@ -212,6 +214,13 @@ def run(swarm, options: dict) -> dict:
         keeper.stop(timeout=KEEPER_STOP_S)
     state.save()
     return dict(result, state="done")
+
+
+def _profile_key(o: SwarmPipelineOptions, model) -> dict:
+    """What the measured block costs depend on: the model, the microbatch, the threads (not the training options)."""
+    fields = ("model_factory", "dataset_factory", "d_model", "n_layers", "n_heads", "block", "microbatch", "threads")
+    return {**{f: getattr(o, f) for f in fields}, "blocks": [type(b).__name__ for b in model.blocks],
+            "torch": torch.__version__}
 
 
 def _own_checkpoint(swarm, key: PipelineKey) -> dict | None:

@@ -8,14 +8,17 @@ microbatches. The plan minimises the slowest stage; among equally slow plans it 
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from peer.home import atomic_write
 from trainers.pipeline.blocks import PipelineModel, seeded
 
 # 1 Gbit/s: a common LAN link; the planner's default when the caller has not measured one.
@@ -58,6 +61,29 @@ def _nbytes(t: Tensor) -> int:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def cached_profile(path: Path, key: dict, model: PipelineModel, x: Tensor, y: Tensor) -> list[BlockCost]:
+    """`profile_blocks`, measured once per home and model: a restarted peer reads its earlier profile from
+    `path` when `key` (what shapes the model and the microbatch) is the same, because profiling the whole model
+    under a small CPU share took the seconds a pipeline waits for a returning peer. A file that does not parse
+    or does not fit is measured afresh and replaced (atomically)."""
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key and isinstance(saved.get("costs"), list) and len(saved["costs"]) == len(model.blocks):
+            costs = [BlockCost(str(c["name"]), float(c["seconds"]), int(c["out_bytes"]), int(c["param_bytes"]))
+                     for c in saved["costs"]]
+            if all(math.isfinite(c.seconds) and c.seconds > 0 and c.out_bytes >= 0 for c in costs):
+                return costs
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    costs = profile_blocks(model, x, y)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps({"key": key, "costs": [asdict(c) for c in costs]}).encode())
+    except OSError:
+        pass  # no cache, no harm: the next start measures again
+    return costs
 
 
 def profile_blocks(model: PipelineModel, x: Tensor, y: Tensor, *, repeats: int = 3) -> list[BlockCost]:
