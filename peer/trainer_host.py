@@ -102,10 +102,16 @@ class Swarm:
         return self._call(self._host.fetch_from_best, group)
 
     # -- pipeline stages (peer/pipeline/) --------------------------------------------------------------
-    def serve_stage(self, key: PipelineKey, stage: int, max_batch: int, handler: StageHandler) -> None:
+    def serve_stage(self, key: PipelineKey, stage: int, max_batch: int, handler: StageHandler, *,
+                    ready: bool = True) -> None:
         """Serve `stage` of pipeline `key` with `handler` (its compute runs in a worker thread of the
-        daemon, one call at a time), replacing what we served; the swarm hears of it in our next record."""
-        self._call_sync(self._host.daemon.pipeline.serve, key, stage, max_batch, handler)
+        daemon, one call at a time), replacing what we served; the swarm hears of it in our next record.
+        `ready=False`: announce the stage (so its peers hand us its state) but refuse calls until `stage_ready()`."""
+        self._call_sync(self._host.daemon.pipeline.serve, key, stage, max_batch, handler, ready=ready)
+
+    def stage_ready(self) -> None:
+        """Start taking calls for the stage announced with `serve_stage(ready=False)`."""
+        self._call_sync(self._host.daemon.pipeline.set_ready)
 
     def stop_serving(self) -> None:
         self._call_sync(self._host.daemon.pipeline.stop_serving)

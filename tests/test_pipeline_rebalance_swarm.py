@@ -112,7 +112,7 @@ def test_a_stage_emptied_by_kill_is_taken_over_and_training_resumes(cluster):
     """Five daemons on stages 0, 0, 1, 2, 3 drive their samples. Mid-run the only peer of stage 2 is killed: a
     stage-0 peer takes stage 2 over from the freshest copy (peers back up the next stage every `copy_every`
     seconds), the drivers' waiting ends, stage 2 steps again, and every surviving driver finishes with nothing lost."""
-    n, samples = 5, 1200
+    n, samples = 5, 4000  # ~20 s of driving at this size: time to kill mid-run with a copy kept
     swarm = unique_swarm("rb")
     stages = [0, 0, 1, 2, 3]
     ds = [cluster.start(f"node{i + 1}", config=config(swarm, initial_stage=s, samples=samples, rebalance_every=600.0),

@@ -171,7 +171,7 @@ def run(swarm, options: dict) -> dict:
             running = any(p.step > 0 for peers in smap.values() for p in peers)
             first = o.initial_stage if o.initial_stage >= 0 else \
                 initial_stage(key, smap, None if running else env_rank, rng, state.stage_seconds(key))
-            state.take(key, first)
+            state.take(key, first, ready=not running)  # a joiner takes calls once it holds the stage's state
             if not running:  # peers starting together agree on a cut and spread out; a joiner need not wait
                 state.settle(own_cuts, env_rank, rng, deadline=time.monotonic() + SETTLE_S)
         key = state.key

@@ -49,6 +49,7 @@ class ServedStage:
     stage: int
     max_batch: int
     handler: StageHandler
+    ready: bool = True  # False while a joining peer loads the stage's state: calls are refused (`not_serving`)
 
 
 @dataclass
@@ -81,6 +82,8 @@ class StageServer:
             return "wrong_cut", f"this peer cuts the model at {list(st.key.cuts)}, not {call.cuts}"
         if call.stage != st.stage:
             return "wrong_stage", f"this peer serves stage {st.stage}, not {call.stage}"
+        if not st.ready:
+            return "not_serving", f"this peer is loading stage {st.stage}'s state from its peers"
         if call.kind not in st.handler.kinds():
             return "wrong_kind", f"stage {st.stage} does not serve {call.kind!r} (it serves {', '.join(st.handler.kinds())})"
         if call.batch > st.max_batch:

@@ -59,14 +59,19 @@ class PipelineService:
         await self.states.on_request(session, env, self._nursery)
 
     # ---- serving ------------------------------------------------------------------------------------
-    def serve(self, key: PipelineKey, stage: int, max_batch: int, handler: StageHandler) -> None:
+    def serve(self, key: PipelineKey, stage: int, max_batch: int, handler: StageHandler, *, ready: bool = True) -> None:
         """Serve `stage` of pipeline `key` from now on (replacing what we served) and tell the swarm at once.
-        Calls held for the stage we served before are handed back (server.py, `moved`)."""
+        Calls held for the stage we served before are handed back (server.py, `moved`). Not `ready`: we are a
+        member of the stage (we may fetch its state) but refuse calls until `set_ready`."""
         StageAnnouncement(key.name, stage, key.stages, cuts=list(key.cuts))  # a receiver's checks: a clear error here
-        self.server.stage = ServedStage(key, stage, max_batch, handler)
+        self.server.stage = ServedStage(key, stage, max_batch, handler, ready)
         self.moving_to = -1
         log.info("serving stage %d of %d of pipeline %r (cut at blocks %s)", stage, key.stages, key.name, list(key.cuts))
         self.topology.announce_soon()
+
+    def set_ready(self) -> None:
+        if self.server.stage is not None:
+            self.server.stage.ready = True
 
     def announce_move(self, moving_to: int, moved_from: int) -> None:
         """Say in our record that we are moving to a stage (-1: not), or lately left one (-1: cooled down)."""

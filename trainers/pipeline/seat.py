@@ -34,6 +34,9 @@ from trainers.pipeline.rebalance import state_sources
 from trainers.pipeline.slowed import Slowed
 from trainers.pipeline.stage import StageWorker
 
+JOIN_WAIT_S = 30.0  # most a joining peer waits for a stage's peers to hand it the state (our record reaches
+#                     them within a record interval; each transfer is bounded by [pipeline] state_timeout)
+JOIN_RETRY_S = 1.0  # between asks while holders do not know us yet
 MAX_SOURCES_TRIED = 3  # holders asked for one stage's state before a move is given up (each bounded by state_timeout)
 
 
@@ -66,15 +69,16 @@ class StageSeat:
             optimizer=lambda ps: make_optimizer(ps, o.optimizer, lr=o.lr, weight_decay=o.weight_decay),
             max_batch=o.microbatch, sample_x=self.sample_x, sample_y=self.sample_y, grad_clip=o.grad_clip)
 
-    def _serve(self) -> None:
+    def _serve(self, *, ready: bool = True) -> None:
         self.set_accumulation()  # before serving: calls may come at once, and must not step at max_batch
         handler = Slowed(self.worker, self.o.slowdown) if self.o.slowdown > 1 else self.worker
-        self.swarm.serve_stage(self.key, self.stage, self.o.microbatch, handler)
+        self.swarm.serve_stage(self.key, self.stage, self.o.microbatch, handler, ready=ready)
 
-    def take(self, key: PipelineKey, stage: int) -> None:
-        """Serve `stage` with a fresh worker (start-up: nothing trained yet to carry over)."""
+    def take(self, key: PipelineKey, stage: int, *, ready: bool = True) -> None:
+        """Serve `stage` with a fresh worker. Not `ready` (joining a pipeline that trains): the stage is
+        announced, so its peers hand us its state, but calls are refused until `join_stage` loaded it."""
         self.worker, self.key, self.stage = self._worker(key, stage), key, stage
-        self._serve()
+        self._serve(ready=ready)
 
     def settle(self, own_cuts, rank: int | None, rng: random.Random, *, deadline: float) -> None:
         """Agree on the cut and spread over the stages with the peers starting with us
@@ -97,30 +101,46 @@ class StageSeat:
                 self.take(self.key, move)
 
     def resume(self, ckpt: dict) -> bool:
-        """Take the stage our checkpoint holds if it is still needed (no live peer serves it and nobody holds a
-        fresher copy); False: leave it (the caller joins where it is needed, with the live state)."""
+        """Take the stage our checkpoint holds if it is still needed (no live peer serves it), from the
+        checkpoint or from a fresher copy a peer holds; False: leave it (the caller joins where it is needed)."""
         stage = ckpt.get("stage")
         if not isinstance(stage, int) or not 0 <= stage < self.key.stages or self.swarm.stage_map(self.key)[stage]:
             return False
         step = int(ckpt["worker"].get("steps", 0))
-        fresher = [s for s in self._sources(stage) if s.step > step]
         self.worker, self.stage = self._worker(self.key, stage), stage
-        if fresher:
-            self._adopt(self.worker, stage)
-        else:
+        self._serve(ready=False)
+        got = self._adopt_as_member(stage, fresher_than=step) if any(s.step > step for s in self._sources(stage)) else None
+        if got is None:
             self.worker.load_state_dict(ckpt["worker"])
             self.swarm.log("resumed stage %d from our checkpoint at step %d (no peer serves it)", stage, step)
-        self._serve()
         return True
 
     def join_stage(self) -> None:
-        """Share the stage's parameters with its other peers, starting from their state if they are training."""
+        """Share the stage's parameters with its other peers, starting from their state if they are training;
+        the stage takes calls from here on."""
         live = [s for s in self._sources(self.stage) if s.live and s.step > 0]
         if live and self.worker.steps < live[0].step:
-            got = self._adopt(self.worker, self.stage)
+            got = self._adopt_as_member(self.stage, fresher_than=self.worker.steps)
             if got is not None:
                 self.swarm.log("joined stage %d at its step %d", self.stage, got["step"])
+            else:
+                self.swarm.log("no peer of stage %d handed its state within %.0fs: serving it from our own blocks",
+                               self.stage, JOIN_WAIT_S)
         self._share()
+        self.swarm.stage_ready()
+
+    def _adopt_as_member(self, stage: int, *, fresher_than: int) -> dict | None:
+        """`_adopt`, for a peer that has just announced the stage: holders refuse it until our record reaches
+        them (`not_a_member`), so ask again each JOIN_RETRY_S, for at most JOIN_WAIT_S."""
+        deadline = time.monotonic() + JOIN_WAIT_S
+        while not self.swarm.should_stop():
+            if not any(s.step > fresher_than for s in self._sources(stage)):
+                return None
+            got = self._adopt(self.worker, stage)
+            if got is not None or time.monotonic() > deadline:
+                return got
+            time.sleep(JOIN_RETRY_S)
+        return None
 
     def _share(self) -> None:
         self.group = self.swarm.share(self.group_name(), self.worker.params(), lock=self.worker.lock,
