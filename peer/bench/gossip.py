@@ -36,7 +36,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -46,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from peer.bench.args import parse_size
-from peer.bench.hosts import DAEMON_PORT
+from peer.bench.hosts import DAEMON_PORT, run_root
 from peer.bench.slow_paths import SlowEdges, link_summary, shape_pairs, slow_share
 from peer.control import ControlError
 from peer.testing.daemon import DaemonProcess
@@ -368,11 +367,7 @@ def run(args) -> int:
                 exact_every=args.exact_every if args.exact_every is not None else (0.5 if args.netns else 0.0))
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     with ExitStack() as stack:
-        if args.logs:
-            root = Path(args.logs).resolve()
-            root.mkdir(parents=True, exist_ok=True)
-        else:
-            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="peertrain-gossip-")))
+        root = run_root(stack, args.logs, "peertrain-gossip-")
         lan = None
         if args.netns:
             if not (netns_available() and tc_available()):
@@ -383,10 +378,10 @@ def run(args) -> int:
             shape_pairs(lan, plan.slow_pairs, args.slow_mbit)
         for r in range(args.repeat):
             for kind in kinds:
-                run_root = root / f"run{r}" if args.repeat > 1 else root
-                run_root.mkdir(parents=True, exist_ok=True)
+                run_dir = root / f"run{r}" if args.repeat > 1 else root
+                run_dir.mkdir(parents=True, exist_ok=True)
                 try:
-                    runs[kind].append(run_topology(kind, plan, run_root, lan))
+                    runs[kind].append(run_topology(kind, plan, run_dir, lan))
                 except (RuntimeError, TimeoutError, OSError, ControlError, KeyError, ValueError) as exc:
                     runs[kind].append({"error": f"{type(exc).__name__}: {exc}"[:2000]})
     results = {kind: median_run(rs) for kind, rs in runs.items()}

@@ -8,12 +8,25 @@ runs of one invocation are only comparable while other work on it stays about th
 from __future__ import annotations
 
 import socket
+import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 DAEMON_PORT = 7100  # inside a LAN every daemon listens on it, so each knows the others' addresses up front
 ALLREDUCE_PORT = 29500  # torch.distributed's customary rendezvous port; inside a LAN nothing else uses it
+
+
+def run_root(stack: ExitStack, logs: str | None, prefix: str) -> Path:
+    """Where a bench keeps its daemons' homes: `logs` if given (kept, for reading the logs after), else a
+    temporary directory removed when `stack` closes."""
+    if logs:
+        root = Path(logs).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        return root
+    return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
 
 
 def free_port() -> int:

@@ -18,15 +18,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from peer.bench.cpu_caps import CpuCaps
-from peer.bench.hosts import DAEMON_PORT
+from peer.bench.hosts import DAEMON_PORT, run_root
 from peer.bench.pipeline_figures import (Poll, bytes_per_microbatch, capacities_over, driver_of, median_deadline,
                                          rate, recovery, session_bytes_out, total)
 from peer.testing.netns import netns_available, virtual_lan
@@ -277,11 +275,7 @@ def run(args) -> int:
     t0 = time.monotonic()
     load0 = os.getloadavg()[0]
     with ExitStack() as stack:
-        if args.logs:
-            root = Path(args.logs).resolve()
-            root.mkdir(parents=True, exist_ok=True)
-        else:
-            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="peertrain-pipeline-")))
+        root = run_root(stack, args.logs, "peertrain-pipeline-")
         lan = stack.enter_context(virtual_lan(args.daemons, prefix="ptp", subnet="10.77.16")) if netns else None
         caps = stack.enter_context(CpuCaps(args.daemons, cpus_each, support)) if use_caps else None
         swarm = stack.enter_context(LocalSwarm(root))

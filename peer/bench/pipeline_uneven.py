@@ -42,12 +42,11 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 from contextlib import ExitStack
 from dataclasses import asdict
-from pathlib import Path
 
+from peer.bench.hosts import run_root
 from peer.bench import pipeline as base
 from peer.bench import pipeline_rebalance as pr
 from peer.bench.cpu_caps import CpuCaps
@@ -222,11 +221,7 @@ def run(a) -> int:
     t0, load0 = time.monotonic(), os.getloadavg()[0]
     out: dict = {"mode": "+".join(m for m, on in (("uneven", a.uneven), ("churn", a.churn)) if on)}
     with ExitStack() as stack:
-        if a.logs:
-            root = Path(a.logs).resolve()
-            root.mkdir(parents=True, exist_ok=True)
-        else:
-            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="peertrain-uneven-")))
+        root = run_root(stack, a.logs, "peertrain-uneven-")
         lan = stack.enter_context(virtual_lan(a.daemons, prefix="ptu", subnet="10.77.17")) if netns else None
         caps = stack.enter_context(CpuCaps(a.daemons, a.cpus / a.daemons, support, period_us=CAP_PERIOD_US,
                                                    priority=a.cpu_priority)) \

@@ -21,14 +21,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from peer.bench.args import TRAIN_MODES
-from peer.bench.hosts import Net, cpu_probe_ms
+from peer.bench.hosts import Net, cpu_probe_ms, run_root
 from peer.bench.train_allreduce import run_allreduce, summarise_allreduce
 from peer.bench.train_gossip import run_gossip, summarise_gossip
 from peer.bench.train_plan import Plan, make_plan
@@ -102,11 +101,7 @@ def run(args) -> int:
     load_before = [round(x, 2) for x in os.getloadavg()]
     t0 = time.monotonic()
     with ExitStack() as stack:
-        if a.keep:
-            root = Path(a.keep)
-            root.mkdir(parents=True, exist_ok=True)
-        else:
-            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="peertrain-bench-train-")))
+        root = run_root(stack, a.keep, "peertrain-bench-train-")
         net = Net()
         if a.netns:
             if not netns_available():
