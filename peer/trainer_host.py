@@ -29,7 +29,7 @@ from peer.averaging.shared import SharedTensors
 from peer.pipeline.directory import PipelineKey, StagePeer
 from peer.pipeline.driver import DriverHandle
 from peer.pipeline.server import StageHandler
-from peer.pipeline.state import FetchedState
+from peer.pipeline.state import FetchedState, KeptCopy
 from protocol.schema.pipeline import StageAnnouncement
 from peer.home import Home, atomic_write
 
@@ -138,8 +138,8 @@ class Swarm:
         """Keep a copy of a stage's state (one we left, or back up) to hand to whoever takes the stage over."""
         self._call_sync(self._host.daemon.pipeline.keep_copy, key, stage, tensors, step, samples)
 
-    def stage_copy(self, key: PipelineKey, stage: int) -> tuple[list, int, int] | None:
-        """(tensors, step, samples) of the copy of `stage` this daemon keeps, or None."""
+    def stage_copy(self, key: PipelineKey, stage: int) -> KeptCopy | None:
+        """The copy of `stage` this daemon keeps (tensors, step, samples), or None."""
         return self._call_sync(self._host.daemon.pipeline.copy_of, key, stage)
 
     def drop_stage_copy(self, key: PipelineKey, stage: int) -> None:

@@ -89,10 +89,9 @@ class PipelineService:
         self.states.keep(KeptCopy(key, stage, tensors, step, samples))
         self.topology.announce_soon()
 
-    def copy_of(self, key: PipelineKey, stage: int) -> tuple[list, int, int] | None:
-        """(tensors, step, samples) of our copy of `stage`, or None."""
-        c = self.states.copies.get((key, stage))
-        return None if c is None else (c.tensors, c.step, c.samples)
+    def copy_of(self, key: PipelineKey, stage: int) -> KeptCopy | None:
+        """Our copy of `stage`, or None."""
+        return self.states.copies.get((key, stage))
 
     def drop_copy(self, key: PipelineKey, stage: int) -> None:
         self.states.drop(key, stage)

@@ -35,7 +35,7 @@ from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
 from protocol.errors import ProtocolError
 from protocol.schema.gossip import TensorSpec
-from protocol.schema.pipeline import MAX_COPIES, StageCopy, StageStateReply, StageStateRequest
+from protocol.schema.pipeline import MAX_COPIES, MAX_STEP, StageCopy, StageStateReply, StageStateRequest
 from protocol.schema.session import ErrorReply
 
 log = logging.getLogger("peertrain.pipeline")
@@ -98,7 +98,7 @@ class StageStates:
 
     def announced(self, key: PipelineKey, serving: int) -> list[StageCopy]:
         """Our copies of `key`'s stages (not the one we serve), for our record."""
-        return [StageCopy(c.stage, min(c.step, 1 << 53)) for (k, s), c in sorted(self.copies.items(), key=lambda kv: kv[0][1])
+        return [StageCopy(c.stage, min(c.step, MAX_STEP)) for (k, s), c in sorted(self.copies.items(), key=lambda kv: kv[0][1])
                 if k == key and s != serving]
 
     # ---- serving ---------------------------------------------------------------------------------

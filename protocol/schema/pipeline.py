@@ -66,6 +66,18 @@ def _check_stage(stage: int, stages: int) -> None:
         raise ValueError(f"stage must be in [0, {stages}), got {stage}")
 
 
+def _check_cut_count(cuts: list[int]) -> None:
+    """A call's or request's cuts: the receiver compares them with its own, so only their number is bounded here."""
+    if len(cuts) >= MAX_STAGES:
+        raise ValueError(f"{len(cuts)} cuts (at most {MAX_STAGES - 1})")
+
+
+def _check_group(tensors: list, streams: list[int], most: int) -> None:
+    """The tensors a message announces: one stream each, at most `most`."""
+    if len(tensors) > most or len(streams) != len(tensors):
+        raise ValueError(f"{len(tensors)} tensor specs and {len(streams)} streams (equal numbers, at most {most})")
+
+
 @dataclass(frozen=True, slots=True)
 class StageCopy:
     """A stage's state a peer keeps without serving it (the stage it left, or one it backs up), at `step`."""
@@ -139,15 +151,12 @@ class StageCall(Message):
         _check_stage(self.stage, MAX_STAGES)
         if self.deadline_s < 0:
             raise ValueError(f"deadline_s must be >= 0, got {self.deadline_s}")
-        if len(self.cuts) >= MAX_STAGES:
-            raise ValueError(f"{len(self.cuts)} cuts (at most {MAX_STAGES - 1})")
+        _check_cut_count(self.cuts)
         if self.kind not in CALL_KINDS:
             raise ValueError(f"unknown call kind {self.kind[:20]!r} (one of {', '.join(CALL_KINDS)})")
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
-        if len(self.tensors) > MAX_STAGE_TENSORS or len(self.streams) != len(self.tensors):
-            raise ValueError(f"{len(self.tensors)} tensor specs and {len(self.streams)} streams "
-                             f"(equal numbers, at most {MAX_STAGE_TENSORS})")
+        _check_group(self.tensors, self.streams, MAX_STAGE_TENSORS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,9 +170,7 @@ class StageReply(Message):
     compute_s: float = 0.0  # seconds the server computed (the rest of the call's time is wire and queue)
 
     def __post_init__(self) -> None:
-        if len(self.tensors) > MAX_STAGE_TENSORS or len(self.streams) != len(self.tensors):
-            raise ValueError(f"{len(self.tensors)} tensor specs and {len(self.streams)} streams "
-                             f"(equal numbers, at most {MAX_STAGE_TENSORS})")
+        _check_group(self.tensors, self.streams, MAX_STAGE_TENSORS)
         if self.compute_s < 0:
             raise ValueError(f"compute_s must be >= 0, got {self.compute_s}")
 
@@ -180,8 +187,7 @@ class StageStateRequest(Message):
     def __post_init__(self) -> None:
         _check_name(self.pipeline)
         _check_stage(self.stage, MAX_STAGES)
-        if len(self.cuts) >= MAX_STAGES:
-            raise ValueError(f"{len(self.cuts)} cuts (at most {MAX_STAGES - 1})")
+        _check_cut_count(self.cuts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,9 +202,7 @@ class StageStateReply(Message):
     live: bool = True
 
     def __post_init__(self) -> None:
-        if len(self.tensors) > MAX_STATE_TENSORS or len(self.streams) != len(self.tensors):
-            raise ValueError(f"{len(self.tensors)} tensor specs and {len(self.streams)} streams "
-                             f"(equal numbers, at most {MAX_STATE_TENSORS})")
+        _check_group(self.tensors, self.streams, MAX_STATE_TENSORS)
         for name in ("step", "samples"):
             if not 0 <= getattr(self, name) <= MAX_STEP:
                 raise ValueError(f"{name} must be in [0, {MAX_STEP}], got {getattr(self, name)}")

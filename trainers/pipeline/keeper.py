@@ -71,10 +71,11 @@ class SeatKeeper:
             try:
                 self.seat.cool_down()
                 now = time.monotonic()
-                if self.o.rebalance and self._takeover(now):
+                smap = self.swarm.stage_map(self.seat.key)
+                if self.o.rebalance and self._takeover(now, smap):
                     continue
                 if self.o.rebalance:
-                    self._measure(now)
+                    self._measure(now, smap)
                 if self.o.rebalance and now >= next_plan:
                     next_plan = now + self.o.rebalance_every * self.rng.uniform(0.5, 1.5)
                     self._rebalance(now)
@@ -93,20 +94,18 @@ class SeatKeeper:
     def _may_switch(self, from_stage: int) -> str | None:
         return may_switch(self.swarm.stage_map(self.seat.key), self.swarm.peer_id, from_stage)
 
-    def _takeover(self, now: float) -> bool:
+    def _takeover(self, now: float, smap) -> bool:
         seat = self.seat
-        smap = self.swarm.stage_map(seat.key)
         empty = empty_stages(smap)
         for s in list(self.empty_since):
             if s not in empty:
                 del self.empty_since[s]
         for e in empty:
             since = self.empty_since.setdefault(e, now)
-            copies = {pid: c.step for pid, ann in self.swarm.stage_announcements().items()
-                      for c in ann.copies if c.stage == e}
+            copies = {src.peer_id: src.step for src in seat.sources(e) if not src.live}
             own = self.swarm.stage_copy(seat.key, e)
             if own is not None:
-                copies[self.swarm.peer_id] = own[1]
+                copies[self.swarm.peer_id] = own.step
             order = takeover_order(smap, seat.stage_seconds(seat.key), e, copies)
             mine = next((i for i, m in enumerate(order) if m.peer_id == self.swarm.peer_id), None)
             if mine is None or now - since < mine * TAKEOVER_GRACE_S:
@@ -117,9 +116,8 @@ class SeatKeeper:
             return True
         return False
 
-    def _measure(self, now: float) -> None:
+    def _measure(self, now: float, smap) -> None:
         """Sample today's predicted throughput while nothing moves; a move (anyone's) starts the window afresh."""
-        smap = self.swarm.stage_map(self.seat.key)
         if settling(smap) or empty_stages(smap):
             self.predictions.clear()
             return

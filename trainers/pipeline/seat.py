@@ -54,7 +54,7 @@ class StageSeat:
         self.cooling_from = -1  # the stage we left, announced until `cool_until`
         self.cool_until = 0.0
         self.dropped_samples = 0  # accumulated samples whose gradients a move dropped
-        self._shadows: dict[tuple[PipelineKey, int], StageWorker] = {}  # workers of stages we back up (specs only)
+        self._shadow: StageWorker | None = None  # a worker of the stage we back up, for its specs only
 
     # ---- building -------------------------------------------------------------------------------
     def stage_seconds(self, key: PipelineKey) -> list[float]:
@@ -109,8 +109,7 @@ class StageSeat:
         step = int(ckpt["worker"].get("steps", 0))
         self.worker, self.stage = self._worker(self.key, stage), stage
         self._serve(ready=False)
-        got = self._adopt_as_member(stage, fresher_than=step) if any(s.step > step for s in self._sources(stage)) else None
-        if got is None:
+        if self._adopt_as_member(stage, fresher_than=step) is None:  # nobody holds a fresher copy, or none came
             self.worker.load_state_dict(ckpt["worker"])
             self.swarm.log("resumed stage %d from our checkpoint at step %d (no peer serves it)", stage, step)
         return True
@@ -118,7 +117,7 @@ class StageSeat:
     def join_stage(self) -> None:
         """Share the stage's parameters with its other peers, starting from their state if they are training;
         the stage takes calls from here on."""
-        live = [s for s in self._sources(self.stage) if s.live and s.step > 0]
+        live = [s for s in self.sources(self.stage) if s.live and s.step > 0]
         if live and self.worker.steps < live[0].step:
             got = self._adopt_as_member(self.stage, fresher_than=self.worker.steps)
             if got is not None:
@@ -134,7 +133,7 @@ class StageSeat:
         them (`not_a_member`), so ask again each JOIN_RETRY_S, for at most JOIN_WAIT_S."""
         deadline = time.monotonic() + JOIN_WAIT_S
         while not self.swarm.should_stop():
-            if not any(s.step > fresher_than for s in self._sources(stage)):
+            if not any(s.step > fresher_than for s in self.sources(stage)):
                 return None
             got = self._adopt(self.worker, stage)
             if got is not None or time.monotonic() > deadline:
@@ -151,7 +150,8 @@ class StageSeat:
         return f"{self.key.name}/stage{self.stage if stage is None else stage}"
 
     # ---- state transfer -------------------------------------------------------------------------
-    def _sources(self, stage: int):
+    def sources(self, stage: int):
+        """Live peers of our pipeline that can hand out `stage`'s state, freshest first (rebalance.state_sources)."""
         anns = self.swarm.stage_announcements()
         live = {p.peer_id for peers in self.swarm.stage_map(self.key).values() for p in peers}
         return state_sources(anns, live, lambda a: PipelineKey.of(a) == self.key, stage, self.swarm.peer_id)
@@ -160,8 +160,8 @@ class StageSeat:
         """Load `stage`'s freshest state into `worker`: from our own copy if none is fresher, else downloaded.
         Returns where it came from, or None if no holder could give it (the worker keeps what it has)."""
         own = self.swarm.stage_copy(self.key, stage)
-        for src in self._sources(stage)[:MAX_SOURCES_TRIED]:
-            if own is not None and own[1] >= src.step:
+        for src in self.sources(stage)[:MAX_SOURCES_TRIED]:
+            if own is not None and own.step >= src.step:
                 break
             try:
                 got = self.swarm.fetch_stage_state(self.key, stage, src.peer_id, worker.check_state_specs)
@@ -174,8 +174,8 @@ class StageSeat:
             return {"source": src.peer_id[:8], "step": got.step, "live": got.live, "mb": round(got.nbytes / 1e6, 2),
                     "download_s": round(got.seconds, 3)}
         if own is not None:
-            worker.import_state(own[0], own[1], own[2])
-            return {"source": "own copy", "step": own[1], "live": False, "mb": 0.0, "download_s": 0.0}
+            worker.import_state(own.tensors, own.step, own.samples)
+            return {"source": "own copy", "step": own.step, "live": False, "mb": 0.0, "download_s": 0.0}
         return None
 
     def backup(self) -> None:
@@ -183,13 +183,12 @@ class StageSeat:
         if self.key is None or self.key.stages < 2:
             return
         target = (self.stage + 1) % self.key.stages
-        live = [s for s in self._sources(target) if s.live]
+        live = [s for s in self.sources(target) if s.live]
         if not live:
             return
-        shadow = self._shadows.get((self.key, target))
-        if shadow is None:
-            self._shadows = {(self.key, target): self._worker(self.key, target)}  # one at a time: specs only
-            shadow = self._shadows[(self.key, target)]
+        if self._shadow is None or self._shadow.stage != target:  # the cut is fixed by now; our stage changes by moves
+            self._shadow = self._worker(self.key, target)
+        shadow = self._shadow
         for src in live[:MAX_SOURCES_TRIED]:
             try:
                 got = self.swarm.fetch_stage_state(self.key, target, src.peer_id, shadow.check_state_specs)
@@ -233,7 +232,7 @@ class StageSeat:
             del old  # its optimizer state and gradients go; the copy below is what we keep of that stage
             self.swarm.keep_stage_copy(key, old_stage, tensors, step, samples)
             self.swarm.drop_stage_copy(key, to)  # we serve it now: its state is live here
-            self._shadows.clear()
+            self._shadow = None
             self.moved_at = time.monotonic()
             self.cooling_from, self.cool_until = old_stage, self.moved_at + max(self.o.rebalance_every, settle_s)
             record = {"from": old_stage, "to": to, "reason": reason, "took_s": round(self.moved_at - t0, 3),
