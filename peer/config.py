@@ -202,6 +202,38 @@ class PipelineSection:
 
 
 @dataclass(frozen=True)
+class NatSection:
+    """Being reachable from the internet (peer/nat/): dial-back, relays we use, hole punching."""
+
+    reachability: str = _f("auto", "'auto': ask peers to dial our advertised addresses back and conclude public, "
+                           "nat or unknown; 'public' or 'private' to skip asking (you know the port is open, or not).")
+    dialback_peers: int = _f(3, "Peers (at distinct IPs) asked to dial us back each round; two agreeing decide.",
+                             lo=1, hi=16)
+    recheck_interval: float = _f(300.0, "Seconds between reachability checks once decided (sooner while unknown).",
+                                 lo=1.0, hi=_DAY, unit="s")
+    use_relays: bool = _f(True, "When not publicly reachable, keep reservations with public peers that relay, "
+                          "and advertise the relayed addresses in our signed peer record.")
+    relays: int = _f(2, "Relay reservations to hold (two: losing one relay does not cut us off).", lo=1, hi=8)
+    hole_punching: bool = _f(True, "Over a relayed session, try a simultaneous TCP open for a direct one.")
+
+
+@dataclass(frozen=True)
+class RelaySection:
+    """Relaying for peers behind NAT, offered only while we are publicly reachable: a relay is a service
+    strangers in the swarm use, so everything it holds is capped here."""
+
+    enabled: bool = _f(True, "Offer relaying while this daemon is publicly reachable.")
+    max_reservations: int = _f(64, "Peers that may hold a reservation with us at once.", lo=0, hi=65536)
+    max_circuits: int = _f(32, "Relayed connections at once, in total.", lo=0, hi=65536)
+    max_circuits_per_peer: int = _f(4, "Relayed connections at once from one peer, and to one peer.", lo=1, hi=1024)
+    max_circuit_mib: int = _f(1024, "Bytes one relayed connection may carry (both directions), in MiB; then it is "
+                              "closed and its peers reconnect.", lo=1, hi=1 << 30)
+    max_circuit_seconds: float = _f(3600.0, "Longest a relayed connection stays open.", lo=1.0, hi=_DAY, unit="s")
+    max_bandwidth_mib_s: float = _f(25.0, "Bytes per second, in MiB, all relayed connections together may use "
+                                    "(shared fairly by taking turns).", lo=0.01, hi=1 << 20, unit="MiB/s")
+
+
+@dataclass(frozen=True)
 class TrainerSection:
     name: str = _f("", "Trainer module the daemon hosts (e.g. trainers.gossip_sgd); empty: no training.")
     options: dict = _f({}, "Trainer options (see the trainer's docs).")
@@ -217,6 +249,8 @@ class Config:
     topology: TopologySection = field(default_factory=TopologySection)
     gossip: GossipSection = field(default_factory=GossipSection)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
+    nat: NatSection = field(default_factory=NatSection)
+    relay: RelaySection = field(default_factory=RelaySection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     source: str = field(default="", compare=False)  # file it came from, for messages
 
@@ -379,6 +413,8 @@ def validate_semantics(cfg: Config) -> None:
         raise ConfigError(f"[topology] kind: expected rewired, ring, exponential, random_regular or full, got {t.kind!r}")
     if not t.min_degree <= t.target_degree <= t.max_degree:
         raise ConfigError("[topology] target_degree: need min_degree <= target_degree <= max_degree")
+    if cfg.nat.reachability not in ("auto", "public", "private"):
+        raise ConfigError(f"[nat] reachability: expected 'auto', 'public' or 'private', got {cfg.nat.reachability!r}")
     if cfg.gossip.codec not in ("raw", "float16", "q8"):
         raise ConfigError(f"[gossip] codec: expected raw, float16 or q8, got {cfg.gossip.codec!r}")
 

@@ -130,7 +130,8 @@ class Daemon:
             nursery.start_soon(lambda: serve(listeners, transport, m.own_session,
                                              max_connections=cfg.membership.max_connections,
                                              max_connections_per_ip=cfg.membership.max_connections_per_ip,
-                                             stats=self.listener_stats, idle_victim=m.idle_victim))
+                                             stats=self.listener_stats, idle_victim=m.idle_victim,
+                                             on_circuit=self.nat.relay.accept_circuit))
             await nursery.start(m.run)
             for peer_id, addrs in self._load_peer_cache():
                 m.learn(peer_id, addrs, source="cache")
@@ -236,6 +237,8 @@ class Daemon:
                             (f"{p.addresses[0][0]}:{p.addresses[0][1]}" if p.addresses else "")),
                 "direction": ("out" if s.initiator else "in") if s else "",
                 "cipher": s.cipher if s else "",
+                "path": s.path if s else "", "via": s.via if s else "",
+                "clock_offset_s": round(s.clock_offset, 3) if s and s.clock_offset is not None else None,
                 "rtt_ms": round(p.rtt * 1000, 3) if p.rtt is not None else None,
                 "bytes_in": p.bytes_in_closed + (s.stats.bytes_in if s else 0),
                 "bytes_out": p.bytes_out_closed + (s.stats.bytes_out if s else 0),

@@ -12,14 +12,16 @@ from __future__ import annotations
 def load_services(daemon) -> list:
     """The services this daemon's config asks for, in start order."""
     from peer.averaging.engine import GossipEngine
+    from peer.nat.service import NatService
     from peer.pipeline.service import PipelineService
     from peer.topology.service import TopologyService
 
+    nat = daemon.nat = NatService(daemon)
     topology = TopologyService(daemon)
     gossip = GossipEngine(daemon, topology)
     pipeline = PipelineService(daemon, topology)
     daemon.topology, daemon.gossip, daemon.pipeline = topology, gossip, pipeline
-    services = [topology, gossip, pipeline]
+    services = [nat, topology, gossip, pipeline]
     if daemon.config.trainer.name:
         from peer.trainer_host import TrainerHost
 

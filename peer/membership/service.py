@@ -18,11 +18,12 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 import trio
 
 from peer.config import Config
+from peer.nat.addresses import RelayedAddress, parse_address, parse_relayed
 from peer.session.router import Router
 from peer.session.connect import dial
 from peer.session.fanout import Fanout, send_to_each
@@ -34,6 +35,9 @@ from protocol.schema import Goodbye, PeerExchange, PeerRecord, Ping, Pong, peer_
 log = logging.getLogger("peertrain.membership")
 
 MAX_ADDRESSES = 8
+MAX_RELAYED = 4
+"""Relayed addresses kept per peer, and advertised by us: a peer holds a couple of reservations
+(`[nat] relays`), and a record carries at most 16 addresses in all (MAX_ADDRESSES direct + these)."""
 MAX_PEERS = 4096  # learned from peer exchange; bounds what remote peers can make us remember
 FORGET_AFTER_FAILURES = 8  # a peer we never reached is forgotten after this many failed dials
 MAX_DIALS_IN_PROGRESS = 8
@@ -81,6 +85,7 @@ class PeerInfo:
     dialing: bool = False
     record: PeerRecord | None = None
     firsthand: set[tuple[str, int]] = field(default_factory=set)  # addresses not learned from others
+    relayed: list[RelayedAddress] = field(default_factory=list)  # reachable through these relays (peer/nat)
     dead_reason: str = ""
     bytes_in_closed: int = 0  # from sessions that ended
     bytes_out_closed: int = 0
@@ -95,6 +100,11 @@ class PeerInfo:
             return False
         self.addresses = (fresh + self.addresses)[:MAX_ADDRESSES]
         return True
+
+    def add_relayed(self, addrs: list[RelayedAddress]) -> bool:
+        fresh = [a for a in addrs[:MAX_RELAYED] if a not in self.relayed]
+        self.relayed = (fresh + self.relayed)[:MAX_RELAYED]
+        return bool(fresh)
 
 
 @dataclass
@@ -113,13 +123,6 @@ class BootstrapTarget:
     failures: int = 0
     next_attempt: float = 0.0
     dialing: bool = False
-
-
-def parse_address(text: str) -> tuple[str, int] | None:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        return None
-    return host.strip("[]"), int(port)
 
 
 def is_public_address(host: str) -> bool:
@@ -147,6 +150,12 @@ class Membership:
         self.observed_hosts: list[str] = []  # reported by OBSERVED_QUORUM peers at distinct IPs
         self._observed_votes: dict[str, dict[str, str]] = {}  # address -> reporter IP -> reporter peer ID
         self.private_addresses = config.discovery.private_addresses
+        # set by the NAT service (peer/nat/service.py): whether the addresses peers observe for us are worth
+        # advertising (not when dial-back showed they are unreachable), our relayed addresses, and how to
+        # dial a peer through a relay
+        self.advertise_observed = True
+        self.relayed_addresses: list[str] = []
+        self.dial_relayed: Callable[[PeerInfo, RelayedAddress], Awaitable[Session]] | None = None
         self.host_backoff: dict[str, HostBackoff] = {}  # at most MAX_PEERS hosts
         self._nursery: trio.Nursery | None = None
         self._pex_fanout = Fanout()
@@ -203,13 +212,37 @@ class Membership:
             info.firsthand.update((str(h), int(p)) for h, p in list(addresses)[:MAX_ADDRESSES])
         self._wake.set()
 
+    def learn_addresses(self, peer_id: str, texts: list[str], *, source: str) -> None:
+        """Like `learn`, from address strings: direct "host:port" and relayed ones (peer/nat/addresses.py)."""
+        if peer_id == self.peer_id:
+            return
+        texts = list(texts)[:MAX_ADDRESSES + MAX_RELAYED]
+        direct = [a for a in (parse_address(t) for t in texts) if a is not None]
+        relayed = [r for r in (parse_relayed(t) for t in texts) if r is not None and r.relay_id != peer_id]
+        if source in SECOND_HAND and not self.private_addresses:
+            relayed = [r for r in relayed if is_public_address(r.host)]
+        if direct:
+            self.learn(peer_id, direct, source=source)
+        if not relayed:
+            return
+        info = self.peers.get(peer_id)
+        if info is None:
+            if len(self.peers) >= MAX_PEERS:
+                return
+            info = self.peers[peer_id] = PeerInfo(peer_id=peer_id, source=source)
+            log.info("discovered %s via %s through relay %s", ident.short_id(peer_id), source,
+                     ", ".join(ident.short_id(r.relay_id) for r in relayed))
+        if info.add_relayed(relayed):
+            self._wake.set()
+
     def own_record(self) -> PeerRecord:
         """Our signed, expiring peer record, as peer exchange forwards it."""
         port = self._listen_port()
-        hosts = list(dict.fromkeys(self.advertise_hosts + self.observed_hosts))
+        hosts = list(dict.fromkeys(self.advertise_hosts + (self.observed_hosts if self.advertise_observed else [])))
         now = time.time()
+        addresses = [f"{h}:{port}" for h in hosts][:MAX_ADDRESSES] + self.relayed_addresses[:MAX_RELAYED]
         rec = PeerRecord(peer_id=self.peer_id, public_key=ident.public_key_bytes(self.transport.identity),
-                         swarm=self.swarm, addresses=[f"{h}:{port}" for h in hosts][:MAX_ADDRESSES],
+                         swarm=self.swarm, addresses=addresses,
                          issued=now, expires=now + self.cfg.peer_record_ttl, signature=b"")
         sig = ident.sign(self.transport.identity, peer_record_signing_bytes(rec))
         return PeerRecord(**{**{f: getattr(rec, f) for f in rec.__dataclass_fields__}, "signature": sig})
@@ -263,7 +296,7 @@ class Membership:
                     continue
                 if (info.session is None and not info.dialing and info.next_attempt <= now
                         and n_sessions < self.cfg.max_connections and n_dials < MAX_DIALS_IN_PROGRESS
-                        and self._dialable(info, now)):
+                        and (self._dialable(info, now) or (info.relayed and self.dial_relayed is not None))):
                     info.dialing = True
                     n_sessions += 1
                     n_dials += 1
@@ -315,6 +348,15 @@ class Membership:
                 self.host_backoff.pop(host, None)
                 self._start_session(session)
                 return
+            for relayed in list(info.relayed) if self.dial_relayed is not None else []:
+                try:
+                    session = await self.dial_relayed(info, relayed)
+                except (OSError, trio.TooSlowError, ProtocolError) as exc:
+                    log.info("dial %s through relay %s failed: %s", ident.short_id(info.peer_id),
+                             ident.short_id(relayed.relay_id), exc or type(exc).__name__)
+                    continue
+                self._start_session(session)
+                return
             info.failures += 1
             info.next_attempt = trio.current_time() + self._backoff(info.failures)
             if info.state == "connecting" and info.session is None:
@@ -342,9 +384,19 @@ class Membership:
         assert self._nursery is not None
         self._nursery.start_soon(self.own_session, session)
 
+    def adopt(self, session: Session) -> None:
+        """Own a session made elsewhere (a relay circuit, a punched connection) like one we dialed."""
+        if self._nursery is None or self._leaving:
+            session.stream.socket.close()  # not started yet: nothing else holds it
+            return
+        self._start_session(session)
+
     # ---- owning a session ---------------------------------------------------------------------------
     def _preferred(self, a: Session, b: Session) -> Session:
-        """Of two sessions with one peer, the one both ends keep: initiated by the smaller peer ID."""
+        """Of two sessions with one peer, the one both ends keep: a direct one over a relayed one (both
+        ends know which runs through a relay), else the one initiated by the smaller peer ID."""
+        if (a.path == "relayed") != (b.path == "relayed"):
+            return b if a.path == "relayed" else a
         smaller = min(self.peer_id, a.peer_id)
 
         def initiator_id(s: Session) -> str:
@@ -358,24 +410,33 @@ class Membership:
         if pid == self.peer_id:
             await session.aclose("connected to ourselves")
             return
+        if isinstance(session.remote_app, dict) and session.remote_app.get("probe"):
+            # a dial-back or `peer doctor` checking that we answer: the handshake was the whole answer
+            await session.aclose("probe answered")
+            return
         info = self.peers.get(pid)
         if info is None:
-            info = self.peers[pid] = PeerInfo(peer_id=pid, source="inbound" if not session.initiator else "join")
+            source = "relay" if session.path == "relayed" else "inbound" if not session.initiator else "join"
+            info = self.peers[pid] = PeerInfo(peer_id=pid, source=source)
         self._learn_from_handshake(info, session)
         if info.session is not None and not info.session.closed.is_set():
             keep = self._preferred(info.session, session)
+            why = ("replaced by a direct session" if info.session.path == "relayed" and session.path != "relayed"
+                   else "duplicate session")
             if keep is info.session:
                 await session.aclose("duplicate session")
                 return
-            await info.session.aclose("duplicate session")
+            await info.session.aclose(why)
         info.session = session
         session.send_timeout = self.cfg.dead_after  # a peer that takes no frame for this long is as dead as a silent one
         info.state = "connected"
         info.failures = 0
         info.dead_reason = ""
         info.last_seen = time.time()
-        log.info("connected to %s at %s:%d (%s, %s)", session.short, session.remote_addr[0], session.remote_addr[1],
-                 "outbound" if session.initiator else "inbound", session.cipher)
+        log.info("connected to %s at %s:%d (%s, %s%s)", session.short, session.remote_addr[0], session.remote_addr[1],
+                 "outbound" if session.initiator else "inbound", session.cipher,
+                 f", through relay {ident.short_id(session.via)}" if session.via else
+                 ", hole punched" if session.path == "punched" else "")
         self._notify(pid, session)
         try:
             async with trio.open_nursery() as n:
@@ -398,6 +459,8 @@ class Membership:
 
     def _learn_from_handshake(self, info: PeerInfo, session: Session) -> None:
         app = session.remote_app if isinstance(session.remote_app, dict) else {}
+        if session.path != "direct":
+            return  # a circuit's or a punched connection's addresses are the relay's or a NAT's one-off port
         port = app.get("port")
         if isinstance(port, int) and 0 < port < 65536:
             info.add_addresses([(session.remote_addr[0], port)])
@@ -405,6 +468,9 @@ class Membership:
         observed = app.get("observed")
         if session.initiator and isinstance(observed, str):
             self.vote_observed(observed, reporter_ip=session.remote_addr[0], reporter=session.peer_id)
+        dialed = parse_address(app.get("dialed", "")) if not session.initiator else None
+        if dialed is not None:  # it reached us at this address: ours as seen from where it stands
+            self.vote_observed(dialed[0], reporter_ip=session.remote_addr[0], reporter=session.peer_id)
 
     def vote_observed(self, observed: str, *, reporter_ip: str, reporter: str) -> None:
         """A peer we dialed says it sees us at `observed`. We advertise it once OBSERVED_QUORUM peers at
@@ -491,10 +557,9 @@ class Membership:
             if why is not None:
                 log.debug("ignoring peer record for %s from %s: %s", ident.short_id(rec.peer_id), session.short, why)
                 continue
-            addrs = [a for a in (parse_address(x) for x in rec.addresses) if a is not None]
             if rec.peer_id == self.peer_id:
                 continue
-            self.learn(rec.peer_id, addrs, source="pex")
+            self.learn_addresses(rec.peer_id, rec.addresses, source="pex")
             info = self.peers.get(rec.peer_id)
             if info is not None and (info.record is None or info.record.issued < rec.issued):
                 info.record = rec

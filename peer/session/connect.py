@@ -7,12 +7,14 @@ session for a newcomer (`idle_victim`)."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import trio
 
 from peer.session.transport import Session, TransportConfig, send_all
+from protocol.circuit import PEEK_BYTES, is_circuit
 from protocol.errors import HandshakeError, ProtocolError
 from protocol.handshake import Handshake
 from protocol.identity import short_id
@@ -21,9 +23,21 @@ log = logging.getLogger("peertrain.transport")
 
 EVICTED_REASON = "evicted: idle, slot needed"
 
-async def _run_handshake(stream: trio.SocketStream, hs: Handshake, timeout: float):
+async def _recv_exactly(sock, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = await sock.recv(n - len(data))
+        if not chunk:
+            raise HandshakeError("connection closed before the handshake")
+        data += chunk
+    return data
+
+
+async def _run_handshake(stream: trio.SocketStream, hs: Handshake, timeout: float, initial: bytes = b""):
     sock = stream.socket
     with trio.fail_after(timeout):
+        if initial:
+            hs.receive_data(initial)
         out = hs.data_to_send()
         if out:
             await send_all(sock, memoryview(out))
@@ -39,13 +53,36 @@ async def _run_handshake(stream: trio.SocketStream, hs: Handshake, timeout: floa
 
 
 def _handshake_for(cfg: TransportConfig, *, initiator: bool, expected_peer_id: str | None,
-                   observed: str | None = None) -> Handshake:
-    # A responder tells the initiator which IP it sees it from (like libp2p's identify), so a daemon
-    # listening on 0.0.0.0 learns an address it can put in its own signed peer record.
-    payload = dict(cfg.app_payload, observed=observed) if observed else cfg.app_payload
+                   observed: tuple[str, int] | None = None, dialed: str | None = None) -> Handshake:
+    """Our handshake, with what the app payload says beside `cfg.app_payload` (like libp2p's identify):
+    `time`, our wall clock (the peer learns how far our clocks differ); as responder `observed` and
+    `observed_port`, where we see the initiator from (its address behind any NAT: what it may advertise,
+    and whether its NAT keeps ports); as initiator `dialed`, the address we reached the responder at
+    (a listener on 0.0.0.0 learns an address that works from outside). Circuits through a relay send
+    neither: the relay's address would say nothing about the peer."""
+    payload = dict(cfg.app_payload, time=time.time())
+    if observed is not None:
+        payload.update(observed=observed[0], observed_port=observed[1])
+    if dialed is not None:
+        payload["dialed"] = dialed
     return Handshake(
         initiator=initiator, identity=cfg.identity, swarm=cfg.swarm, psk=cfg.psk, ciphers=cfg.ciphers,
         app_payload=payload, expected_peer_id=expected_peer_id, allowed_peer_ids=cfg.allowed_peer_ids)
+
+
+async def handshake_stream(stream: trio.SocketStream, cfg: TransportConfig, *, initiator: bool,
+                           expected_peer_id: str | None, remote_addr: tuple[str, int],
+                           dialed: str | None = None) -> Session:
+    """Run the handshake over a connected stream (a dial, a relay circuit, a punched connection) and
+    wrap it in a Session; the stream is closed if the handshake fails or is cancelled."""
+    try:
+        result = await _run_handshake(stream, _handshake_for(cfg, initiator=initiator, expected_peer_id=expected_peer_id,
+                                                             dialed=dialed), cfg.handshake_timeout)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+        raise
+    return Session(stream, result=result, cfg=cfg, initiator=initiator, remote_addr=remote_addr)
 
 
 async def dial(host: str, port: int, cfg: TransportConfig, *, expected_peer_id: str | None = None,
@@ -53,14 +90,8 @@ async def dial(host: str, port: int, cfg: TransportConfig, *, expected_peer_id: 
     """Connect and handshake as initiator. Raises OSError, trio.TooSlowError or HandshakeError."""
     with trio.fail_after(connect_timeout):
         stream = await trio.open_tcp_stream(host, port)
-    try:
-        result = await _run_handshake(stream, _handshake_for(cfg, initiator=True, expected_peer_id=expected_peer_id),
-                                      cfg.handshake_timeout)
-    except BaseException:
-        with trio.CancelScope(shield=True):
-            await stream.aclose()
-        raise
-    return Session(stream, result=result, cfg=cfg, initiator=True, remote_addr=(host, port))
+    return await handshake_stream(stream, cfg, initiator=True, expected_peer_id=expected_peer_id,
+                                  remote_addr=(host, port), dialed=f"{host}:{port}")
 
 
 MAX_HANDSHAKES = 16
@@ -96,6 +127,7 @@ async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_s
                 max_connections: int = 64, max_connections_per_ip: int = 16,
                 max_handshakes: int = MAX_HANDSHAKES, stats: ListenerStats | None = None,
                 idle_victim: Callable[[list[Session]], Session | None] | None = None,
+                on_circuit: Callable[[trio.SocketStream], Awaitable[None]] | None = None,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept connections, handshake each under a deadline, hand sessions to `on_session`.
 
@@ -108,6 +140,9 @@ async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_s
     inbound sessions that may go (idle, by its owner's judgement) or None; a newcomer is refused only when
     none may. It is asked before the handshake (is there one?) and the session is closed only after it,
     so an unauthenticated connection never evicts anyone.
+
+    A connection that opens with a relay circuit hello (`protocol.circuit`) instead of a handshake goes to
+    `on_circuit(stream)` (the relay, which bounds circuits itself) and holds no session slot.
     """
     stats = stats if stats is not None else ListenerStats()
     active = 0  # sessions
@@ -141,13 +176,6 @@ async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_s
             await stream.aclose()
             return
         ip = remote[0]
-        full = competitors(ip)
-        if full is not None and (idle_victim is None or idle_victim(full) is None):
-            stats.refused += 1
-            log.warning("refusing connection from %s: connection limit reached (%d total, %d from this IP), none idle",
-                        ip, active, stats.per_ip.get(ip, 0))
-            await stream.aclose()
-            return
         if len(handshaking) >= max_handshakes:
             stats.handshakes_evicted += 1
             oldest = next(iter(handshaking))
@@ -156,16 +184,37 @@ async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_s
         scope = trio.CancelScope()
         handshaking[scope] = None
         result = None
+        circuit = refused = False
         try:
-            with scope:
-                result = await _run_handshake(stream, _handshake_for(cfg, initiator=False, expected_peer_id=None, observed=ip),
-                                              cfg.handshake_timeout)
+            with scope, trio.fail_after(cfg.handshake_timeout):
+                prefix = await _recv_exactly(stream.socket, PEEK_BYTES)
+                if on_circuit is not None and is_circuit(prefix):
+                    circuit = True
+                else:
+                    full = competitors(ip)
+                    refused = full is not None and (idle_victim is None or idle_victim(full) is None)
+                    if not refused:
+                        hs = _handshake_for(cfg, initiator=False, expected_peer_id=None, observed=(remote[0], remote[1]))
+                        result = await _run_handshake(stream, hs, cfg.handshake_timeout, initial=prefix)
         except trio.TooSlowError:
             log.warning("handshake from %s:%d timed out after %.1fs; dropped", remote[0], remote[1], cfg.handshake_timeout)
         except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
             log.warning("handshake from %s:%d failed: %s", remote[0], remote[1], exc)
         finally:
             handshaking.pop(scope, None)
+        if circuit:
+            try:
+                await on_circuit(stream)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await stream.aclose()
+            return
+        if refused:
+            stats.refused += 1
+            log.warning("refusing connection from %s: connection limit reached (%d total, %d from this IP), none idle",
+                        ip, active, stats.per_ip.get(ip, 0))
+            await stream.aclose()
+            return
         if result is None:
             stats.handshake_failures += 1
             if scope.cancelled_caught:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +118,12 @@ class Session:
         self.cipher: str = "none (benchmark)" if cfg.insecure_plaintext_for_benchmark else result.cipher
         self.initiator = initiator
         self.remote_addr = remote_addr
+        self.via = ""  # the relay's peer ID when this session runs through a relay circuit (peer/nat)
+        self.path = "direct"  # "direct", "punched" (a direct session made by hole punching) or "relayed"
+        # how far the remote's wall clock is ahead of ours, from the time it put in the handshake (None: not sent)
+        remote_time = self.remote_app.get("time") if isinstance(self.remote_app, dict) else None
+        self.clock_offset: float | None = (remote_time - time.time() if isinstance(remote_time, float)
+                                           and math.isfinite(remote_time) else None)
         self.stats = SessionStats(last_useful=trio.current_time())
         self.opened_at = trio.current_time()
         limits = cfg.limits

@@ -27,6 +27,19 @@ from protocol.schema.gossip import (
     ParamsRequest,
     TensorSpec,
 )
+from protocol.schema.nat import (
+    DialBackReply,
+    DialBackRequest,
+    DialBackResult,
+    PunchOffer,
+    PunchSync,
+    RelayAck,
+    RelayConnect,
+    RelayConnectReply,
+    RelayIncoming,
+    RelayReservation,
+    RelayReserve,
+)
 from protocol.schema.pipeline import StageAnnouncement, StageCall, StageCopy, StageReply, StageStateReply, StageStateRequest
 from protocol.schema.tensor import TensorCancel, TensorHeader
 from protocol.schema.topology import (
@@ -58,6 +71,8 @@ __all__ = [
     "AverageAbort", "AverageAccept", "AverageCommit", "AverageOffer", "AverageReject", "ParamsReply", "ParamsRequest", "TensorSpec",
     "EdgeAccept", "EdgeCommit", "EdgeDrop", "EdgePropose", "EdgeReject", "LinkReport", "ProbeReply", "ProbeRequest",
     "TopologyRecord", "TopologyRecords", "topology_record_signing_bytes",
+    "DialBackReply", "DialBackRequest", "DialBackResult", "PunchOffer", "PunchSync", "RelayAck", "RelayConnect",
+    "RelayConnectReply", "RelayIncoming", "RelayReservation", "RelayReserve",
     "StageAnnouncement", "StageCall", "StageCopy", "StageReply", "StageStateReply", "StageStateRequest",
 ]
 
@@ -95,6 +110,17 @@ MESSAGES: tuple[type[Message], ...] = (
     StageReply,
     StageStateRequest,
     StageStateReply,
+    # reachability plane (dial-back, relays, hole punching)
+    DialBackRequest,
+    DialBackReply,
+    RelayReserve,
+    RelayReservation,
+    RelayConnect,
+    RelayConnectReply,
+    RelayIncoming,
+    RelayAck,
+    PunchOffer,
+    PunchSync,
 )
 
 DEFAULT_REGISTRY = Registry(MESSAGES)

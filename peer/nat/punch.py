@@ -1,0 +1,249 @@
+"""Hole punching: turning a relayed session into a direct one by a simultaneous TCP open.
+
+Both peers sit behind NATs that drop unsolicited inbound connections, but let in packets that match a
+connection their side started. If each dials the other's outside address at about the same time, each
+NAT sees its own side's SYN first, so the other side's SYN counts as an answer; TCP's simultaneous open
+then makes one connection. Coordination runs over the relayed session (DCUtR's recipe, libp2p):
+
+  dialer of the relayed session (B)          the other peer (A)
+  bind a fresh port pB
+  PunchOffer(B's outside IP:pB)  ---------->  bind a fresh port pA
+                                 <----------  PunchOffer(A's outside IP:pA)   (B measures the round trip)
+  PunchSync                      ---------->  dial B now
+  wait half the round trip, dial A
+
+Each side dials from its bound port, again and again for PUNCH_WINDOW seconds. The outside port equals
+the local one only behind a NAT that keeps ports (Linux MASQUERADE does when it can); a NAT that picks a
+new port per destination cannot be punched this way, and the pair stays relayed (`peer doctor` says so).
+B runs the handshake as initiator on the new connection; membership then keeps the direct session and
+closes the relayed one. A failure keeps the relayed session and is retried with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import trio
+
+from peer.nat.addresses import format_hostport, ip_literal, parse_address
+from peer.session.connect import handshake_stream
+from peer.session.transport import SessionClosed
+from protocol.identity import short_id
+from protocol.schema import ErrorReply, PunchOffer, PunchSync
+
+log = logging.getLogger("peertrain.nat")
+
+PUNCH_WINDOW = 8.0
+"""Seconds both sides keep dialing: the first SYN of each side is often dropped by the other NAT (its
+own SYN has not left yet), and the kernel resends after 1 s, then 3 s; 8 s covers those and a skew
+between the two starts of up to a few seconds."""
+ATTEMPT = 1.5  # one connect() before it is retried: long enough for the kernel's first SYN resend (1 s)
+SYNC_WAIT = 5.0  # the offered side waits this long for PunchSync before it gives up
+ASK_TIMEOUT = 5.0  # for the other side's PunchOffer
+MAX_PUNCHES = 4  # punches at once (each holds a socket and a relayed session's attention)
+FIRST_BACKOFF, MAX_BACKOFF = 30.0, 900.0  # a failed pair tries again after 30 s, doubling to 15 min
+RECENT = 16  # punch outcomes kept for `peer status`
+
+
+@dataclass
+class Outcome:
+    peer_id: str
+    ok: bool
+    reason: str
+    seconds: float
+    at: float
+
+
+@dataclass
+class Punch:
+    session: object
+    sync: trio.Event = field(default_factory=trio.Event)
+
+
+def bound_socket(port: int = 0, family: int = socket.AF_INET) -> trio.socket.SocketType:
+    sock = trio.socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if hasattr(socket, "SO_REUSEPORT"):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    return sock
+
+
+async def simultaneous_connect(first: trio.socket.SocketType, remote: tuple[str, int], window: float) -> trio.SocketStream:
+    """Dial `remote` from `first`'s port until a connection forms or `window` seconds pass."""
+    port = first.getsockname()[1]
+    deadline = trio.current_time() + window
+    sock, last = first, "no attempt"
+    while True:
+        left = deadline - trio.current_time()
+        if left <= 0:
+            raise TimeoutError(f"no connection to {format_hostport(*remote)} within {window:g} s ({last})")
+        try:
+            with trio.move_on_after(min(ATTEMPT, left)):
+                await sock.connect(remote)
+                return trio.SocketStream(sock)
+            last = "timed out"
+        except OSError as exc:
+            last = exc.strerror or type(exc).__name__
+            await trio.sleep(0.1)
+        sock.close()
+        sock = bound_socket(family=first.family)
+        await sock.bind(("", port))
+
+
+class HolePuncher:
+    def __init__(self, *, membership, transport, router, public_ip: Callable[[], str | None], enabled: bool):
+        self.membership = membership
+        self.transport = transport
+        self.public_ip = public_ip
+        self.enabled = enabled
+        self._active: dict[str, Punch] = {}
+        self._backoff: dict[str, tuple[int, float]] = {}  # peer -> (failures in a row, next try, trio clock)
+        self.attempts = self.succeeded = self.failed = 0
+        self.recent: deque[Outcome] = deque(maxlen=RECENT)
+        self._nursery: trio.Nursery | None = None
+        router.register(PunchOffer, self._on_offer)
+        router.register(PunchSync, self._on_sync)
+
+    def status(self) -> dict:
+        now = trio.current_time()
+        return {"enabled": self.enabled, "attempts": self.attempts, "succeeded": self.succeeded, "failed": self.failed,
+                "recent": [{"peer_id": o.peer_id, "ok": o.ok, "reason": o.reason, "seconds": round(o.seconds, 2),
+                            "age_s": round(now - o.at, 1)} for o in self.recent]}
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Owns the punches; every few seconds starts one for each relayed session we dialed whose
+        backoff has passed (a new relayed session is punched at once)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                for session in list(self.membership.connected().values()):
+                    self.consider(session)
+                await trio.sleep(2.0)
+
+    def consider(self, session) -> None:
+        """Start a punch over this session if it is relayed, we dialed it, and its pair is due."""
+        pid = session.peer_id
+        if (not self.enabled or self._nursery is None or session.path != "relayed" or not session.initiator
+                or pid in self._active or len(self._active) >= MAX_PUNCHES
+                or self._backoff.get(pid, (0, 0.0))[1] > trio.current_time()):
+            return
+        self._active[pid] = Punch(session)
+        self._nursery.start_soon(self._initiate, session)
+
+    def _done(self, pid: str, ok: bool, reason: str, t0: float) -> None:
+        self._active.pop(pid, None)
+        now = trio.current_time()
+        self.recent.append(Outcome(pid, ok, reason, now - t0, now))
+        if ok:
+            self.succeeded += 1
+            self._backoff.pop(pid, None)
+            log.info("hole punched to %s in %.2f s: switching to the direct session", short_id(pid), now - t0)
+            return
+        self.failed += 1
+        failures = self._backoff.get(pid, (0, 0.0))[0] + 1
+        delay = min(MAX_BACKOFF, FIRST_BACKOFF * 2 ** (failures - 1))
+        self._backoff[pid] = (failures, now + delay)
+        if len(self._backoff) > 4096:
+            self._backoff.pop(next(iter(self._backoff)))
+        log.info("hole punch to %s failed (%s); staying relayed, next try in %.0f s", short_id(pid), reason, delay)
+
+    def _my_address(self, sock) -> str | None:
+        ip = self.public_ip()
+        return format_hostport(ip, sock.getsockname()[1]) if ip else None
+
+    @staticmethod
+    def _their_address(text: str) -> tuple[str, int] | None:
+        hp = parse_address(text)
+        return hp if hp is not None and ip_literal(hp[0]) is not None else None
+
+    async def _initiate(self, session) -> None:
+        pid, t0 = session.peer_id, trio.current_time()
+        self.attempts += 1
+        sock = bound_socket()
+        reason = "cancelled"
+        try:
+            await sock.bind(("", 0))
+            mine = self._my_address(sock)
+            if mine is None:
+                reason = "our outside address is not known yet"
+                return
+            sent = trio.current_time()
+            reply = await session.request(PunchOffer(address=mine), timeout=ASK_TIMEOUT)
+            rtt = trio.current_time() - sent
+            if not isinstance(reply, PunchOffer):
+                reason = f"declined: {reply.message if isinstance(reply, ErrorReply) else type(reply).__name__}"
+                return
+            theirs = self._their_address(reply.address)
+            if theirs is None:
+                reason = f"unusable address {reply.address!r}"
+                return
+            await session.send_message(PunchSync())
+            await trio.sleep(rtt / 2)
+            stream = await simultaneous_connect(sock, theirs, PUNCH_WINDOW)
+            direct = await handshake_stream(stream, self.transport, initiator=True, expected_peer_id=pid, remote_addr=theirs)
+            direct.path = "punched"
+            self.membership.adopt(direct)
+            reason = ""
+        except (OSError, trio.TooSlowError, SessionClosed, Exception) as exc:
+            reason = f"{type(exc).__name__}: {exc}"[:200]
+        finally:
+            sock.close()
+            self._done(pid, not reason, reason, t0)
+
+    # ---- the offered side -----------------------------------------------------------------------------
+    async def _on_offer(self, session, env) -> None:
+        pid = session.peer_id
+        why = None
+        if not self.enabled:
+            why = "hole punching is off here"
+        elif session.path != "relayed" or session.initiator:
+            why = "offer over a relayed session you dialed"
+        elif pid in self._active or len(self._active) >= MAX_PUNCHES or self._nursery is None:
+            why = "busy"
+        theirs = self._their_address(env.message.address)
+        if why is None and theirs is None:
+            why = f"unusable address {env.message.address!r}"
+        sock = bound_socket()
+        mine = None
+        if why is None:
+            await sock.bind(("", 0))
+            mine = self._my_address(sock)
+            why = None if mine else "our outside address is not known yet"
+        if why is not None:
+            sock.close()
+            await session.reply(env, ErrorReply(code="punch_declined", message=why))
+            return
+        punch = self._active[pid] = Punch(session)
+        self.attempts += 1
+        self._nursery.start_soon(self._respond, punch, sock, theirs, trio.current_time())
+        await session.reply(env, PunchOffer(address=mine))
+
+    async def _on_sync(self, session, env) -> None:
+        punch = self._active.get(session.peer_id)
+        if punch is not None and punch.session is session:
+            punch.sync.set()
+
+    async def _respond(self, punch: Punch, sock, theirs: tuple[str, int], t0: float) -> None:
+        pid = punch.session.peer_id
+        reason = "cancelled"
+        try:
+            with trio.move_on_after(SYNC_WAIT):
+                await punch.sync.wait()
+            if not punch.sync.is_set():
+                reason = "no sync from the peer"
+                return
+            stream = await simultaneous_connect(sock, theirs, PUNCH_WINDOW)
+            direct = await handshake_stream(stream, self.transport, initiator=False, expected_peer_id=pid, remote_addr=theirs)
+            direct.path = "punched"
+            self.membership.adopt(direct)
+            reason = ""
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"[:200]
+        finally:
+            sock.close()
+            self._done(pid, not reason, reason, t0)

@@ -1,0 +1,204 @@
+"""Are we reachable from the internet? Ask several peers to dial our advertised addresses back.
+
+Asking side: every round we send our candidate addresses (configured `advertise` and the addresses
+peers observe for us, with our listen port) to up to `[nat] dialback_peers` connected peers at distinct
+IPs. Two peers at distinct IPs that got through make us "public"; two that could not, and none that
+could, "nat"; anything else stays "unknown". The last answer from each IP is the evidence `peer status`
+and `peer doctor` show.
+
+Answering side (an attack surface: a request names addresses for us to dial): we only dial addresses at
+the IP we see the asker at (so nobody can aim our dials at a third party), one request per peer at a
+time and none sooner than MIN_INTERVAL after its last, at most MAX_DIALBACKS dials daemon-wide, each
+bounded by the handshake timeout. A dial-back is a full handshake expecting the asker's peer ID, marked
+as a probe so the asker closes it at once instead of replacing its session with us.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import trio
+
+from peer.config import NatSection
+from peer.nat.addresses import ip_literal, parse_address
+from peer.session.connect import dial
+from peer.session.transport import SessionClosed
+from protocol.identity import short_id
+from protocol.schema import DialBackReply, DialBackRequest, DialBackResult
+from protocol.schema.nat import MAX_DIALBACK_ADDRESSES
+
+log = logging.getLogger("peertrain.nat")
+
+QUORUM = 2  # peers at distinct IPs that must agree before we call ourselves public (or behind NAT)
+MAX_DIALBACKS = 4
+"""Dial-backs in progress at once, for all askers together: each holds a socket and a handshake for up to
+`handshake_timeout`; 4 answers a few joining peers at once while bounding what askers can make us do."""
+MIN_INTERVAL = 10.0  # seconds between two dial-back requests we serve for one peer
+UNKNOWN_RETRY = 5.0  # seconds between rounds while we do not know yet
+MAX_EVIDENCE = 16  # answers kept (one per asking IP, the oldest forgotten)
+NOT_TRIED = "not tried: "  # a result that is no evidence either way (the asked peer refused to dial)
+
+
+@dataclass
+class Evidence:
+    peer_id: str
+    ip: str  # where the asked peer is, as we see it (one vote per IP)
+    address: str
+    ok: bool
+    reason: str
+    at: float  # trio clock
+
+
+class Reachability:
+    def __init__(self, cfg: NatSection, *, membership, transport, router, listen_port: Callable[[], int]):
+        self.cfg = cfg
+        self.membership = membership
+        self.transport = transport
+        self._probe = dataclasses.replace(transport, app_payload={**transport.app_payload, "probe": True})
+        self.listen_port = listen_port
+        forced = {"public": "public", "private": "nat"}.get(cfg.reachability)
+        self.verdict = forced or "unknown"
+        self.reason = f"set by [nat] reachability = {cfg.reachability!r}" if forced else "not checked yet"
+        self.evidence: dict[str, Evidence] = {}
+        self._serving: set[str] = set()
+        self._served_at: dict[str, float] = {}
+        self._dials = 0
+        self._nursery: trio.Nursery | None = None
+        self._changed = trio.Event()
+        router.register(DialBackRequest, self._on_request)
+
+    def candidates(self) -> list[str]:
+        m, port = self.membership, self.listen_port()
+        hosts = list(dict.fromkeys(m.advertise_hosts + m.observed_hosts))
+        return [f"{h}:{port}" for h in hosts if ip_literal(h)][:MAX_DIALBACK_ADDRESSES]
+
+    def status(self) -> dict:
+        now = trio.current_time()
+        return {"reachability": self.verdict, "reason": self.reason,
+                "evidence": [{"peer_id": e.peer_id, "address": e.address, "ok": e.ok, "reason": e.reason,
+                              "age_s": round(now - e.at, 1)} for e in self.evidence.values()]}
+
+    # ---- asking -------------------------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            if self.cfg.reachability != "auto":
+                await trio.sleep_forever()
+            while True:
+                await self._round()
+                wait = UNKNOWN_RETRY if self.verdict == "unknown" else self.cfg.recheck_interval
+                with trio.move_on_after(wait * random.uniform(0.8, 1.2)):
+                    await self._changed.wait()
+                self._changed = trio.Event()
+
+    def addresses_changed(self) -> None:
+        self._changed.set()
+
+    async def _round(self) -> None:
+        addresses = self.candidates()
+        if not addresses:
+            self.reason = "no address to test yet (no peers have reported where they see us)"
+            return
+        by_ip: dict[str, object] = {}
+        for s in self.membership.connected().values():
+            if s.path == "direct":
+                by_ip.setdefault(s.remote_addr[0], s)
+        askers = random.sample(list(by_ip.values()), min(self.cfg.dialback_peers, len(by_ip)))
+        if not askers:
+            self.reason = "no connected peer to ask yet"
+            return
+        async with trio.open_nursery() as nursery:
+            for s in askers:
+                nursery.start_soon(self._ask, s, addresses)
+        self._decide()
+
+    async def _ask(self, session, addresses: list[str]) -> None:
+        timeout = self.transport.handshake_timeout * len(addresses) * 2 + 5.0
+        try:
+            reply = await session.request(DialBackRequest(addresses=addresses), timeout=timeout)
+        except (SessionClosed, trio.TooSlowError):
+            return
+        if not isinstance(reply, DialBackReply):
+            return
+        for r in reply.results:
+            if r.address not in addresses or r.reason.startswith(NOT_TRIED):
+                continue
+            ip = session.remote_addr[0]
+            self.evidence.pop(ip, None)
+            self.evidence[ip] = Evidence(session.peer_id, ip, r.address, r.ok, r.reason, trio.current_time())
+            if len(self.evidence) > MAX_EVIDENCE:
+                self.evidence.pop(next(iter(self.evidence)))
+
+    def _decide(self) -> None:
+        horizon = trio.current_time() - 3 * self.cfg.recheck_interval
+        recent = [e for e in self.evidence.values() if e.at >= horizon]
+        good = [e for e in recent if e.ok]
+        bad = [e for e in recent if not e.ok]
+        before = self.verdict
+        if len(good) >= QUORUM:
+            self.verdict = "public"
+            self.reason = f"{len(good)} of {len(recent)} peers dialed us back at {good[-1].address}"
+        elif len(bad) >= QUORUM and not good:
+            self.verdict = "nat"
+            self.reason = f"{len(bad)} of {len(recent)} peers could not dial {bad[-1].address} ({bad[-1].reason})"
+        else:
+            self.verdict = "unknown"
+            self.reason = (f"{len(good)} peers got through and {len(bad)} did not; "
+                           f"{QUORUM} peers at distinct IPs must agree")
+        if self.verdict != before:
+            log.info("reachability: %s (%s)", self.verdict, self.reason)
+
+    # ---- answering ----------------------------------------------------------------------------------
+    async def _on_request(self, session, env) -> None:
+        addresses = env.message.addresses
+        now = trio.current_time()
+        why = None
+        if session.path != "direct":
+            why = "ask over a direct session"
+        elif session.peer_id in self._serving or now - self._served_at.get(session.peer_id, -1e9) < MIN_INTERVAL:
+            why = f"at most one request per {MIN_INTERVAL:g} s"
+        elif self._dials >= MAX_DIALBACKS or self._nursery is None:
+            why = "busy"
+        if why is not None:
+            await session.reply(env, DialBackReply(results=[DialBackResult(a, False, NOT_TRIED + why) for a in addresses]))
+            return
+        self._serving.add(session.peer_id)
+        self._served_at[session.peer_id] = now
+        if len(self._served_at) > 4096:  # forget the oldest: bounded by what peers can make us remember
+            self._served_at.pop(next(iter(self._served_at)))
+        self._dials += 1
+        self._nursery.start_soon(self._answer, session, env)
+
+    async def _answer(self, session, env) -> None:
+        results = []
+        try:
+            seen = ip_literal(session.remote_addr[0])
+            for a in env.message.addresses:
+                hp = parse_address(a)
+                if hp is None or ip_literal(hp[0]) != seen:
+                    results.append(DialBackResult(a, False, NOT_TRIED + f"not your address (we see you at {seen})"))
+                    continue
+                results.append(await self._dial_back(session.peer_id, a, *hp))
+            await session.reply(env, DialBackReply(results=results))
+        except SessionClosed:
+            pass
+        finally:
+            self._dials -= 1
+            self._serving.discard(session.peer_id)
+
+    async def _dial_back(self, peer_id: str, address: str, host: str, port: int) -> DialBackResult:
+        timeout = self.transport.handshake_timeout
+        try:
+            probe = await dial(host, port, self._probe, expected_peer_id=peer_id, connect_timeout=timeout)
+        except trio.TooSlowError:
+            return DialBackResult(address, False, f"no answer within {timeout:g} s")
+        except Exception as exc:  # OSError, HandshakeError: the address does not lead to that peer
+            return DialBackResult(address, False, f"{type(exc).__name__}: {exc}"[:200])
+        await probe.stream.aclose()  # the handshake was the whole test; nothing else runs on it
+        log.debug("dialed %s back at %s", short_id(peer_id), address)
+        return DialBackResult(address, True, "")

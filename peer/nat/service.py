@@ -1,0 +1,105 @@
+"""The daemon's NAT service: reachability, relaying for others, relays for us, hole punching.
+
+    NatService.run
+    ├── Reachability.run   dial-back rounds → verdict public / nat / unknown
+    ├── RelayServer.run    circuit set-ups (we relay only while public and `[relay] enabled`)
+    ├── RelayClient.run    reservations while we are behind NAT; circuits to us
+    └── HolePuncher.run    relayed sessions we dialed → direct ones
+
+It plugs into membership through three attributes (what our record advertises, how to dial a relayed
+address) and a watcher, and into the listener through `accept_circuit`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import trio
+
+from peer.nat.addresses import ip_literal
+from peer.nat.punch import HolePuncher
+from peer.nat.reachability import Reachability
+from peer.nat.relay import RelayServer
+from peer.nat.relay_client import RelayClient
+
+log = logging.getLogger("peertrain.nat")
+
+MAPPINGS = 8  # recent observations of how our NAT maps ports, for `nat_mapping`
+
+
+class NatService:
+    name = "nat"
+
+    def __init__(self, daemon):
+        cfg = daemon.config
+        m = self.membership = daemon.membership
+        self.cfg = cfg
+        self.reach = Reachability(cfg.nat, membership=m, transport=daemon.transport, router=daemon.router,
+                                  listen_port=lambda: daemon.listen_addr[1])
+        self.relay = RelayServer(cfg.relay, daemon.router, offering=self._offering)
+        self.client = RelayClient(cfg.nat, membership=m, transport=daemon.transport, router=daemon.router,
+                                  wanted=lambda: cfg.nat.use_relays and self.reach.verdict == "nat")
+        self.punch = HolePuncher(membership=m, transport=daemon.transport, router=daemon.router,
+                                 public_ip=self.public_ip, enabled=cfg.nat.hole_punching)
+        self.mappings: deque[str] = deque(maxlen=MAPPINGS)
+        self._seen_ips: list[str] = []  # our IPs as peers we dialed report them, newest last
+        m.dial_relayed = self.client.dial_via
+        m.watch(self._on_peer)
+
+    def _offering(self) -> str | None:
+        if not self.cfg.relay.enabled:
+            return "relaying is off ([relay] enabled = false)"
+        if self.reach.verdict != "public":
+            return f"not publicly reachable ({self.reach.verdict})"
+        return None
+
+    def public_ip(self) -> str | None:
+        """Our IP as the outside sees it: agreed by peers (membership's quorum), else the latest a peer we
+        dialed reported (good enough for a punch, which proves itself by the handshake)."""
+        agreed = self.membership.observed_hosts
+        return agreed[-1] if agreed else (self._seen_ips[-1] if self._seen_ips else None)
+
+    def nat_mapping(self) -> str:
+        """'none' (peers see our own address), 'preserving' (a NAT keeps our local ports), 'random' (a NAT
+        gives each connection a new port: punching cannot work), or 'unknown'."""
+        if not self.mappings:
+            return "unknown"
+        return max(set(self.mappings), key=list(self.mappings).count)
+
+    def _on_peer(self, peer_id: str, session) -> None:
+        if session is None:
+            self.relay.forget(peer_id)
+            return
+        app = session.remote_app if isinstance(session.remote_app, dict) else {}
+        ip, port = ip_literal(str(app.get("observed", ""))), app.get("observed_port")
+        if session.initiator and session.path == "direct" and ip and isinstance(port, int):
+            local_ip, local_port = session.stream.socket.getsockname()[:2]
+            if ip_literal(session.remote_addr[0]) == ip:
+                pass  # a peer on our own host: says nothing about a NAT
+            elif ip == ip_literal(local_ip):
+                self.mappings.append("none")
+            else:
+                self.mappings.append("preserving" if port == local_port else "random")
+            if ip not in self._seen_ips[-1:]:
+                self._seen_ips = (self._seen_ips + [ip])[-4:]
+        self.punch.consider(session)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            for part in (self.reach, self.relay, self.client, self.punch):
+                await nursery.start(part.run)
+            task_status.started()
+            known: list[str] = []
+            while True:  # follow what we know about ourselves into our record and the next check
+                self.membership.advertise_observed = self.reach.verdict != "nat"
+                if self.reach.candidates() != known:
+                    known = self.reach.candidates()
+                    self.reach.addresses_changed()
+                await trio.sleep(1.0)
+
+    def status(self) -> dict:
+        m = self.membership
+        return {**self.reach.status(), "observed": list(m.observed_hosts), "nat_mapping": self.nat_mapping(),
+                "advertised": list(m.own_record().addresses), "relays": self.client.status(),
+                "relay_server": self.relay.status(), "punches": self.punch.status()}
