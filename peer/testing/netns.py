@@ -81,9 +81,14 @@ def _delete_netns(ns: str) -> None:
     _run(["ip", "netns", "delete", ns], check=False)
 
 
+# What follows ``{prefix}{pid}`` in our namespace names: hosts, the LAN bridge, probes, and the
+# internet lab's (peer/testing/internet.py) routers "r{k}" and internet segment "i".
+_SUFFIX = r"(h\d+|r\d+|br|i|probe)"
+
+
 def cleanup_stale(prefix: str = "pt") -> list[str]:
     """Delete namespaces named ``{prefix}{pid}...`` whose pid is dead; returns their names."""
-    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)(h\d+|br|probe)$")
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d+){_SUFFIX}$")
     removed = []
     for ns in _list_netns():
         m = pattern.match(ns)
@@ -95,7 +100,7 @@ def cleanup_stale(prefix: str = "pt") -> list[str]:
 
 def our_namespaces(prefix: str = "pt") -> list[str]:
     """Namespaces this process created with `prefix` (for leak checks)."""
-    mine = re.compile(rf"^{re.escape(prefix)}{os.getpid()}(h\d+|br|probe)$")
+    mine = re.compile(rf"^{re.escape(prefix)}{os.getpid()}{_SUFFIX}$")
     return [ns for ns in _list_netns() if mine.match(ns)]
 
 
