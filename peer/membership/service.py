@@ -154,6 +154,7 @@ class Membership:
         # advertising (not when dial-back showed they are unreachable), our relayed addresses, and how to
         # dial a peer through a relay
         self.advertise_observed = True
+        self.verified_hosts: list[str] = []  # hosts of ours that peers dialed back (we are public at them)
         self.relayed_addresses: list[str] = []
         self.dial_relayed: Callable[[PeerInfo, RelayedAddress], Awaitable[Session]] | None = None
         self.host_backoff: dict[str, HostBackoff] = {}  # at most MAX_PEERS hosts
@@ -238,7 +239,8 @@ class Membership:
     def own_record(self) -> PeerRecord:
         """Our signed, expiring peer record, as peer exchange forwards it."""
         port = self._listen_port()
-        hosts = list(dict.fromkeys(self.advertise_hosts + (self.observed_hosts if self.advertise_observed else [])))
+        hosts = list(dict.fromkeys(self.advertise_hosts + self.verified_hosts
+                                   + (self.observed_hosts if self.advertise_observed else [])))
         now = time.time()
         addresses = [f"{h}:{port}" for h in hosts][:MAX_ADDRESSES] + self.relayed_addresses[:MAX_RELAYED]
         rec = PeerRecord(peer_id=self.peer_id, public_key=ident.public_key_bytes(self.transport.identity),

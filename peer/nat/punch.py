@@ -31,7 +31,6 @@ import trio
 
 from peer.nat.addresses import format_hostport, ip_literal, parse_address
 from peer.session.connect import handshake_stream
-from peer.session.transport import SessionClosed
 from protocol.identity import short_id
 from protocol.schema import ErrorReply, PunchOffer, PunchSync
 
@@ -173,7 +172,7 @@ class HolePuncher:
                 reason = "our outside address is not known yet"
                 return
             sent = trio.current_time()
-            reply = await session.request(PunchOffer(address=mine), timeout=ASK_TIMEOUT)
+            reply = (await session.request(PunchOffer(address=mine), timeout=ASK_TIMEOUT)).message
             rtt = trio.current_time() - sent
             if not isinstance(reply, PunchOffer):
                 reason = f"declined: {reply.message if isinstance(reply, ErrorReply) else type(reply).__name__}"
@@ -185,14 +184,16 @@ class HolePuncher:
             await session.send_message(PunchSync())
             await trio.sleep(rtt / 2)
             stream = await simultaneous_connect(sock, theirs, PUNCH_WINDOW)
+            sock = None  # the stream owns it (or closed it) now
             direct = await handshake_stream(stream, self.transport, initiator=True, expected_peer_id=pid, remote_addr=theirs)
             direct.path = "punched"
             self.membership.adopt(direct)
             reason = ""
-        except (OSError, trio.TooSlowError, SessionClosed, Exception) as exc:
+        except Exception as exc:  # OSError, timeouts, a declined or vanished session, a failed handshake
             reason = f"{type(exc).__name__}: {exc}"[:200]
         finally:
-            sock.close()
+            if sock is not None:
+                sock.close()
             self._done(pid, not reason, reason, t0)
 
     # ---- the offered side -----------------------------------------------------------------------------
@@ -238,6 +239,7 @@ class HolePuncher:
                 reason = "no sync from the peer"
                 return
             stream = await simultaneous_connect(sock, theirs, PUNCH_WINDOW)
+            sock = None  # the stream owns it (or closed it) now
             direct = await handshake_stream(stream, self.transport, initiator=False, expected_peer_id=pid, remote_addr=theirs)
             direct.path = "punched"
             self.membership.adopt(direct)
@@ -245,5 +247,6 @@ class HolePuncher:
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"[:200]
         finally:
-            sock.close()
+            if sock is not None:
+                sock.close()
             self._done(pid, not reason, reason, t0)

@@ -33,7 +33,12 @@ from protocol.schema.nat import MAX_DIALBACK_ADDRESSES
 
 log = logging.getLogger("peertrain.nat")
 
-QUORUM = 2  # peers at distinct IPs that must agree before we call ourselves public (or behind NAT)
+QUORUM = 2
+"""Peers at distinct IPs that must agree before we call ourselves public (or behind NAT). While fewer
+than that can be asked (a newcomer behind NAT knows only its bootstrap host), the one answer decides,
+and is checked again every WEAK_RECHECK seconds: it is the only view of the outside there is, and
+waiting for a second one would leave a peer behind NAT without relays, unreachable, for good."""
+WEAK_RECHECK = 30.0
 MAX_DIALBACKS = 4
 """Dial-backs in progress at once, for all askers together: each holds a socket and a handshake for up to
 `handshake_timeout`; 4 answers a few joining peers at once while bounding what askers can make us do."""
@@ -54,12 +59,15 @@ class Evidence:
 
 
 class Reachability:
-    def __init__(self, cfg: NatSection, *, membership, transport, router, listen_port: Callable[[], int]):
+    def __init__(self, cfg: NatSection, *, membership, transport, router, listen_port: Callable[[], int],
+                 seen_hosts: Callable[[], list[str]] = lambda: []):
         self.cfg = cfg
         self.membership = membership
         self.transport = transport
         self._probe = dataclasses.replace(transport, app_payload={**transport.app_payload, "probe": True})
         self.listen_port = listen_port
+        self.seen_hosts = seen_hosts  # our IPs as single peers reported them: worth testing, not yet advertising
+        self.weak = False  # decided on fewer than QUORUM answers
         forced = {"public": "public", "private": "nat"}.get(cfg.reachability)
         self.verdict = forced or "unknown"
         self.reason = f"set by [nat] reachability = {cfg.reachability!r}" if forced else "not checked yet"
@@ -73,8 +81,14 @@ class Reachability:
 
     def candidates(self) -> list[str]:
         m, port = self.membership, self.listen_port()
-        hosts = list(dict.fromkeys(m.advertise_hosts + m.observed_hosts))
+        hosts = list(dict.fromkeys(m.advertise_hosts + m.observed_hosts + self.seen_hosts()))
         return [f"{h}:{port}" for h in hosts if ip_literal(h)][:MAX_DIALBACK_ADDRESSES]
+
+    def verified_hosts(self) -> list[str]:
+        """Hosts of ours that peers dialed back while we are public: proven, so worth advertising."""
+        if self.verdict != "public":
+            return []
+        return list(dict.fromkeys(e.address.rpartition(":")[0].strip("[]") for e in self.evidence.values() if e.ok))
 
     def status(self) -> dict:
         now = trio.current_time()
@@ -91,7 +105,8 @@ class Reachability:
                 await trio.sleep_forever()
             while True:
                 await self._round()
-                wait = UNKNOWN_RETRY if self.verdict == "unknown" else self.cfg.recheck_interval
+                wait = (UNKNOWN_RETRY if self.verdict == "unknown" else
+                        min(WEAK_RECHECK, self.cfg.recheck_interval) if self.weak else self.cfg.recheck_interval)
                 with trio.move_on_after(wait * random.uniform(0.8, 1.2)):
                     await self._changed.wait()
                 self._changed = trio.Event()
@@ -115,12 +130,12 @@ class Reachability:
         async with trio.open_nursery() as nursery:
             for s in askers:
                 nursery.start_soon(self._ask, s, addresses)
-        self._decide()
+        self._decide(needed=min(QUORUM, len(by_ip)))
 
     async def _ask(self, session, addresses: list[str]) -> None:
         timeout = self.transport.handshake_timeout * len(addresses) * 2 + 5.0
         try:
-            reply = await session.request(DialBackRequest(addresses=addresses), timeout=timeout)
+            reply = (await session.request(DialBackRequest(addresses=addresses), timeout=timeout)).message
         except (SessionClosed, trio.TooSlowError):
             return
         if not isinstance(reply, DialBackReply):
@@ -134,19 +149,23 @@ class Reachability:
             if len(self.evidence) > MAX_EVIDENCE:
                 self.evidence.pop(next(iter(self.evidence)))
 
-    def _decide(self) -> None:
+    def _decide(self, needed: int) -> None:
         horizon = trio.current_time() - 3 * self.cfg.recheck_interval
         recent = [e for e in self.evidence.values() if e.at >= horizon]
         good = [e for e in recent if e.ok]
         bad = [e for e in recent if not e.ok]
         before = self.verdict
-        if len(good) >= QUORUM:
+        self.weak = needed < QUORUM
+        only = f" (the only peer we can ask; {QUORUM} at distinct IPs would be surer)" if self.weak else ""
+        if needed and len(good) >= needed:
             self.verdict = "public"
-            self.reason = f"{len(good)} of {len(recent)} peers dialed us back at {good[-1].address}"
-        elif len(bad) >= QUORUM and not good:
+            self.reason = f"{len(good)} of {len(recent)} peers dialed us back at {good[-1].address}{only}"
+        elif needed and len(bad) >= needed and not good:
             self.verdict = "nat"
-            self.reason = f"{len(bad)} of {len(recent)} peers could not dial {bad[-1].address} ({bad[-1].reason})"
-        else:
+            self.reason = f"{len(bad)} of {len(recent)} peers could not dial {bad[-1].address} ({bad[-1].reason}){only}"
+        elif (before == "nat" and bad and not good) or (before == "public" and good and not bad):
+            self.reason = f"{self.reason.split(' (keeping')[0]} (keeping it: {len(recent)} answers, none against)"
+        else:  # answers disagree, or too few: a verdict flips only on evidence against it
             self.verdict = "unknown"
             self.reason = (f"{len(good)} peers got through and {len(bad)} did not; "
                            f"{QUORUM} peers at distinct IPs must agree")

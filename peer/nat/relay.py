@@ -45,7 +45,7 @@ class Reservation:
     since: float  # trio clock
 
 
-@dataclass
+@dataclass(eq=False)  # kept in a set, by identity
 class Circuit:
     source: str
     target: str
@@ -163,8 +163,8 @@ class RelayServer:
                 reply = None
                 if target is not None:
                     try:
-                        reply = await target.session.request(RelayIncoming(source=circuit.source, token=token_target),
-                                                             timeout=ASK_SECONDS)
+                        reply = (await target.session.request(RelayIncoming(source=circuit.source, token=token_target),
+                                                              timeout=ASK_SECONDS)).message
                     except Exception as exc:  # timeout, session gone: the target is not there
                         circuit.failed = f"the peer did not answer ({type(exc).__name__})"
                 if not isinstance(reply, RelayAck) or not reply.ok:

@@ -110,7 +110,7 @@ class RelayClient:
             if len(self.held) >= self.cfg.relays:
                 break
             try:
-                reply = await session.request(RelayReserve(), timeout=ASK_TIMEOUT)
+                reply = (await session.request(RelayReserve(), timeout=ASK_TIMEOUT)).message
             except (SessionClosed, trio.TooSlowError):
                 continue
             if not isinstance(reply, RelayReservation) or not reply.ok:
@@ -161,7 +161,7 @@ class RelayClient:
             self.membership.learn(relayed.relay_id, [(relayed.host, relayed.port)], source="pex")
             raise ConnectionError(f"not connected to relay {short_id(relayed.relay_id)} yet (dialing it)")
         try:
-            reply = await relay.request(RelayConnect(target=info.peer_id), timeout=ASK_TIMEOUT)
+            reply = (await relay.request(RelayConnect(target=info.peer_id), timeout=ASK_TIMEOUT)).message
         except SessionClosed as exc:
             raise ConnectionError(f"relay {short_id(relayed.relay_id)} left: {exc}") from None
         if not isinstance(reply, RelayConnectReply) or not reply.ok:

@@ -36,7 +36,7 @@ class NatService:
         m = self.membership = daemon.membership
         self.cfg = cfg
         self.reach = Reachability(cfg.nat, membership=m, transport=daemon.transport, router=daemon.router,
-                                  listen_port=lambda: daemon.listen_addr[1])
+                                  listen_port=lambda: daemon.listen_addr[1], seen_hosts=lambda: self._seen_ips)
         self.relay = RelayServer(cfg.relay, daemon.router, offering=self._offering)
         self.client = RelayClient(cfg.nat, membership=m, transport=daemon.transport, router=daemon.router,
                                   wanted=lambda: cfg.nat.use_relays and self.reach.verdict == "nat")
@@ -93,6 +93,7 @@ class NatService:
             known: list[str] = []
             while True:  # follow what we know about ourselves into our record and the next check
                 self.membership.advertise_observed = self.reach.verdict != "nat"
+                self.membership.verified_hosts = self.reach.verified_hosts()
                 if self.reach.candidates() != known:
                     known = self.reach.candidates()
                     self.reach.addresses_changed()
