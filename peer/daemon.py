@@ -239,6 +239,8 @@ class Daemon:
                 "cipher": s.cipher if s else "",
                 "path": s.path if s else "", "via": s.via if s else "",
                 "clock_offset_s": round(s.clock_offset, 3) if s and s.clock_offset is not None else None,
+                "bytes_by_path": _by_path(p.bytes_by_path, s),
+                "first_connected": round(p.first_connected, 3), "connected_since": round(p.connected_since, 3) if s else None,
                 "rtt_ms": round(p.rtt * 1000, 3) if p.rtt is not None else None,
                 "bytes_in": p.bytes_in_closed + (s.stats.bytes_in if s else 0),
                 "bytes_out": p.bytes_out_closed + (s.stats.bytes_out if s else 0),
@@ -249,6 +251,7 @@ class Daemon:
             "peer_id": self.peer_id, "swarm": self.config.daemon.swarm, "version": __version__,
             "protocol_version": PROTOCOL_VERSION, "pid": os.getpid(), "home": str(self.home.root),
             "listen": f"{self.listen_addr[0]}:{self.listen_addr[1]}", "uptime_s": round(now - self.started, 1),
+            "started_at": round(self.started, 3),
             "mdns": self.config.discovery.mdns, "ciphers": list(self.ciphers),
             "connected": sum(1 for p in peers if p["state"] == "connected"), "peers": peers,
             "listener": {"accepted": self.listener_stats.accepted, "refused": self.listener_stats.refused,
@@ -261,6 +264,14 @@ class Daemon:
                 out[svc.name] = st()
         out["bans"] = out.get("gossip", {}).get("bans", [])  # peers we do not average with for now, and why
         return out
+
+
+def _by_path(closed: dict[str, int], session) -> dict[str, int]:
+    """Bytes (in + out) with one peer by the path they took: ended sessions plus the current one."""
+    out = dict(closed)
+    if session is not None:
+        out[session.path] = out.get(session.path, 0) + session.stats.bytes_in + session.stats.bytes_out
+    return out
 
 
 def _snapshot(cfg: Config) -> str:

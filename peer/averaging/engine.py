@@ -17,6 +17,8 @@ peer initiates with every neighbour at once, do not starve each other's budgets.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import random
 import time
@@ -65,6 +67,17 @@ class GossipStats:
     clipped: dict = field(default_factory=dict)  # peer -> exchanges whose update was clipped (bounds.py)
     lapsed: dict = field(default_factory=dict)  # peer -> exchanges it let lapse or aborted after we accepted
     params_refused: int = 0  # parameter requests refused (not a neighbour, banned, no such group)
+    by_peer: dict = field(default_factory=dict)  # peer -> PeerExchanges (peers we averaged with: bounded by membership)
+
+
+@dataclass
+class PeerExchanges:
+    """Exchanges with one peer, for `peer status` and `peer bench nat` (which link paths carry averaging)."""
+
+    exchanges: int = 0
+    bytes: int = 0  # sent (as many arrive: exchanges are symmetric)
+    first_at: float = 0.0  # wall clock of the first one
+    last_s: float = 0.0
 
 
 @dataclass
@@ -246,14 +259,20 @@ class GossipEngine:
                 group.release(own)  # sent, and applied or abandoned: nothing reads it anymore
         seconds = trio.current_time() - t0
         self.topology.record_transfer(peer_id, group.nbytes, seconds)
-        self._count(seconds, group.nbytes)
+        self._count(seconds, group.nbytes, peer_id)
         return ExchangeResult(peer_id, True, weight=w, seconds=seconds, bytes_sent=group.nbytes)
 
-    def _count(self, seconds: float, nbytes: int) -> None:
+    def _count(self, seconds: float, nbytes: int, peer_id: str) -> None:
         self.stats.exchanges += 1
         self.stats.bytes_sent += nbytes
         self.stats.last_seconds = seconds
         self.stats.recent = (self.stats.recent + [round(seconds, 4)])[-20:]
+        p = self.stats.by_peer.get(peer_id)
+        if p is None:
+            p = self.stats.by_peer[peer_id] = PeerExchanges(first_at=time.time())
+        p.exchanges += 1
+        p.bytes += nbytes
+        p.last_s = round(seconds, 4)
 
     # ---- serving exchanges --------------------------------------------------------------------------
     def partners(self, group: str) -> list[str]:
@@ -360,7 +379,7 @@ class GossipEngine:
             seconds = trio.current_time() - t0
             self.stats.served += 1
             self.topology.record_transfer(session.peer_id, group.nbytes, seconds)
-            self._count(seconds, group.nbytes)
+            self._count(seconds, group.nbytes, session.peer_id)
         except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
             reason = "no commit before the deadline" if x.state is State.DECIDING else str(exc) or "deadline passed"
             accepted = x.state in (State.TRANSFER, State.DECIDING)
@@ -504,7 +523,8 @@ class GossipEngine:
                 "last_exchange_s": round(s.last_seconds, 4), "recent_s": s.recent, "last_error": s.last_error,
                 "inflight": len(self.inflight.keys() | self.initiating.keys()),
                 "clipped": dict(s.clipped), "lapsed": dict(s.lapsed), "params_refused": s.params_refused,
-                "bans": self.ban_list()}
+                "bans": self.ban_list(),
+                "by_peer": {pid: dataclasses.asdict(p) for pid, p in s.by_peer.items()}}
 
     def ban_list(self) -> list[dict]:
         """Bans in force for `peer status`: peer, until (unix time), reason."""

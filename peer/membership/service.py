@@ -89,6 +89,9 @@ class PeerInfo:
     dead_reason: str = ""
     bytes_in_closed: int = 0  # from sessions that ended
     bytes_out_closed: int = 0
+    bytes_by_path: dict[str, int] = field(default_factory=dict)  # in + out of ended sessions, by path
+    first_connected: float = 0.0  # wall clock of our first session with it
+    connected_since: float = 0.0  # wall clock the current session started
 
     def add_addresses(self, addrs) -> bool:
         """Put new addresses first, keep MAX_ADDRESSES. Linear: the input is cut to MAX_ADDRESSES before
@@ -434,7 +437,8 @@ class Membership:
         info.state = "connected"
         info.failures = 0
         info.dead_reason = ""
-        info.last_seen = time.time()
+        info.last_seen = info.connected_since = time.time()
+        info.first_connected = info.first_connected or info.last_seen
         log.info("connected to %s at %s:%d (%s, %s%s)", session.short, session.remote_addr[0], session.remote_addr[1],
                  "outbound" if session.initiator else "inbound", session.cipher,
                  f", through relay {ident.short_id(session.via)}" if session.via else
@@ -452,6 +456,8 @@ class Membership:
                 info.session = None
                 info.bytes_in_closed += session.stats.bytes_in
                 info.bytes_out_closed += session.stats.bytes_out
+                info.bytes_by_path[session.path] = (info.bytes_by_path.get(session.path, 0)
+                                                    + session.stats.bytes_in + session.stats.bytes_out)
                 info.state = "dead"
                 info.dead_reason = session.close_reason
                 info.next_attempt = trio.current_time() + self._backoff(0)
