@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgpack
 import trio
 
 from peer import __version__
@@ -30,6 +29,7 @@ from peer.config import Config, parse_hostport
 from peer.control import claim_socket_path, serve_control
 from peer.home import Home, HomeClaim, atomic_write
 from peer.membership.service import Membership, parse_address
+from peer.membership.store import PeerStore, StoredPeer, entries_from_peers
 from peer.session.router import Router
 from peer.services import load_services
 from peer.session.connect import ListenerStats, open_listeners, serve
@@ -133,8 +133,10 @@ class Daemon:
                                              stats=self.listener_stats, idle_victim=m.idle_victim,
                                              on_circuit=self.nat.relay.accept_circuit))
             await nursery.start(m.run)
-            for peer_id, addrs in self._load_peer_cache():
-                m.learn(peer_id, addrs, source="cache")
+            for peer in self._load_peer_cache():  # dial hints from an earlier run (peer/membership/store.py)
+                addrs = [a for a in (parse_address(x) for x in peer.addresses) if a]
+                if addrs:
+                    m.learn(peer.peer_id, addrs, source="cache")
             if cfg.discovery.mdns:
                 nursery.start_soon(self._run_mdns)
             for svc in self.services:
@@ -183,26 +185,13 @@ class Daemon:
             log.error("mDNS discovery stopped: %s: %s (peers can still join with --join)", type(exc).__name__, exc)
 
     # ---- peer cache ---------------------------------------------------------------------------------
-    def _load_peer_cache(self) -> list[tuple[str, list[tuple[str, int]]]]:
-        try:
-            data = msgpack.unpackb(self.home.peer_cache.read_bytes(), raw=False)
-            out = []
-            for entry in data[:256]:
-                addrs = [a for a in (parse_address(x) for x in entry["addresses"][:8]) if a]
-                if isinstance(entry["peer_id"], str) and addrs:
-                    out.append((entry["peer_id"], addrs))
-            return out
-        except FileNotFoundError:
-            return []
-        except Exception as exc:  # a corrupt cache is only a lost hint, never fatal
-            log.warning("ignoring unreadable peer cache %s: %s", self.home.peer_cache, exc)
-            return []
+    def _load_peer_cache(self) -> list[StoredPeer]:
+        return PeerStore(self.home.peer_cache, swarm=self.config.daemon.swarm).load()
 
     def _save_peer_cache(self) -> None:
-        entries = [{"peer_id": p.peer_id, "addresses": [f"{h}:{pt}" for h, pt in p.addresses]}
-                   for p in self.membership.peers.values() if p.addresses and p.last_seen]
         try:
-            atomic_write(self.home.peer_cache, msgpack.packb(entries[:256]), mode=0o600)
+            PeerStore(self.home.peer_cache, swarm=self.config.daemon.swarm).save(
+                entries_from_peers(self.membership.peers.values()))
         except OSError as exc:
             log.warning("cannot save peer cache: %s", exc)
 

@@ -245,9 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     register_all(bsub)
     p.set_defaults(fn=cmd_bench)
 
-    from peer.cli import export
+    from peer.cli import doctor, export
 
     export.register(sub)
+    doctor.register(sub)
     return parser
 
 
