@@ -28,7 +28,7 @@ from peer.session.cipher_choice import resolve_ciphers
 from peer.config import Config, parse_hostport
 from peer.control import claim_socket_path, serve_control
 from peer.home import Home, HomeClaim, atomic_write
-from peer.membership.service import Membership, parse_address
+from peer.membership.service import Membership
 from peer.membership.store import PeerStore, StoredPeer, entries_from_peers
 from peer.session.router import Router
 from peer.services import load_services
@@ -134,9 +134,7 @@ class Daemon:
                                              on_circuit=self.nat.relay.accept_circuit))
             await nursery.start(m.run)
             for peer in self._load_peer_cache():  # dial hints from an earlier run (peer/membership/store.py)
-                addrs = [a for a in (parse_address(x) for x in peer.addresses) if a]
-                if addrs:
-                    m.learn(peer.peer_id, addrs, source="cache")
+                m.learn_addresses(peer.peer_id, peer.addresses, source="cache")
             if cfg.discovery.mdns:
                 nursery.start_soon(self._run_mdns)
             for svc in self.services:
