@@ -241,6 +241,7 @@ class Daemon:
             "started_at": round(self.started, 3),
             "mdns": self.config.discovery.mdns, "ciphers": list(self.ciphers),
             "connected": sum(1 for p in peers if p["state"] == "connected"), "peers": peers,
+            "bootstrap": self.membership.bootstrap_status(),
             "listener": {"accepted": self.listener_stats.accepted, "refused": self.listener_stats.refused,
                          "handshake_failures": self.listener_stats.handshake_failures,
                          "evicted": self.listener_stats.evicted},

@@ -24,6 +24,7 @@ import trio
 
 from peer.config import Config
 from peer.nat.addresses import RelayedAddress, parse_address, parse_relayed
+from peer.nat.explain import explain_dial_error
 from peer.session.router import Router
 from peer.session.connect import dial
 from peer.session.fanout import Fanout, send_to_each
@@ -126,6 +127,8 @@ class BootstrapTarget:
     failures: int = 0
     next_attempt: float = 0.0
     dialing: bool = False
+    cause: str = ""  # why the last dial failed, and what to try (peer/nat/explain.py)
+    fix: str = ""
 
 
 def is_public_address(host: str) -> bool:
@@ -190,6 +193,17 @@ class Membership:
                 cb(peer_id, session)
             except Exception:
                 log.exception("membership watcher failed")
+
+    def bootstrap_status(self) -> list[dict]:
+        """`peer status`'s view of the `--join` addresses (and `peer doctor`'s)."""
+        out = []
+        for t in self.bootstrap:
+            info = self.peers.get(t.peer_id) if t.peer_id else None
+            state = ("connected" if info is not None and info.session is not None else
+                     "failing" if t.failures else "pending")
+            out.append({"address": f"{t.host}:{t.port}", "peer_id": t.peer_id, "state": state,
+                        "failures": t.failures, "cause": t.cause, "fix": t.fix})
+        return out
 
     # ---- learning of peers --------------------------------------------------------------------------
     def learn(self, peer_id: str, addresses, *, source: str) -> None:
@@ -376,12 +390,17 @@ class Membership:
         except (OSError, trio.TooSlowError, ProtocolError) as exc:
             target.failures += 1
             target.next_attempt = trio.current_time() + self._backoff(target.failures)
-            level = logging.WARNING if isinstance(exc, HandshakeError) or target.failures == 1 else logging.DEBUG
-            log.log(level, "cannot reach bootstrap peer %s:%d: %s (retrying with backoff)", target.host, target.port, exc or type(exc).__name__)
+            problem = explain_dial_error(exc, target.host, target.port, timeout=self.cfg.handshake_timeout)
+            changed = (problem.cause, problem.fix) != (target.cause, target.fix)
+            target.cause, target.fix = problem.cause, problem.fix
+            level = logging.WARNING if changed or isinstance(exc, HandshakeError) else logging.DEBUG
+            log.log(level, "cannot reach bootstrap peer %s:%d: %s; try: %s (retrying with backoff)",
+                    target.host, target.port, problem.cause, problem.fix)
             return
         finally:
             target.dialing = False
         target.failures = 0
+        target.cause = target.fix = ""
         target.peer_id = session.peer_id
         self._start_session(session)
 

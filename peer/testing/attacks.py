@@ -62,9 +62,11 @@ def averaging_configs(swarm: str, victim_listen: str | None = None, *, membershi
     peer's (joins the victim and averages with it every 50 ms)."""
     options = {"size": SIZE, "rounds": 0, "world": 2, "track_error": False}
     options.update({"initiate": False} if victim_listen is None else {"interval": 0.05})
-    return swarm_config(swarm=swarm, mdns=False, trainer="trainers.consensus", options=options,
-                        gossip={"exchange_timeout": EXCHANGE_TIMEOUT}, membership=membership,
-                        join=[victim_listen] if victim_listen else None)
+    cfg = swarm_config(swarm=swarm, mdns=False, trainer="trainers.consensus", options=options,
+                       gossip={"exchange_timeout": EXCHANGE_TIMEOUT}, membership=membership,
+                       join=[victim_listen] if victim_listen else None)
+    # the victim relays (as a public daemon would), so the relay's caps are attacked too
+    return cfg.replace(nat={"reachability": "public"}) if victim_listen is None else cfg
 
 
 # ---- what a scenario saw -------------------------------------------------------------------------------
@@ -488,6 +490,7 @@ async def poisoning_neighbour(status: dict) -> Observed:
 # ---- classes in modules of their own (importing one registers its scenarios) --------------------------
 
 importlib.import_module("peer.testing.attacks_liveness")
+importlib.import_module("peer.testing.attacks_nat")
 
 
 # ---- the attacker process --------------------------------------------------------------------------------
