@@ -117,7 +117,7 @@ class Daemon:
         self.membership = m = Membership(config=cfg, transport=transport, peer_id=self.peer_id,
                                          router=self.router, listen_port=lambda: self.listen_addr[1])
         if host not in ("0.0.0.0", "::", ""):
-            m.advertise_hosts.insert(0, host)
+            m.bound_hosts.append(host)
         self.services = load_services(self)
         topology = getattr(self, "topology", None)
         if topology is not None:

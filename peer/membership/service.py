@@ -153,6 +153,7 @@ class Membership:
         self.peers: dict[str, PeerInfo] = {}
         self.bootstrap = [BootstrapTarget(*parse_address(a)) for a in config.daemon.join]
         self.advertise_hosts: list[str] = list(config.discovery.advertise)
+        self.bound_hosts: list[str] = []  # the host of `[daemon] listen`, unless it is a wildcard
         self.observed_hosts: list[str] = []  # reported by OBSERVED_QUORUM peers at distinct IPs
         self._observed_votes: dict[str, dict[str, str]] = {}  # address -> reporter IP -> reporter peer ID
         self.private_addresses = config.discovery.private_addresses
@@ -257,7 +258,7 @@ class Membership:
         """Our signed, expiring peer record, as peer exchange forwards it."""
         port = self._listen_port()
         hosts = list(dict.fromkeys(self.advertise_hosts + self.verified_hosts
-                                   + (self.observed_hosts if self.advertise_observed else [])))
+                                   + (self.bound_hosts + self.observed_hosts if self.advertise_observed else [])))
         now = time.time()
         addresses = [f"{h}:{port}" for h in hosts][:MAX_ADDRESSES] + self.relayed_addresses[:MAX_RELAYED]
         rec = PeerRecord(peer_id=self.peer_id, public_key=ident.public_key_bytes(self.transport.identity),

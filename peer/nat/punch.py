@@ -21,6 +21,7 @@ closes the relayed one. A failure keeps the relayed session and is retried with 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 from collections import deque
@@ -63,7 +64,8 @@ class Punch:
     sync: trio.Event = field(default_factory=trio.Event)
 
 
-def bound_socket(port: int = 0, family: int = socket.AF_INET) -> trio.socket.SocketType:
+def bound_socket(family: int = socket.AF_INET) -> trio.socket.SocketType:
+    """A socket that may share its port with the punch's listener and earlier attempts."""
     sock = trio.socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if hasattr(socket, "SO_REUSEPORT"):
@@ -71,26 +73,59 @@ def bound_socket(port: int = 0, family: int = socket.AF_INET) -> trio.socket.Soc
     return sock
 
 
-async def simultaneous_connect(first: trio.socket.SocketType, remote: tuple[str, int], window: float) -> trio.SocketStream:
-    """Dial `remote` from `first`'s port until a connection forms or `window` seconds pass."""
-    port = first.getsockname()[1]
-    deadline = trio.current_time() + window
-    sock, last = first, "no attempt"
-    while True:
-        left = deadline - trio.current_time()
-        if left <= 0:
-            raise TimeoutError(f"no connection to {format_hostport(*remote)} within {window:g} s ({last})")
-        try:
-            with trio.move_on_after(min(ATTEMPT, left)):
-                await sock.connect(remote)
-                return trio.SocketStream(sock)
-            last = "timed out"
-        except OSError as exc:
-            last = exc.strerror or type(exc).__name__
-            await trio.sleep(0.1)
-        sock.close()
-        sock = bound_socket(family=first.family)
-        await sock.bind(("", port))
+async def punch_port() -> trio.socket.SocketType:
+    """A listening socket on a fresh port: the port both our SYNs leave from and theirs may arrive at."""
+    listener = bound_socket()
+    try:
+        await listener.bind(("", 0))
+        listener.listen(4)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+async def connections(listener: trio.socket.SocketType, remote: tuple[str, int], window: float,
+                      send: trio.MemorySendChannel) -> None:
+    """Every TCP connection between our punch port and `remote` within `window` seconds, whichever way it
+    forms: our connect() (a simultaneous open, or their listener answering) or our listener accepting
+    their SYN once our own SYN has opened our NAT. Both are needed: on a path where one side's SYN
+    arrives before the other's has left, that SYN meets a listener instead of a refusal."""
+    port = listener.getsockname()[1]
+    last = "no attempt"
+
+    async def accept() -> None:
+        while True:
+            conn, addr = await listener.accept()
+            if addr[:2] == remote:  # anyone else is not the peer we are punching to
+                await send.send(trio.SocketStream(conn))
+            else:
+                conn.close()
+
+    async def dial() -> None:
+        nonlocal last
+        while True:
+            sock = bound_socket(listener.family)
+            try:
+                await sock.bind(("", port))
+                with trio.move_on_after(ATTEMPT):
+                    await sock.connect(remote)
+                    await send.send(trio.SocketStream(sock))
+                    sock = None
+                    return
+                last = "timed out"
+            except OSError as exc:
+                last = exc.strerror or type(exc).__name__
+                await trio.sleep(0.1)
+            finally:
+                if sock is not None:
+                    sock.close()
+
+    with trio.move_on_after(window):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(accept)
+            nursery.start_soon(dial)
+    raise TimeoutError(f"no connection to {format_hostport(*remote)} within {window:g} s ({last})")
 
 
 class HolePuncher:
@@ -161,13 +196,14 @@ class HolePuncher:
         return hp if hp is not None and ip_literal(hp[0]) is not None else None
 
     async def _initiate(self, session) -> None:
+        """The dialer of the relayed session decides: the first connection that forms is the one, the
+        handshake runs on it with us as initiator, and any other is closed."""
         pid, t0 = session.peer_id, trio.current_time()
         self.attempts += 1
-        sock = bound_socket()
         reason = "cancelled"
+        listener = await punch_port()
         try:
-            await sock.bind(("", 0))
-            mine = self._my_address(sock)
+            mine = self._my_address(listener)
             if mine is None:
                 reason = "our outside address is not known yet"
                 return
@@ -183,8 +219,7 @@ class HolePuncher:
                 return
             await session.send_message(PunchSync())
             await trio.sleep(rtt / 2)
-            stream = await simultaneous_connect(sock, theirs, PUNCH_WINDOW)
-            sock = None  # the stream owns it (or closed it) now
+            stream = await self._first_connection(listener, theirs)
             direct = await handshake_stream(stream, self.transport, initiator=True, expected_peer_id=pid, remote_addr=theirs)
             direct.path = "punched"
             self.membership.adopt(direct)
@@ -192,9 +227,26 @@ class HolePuncher:
         except Exception as exc:  # OSError, timeouts, a declined or vanished session, a failed handshake
             reason = f"{type(exc).__name__}: {exc}"[:200]
         finally:
-            if sock is not None:
-                sock.close()
+            listener.close()
             self._done(pid, not reason, reason, t0)
+
+    @staticmethod
+    async def _first_connection(listener, theirs: tuple[str, int]) -> trio.SocketStream:
+        send, receive = trio.open_memory_channel(8)
+        async with trio.open_nursery() as nursery:
+            async def find() -> None:
+                try:
+                    await connections(listener, theirs, PUNCH_WINDOW, send)
+                except TimeoutError as exc:
+                    send.close()
+                    nursery.cancel_scope.cancel()
+                    raise exc from None
+            nursery.start_soon(find)
+            stream = await receive.receive()
+            nursery.cancel_scope.cancel()
+        for extra in [s for s in iter(lambda: _next_or_none(receive), None)]:
+            await extra.aclose()
+        return stream
 
     # ---- the offered side -----------------------------------------------------------------------------
     async def _on_offer(self, session, env) -> None:
@@ -209,19 +261,20 @@ class HolePuncher:
         theirs = self._their_address(env.message.address)
         if why is None and theirs is None:
             why = f"unusable address {env.message.address!r}"
-        sock = bound_socket()
+        listener = None
         mine = None
         if why is None:
-            await sock.bind(("", 0))
-            mine = self._my_address(sock)
+            listener = await punch_port()
+            mine = self._my_address(listener)
             why = None if mine else "our outside address is not known yet"
         if why is not None:
-            sock.close()
+            if listener is not None:
+                listener.close()
             await session.reply(env, ErrorReply(code="punch_declined", message=why))
             return
         punch = self._active[pid] = Punch(session)
         self.attempts += 1
-        self._nursery.start_soon(self._respond, punch, sock, theirs, trio.current_time())
+        self._nursery.start_soon(self._respond, punch, listener, theirs, trio.current_time())
         await session.reply(env, PunchOffer(address=mine))
 
     async def _on_sync(self, session, env) -> None:
@@ -229,7 +282,9 @@ class HolePuncher:
         if punch is not None and punch.session is session:
             punch.sync.set()
 
-    async def _respond(self, punch: Punch, sock, theirs: tuple[str, int], t0: float) -> None:
+    async def _respond(self, punch: Punch, listener, theirs: tuple[str, int], t0: float) -> None:
+        """The offered side follows: it answers the handshake on whichever connection the dialer chose
+        (a responder handshake races on each that forms; the first to complete wins)."""
         pid = punch.session.peer_id
         reason = "cancelled"
         try:
@@ -238,15 +293,38 @@ class HolePuncher:
             if not punch.sync.is_set():
                 reason = "no sync from the peer"
                 return
-            stream = await simultaneous_connect(sock, theirs, PUNCH_WINDOW)
-            sock = None  # the stream owns it (or closed it) now
-            direct = await handshake_stream(stream, self.transport, initiator=False, expected_peer_id=pid, remote_addr=theirs)
-            direct.path = "punched"
-            self.membership.adopt(direct)
+            won: list = []
+            send, receive = trio.open_memory_channel(8)
+            with trio.move_on_after(PUNCH_WINDOW + self.transport.handshake_timeout):
+                async with trio.open_nursery() as nursery:
+                    async def find() -> None:
+                        with contextlib.suppress(TimeoutError):
+                            await connections(listener, theirs, PUNCH_WINDOW, send)
+
+                    async def answer(stream) -> None:
+                        with contextlib.suppress(Exception):
+                            won.append(await handshake_stream(stream, self.transport, initiator=False,
+                                                              expected_peer_id=pid, remote_addr=theirs))
+                            nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(find)
+                    async for stream in receive:
+                        nursery.start_soon(answer, stream)
+            if not won:
+                reason = f"no connection from {format_hostport(*theirs)} completed a handshake"
+                return
+            won[0].path = "punched"
+            self.membership.adopt(won[0])
             reason = ""
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"[:200]
         finally:
-            if sock is not None:
-                sock.close()
+            listener.close()
             self._done(pid, not reason, reason, t0)
+
+
+def _next_or_none(receive: trio.MemoryReceiveChannel):
+    try:
+        return receive.receive_nowait()
+    except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+        return None
