@@ -82,12 +82,16 @@ def render_status(st: dict):
         state = Text(p["state"], style=STATE_STYLE.get(p["state"], ""))
         rtt = f"{p['rtt_ms']:.1f} ms" if p.get("rtt_ms") is not None else "-"
         seen = human_duration(p.get("last_seen_s")) if p.get("last_seen_s") is not None else "-"
-        row = [p["peer_id"][:8], p["address"], state, rtt, human_bytes(p["bytes_in"]), human_bytes(p["bytes_out"]), seen]
+        address = f"via relay {p['via'][:8]}" if p.get("via") else p["address"] + (" (punched)" if p.get("path") == "punched" else "")
+        row = [p["peer_id"][:8], address, state, rtt, human_bytes(p["bytes_in"]), human_bytes(p["bytes_out"]), seen]
         if nbrs:
             n = nbrs.get(p["peer_id"])
             row += [f"{n['weight']:.3f}" if n else "", _mbit(n) if n and n.get("bandwidth_bps") else ""]
         table.add_row(*row)
     parts.append(table)
+
+    if st.get("nat"):
+        parts.append(render_nat(st["nat"], st.get("bootstrap") or []))
 
     if topo:
         t = _facts()
@@ -128,6 +132,30 @@ def render_status(st: dict):
         t.add_row("consensus dist", f"{cd:.3e}" if cd is not None else "-")
         parts.append(Panel(t, title="training", box=box.ROUNDED, expand=False))
     return Group(*parts)
+
+
+def render_nat(nat: dict, bootstrap: list[dict]):
+    """Reachability and relaying: what `peer doctor` explains at length, in a few lines."""
+    t = _facts()
+    t.add_row("reachable", f"{nat.get('reachability')}: {nat.get('reason', '')}")
+    mapping = nat.get("nat_mapping")
+    if mapping and mapping != "unknown":
+        t.add_row("NAT", {"none": "none (peers see our own address)", "preserving": "keeps ports (hole punching works)",
+                          "random": "new port per destination (hole punching cannot work)"}.get(mapping, mapping))
+    t.add_row("advertised", "  ".join(nat.get("advertised") or []) or "-")
+    if nat.get("relays"):
+        t.add_row("relays", "  ".join(f"{r['peer_id'][:8]} ({r['address']})" for r in nat["relays"]))
+    srv = nat.get("relay_server") or {}
+    if srv.get("offering") or srv.get("circuits_total"):
+        t.add_row("relaying", f"{srv.get('reservations', 0)} reservations, {srv.get('circuits', 0)} circuits now "
+                              f"({srv.get('circuits_total', 0)} in all), {human_bytes(srv.get('bytes_relayed', 0))} relayed")
+    punches = nat.get("punches") or {}
+    if punches.get("attempts"):
+        t.add_row("hole punches", f"{punches.get('succeeded', 0)} of {punches['attempts']} succeeded")
+    for b in bootstrap:
+        if b.get("state") == "failing":
+            t.add_row("bootstrap", f"{b['address']}: {b.get('cause', '')}; try: {b.get('fix', '')}")
+    return Panel(t, title="internet", box=box.ROUNDED, expand=False)
 
 
 def render_local_summary(rows: list[dict]):
