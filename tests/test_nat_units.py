@@ -20,7 +20,7 @@ from peer.session.router import Router
 from protocol import circuit
 from protocol.errors import ProtocolError
 from protocol.limits import MiB, WireLimits
-from protocol.schema import (DEFAULT_REGISTRY, DialBackRequest, PunchOffer, RelayConnectReply, RelayIncoming,
+from protocol.schema import (DEFAULT_REGISTRY, DialBackRequest, PunchOffer, RelayConnectReply,
                              RelayReservation)
 
 
