@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from rich.markup import escape
 from rich import box
 from rich.console import Group
 from rich.panel import Panel
@@ -137,7 +138,7 @@ def render_status(st: dict):
 def render_nat(nat: dict, bootstrap: list[dict]):
     """Reachability and relaying: what `peer doctor` explains at length, in a few lines."""
     t = _facts()
-    t.add_row("reachable", f"{nat.get('reachability')}: {nat.get('reason', '')}")
+    t.add_row("reachable", escape(f"{nat.get('reachability')}: {nat.get('reason', '')}"))
     mapping = nat.get("nat_mapping")
     if mapping and mapping != "unknown":
         t.add_row("NAT", {"none": "none (peers see our own address)", "preserving": "keeps ports (hole punching works)",
@@ -154,7 +155,7 @@ def render_nat(nat: dict, bootstrap: list[dict]):
         t.add_row("hole punches", f"{punches.get('succeeded', 0)} of {punches['attempts']} succeeded")
     for b in bootstrap:
         if b.get("state") == "failing":
-            t.add_row("bootstrap", f"{b['address']}: {b.get('cause', '')}; try: {b.get('fix', '')}")
+            t.add_row("bootstrap", escape(f"{b.get('cause', '')}; try: {b.get('fix', '')}"))
     return Panel(t, title="internet", box=box.ROUNDED, expand=False)
 
 

@@ -233,19 +233,23 @@ class HolePuncher:
     @staticmethod
     async def _first_connection(listener, theirs: tuple[str, int]) -> trio.SocketStream:
         send, receive = trio.open_memory_channel(8)
+        failed: list[TimeoutError] = []
+        stream = None
         async with trio.open_nursery() as nursery:
             async def find() -> None:
-                try:
-                    await connections(listener, theirs, PUNCH_WINDOW, send)
-                except TimeoutError as exc:
-                    send.close()
-                    nursery.cancel_scope.cancel()
-                    raise exc from None
+                async with send:
+                    try:
+                        await connections(listener, theirs, PUNCH_WINDOW, send)
+                    except TimeoutError as exc:
+                        failed.append(exc)
             nursery.start_soon(find)
-            stream = await receive.receive()
+            with contextlib.suppress(trio.EndOfChannel):
+                stream = await receive.receive()
             nursery.cancel_scope.cancel()
-        for extra in [s for s in iter(lambda: _next_or_none(receive), None)]:
+        while (extra := _next_or_none(receive)) is not None:  # a second connection that formed meanwhile
             await extra.aclose()
+        if stream is None:
+            raise failed[0] if failed else TimeoutError(f"no connection to {format_hostport(*theirs)}")
         return stream
 
     # ---- the offered side -----------------------------------------------------------------------------
@@ -298,8 +302,9 @@ class HolePuncher:
             with trio.move_on_after(PUNCH_WINDOW + self.transport.handshake_timeout):
                 async with trio.open_nursery() as nursery:
                     async def find() -> None:
-                        with contextlib.suppress(TimeoutError):
-                            await connections(listener, theirs, PUNCH_WINDOW, send)
+                        async with send:
+                            with contextlib.suppress(TimeoutError):
+                                await connections(listener, theirs, PUNCH_WINDOW, send)
 
                     async def answer(stream) -> None:
                         with contextlib.suppress(Exception):

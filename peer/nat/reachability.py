@@ -24,7 +24,7 @@ from typing import Callable
 import trio
 
 from peer.config import NatSection
-from peer.nat.addresses import ip_literal, parse_address
+from peer.nat.addresses import format_hostport, ip_literal, parse_address
 from peer.session.connect import dial
 from peer.session.transport import SessionClosed
 from protocol.identity import short_id
@@ -46,6 +46,25 @@ MIN_INTERVAL = 10.0  # seconds between two dial-back requests we serve for one p
 UNKNOWN_RETRY = 5.0  # seconds between rounds while we do not know yet
 MAX_EVIDENCE = 16  # answers kept (one per asking IP, the oldest forgotten)
 NOT_TRIED = "not tried: "  # a result that is no evidence either way (the asked peer refused to dial)
+
+
+def local_ip(session) -> str | None:
+    try:
+        return ip_literal(session.stream.socket.getsockname()[0])
+    except OSError:
+        return None
+
+
+def seen_by(session) -> str | None:
+    """Our IP as the session's peer sees it: what it reported (`observed`, when we dialed it), the address
+    it dialed (when it dialed us), or our own end of the connection."""
+    app = session.remote_app if isinstance(session.remote_app, dict) else {}
+    if session.initiator:
+        return ip_literal(str(app.get("observed", "")))
+    dialed = parse_address(str(app.get("dialed", "")))
+    if dialed is not None and ip_literal(dialed[0]):
+        return ip_literal(dialed[0])
+    return local_ip(session)
 
 
 @dataclass
@@ -115,22 +134,33 @@ class Reachability:
         self._changed.set()
 
     async def _round(self) -> None:
-        addresses = self.candidates()
-        if not addresses:
-            self.reason = "no address to test yet (no peers have reported where they see us)"
-            return
+        """Ask peers at distinct IPs. When some see us at an address other than our own end of the
+        connection (a NAT translates between us), only those are asked: they are the outside, and a peer
+        on our LAN, which sees our private address, would only prove that the LAN reaches us (two such
+        answers once made a peer behind NAT call itself public). When all see our own address (a public
+        host, or a swarm on one LAN), any may answer."""
         by_ip: dict[str, object] = {}
         for s in self.membership.connected().values():
             if s.path == "direct":
                 by_ip.setdefault(s.remote_addr[0], s)
-        askers = random.sample(list(by_ip.values()), min(self.cfg.dialback_peers, len(by_ip)))
-        if not askers:
-            self.reason = "no connected peer to ask yet"
+        plans = [(s, a) for s in by_ip.values() if (a := self.addresses_for(s))]
+        outside = [(s, a) for s, a in plans if seen_by(s) != local_ip(s)]
+        plans = outside or plans
+        if not plans:
+            self.reason = ("no connected peer to ask yet" if not by_ip else
+                           "no address to test yet (no peers have reported where they see us)")
             return
         async with trio.open_nursery() as nursery:
-            for s in askers:
+            for s, addresses in random.sample(plans, min(self.cfg.dialback_peers, len(plans))):
                 nursery.start_soon(self._ask, s, addresses)
-        self._decide(needed=min(QUORUM, len(by_ip)))
+        self._decide(needed=min(QUORUM, len(plans)))
+
+    def addresses_for(self, session) -> list[str]:
+        """What `session`'s peer should dial: where it sees us (it may dial nothing else of ours), and
+        the addresses we were told to advertise, with our listen port."""
+        seen = seen_by(session)
+        hosts = dict.fromkeys(([seen] if seen else []) + [h for h in self.membership.advertise_hosts if ip_literal(h)])
+        return [format_hostport(h, self.listen_port()) for h in hosts][:MAX_DIALBACK_ADDRESSES]
 
     async def _ask(self, session, addresses: list[str]) -> None:
         timeout = self.transport.handshake_timeout * len(addresses) * 2 + 5.0

@@ -63,9 +63,9 @@ class NatService:
     def nat_mapping(self) -> str:
         """'none' (peers see our own address), 'preserving' (a NAT keeps our local ports), 'random' (a NAT
         gives each connection a new port: punching cannot work), or 'unknown'."""
-        if not self.mappings:
-            return "unknown"
-        return max(set(self.mappings), key=list(self.mappings).count)
+        outside = [m for m in self.mappings if m != "none"]  # a NAT between us and some peers: they decide
+        seen = outside or list(self.mappings)
+        return max(set(seen), key=seen.count) if seen else "unknown"
 
     def _on_peer(self, peer_id: str, session) -> None:
         if session is None:
