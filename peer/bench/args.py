@@ -212,6 +212,16 @@ def pipeline_arguments(p: Parser) -> None:
                         "less than the peers' dead_after of 4 s, so they may still hold its calls)")
 
 
+def nat_arguments(p: Parser) -> None:
+    p.add_argument("--mbit", type=float, default=50.0,
+                   help="tbf rate on every end host's link, both directions, in Mbit/s (default 50)")
+    p.add_argument("--mib", type=int, default=64, help="vector exchanged when timing each path, in MiB (default 64)")
+    p.add_argument("--connect-timeout", type=float, default=60.0,
+                   help="seconds every pair gets to connect (default 60, the issue's goal)")
+    p.add_argument("--logs", default=None, metavar="DIR",
+                   help="keep daemon homes and logs under DIR (default: a temp dir, removed)")
+
+
 @dataclass(frozen=True)
 class Bench:
     """One `peer bench` command: the module whose `run(args) -> int` it calls, and how it is described."""
@@ -249,4 +259,7 @@ BENCHES = {
     "pipeline": Bench("peer.bench.pipeline",
                       "4-stage swarm pipeline across CPU-capped daemons: samples/s vs the slowest stage, kill -9 recovery",
                       pipeline_arguments),
+    "nat": Bench("peer.bench.nat",
+                 "daemons behind NATs (internet lab): how each pair connects, seconds to it, throughput direct vs "
+                 "punched vs relayed", nat_arguments),
 }
