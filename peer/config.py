@@ -224,8 +224,10 @@ class RelaySection:
 
     enabled: bool = _f(True, "Offer relaying while this daemon is publicly reachable.")
     max_reservations: int = _f(64, "Peers that may hold a reservation with us at once.", lo=0, hi=65536)
-    max_circuits: int = _f(32, "Relayed connections at once, in total.", lo=0, hi=65536)
-    max_circuits_per_peer: int = _f(4, "Relayed connections at once from one peer, and to one peer.", lo=1, hi=1024)
+    max_circuits: int = _f(64, "Relayed connections at once, in total.", lo=0, hi=65536)
+    max_circuits_per_peer: int = _f(8, "Relayed connections at once from one peer, and to one peer (a peer behind "
+                                    "a NAT that cannot be punched needs one per peer it talks to, spread over its "
+                                    "relays).", lo=1, hi=1024)
     max_circuit_mib: int = _f(1024, "Bytes one relayed connection may carry (both directions), in MiB; then it is "
                               "closed and its peers reconnect.", lo=1, hi=1 << 30)
     max_circuit_seconds: float = _f(3600.0, "Longest a relayed connection stays open.", lo=1.0, hi=_DAY, unit="s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from peer.config import RelaySection
 from peer.testing.attacks import averaging_configs, run_scenario
 from peer.testing.swarm import unique_swarm, write_config
 
@@ -21,7 +22,7 @@ def test_relay_refuses_circuits_beyond_its_caps_and_releases_pending_ones(victim
     obs = run_scenario("relay_abuse", victim)
     assert obs.facts["unreserved_refused"], obs
     assert obs.facts["reserved"], obs  # the victim relays (reachability = public)
-    assert obs.facts["incoming_seen"] <= 4, obs  # [relay] max_circuits_per_peer
+    assert obs.facts["incoming_seen"] <= RelaySection().max_circuits_per_peer, obs
     assert obs.facts["granted"] == 0 and obs.facts["circuits_left"] == 0, obs
     assert obs.ok, obs
 

@@ -4,12 +4,14 @@ the bench itself needs root and iptables and takes minutes, so it is run by hand
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
 import pytest
 
 from peer.bench import nat
+from peer.testing.internet import internet_available
 from peer.bench.nat_figures import (ExchangeLog, PairWatch, PeakBytes, connect_summary, direct_fraction,
                                     exchange_figures, first_cross_lan_average, goals, mb_s, pair_how, path_class,
                                     punchable, relay_link_fraction)
@@ -19,7 +21,7 @@ NAT = {"public": "none", "lan1": "preserving", "lan2": "preserving", "lan3": "ra
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = {"mbit": 50.0, "mib": 64, "connect_timeout": 60.0, "logs": None, "json": True}
+    base = {"mbit": 50.0, "mib": 64, "connect_timeout": 60.0, "settle": 20.0, "logs": None, "json": True}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -183,3 +185,19 @@ def test_goals() -> None:
     bad = {"pairs_connected_fraction": 0.9, "max_seconds_to_session": 70.0, "direct_bytes_fraction": None,
            "exchange": {"punched_to_direct": 0.85, "relay_link_fraction": None}}
     assert not any(g["met"] for g in goals(bad).values())
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.skipif(not internet_available(), reason="needs root, iproute2 and iptables (NAT in namespaces)")
+def test_bench_nat_small_run_reports_every_figure() -> None:
+    proc = subprocess.run([sys.executable, "-m", "peer", "bench", "nat", "--mib", "1", "--mbit", "400", "--settle", "2",
+                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)  # ~30 s idle
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(proc.stdout)
+    for key in ("pairs", "pairs_connected_fraction", "max_seconds_to_session", "direct_bytes_fraction",
+                "seconds_to_first_cross_lan_average", "exchange", "goals"):
+        assert key in out, key
+    assert out["pairs_connected_fraction"] == 1.0, out["pairs"]
+    assert {p["how"] for p in out["pairs"]} == {"direct", "punched", "relayed"}
+    assert out["exchange"]["punched_mb_s"] > 0 and out["exchange"]["relayed_mb_s"] > 0

@@ -58,6 +58,7 @@ DAEMON_COMMANDS = {
     "bench train": "tests/test_bench_train.py::test_bench_train_smoke",
     "bench hostile": "tests/test_bench_hostile.py::test_bench_hostile_runs_two_classes_and_reports_each",
     "bench pipeline": "tests/test_bench_pipeline.py::test_bench_pipeline_tiny_loopback_run_reports_every_figure",
+    "bench nat": "tests/test_bench_nat.py::test_bench_nat_small_run_reports_every_figure",
 }
 NEEDS_A_DAEMON = {"start", "stop", "status", "local", "export", "bench"}
 # The quick start's demos start daemons too: each `./dev demo ...` line names the test that runs what it runs.

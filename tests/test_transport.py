@@ -138,8 +138,11 @@ def test_slowloris_and_garbage_are_dropped_within_deadline():
             await huge.send_all(struct.pack(">I", 0xFFFFFFFF) + b"x" * 16)  # a 4 GB length prefix
             with trio.fail_after(4):
                 for s in (idle, garbage, huge):  # each is closed by the server, within the deadline
-                    while await s.receive_some(65536):
-                        pass
+                    try:
+                        while await s.receive_some(65536):
+                            pass
+                    except trio.BrokenResourceError:
+                        pass  # a reset: the server closed with our garbage unread (it reads only what it needs)
             await ping(await dial("127.0.0.1", port, tcfg()))
             n.cancel_scope.cancel()
         assert stats.handshake_failures == 3

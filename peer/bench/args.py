@@ -218,6 +218,9 @@ def nat_arguments(p: Parser) -> None:
     p.add_argument("--mib", type=int, default=64, help="vector exchanged when timing each path, in MiB (default 64)")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds every pair gets to connect (default 60, the issue's goal)")
+    p.add_argument("--settle", type=float, default=20.0,
+                   help="seconds of averaging after every pair connected, before the figures are read, and the "
+                        "longest wait before the timed exchanges start (default 20; the tests use 2)")
     p.add_argument("--logs", default=None, metavar="DIR",
                    help="keep daemon homes and logs under DIR (default: a temp dir, removed)")
 

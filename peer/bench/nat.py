@@ -8,7 +8,7 @@ tbf-limited to `--mbit` both ways. Every daemon hosts `trainers.consensus` on a 
 Phase 1 (connectivity): public1 (the bootstrap) starts, then the rest. Statuses are polled every 0.5 s: a
 pair is connected once both ends list each other as connected; its seconds are the later first session of
 the two ends minus the later start of the two daemons, its `how` the path both ends report then (punched
-if either says punched, else relayed or direct). Then averaging goes on for PHASE1_EXTRA_S more and we read
+if either says punched, else relayed or direct). Then averaging goes on for `--settle` s more and we read
 each NAT'd peer's seconds to its first averaging exchange with a peer on another LAN, and the share of
 bytes on direct or punched paths (every pair's `bytes_by_path`, counted once) over the pairs that can be
 punched (no lan3 end), and over all pairs for contrast.
@@ -42,7 +42,6 @@ from peer.testing.swarm import LocalSwarm, rank_env, swarm_config, unique_swarm
 PREFIX = "ptn"  # lab namespaces: ptn{pid}...
 POLL_S = 0.5
 PHASE1_SIZE = 16384  # float32 elements: 64 KiB vectors, so averaging runs often without loading the links
-PHASE1_EXTRA_S = 20.0  # averaging after every pair connected: punched pairs settle, bytes accumulate
 PHASE2_TIMEOUT_S = 240.0  # measuring, after the paths are ready
 PHASE2_START_DELAY_S = 15.0  # the initiator's first exchange: lets the punches happen on quiet links
 EXCHANGES_PER_PEER = 2
@@ -113,7 +112,7 @@ class Bench:
                 break
             time.sleep(POLL_S)
         connect_s = time.monotonic() - t_start
-        while time.monotonic() - t_start < connect_s + PHASE1_EXTRA_S:
+        while time.monotonic() - t_start < connect_s + self.args.settle:
             time.sleep(POLL_S)
             sts = self.poll()
             peak.update(sts)
@@ -177,7 +176,7 @@ class Bench:
         for name in names:
             me = name == INITIATOR
             opts = {"size": size, "rounds": 0, "mode": "one", "interval": 0.0, "track_error": False,
-                    "initiate": me, "start_delay": PHASE2_START_DELAY_S if me else 0.0}
+                    "initiate": me, "start_delay": min(PHASE2_START_DELAY_S, self.args.settle) if me else 0.0}
             self.swarm.restart(self.daemons[name], config=self.config(name, opts, gossip, PHASE2_MEMBERSHIP))
         expected = {n: self.expected_path(n) for n in names if n != INITIATOR}
         watch = PairWatch(names)
@@ -248,6 +247,8 @@ def check_args(args) -> str | None:
         return "--mib must be in 1..1024"
     if not args.connect_timeout > 0:
         return "--connect-timeout must be positive"
+    if not 0 <= args.settle <= 3600:
+        return "--settle must be in 0..3600 seconds"
     return None
 
 
@@ -264,7 +265,7 @@ def run(args) -> int:
     out: dict = {"bench": "nat", "date": date.today().isoformat(),
                  "config": {"mbit": args.mbit, "mib": args.mib, "connect_timeout": args.connect_timeout,
                             "public": 2, "lans": [list(x) for x in DEFAULT_LANS], "initiator": INITIATOR,
-                            "phase1_vector_bytes": PHASE1_SIZE * 4, "phase1_extra_s": PHASE1_EXTRA_S,
+                            "phase1_vector_bytes": PHASE1_SIZE * 4, "phase1_extra_s": args.settle,
                             "exchanges_per_peer": EXCHANGES_PER_PEER}}
     ok = False
     with ExitStack() as stack:

@@ -368,12 +368,13 @@ class Membership:
                 await session.run()
                 n.cancel_scope.cancel()
         finally:
+            # its bytes count toward the pair whether it ended alone or was replaced (by a direct session)
+            info.bytes_in_closed += session.stats.bytes_in
+            info.bytes_out_closed += session.stats.bytes_out
+            info.bytes_by_path[session.path] = (info.bytes_by_path.get(session.path, 0)
+                                                + session.stats.bytes_in + session.stats.bytes_out)
             if info.session is session:
                 info.session = None
-                info.bytes_in_closed += session.stats.bytes_in
-                info.bytes_out_closed += session.stats.bytes_out
-                info.bytes_by_path[session.path] = (info.bytes_by_path.get(session.path, 0)
-                                                    + session.stats.bytes_in + session.stats.bytes_out)
                 info.state = "dead"
                 info.dead_reason = session.close_reason
                 info.next_attempt = trio.current_time() + self._backoff(0)

@@ -129,10 +129,12 @@ async def connections(listener: trio.socket.SocketType, remote: tuple[str, int],
 
 
 class HolePuncher:
-    def __init__(self, *, membership, transport, router, public_ip: Callable[[], str | None], enabled: bool):
+    def __init__(self, *, membership, transport, router, public_ip: Callable[[], str | None], enabled: bool,
+                 mapping: Callable[[], str] = lambda: "unknown"):
         self.membership = membership
         self.transport = transport
         self.public_ip = public_ip
+        self.mapping = mapping  # our NAT's port mapping (peer/nat/service.py): "random" cannot be punched
         self.enabled = enabled
         self._active: dict[str, Punch] = {}
         self._backoff: dict[str, tuple[int, float]] = {}  # peer -> (failures in a row, next try, trio clock)
@@ -163,6 +165,7 @@ class HolePuncher:
         """Start a punch over this session if it is relayed, we dialed it, and its pair is due."""
         pid = session.peer_id
         if (not self.enabled or self._nursery is None or session.path != "relayed" or not session.initiator
+                or self.mapping() == "random"
                 or pid in self._active or len(self._active) >= MAX_PUNCHES
                 or self._backoff.get(pid, (0, 0.0))[1] > trio.current_time()):
             return
@@ -262,6 +265,8 @@ class HolePuncher:
             why = "offer over a relayed session you dialed"
         elif pid in self._active or len(self._active) >= MAX_PUNCHES or self._nursery is None:
             why = "busy"
+        elif self.mapping() == "random":
+            why = "our NAT gives each destination a new port: a punch cannot work"
         theirs = self._their_address(env.message.address)
         if why is None and theirs is None:
             why = f"unusable address {env.message.address!r}"

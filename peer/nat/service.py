@@ -41,7 +41,7 @@ class NatService:
         self.client = RelayClient(cfg.nat, membership=m, transport=daemon.transport, router=daemon.router,
                                   wanted=lambda: cfg.nat.use_relays and self.reach.verdict == "nat")
         self.punch = HolePuncher(membership=m, transport=daemon.transport, router=daemon.router,
-                                 public_ip=self.public_ip, enabled=cfg.nat.hole_punching)
+                                 public_ip=self.public_ip, enabled=cfg.nat.hole_punching, mapping=self.nat_mapping)
         self.mappings: deque[str] = deque(maxlen=MAPPINGS)
         self._seen_ips: list[str] = []  # our IPs as peers we dialed report them, newest last
         m.dial_relayed = self.client.dial_via

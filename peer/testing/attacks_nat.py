@@ -16,6 +16,7 @@ import secrets
 
 import trio
 
+from peer.config import RelaySection
 from peer.nat.relay import SETUP_SECONDS
 from peer.testing.attacker import attacker_session
 from peer.testing.attacks import Observed, answer_pings, my_id, scenario, victim_status
@@ -24,7 +25,8 @@ from protocol.schema import (DialBackReply, DialBackRequest, Ping, Pong, RelayCo
                              RelayIncoming, RelayReservation, RelayReserve)
 
 GUESSES = 20  # circuit hellos with random tokens
-CIRCUITS_ASKED = 10  # circuits asked for to one reserved peer (the default cap per peer is 4)
+PER_PEER = RelaySection().max_circuits_per_peer  # the victim runs with the default caps
+CIRCUITS_ASKED = 2 * PER_PEER  # circuits asked for to one reserved peer
 
 
 @scenario("relay_abuse", "refuse", f"{CIRCUITS_ASKED} circuits to a reserved peer that never answers, and circuits "
@@ -57,7 +59,7 @@ async def relay_abuse(status: dict) -> Observed:
                 obs.facts["circuits_left"] = (await victim_status(status))["nat"]["relay_server"]["circuits"]
             obs.facts["asker_alive"] = isinstance((await asker.request(Ping(sent=1.0), timeout=10)).message, Pong)
             n.cancel_scope.cancel()
-    cap_ok = obs.facts.get("incoming_seen", 0) <= 4 and obs.facts.get("granted", 0) == 0
+    cap_ok = obs.facts.get("incoming_seen", 0) <= PER_PEER and obs.facts.get("granted", 0) == 0
     obs.ok = (obs.facts["unreserved_refused"] and obs.facts["asker_alive"]
               and (not obs.facts["reserved"] or (cap_ok and obs.facts["circuits_left"] == 0)))
     obs.reason = (f"refused; {obs.facts.get('incoming_seen', 0)} circuits reached the silent target, "
