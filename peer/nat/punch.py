@@ -265,6 +265,8 @@ class HolePuncher:
             why = "offer over a relayed session you dialed"
         elif pid in self._active or len(self._active) >= MAX_PUNCHES or self._nursery is None:
             why = "busy"
+        elif self._backoff.get(pid, (0, 0.0))[1] > trio.current_time():
+            why = "too soon after the last failed punch"  # an offer aims our SYNs: as rare as our own tries
         elif self.mapping() == "random":
             why = "our NAT gives each destination a new port: a punch cannot work"
         theirs = self._their_address(env.message.address)
