@@ -24,12 +24,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from peer.testing.netns import Host, NetnsError, _delete_netns, _list_netns, _run, cleanup_stale
+from peer.testing.netns import Host, NetnsError, _delete_netns, _list_netns, _run, cleanup_stale, probe_namespace, tbf
 
 _INTERNET = "10.99.0"  # the public /24: routers' WAN addresses are .1..; public hosts .11..
 _FIRST_PUBLIC = 11
@@ -82,7 +81,7 @@ class InternetLab:
         """(Re)apply a tbf rate limit on `host`'s link, both directions (as Lan.limit)."""
         far_ns, far_dev = self._far_end[host.name]
         for ns, dev in ((host.name, "eth0"), (far_ns, far_dev)):
-            _tbf(ns, dev, mbit)
+            tbf(ns, dev, mbit)
 
     public_limit = limit  # a public host's link is limited the same way
 
@@ -101,7 +100,7 @@ class InternetLab:
     def router_limit(self, site: str, mbit: float) -> None:
         """tbf on a router's WAN link both directions: the whole LAN's internet uplink and downlink."""
         for ns, dev in self._wan_link(site):
-            _tbf(ns, dev, mbit)
+            tbf(ns, dev, mbit)
 
     def router_unlimit(self, site: str) -> None:
         for ns, dev in self._wan_link(site):
@@ -117,16 +116,6 @@ class InternetLab:
         return [ns for ns in self._created if ns in left]
 
 
-def _tbf(ns: str, dev: str, mbit: float) -> None:
-    """tbf on one device; burst at least 1 ms of the rate (a fixed small burst undershoots fast links)."""
-    if mbit <= 0:
-        raise ValueError(f"rate must be positive: {mbit}")
-    rate_kbit = max(1, round(mbit * 1000))
-    burst_bytes = max(4096, int(mbit * 1e6 / 8 / 1000))
-    _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
-          "rate", f"{rate_kbit}kbit", "burst", str(burst_bytes), "latency", "50ms"])
-
-
 def _iptables(ns: str, *rule: str) -> None:
     _run(["ip", "netns", "exec", ns, "iptables", "-w", "5", *rule])
 
@@ -135,21 +124,14 @@ def internet_available() -> bool:
     """True if we are root with ip and iptables, and a namespace really accepts NAT and conntrack rules."""
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("iptables") is None:
         return False
-    probe = f"pti{os.getpid()}probe"
-    try:
-        _run(["ip", "netns", "add", probe])
-    except (NetnsError, OSError, subprocess.TimeoutExpired):
-        return False
-    try:
-        _run(["ip", "netns", "exec", probe, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
-        _iptables(probe, "-t", "nat", "-A", "POSTROUTING", "-o", "lo", "-j", "MASQUERADE", "--random-fully")
-        _iptables(probe, "-A", "FORWARD", "-i", "lo", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+
+    def nat_works(ns: str) -> bool:
+        _run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        _iptables(ns, "-t", "nat", "-A", "POSTROUTING", "-o", "lo", "-j", "MASQUERADE", "--random-fully")
+        _iptables(ns, "-A", "FORWARD", "-i", "lo", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
                   "-j", "ACCEPT")
         return True
-    except (NetnsError, OSError, subprocess.TimeoutExpired):
-        return False
-    finally:
-        _run(["ip", "netns", "delete", probe], check=False)
+    return probe_namespace("pti", nat_works)
 
 
 def _add_ns(lab: InternetLab, ns: str) -> None:

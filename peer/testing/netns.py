@@ -104,19 +104,38 @@ def our_namespaces(prefix: str = "pt") -> list[str]:
     return [ns for ns in _list_netns() if mine.match(ns)]
 
 
-def netns_available() -> bool:
-    """True if we are root, have ip, and can really create (and delete) a namespace."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return False
-    probe = f"pt{os.getpid()}probe"
+def probe_namespace(prefix: str, check: Callable[[str], bool]) -> bool:
+    """Whether `check(ns)` holds in a fresh namespace made for the question (deleted after); False when
+    we cannot make one or a command fails."""
+    probe = f"{prefix}{os.getpid()}probe"
     try:
         _run(["ip", "netns", "add", probe])
     except (NetnsError, OSError, subprocess.TimeoutExpired):
         return False
     try:
-        return _run(["ip", "-n", probe, "link", "set", "lo", "up"], check=False).returncode == 0
+        return check(probe)
+    except (NetnsError, OSError, subprocess.TimeoutExpired):
+        return False
     finally:
         _run(["ip", "netns", "delete", probe], check=False)
+
+
+def netns_available() -> bool:
+    """True if we are root, have ip, and can really create (and delete) a namespace."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    return probe_namespace("pt", lambda ns: _run(["ip", "-n", ns, "link", "set", "lo", "up"], check=False).returncode == 0)
+
+
+def tbf(ns: str, dev: str, mbit: float) -> None:
+    """A tbf rate limit on one device; burst at least 1 ms worth of the rate: a fixed small burst (32 kbit)
+    is accurate at low rates but undershoots above a few hundred Mbit/s."""
+    if mbit <= 0:
+        raise ValueError(f"rate must be positive: {mbit}")
+    rate_kbit = max(1, round(mbit * 1000))
+    burst_bytes = max(4096, int(mbit * 1e6 / 8 / 1000))
+    _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
+          "rate", f"{rate_kbit}kbit", "burst", str(burst_bytes), "latency", "50ms"])
 
 
 def tc_available() -> bool:
@@ -174,18 +193,9 @@ class Lan:
         return [self.bridge_ns, *(h.name for h in self.hosts)]
 
     def limit(self, i: int, mbit: float) -> None:
-        """(Re)apply a tbf rate limit on host i's link, both directions, at runtime.
-
-        burst is at least 1 ms worth of the rate: a fixed small burst (32 kbit) is accurate at
-        low rates but undershoots above a few hundred Mbit/s.
-        """
-        if mbit <= 0:
-            raise ValueError(f"rate must be positive: {mbit}")
-        rate_kbit = max(1, round(mbit * 1000))
-        burst_bytes = max(4096, int(mbit * 1e6 / 8 / 1000))
+        """(Re)apply a tbf rate limit on host i's link, both directions, at runtime."""
         for ns, dev in ((self.hosts[i].name, "eth0"), (self.bridge_ns, f"vh{i}")):
-            _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
-                  "rate", f"{rate_kbit}kbit", "burst", str(burst_bytes), "latency", "50ms"])
+            tbf(ns, dev, mbit)
 
     def unlimit(self, i: int) -> None:
         """Remove host i's rate limit (both directions)."""
