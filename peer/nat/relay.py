@@ -23,7 +23,7 @@ import trio
 
 from peer.config import RelaySection
 from peer.nat.splice import CircuitStats, TokenBucket, splice
-from protocol.circuit import HELLO_BYTES, PEEK_BYTES, READY, parse_hello
+from protocol.circuit import HELLO_BYTES, MAGIC, PEEK_BYTES, READY, parse_hello
 from protocol.identity import short_id
 from protocol.limits import MiB
 from protocol.schema import RelayAck, RelayConnect, RelayConnectReply, RelayIncoming, RelayReservation, RelayReserve
@@ -203,7 +203,7 @@ class RelayServer:
                     rest += chunk
         except (trio.TooSlowError, OSError):
             return
-        token = parse_hello(b"PTRC" + rest)
+        token = parse_hello(MAGIC + rest)
         found = self._tokens.pop(token, None)
         if found is None:
             log.info("circuit connection with an unknown or used token; closed")
