@@ -67,7 +67,8 @@ def test_peers_behind_nat_join_punch_or_relay_and_rejoin_from_their_store(tmp_pa
         boot = f"{hosts[0].ip}:7100"
         cfg = swarm_config(swarm=swarm_name, listen="0.0.0.0:7100", interfaces=[], join=[boot],
                            trainer="trainers.consensus", topology={"kind": "full", "max_degree": 8},
-                           options={"size": 4096, "rounds": 0, "interval": 0.2, "track_error": False})
+                           options={"size": 4096, "rounds": 0, "interval": 0.2, "track_error": False},
+                           membership={"handshake_timeout": 2.0})  # a dial-back into a NAT waits this long
         wrong_host = next(h for h in hosts if names[h.name] == "lan2-2")
         honest_hosts = [h for h in hosts if h is not wrong_host]
         ds = {names[h.name]: swarm.start(names[h.name], config=cfg if h is not hosts[0] else cfg.replace(daemon={"join": []}),

@@ -75,6 +75,7 @@ class RelayClient:
         self._refused_until: dict[str, float] = {}  # relay -> trio clock
         self._incoming = 0
         self._nursery: trio.Nursery | None = None
+        self._wake = trio.Event()
         router.register(RelayIncoming, self._on_incoming)
 
     def status(self) -> list[dict]:
@@ -88,7 +89,13 @@ class RelayClient:
             task_status.started()
             while True:
                 await self._keep_reservations()
-                await trio.sleep(TICK * random.uniform(0.75, 1.25))
+                with trio.move_on_after(TICK * random.uniform(0.75, 1.25)):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+
+    def wake(self) -> None:
+        """Look at the reservations now (we just learned that we are behind NAT)."""
+        self._wake.set()
 
     def _publish(self) -> None:
         self.membership.relayed_addresses = [str(h.address) for h in self.held.values()]

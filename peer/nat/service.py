@@ -91,13 +91,17 @@ class NatService:
                 await nursery.start(part.run)
             task_status.started()
             known: list[str] = []
+            verdict = self.reach.verdict
             while True:  # follow what we know about ourselves into our record and the next check
+                if self.reach.verdict != verdict:
+                    verdict = self.reach.verdict
+                    self.client.wake()  # behind NAT now (or no longer): relays at once, not at the next tick
                 self.membership.advertise_observed = self.reach.verdict != "nat"
                 self.membership.verified_hosts = self.reach.verified_hosts()
                 if self.reach.candidates() != known:
                     known = self.reach.candidates()
                     self.reach.addresses_changed()
-                await trio.sleep(1.0)
+                await trio.sleep(0.25)
 
     def status(self) -> dict:
         m = self.membership
