@@ -88,11 +88,11 @@ def test_peers_behind_nat_join_punch_or_relay_and_rejoin_from_their_store(tmp_pa
                 punched = how("lan1-1", "lan2-1", sts) == how("lan1-2", "lan2-1", sts) == "punched"
                 return sts if punched else None
             sts = wait_for(meshed, timeout=CONNECT_S, what="all 15 pairs connected and lan1-lan2 punched")
-            assert how("lan1-1", "lan1-2", sts) == "direct"  # one LAN: mDNS, no NAT in between
-            assert entry(sts["lan1-1"], ids["lan1-2"])["source"] in ("mdns", "inbound")
+            assert how("lan1-1", "lan1-2", sts) == "direct"  # one LAN (mDNS finds it, or peer exchange first)
             for lan in ("lan1-1", "lan1-2", "lan2-1"):
                 assert how(lan, "lan3-1", sts) == "relayed", (lan, entry(sts[lan], ids["lan3-1"]))
-                assert how(lan, "public-1", sts) == how(lan, "public-2", sts) == "direct"
+                # a public peer met through a relay before its own address was proven is dialed or punched
+                assert {how(lan, "public-1", sts), how(lan, "public-2", sts)} <= {"direct", "punched"}
             nat = {n: s["nat"] for n, s in sts.items()}
             assert nat["public-1"]["reachability"] == nat["public-2"]["reachability"] == "public"
             assert all(nat[n]["reachability"] == "nat" and nat[n]["relays"] for n in ("lan1-1", "lan2-1", "lan3-1"))

@@ -31,7 +31,7 @@ from typing import Callable
 import trio
 
 from peer.nat.addresses import format_hostport, ip_literal, parse_address
-from peer.session.connect import handshake_stream
+from peer.session.connect import dial, handshake_stream
 from protocol.identity import short_id
 from protocol.schema import ErrorReply, PunchOffer, PunchSync
 
@@ -138,6 +138,8 @@ class HolePuncher:
         self.enabled = enabled
         self._active: dict[str, Punch] = {}
         self._backoff: dict[str, tuple[int, float]] = {}  # peer -> (failures in a row, next try, trio clock)
+        self._dialed: dict[str, frozenset] = {}  # peer -> the direct addresses last tried over its relayed session
+        self._upgrading: set[str] = set()  # peers being dialed directly (at most MAX_PUNCHES: see consider)
         self.attempts = self.succeeded = self.failed = 0
         self.recent: deque[Outcome] = deque(maxlen=RECENT)
         self._nursery: trio.Nursery | None = None
@@ -162,15 +164,43 @@ class HolePuncher:
                 await trio.sleep(2.0)
 
     def consider(self, session) -> None:
-        """Start a punch over this session if it is relayed, we dialed it, and its pair is due."""
+        """Over a relayed session whose pair is due: dial the peer directly if it now advertises a direct
+        address (a public peer met through a relay before its own address was proven), else punch if we
+        dialed the relayed session."""
         pid = session.peer_id
-        if (not self.enabled or self._nursery is None or session.path != "relayed" or not session.initiator
-                or self.mapping() == "random"
-                or pid in self._active or len(self._active) >= MAX_PUNCHES
-                or self._backoff.get(pid, (0, 0.0))[1] > trio.current_time()):
+        if (self._nursery is None or session.path != "relayed" or pid in self._active or pid in self._upgrading
+                or len(self._active) + len(self._upgrading) >= MAX_PUNCHES or self._backoff.get(pid, (0, 0.0))[1] > trio.current_time()):
             return
-        self._active[pid] = Punch(session)
-        self._nursery.start_soon(self._initiate, session)
+        info = self.membership.peers.get(pid)
+        addresses = list(info.addresses) if info is not None else []
+        if addresses and frozenset(addresses) != self._dialed.get(pid):
+            self._dialed[pid] = frozenset(addresses)  # each set of addresses is tried once
+            if len(self._dialed) > 4096:
+                self._dialed.pop(next(iter(self._dialed)))
+            self._upgrading.add(pid)  # apart from punches: the peer's own punch offer is not declined as busy
+            self._nursery.start_soon(self._upgrade, session, addresses)
+        elif self.enabled and session.initiator and self.mapping() != "random":
+            self._active[pid] = Punch(session)
+            self._nursery.start_soon(self._initiate, session)
+
+    async def _upgrade(self, session, addresses: list[tuple[str, int]]) -> None:
+        pid, t0 = session.peer_id, trio.current_time()
+        reason = "no address answered"
+        for host, port in addresses:
+            try:
+                direct = await dial(host, port, self.transport, expected_peer_id=pid,
+                                    connect_timeout=self.transport.handshake_timeout)
+            except Exception as exc:  # OSError, timeouts, a handshake with someone else
+                reason = f"{format_hostport(host, port)}: {type(exc).__name__}: {exc}"[:200]
+                continue
+            self.membership.adopt(direct)
+            reason = ""
+            break
+        self._upgrading.discard(pid)
+        now = trio.current_time()
+        self.recent.append(Outcome(pid, not reason, f"direct dial: {reason}" if reason else "direct dial", now - t0, now))
+        if not reason:
+            log.info("dialed %s directly (it was relayed): switching to the direct session", short_id(pid))
 
     def _done(self, pid: str, ok: bool, reason: str, t0: float) -> None:
         self._active.pop(pid, None)

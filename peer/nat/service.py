@@ -44,6 +44,7 @@ class NatService:
                                  public_ip=self.public_ip, enabled=cfg.nat.hole_punching, mapping=self.nat_mapping)
         self.mappings: deque[str] = deque(maxlen=MAPPINGS)
         self._seen_ips: list[str] = []  # our IPs as peers we dialed report them, newest last
+        self._outside_ips: list[str] = []  # those of them that differ from our end of the connection (a NAT)
         m.dial_relayed = self.client.dial_via
         m.watch(self._on_peer)
 
@@ -55,8 +56,12 @@ class NatService:
         return None
 
     def public_ip(self) -> str | None:
-        """Our IP as the outside sees it: agreed by peers (membership's quorum), else the latest a peer we
-        dialed reported (good enough for a punch, which proves itself by the handshake)."""
+        """Our IP as the outside sees it, for a punch (which proves itself by the handshake): the latest a
+        peer reported seeing us at through a NAT (another IP than our end of the connection); with no NAT
+        seen, one that peers agree on, else the latest one reported. A LAN neighbour's report (our private
+        address) once made a punch aim at a LAN address from the other side of the internet."""
+        if self._outside_ips:
+            return self._outside_ips[-1]
         agreed = self.membership.observed_hosts
         return agreed[-1] if agreed else (self._seen_ips[-1] if self._seen_ips else None)
 
@@ -81,6 +86,8 @@ class NatService:
                 self.mappings.append("none")
             else:
                 self.mappings.append("preserving" if port == local_port else "random")
+                if ip not in self._outside_ips[-1:]:
+                    self._outside_ips = (self._outside_ips + [ip])[-4:]
             if ip not in self._seen_ips[-1:]:
                 self._seen_ips = (self._seen_ips + [ip])[-4:]
         self.punch.consider(session)
