@@ -22,7 +22,7 @@ from typing import Awaitable, Callable
 import trio
 
 from peer.config import Config
-from peer.nat.addresses import RelayedAddress, parse_address, parse_relayed
+from peer.nat.addresses import RelayedAddress, format_hostport, parse_address, parse_relayed
 from peer.nat.explain import explain_dial_error
 from peer.session.router import Router
 from peer.session.connect import dial
@@ -484,6 +484,12 @@ class Membership:
                 continue
             if rec.peer_id == self.peer_id:
                 continue
+            info = self.peers.get(rec.peer_id)
+            newer = info is not None and (info.record is None or info.record.issued < rec.issued)
+            if newer:  # its latest word on where it is: forget addresses it stopped advertising (not first-hand ones)
+                listed = set(rec.addresses)
+                info.addresses = [a for a in info.addresses if a in info.firsthand or format_hostport(*a) in listed]
+                info.relayed = [r for r in info.relayed if str(r) in listed]
             self.learn_addresses(rec.peer_id, rec.addresses, source="pex")
             info = self.peers.get(rec.peer_id)
             if info is not None and (info.record is None or info.record.issued < rec.issued):
