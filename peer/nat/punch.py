@@ -169,7 +169,8 @@ class HolePuncher:
         dialed the relayed session."""
         pid = session.peer_id
         if (self._nursery is None or session.path != "relayed" or pid in self._active or pid in self._upgrading
-                or len(self._active) + len(self._upgrading) >= MAX_PUNCHES or self._backoff.get(pid, (0, 0.0))[1] > trio.current_time()):
+                or len(self._active) + len(self._upgrading) >= MAX_PUNCHES
+                or self._backoff.get(pid, (0, 0.0))[1] > trio.current_time()):
             return
         info = self.membership.peers.get(pid)
         addresses = list(info.addresses) if info is not None else []
