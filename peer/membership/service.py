@@ -156,7 +156,7 @@ class Membership:
         hosts = list(dict.fromkeys(self.advertise_hosts + self.verified_hosts
                                    + (self.bound_hosts + self.observed_hosts if self.advertise_observed else [])))
         now = time.time()
-        addresses = [f"{h}:{port}" for h in hosts][:MAX_ADDRESSES] + self.relayed_addresses[:MAX_RELAYED]
+        addresses = [format_hostport(h, port) for h in hosts][:MAX_ADDRESSES] + self.relayed_addresses[:MAX_RELAYED]
         rec = PeerRecord(peer_id=self.peer_id, public_key=ident.public_key_bytes(self.transport.identity),
                          swarm=self.swarm, addresses=addresses,
                          issued=now, expires=now + self.cfg.peer_record_ttl, signature=b"")

@@ -101,7 +101,7 @@ class Reachability:
     def candidates(self) -> list[str]:
         m, port = self.membership, self.listen_port()
         hosts = list(dict.fromkeys(m.advertise_hosts + m.bound_hosts + m.observed_hosts + self.seen_hosts()))
-        return [f"{h}:{port}" for h in hosts if ip_literal(h)][:MAX_DIALBACK_ADDRESSES]
+        return [format_hostport(h, port) for h in hosts if ip_literal(h)][:MAX_DIALBACK_ADDRESSES]
 
     def verified_hosts(self) -> list[str]:
         """Hosts of ours that peers dialed back while we are public: proven, so worth advertising."""
