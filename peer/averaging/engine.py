@@ -18,7 +18,6 @@ peer initiates with every neighbour at once, do not starve each other's budgets.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import random
 import time

@@ -112,14 +112,9 @@ class Membership:
             addresses = [a for a in addresses if is_public_address(a[0])]
             if not addresses:
                 return
-        info = self.peers.get(peer_id)
+        info = self._entry(peer_id, source, f"at {', '.join(f'{h}:{p}' for h, p in addresses) or '?'}")
         if info is None:
-            if len(self.peers) >= MAX_PEERS:
-                log.debug("peer table full; ignoring %s", ident.short_id(peer_id))
-                return
-            info = self.peers[peer_id] = PeerInfo(peer_id=peer_id, source=source)
-            log.info("discovered %s via %s at %s", ident.short_id(peer_id), source,
-                     ", ".join(f"{h}:{p}" for h, p in addresses) or "?")
+            return
         if info.add_addresses(addresses) and info.state != "connected" and not second_hand:
             info.failures = 0  # first-hand news (a peer restarted on a new port): dial now
             info.next_attempt = 0.0
@@ -140,15 +135,20 @@ class Membership:
             self.learn(peer_id, direct, source=source)
         if not relayed:
             return
+        info = self._entry(peer_id, source, f"through relay {', '.join(ident.short_id(r.relay_id) for r in relayed)}")
+        if info is not None and info.add_relayed(relayed):
+            self._wake.set()
+
+    def _entry(self, peer_id: str, source: str, where: str) -> PeerInfo | None:
+        """The peer's entry, made (and logged) on first news of it; None while the table is full."""
         info = self.peers.get(peer_id)
         if info is None:
             if len(self.peers) >= MAX_PEERS:
-                return
+                log.debug("peer table full; ignoring %s", ident.short_id(peer_id))
+                return None
             info = self.peers[peer_id] = PeerInfo(peer_id=peer_id, source=source)
-            log.info("discovered %s via %s through relay %s", ident.short_id(peer_id), source,
-                     ", ".join(ident.short_id(r.relay_id) for r in relayed))
-        if info.add_relayed(relayed):
-            self._wake.set()
+            log.info("discovered %s via %s %s", ident.short_id(peer_id), source, where)
+        return info
 
     def own_record(self) -> PeerRecord:
         """Our signed, expiring peer record, as peer exchange forwards it."""

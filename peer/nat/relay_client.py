@@ -147,18 +147,22 @@ class RelayClient:
 
     async def _accept(self, held: Held, source: str, token: bytes) -> None:
         try:
-            stream = await open_circuit(held.address.host, held.address.port, token,
-                                        connect_timeout=self.transport.handshake_timeout)
-            session = await handshake_stream(stream, self.transport, initiator=False, expected_peer_id=source,
-                                             remote_addr=(held.address.host, held.address.port))
+            session = await self._through(held.address, token, initiator=False, peer_id=source)
         except Exception as exc:  # OSError, timeouts, HandshakeError: the circuit is simply not made
             log.info("circuit from %s through %s failed: %s", short_id(source), short_id(held.relay_id),
                      exc or type(exc).__name__)
             return
         finally:
             self._incoming -= 1
-        session.via, session.path = held.relay_id, "relayed"
         self.membership.adopt(session)
+
+    async def _through(self, relayed: RelayedAddress, token: bytes, *, initiator: bool, peer_id: str) -> Session:
+        """Our end of a circuit through `relayed`'s relay, with the handshake to `peer_id` run through it."""
+        stream = await open_circuit(relayed.host, relayed.port, token, connect_timeout=self.transport.handshake_timeout)
+        session = await handshake_stream(stream, self.transport, initiator=initiator, expected_peer_id=peer_id,
+                                         remote_addr=(relayed.host, relayed.port))
+        session.via, session.path = relayed.relay_id, "relayed"
+        return session
 
     # ---- circuits from us ---------------------------------------------------------------------------
     async def dial_via(self, info, relayed: RelayedAddress) -> Session:
@@ -173,9 +177,4 @@ class RelayClient:
             raise ConnectionError(f"relay {short_id(relayed.relay_id)} left: {exc}") from None
         if not isinstance(reply, RelayConnectReply) or not reply.ok:
             raise RelayRefused(f"relay refused: {reply.reason if isinstance(reply, RelayConnectReply) else 'no answer'}")
-        stream = await open_circuit(relayed.host, relayed.port, reply.token,
-                                    connect_timeout=self.transport.handshake_timeout)
-        session = await handshake_stream(stream, self.transport, initiator=True, expected_peer_id=info.peer_id,
-                                         remote_addr=(relayed.host, relayed.port))
-        session.via, session.path = relayed.relay_id, "relayed"
-        return session
+        return await self._through(relayed, reply.token, initiator=True, peer_id=info.peer_id)
