@@ -236,6 +236,16 @@ class RelaySection:
 
 
 @dataclass(frozen=True)
+class AttachSection:
+    enabled: bool = _f(True, "Let training processes of this host's user attach to this daemon (peertrain.attach) "
+                       "through the control socket (mode 0600).")
+    max_clients: int = _f(16, "Processes attached at once (a torchrun job attaches once, from its rank 0).",
+                          lo=1, hi=1024)
+    max_shared_mib: int = _f(16384, "Tensors all attached processes may share, in MiB (the daemon keeps snapshot "
+                             "buffers of that size for the exchanges).", lo=1, hi=1 << 24)
+
+
+@dataclass(frozen=True)
 class TrainerSection:
     name: str = _f("", "Trainer module the daemon hosts (e.g. trainers.gossip_sgd); empty: no training.")
     options: dict = _f({}, "Trainer options (see the trainer's docs).")
@@ -254,6 +264,7 @@ class Config:
     nat: NatSection = field(default_factory=NatSection)
     relay: RelaySection = field(default_factory=RelaySection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
+    attach: AttachSection = field(default_factory=AttachSection)
     source: str = field(default="", compare=False)  # file it came from, for messages
 
     def replace(self, **sections: dict[str, Any]) -> "Config":

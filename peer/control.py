@@ -26,6 +26,9 @@ MAX_REQUEST = 1 << 20
 MAX_RESPONSE = 64 << 20
 
 Command = Callable[[dict], Awaitable[Any]]
+# A command that keeps its connection (an attached training process, peer/attach/): it gets the request's
+# args and the stream, sends its own replies, and returns when the session ends.
+SessionCommand = Callable[[dict, trio.SocketStream], Awaitable[None]]
 
 
 class ControlError(Exception):
@@ -36,7 +39,7 @@ class DaemonAlreadyRunning(ControlError):
     pass
 
 
-def _pack(obj: Any) -> bytes:
+def pack(obj: Any) -> bytes:
     body = msgpack.packb(obj, use_bin_type=True)
     return struct.pack(">I", len(body)) + body
 
@@ -63,8 +66,11 @@ def claim_socket_path(path: Path) -> None:
         probe.close()
 
 
-async def serve_control(path: Path, commands: dict[str, Command], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve `commands` on the Unix socket at `path` until cancelled; removes the socket on exit."""
+async def serve_control(path: Path, commands: dict[str, Command], *, sessions: dict[str, SessionCommand] | None = None,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `commands` (one request, one reply) and `sessions` (commands that keep the connection) on the
+    Unix socket at `path` until cancelled; removes the socket on exit."""
+    sessions = sessions or {}
     claim_socket_path(path)
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     try:
@@ -83,18 +89,26 @@ async def serve_control(path: Path, commands: dict[str, Command], *, task_status
                     log.debug("bad control request: %s", exc)
                     return
                 cmd = request.get("cmd") if isinstance(request, dict) else None
+                args = request.get("args") if isinstance(request, dict) else None
+                args = args if isinstance(args, dict) else {}
+                if isinstance(cmd, str) and cmd in sessions:
+                    try:
+                        await sessions[cmd](args, stream)
+                    except Exception:  # a bug in one session must not take the daemon down
+                        log.exception("control session %s failed", cmd)
+                    return
                 fn = commands.get(cmd) if isinstance(cmd, str) else None
                 if fn is None:
-                    reply = {"ok": False, "error": f"unknown command {cmd!r}; known: {', '.join(sorted(commands))}"}
+                    known = ', '.join(sorted(set(commands) | set(sessions)))
+                    reply = {"ok": False, "error": f"unknown command {cmd!r}; known: {known}"}
                 else:
                     try:
-                        args = request.get("args") or {}
-                        reply = {"ok": True, "result": await fn(args if isinstance(args, dict) else {})}
+                        reply = {"ok": True, "result": await fn(args)}
                     except Exception as exc:
                         log.exception("control command %s failed", cmd)
                         reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 try:
-                    await stream.send_all(_pack(reply))
+                    await stream.send_all(pack(reply))
                 except (trio.BrokenResourceError, OSError):
                     pass
 
@@ -134,7 +148,7 @@ def call(home: Path, cmd: str, args: dict | None = None, *, timeout: float = 10.
             s.connect(str(path))
         except (FileNotFoundError, ConnectionRefusedError):
             raise ControlError(f"no daemon is running with home {home} (start one with `peer start --home {home}`)") from None
-        s.sendall(_pack({"cmd": cmd, "args": args or {}}))
+        s.sendall(pack({"cmd": cmd, "args": args or {}}))
         header = _recv_exact_blocking(s, 4)
         (n,) = struct.unpack(">I", header)
         if n > MAX_RESPONSE:

@@ -77,8 +77,9 @@ class DaemonInfo:
 
 
 class Daemon:
-    def __init__(self, config: Config, home: Home, *, claim: HomeClaim | None = None):
+    def __init__(self, config: Config, home: Home, *, claim: HomeClaim | None = None, signals: bool = True):
         self.config = config
+        self.signals = signals  # SIGINT/SIGTERM stop it; off for a daemon embedded in a training process (peer/attach/embedded.py)
         self.home = home.ensure()
         # the home first, then its key: a second daemon on this home is refused before it touches the key
         # (held for the life of this process; `claim` is the one `peer start` took before logging)
@@ -125,8 +126,11 @@ class Daemon:
         atomic_write(self.home.config_snapshot, _snapshot(cfg).encode(), mode=0o600)
 
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_control, self.home.control_socket, self._control_commands())
-            nursery.start_soon(self._watch_signals)
+            await nursery.start(lambda task_status: serve_control(
+                self.home.control_socket, self._control_commands(), sessions=self._control_sessions(),
+                task_status=task_status))
+            if self.signals:
+                nursery.start_soon(self._watch_signals)
             nursery.start_soon(lambda: serve(listeners, transport, m.own_session,
                                              max_connections=cfg.membership.max_connections,
                                              max_connections_per_ip=cfg.membership.max_connections_per_ip,
@@ -213,6 +217,13 @@ class Daemon:
                 commands.update(svc.commands())
         return commands
 
+    def _control_sessions(self):
+        sessions = {}
+        for svc in self.services:
+            if hasattr(svc, "sessions"):
+                sessions.update(svc.sessions())
+        return sessions
+
     def status(self) -> dict:
         now = time.time()
         peers = []
@@ -250,6 +261,9 @@ class Daemon:
             st = getattr(svc, "status", None)
             if st is not None:
                 out[svc.name] = st()
+        attach = next((svc for svc in self.services if svc.name == "attach"), None)
+        if "trainer" not in out and attach is not None and (attached := attach.training()) is not None:
+            out["trainer"] = attached  # an attached process's figures fill the training panel
         out["bans"] = out.get("gossip", {}).get("bans", [])  # peers we do not average with for now, and why
         return out
 

@@ -14,7 +14,6 @@ import io
 import json
 import logging
 import os
-import random
 import threading
 import time
 from collections import deque
@@ -62,6 +61,72 @@ def read_checkpoint(path: Path, map_location: Any = "cpu") -> Any:
         raise CheckpointRefused(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from None
 
 
+def save_checkpoint(directory: Path, state: dict[str, Any], name: str = Home.LATEST_CHECKPOINT) -> Path:
+    """torch.save to directory/<name> atomically (a crash never leaves a torn file)."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    path = Path(directory) / name
+    atomic_write(path, buf.getvalue(), mode=0o600)
+    return path
+
+
+def load_checkpoint(directory: Path, name: str = Home.LATEST_CHECKPOINT, map_location: Any = "cpu") -> dict[str, Any] | None:
+    """The checkpoint saved as `name`, or None if there is none or it is refused (logged: the trainer starts
+    afresh rather than run what a planted file would make it run)."""
+    path = Path(directory) / name
+    if not path.exists():
+        return None
+    try:
+        return read_checkpoint(path, map_location)
+    except CheckpointRefused as exc:
+        log.error("%s; starting without it", exc)
+        return None
+
+
+def shard_index(me: str, peers: Callable[[], list[str]], world: int | None,
+                stopping: Callable[[], bool] = lambda: False) -> tuple[int, int]:
+    """A data-shard index and count: $PEERTRAIN_RANK/$PEERTRAIN_WORLD if set (peer local sets them), else my
+    position among the sorted IDs of the peers I see (waiting up to 10 s to see `world` of them)."""
+    env_rank, env_world = os.environ.get(RANK_ENV), os.environ.get(WORLD_ENV)
+    if env_rank is not None and env_world is not None:
+        return int(env_rank), int(env_world)
+    deadline = time.monotonic() + 10
+    while world and len(peers()) + 1 < world and time.monotonic() < deadline and not stopping():
+        time.sleep(0.1)
+    ids = sorted(set(peers()) | {me})
+    w = world or len(ids)
+    return ids.index(me) % w, w
+
+
+class TrainingReport:
+    """What a training job tells `peer status` (its latest figures, a short loss history) and HOME/metrics.jsonl
+    (every publish as one JSON line). A hosted trainer and an attached process (peer/attach/) each have one."""
+
+    LOSS_HISTORY = 60  # points of the loss sparkline in `peer status`
+
+    def __init__(self, daemon, metrics: dict[str, Any]):
+        self.daemon = daemon
+        self.metrics: dict[str, Any] = dict(metrics)
+        self.loss_history: deque[float] = deque(maxlen=self.LOSS_HISTORY)
+
+    def publish(self, metrics: dict[str, Any]) -> None:
+        metrics = dict(metrics)
+        if metrics.get("loss") is not None:
+            self.loss_history.append(float(metrics["loss"]))
+        self.metrics.update(metrics)
+        line = dict(metrics, ts=round(time.time(), 3), peer=self.daemon.peer_id)
+        try:
+            with open(self.daemon.home.metrics_file, "a") as f:
+                f.write(json.dumps(line, default=float) + "\n")
+        except OSError as exc:
+            log.warning("cannot append metrics: %s", exc)
+
+    def status(self) -> dict:
+        return dict(self.metrics, loss_history=list(self.loss_history))
+
+
 class TrainerStopped(Exception):
     """Raised inside the trainer thread when the daemon is stopping."""
 
@@ -94,12 +159,25 @@ class Swarm:
         return self._call(self._host.gossip.average, group, mode=mode)
 
     def average_in_background(self, group: str, *, mode: str = "one") -> bool:
-        """Start an averaging round without waiting (AD-PSGD). False if the previous one still runs."""
-        return self._host.start_background_average(group, mode)
+        """Start an averaging round without waiting (AD-PSGD). False if the previous one still runs, or the
+        daemon is stopping (the trainer finishes its step and saves rather than stop here)."""
+        try:
+            return self._call_sync(self._host.gossip.start_average, group, mode)
+        except TrainerStopped:
+            return False
 
     def fetch_params(self, group: str) -> tuple[list[Any], int] | None:
         """Download the current tensors of `group` from a neighbour (joining peers; only neighbours serve them)."""
-        return self._call(self._host.fetch_from_best, group)
+        return self._call(self._host.gossip.fetch_from_partners, group)
+
+    def download(self, group: str, *, min_step: int = 1) -> int | None:
+        """Replace `group`'s tensors with a partner's if that partner is at step `min_step` or later (a peer
+        joining a swarm that already trains); that step, or None."""
+        got = self.fetch_params(group)
+        if got is None or got[1] < min_step:
+            return None
+        self._host.gossip.groups[group].load(got[0])
+        return got[1]
 
     # -- pipeline stages (peer/pipeline/) --------------------------------------------------------------
     def serve_stage(self, key: PipelineKey, stage: int, max_batch: int, handler: StageHandler, *,
@@ -179,44 +257,21 @@ class Swarm:
         return out
 
     def rank_and_world(self, world: int | None = None) -> tuple[int, int]:
-        """A data-shard index: $PEERTRAIN_RANK/$PEERTRAIN_WORLD if set (peer local sets them), else my
-        position among the sorted IDs of the peers I see (waiting up to 10 s to see `world` of them)."""
-        env_rank, env_world = os.environ.get(RANK_ENV), os.environ.get(WORLD_ENV)
-        if env_rank is not None and env_world is not None:
-            return int(env_rank), int(env_world)
-        deadline = time.monotonic() + 10
-        while world and len(self.peers()) + 1 < world and time.monotonic() < deadline and not self.should_stop():
-            time.sleep(0.1)
-        ids = sorted(set(self.peers()) | {self.peer_id})
-        w = world or len(ids)
-        return ids.index(self.peer_id) % w, w
+        """A data-shard index and count (see `shard_index`)."""
+        return shard_index(self.peer_id, self.peers, world, self.should_stop)
 
     # -- reporting and state --------------------------------------------------------------------------
     def publish(self, metrics: dict[str, Any]) -> None:
         """Metrics for `peer status` and one JSON line in HOME/metrics.jsonl."""
-        self._host.publish(metrics)
+        self._host.report.publish(metrics)
 
     def save_checkpoint(self, state: dict[str, Any], name: str = Home.LATEST_CHECKPOINT) -> Path:
         """torch.save to HOME/checkpoints/<name> atomically (a crash never leaves a torn file)."""
-        import torch
-
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        path = self.checkpoint_dir / name
-        atomic_write(path, buf.getvalue(), mode=0o600)
-        return path
+        return save_checkpoint(self.checkpoint_dir, state, name)
 
     def load_checkpoint(self, name: str = Home.LATEST_CHECKPOINT, map_location: Any = "cpu") -> dict[str, Any] | None:
-        """The checkpoint saved as `name`, or None if there is none or it is refused (logged: the trainer
-        starts afresh rather than run what a planted file would make it run)."""
-        path = self.checkpoint_dir / name
-        if not path.exists():
-            return None
-        try:
-            return read_checkpoint(path, map_location)
-        except CheckpointRefused as exc:
-            log.error("%s; starting without it", exc)
-            return None
+        """The checkpoint saved as `name`, or None if there is none or it is refused (logged)."""
+        return load_checkpoint(self.checkpoint_dir, name, map_location)
 
     def on_checkpoint_request(self, fn) -> None:
         """Register a thread-safe function that saves a checkpoint (used by `peer export`)."""
@@ -252,12 +307,11 @@ class TrainerHost:
         self.daemon = daemon
         self.gossip = gossip
         self.cfg = daemon.config.trainer
-        self.metrics: dict[str, Any] = {"trainer": self.cfg.name, "state": "starting"}
-        self.loss_history: deque[float] = deque(maxlen=60)
+        self.report = TrainingReport(daemon, {"trainer": self.cfg.name, "state": "starting"})
+        self.metrics = self.report.metrics
         self.events: deque[tuple[str, str]] = deque(maxlen=1000)
         self.stopping = threading.Event()
         self.token: trio.lowlevel.TrioToken | None = None
-        self._bg_running: set[str] = set()
         self._nursery: trio.Nursery | None = None
         self._done = trio.Event()
         self._checkpoint_fn = None  # set by the trainer through Swarm.on_checkpoint_request
@@ -300,47 +354,8 @@ class TrainerHost:
         with trio.move_on_after(20):
             await self._done.wait()
 
-    def start_background_average(self, group: str, mode: str) -> bool:
-        if group in self._bg_running or self.token is None:
-            return False
-        self._bg_running.add(group)
-
-        async def go() -> None:
-            try:
-                await self.gossip.average(group, mode=mode)
-            finally:
-                self._bg_running.discard(group)
-
-        try:
-            trio.from_thread.run_sync(lambda: self._nursery.start_soon(go), trio_token=self.token)
-        except trio.RunFinishedError:
-            self._bg_running.discard(group)
-            return False
-        return True
-
-    async def fetch_from_best(self, group: str):
-        nbrs = self.gossip.partners(group)  # peers serve a group's parameters to its partners only
-        random.shuffle(nbrs)
-        for pid in nbrs[:3]:
-            got = await self.gossip.fetch_params(group, pid)
-            if got is not None:
-                return got
-        return None
-
-    def publish(self, metrics: dict[str, Any]) -> None:
-        metrics = dict(metrics)
-        if metrics.get("loss") is not None:
-            self.loss_history.append(float(metrics["loss"]))
-        self.metrics.update(metrics)
-        line = dict(metrics, ts=round(time.time(), 3), peer=self.daemon.peer_id)
-        try:
-            with open(self.daemon.home.metrics_file, "a") as f:
-                f.write(json.dumps(line, default=float) + "\n")
-        except OSError as exc:
-            log.warning("cannot append metrics: %s", exc)
-
     def status(self) -> dict:
-        return dict(self.metrics, loss_history=list(self.loss_history))
+        return self.report.status()
 
     def commands(self) -> dict:
         async def checkpoint(args: dict) -> dict:

@@ -28,7 +28,8 @@ from typing import Any
 import trio
 
 from peer.averaging.bans import BanList
-from peer.averaging.bounds import COMMIT_SLACK_S, download_ok, hold_seconds
+from peer.averaging.bounds import COMMIT_SLACK_S, hold_seconds
+from peer.averaging.download import ParamsDownload
 from peer.averaging.exchange import Event, Exchange, Role, State
 from peer.averaging.shared import SharedTensors
 from peer.averaging.weights import MIN_WEIGHT_SHARE, WEIGHT_RULES, rule_cap
@@ -37,8 +38,7 @@ from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
 from protocol.errors import ProtocolError
 from protocol.schema.gossip import (
-    AverageAbort, AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsReply, ParamsRequest)
-from protocol.schema.session import ErrorReply
+    AverageAbort, AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsRequest)
 
 log = logging.getLogger("peertrain.gossip")
 
@@ -89,7 +89,7 @@ class _Served:
     abort_reason: str | None = None
 
 
-class GossipEngine:
+class GossipEngine(ParamsDownload):
     name = "gossip"
 
     def __init__(self, daemon, topology):
@@ -107,6 +107,7 @@ class GossipEngine:
         self.bans = BanList()
         self._nursery: trio.Nursery | None = None
         self._serving = 0
+        self._background: set[str] = set()  # groups with a background round running (start_average)
         r = daemon.router
         r.register(AverageOffer, self._on_offer)
         r.register(AverageCommit, self._on_commit)
@@ -143,7 +144,7 @@ class GossipEngine:
             raise ValueError(f"unknown averaging mode {mode!r} (choose 'one' or 'all')")
         now = trio.current_time()
         nbrs = [p for p in self.partners(group) if p not in self.initiating and self.bans.banned(p, now) is None]
-        if not nbrs:
+        if not nbrs or group not in self.groups:  # (unshared meanwhile: a client that detached)
             return []
         targets = [random.choice(nbrs)] if mode == "one" else nbrs
         rule = "pairwise" if mode == "one" else "metropolis"
@@ -152,6 +153,26 @@ class GossipEngine:
             for p in targets:
                 n.start_soon(self._collect, results, p, group, rule)
         return results
+
+    def start_average(self, group: str, mode: str = "one") -> bool:
+        """Start a round of `average` in the background (AD-PSGD: the trainer keeps computing). False while
+        the previous round of that group still runs (one at a time per group), or if it is not shared."""
+        if group in self._background or group not in self.groups or self._nursery is None:
+            return False
+        self._background.add(group)
+
+        async def go() -> None:
+            try:
+                await self.average(group, mode=mode)
+            finally:
+                self._background.discard(group)
+
+        self._nursery.start_soon(go)
+        return True
+
+    def averaging(self, group: str) -> bool:
+        """Is a background round of `group` running?"""
+        return group in self._background
 
     async def _collect(self, out: list, peer_id: str, group: str, rule: str) -> None:
         try:
@@ -167,7 +188,9 @@ class GossipEngine:
 
     async def exchange(self, peer_id: str, group_name: str, *, rule: str = "pairwise") -> ExchangeResult:
         """One symmetric exchange with `peer_id`, initiated by us, bounded by the configured deadline."""
-        group = self.groups[group_name]
+        group = self.groups.get(group_name)
+        if group is None:
+            return ExchangeResult(peer_id, False, f"group {group_name!r} is not shared (any more)")
         cap = rule_cap(rule, self.topology.degree)
         session = self.membership.connected().get(peer_id)
         if session is None or peer_id not in self.partners(group_name):
@@ -430,78 +453,6 @@ class GossipEngine:
         if served is not None and not served.decided.is_set():
             served.abort_reason = env.message.reason[:200] or "no reason given"
             served.decided.set()
-
-    # ---- joining: download a neighbour's parameters -------------------------------------------------
-    async def _on_params_request(self, session, env) -> None:
-        """Served to current neighbours only: a joining peer asks one (the model is not for anyone who dials)."""
-        group = self.groups.get(env.message.group)
-        if group is None:
-            refusal = ("no_group", f"no group {env.message.group[:40]!r} here")
-        else:
-            refusal = self._role_refusal(session.peer_id, env.message.group)
-        if refusal is None and self._serving >= self.cfg.max_concurrent_exchanges:
-            refusal = ("busy", "serving as many transfers as it may; ask again later")
-        if refusal is not None:
-            self.stats.params_refused += 1
-            await session.reply(env, ErrorReply(code=refusal[0], message=refusal[1]))
-            return
-        self._serving += 1  # a download counts against the same cap as the exchanges we serve
-        self._nursery.start_soon(self._serve_params, session, env, group)
-
-    async def _serve_params(self, session, env, group: SharedTensors) -> None:
-        """Stream a snapshot to the neighbour that asked, in the engine's nursery and under the exchange
-        deadline: from the session's dispatch task a slow downloader would hold that session's other
-        messages, its pings included, and get itself (or an honest peer) declared dead."""
-        own: list[Any] | None = None
-        try:
-            with trio.fail_after(self.cfg.exchange_timeout):
-                own = await trio.to_thread.run_sync(group.snapshot)
-                ours = OutgoingGroup(session, group.specs)
-                await session.reply(env, ParamsReply(tensors=group.specs, streams=ours.streams, step=group.step))
-                await ours.send(own)
-        except (trio.TooSlowError, SessionClosed) as exc:
-            log.info("parameters for %s not sent: %s", session.short, exc or "deadline passed")
-        except Exception:  # a bug here must not take the daemon down: this download just fails
-            log.exception("serving parameters to %s failed unexpectedly", session.short)
-        finally:
-            self._serving -= 1
-            if own is not None:
-                group.release(own)
-
-    async def fetch_params(self, group_name: str, peer_id: str) -> tuple[list[Any], int] | None:
-        """Download `peer_id`'s current tensors of a group (None if it has none or the deadline passes)."""
-        group = self.groups[group_name]
-        session = self.membership.connected().get(peer_id)
-        if session is None:
-            return None
-        theirs: IncomingGroup | None = None
-        try:
-            with trio.fail_after(self.cfg.exchange_timeout * 2):
-                env = await session.request(ParamsRequest(group=group_name), timeout=self.cfg.exchange_timeout)
-                reply = env.message
-                if isinstance(reply, ErrorReply):
-                    log.info("%s will not send parameters: %s", session.short, reply.message[:200])
-                    return None
-                if not isinstance(reply, ParamsReply) or not reply.available:
-                    return None
-                theirs = IncomingGroup(session, reply.streams, group.specs, as_torch=group.is_torch)
-                if len(reply.streams) != len(group.specs):
-                    raise ProtocolError("params reply has the wrong number of tensors")
-                values = await theirs.receive(timeout=self.cfg.exchange_timeout)
-            # The same bound as an exchange, against our model: a download replaces it, so refuse, never clip.
-            dist = await trio.to_thread.run_sync(group.distance_sq, values)
-            if not download_ok(*dist, self.cfg.max_update_ratio):
-                self.stats.clipped[peer_id] = self.stats.clipped.get(peer_id, 0) + 1
-                log.warning("refused parameters from %s: %.3g from ours, past max_update_ratio %g of the norms",
-                            session.short, dist[0] ** 0.5, self.cfg.max_update_ratio)
-                self._strike(peer_id, "sent parameters past max_update_ratio")
-                return None
-            return values, reply.step
-        except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
-            log.warning("could not download parameters from %s: %s", session.short, exc)
-            if theirs is not None:
-                theirs.discard()
-            return None
 
     def commands(self) -> dict:
         async def group_stats(args: dict) -> dict:

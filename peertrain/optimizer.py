@@ -1,0 +1,112 @@
+"""GossipOptimizer: gossip averaging around any torch optimizer, so a user's own loop changes by two lines.
+
+    swarm = peertrain.attach()                                         # or peertrain.start(...)
+    opt = peertrain.GossipOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), swarm)
+
+Each `step()` runs the inner optimizer under the group's lock (the daemon updates the same memory in place
+between steps), then every `average_every` steps averages the parameters with neighbours:
+  * adpsgd — starts one pairwise exchange with a random neighbour in the background and returns at once
+    (AD-PSGD: no rounds, a slow neighbour delays only itself);
+  * dpsgd — averages with every neighbour before returning (D-PSGD; a neighbour past the exchange deadline
+    is skipped, never waited for).
+Optimizer state (momentum, Adam moments) stays local, as in both papers; `state_dict()` holds the inner
+optimizer's state and our step count, so checkpoints resume. It subclasses torch.optim.Optimizer and shares
+the inner optimizer's `param_groups` and `state`, so LR schedulers, `torch.amp.GradScaler` (`scaler.step(opt)`;
+a step it skips is not counted) and gradient clipping work on it as on the inner one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+MODES = ("adpsgd", "dpsgd")
+
+
+class GossipOptimizer(torch.optim.Optimizer):
+    """Wraps `optimizer`; averages its parameters through `swarm` (attached, embedded, hosted, or a torchrun
+    job's ranks as one peer: peertrain/distributed.py)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, swarm: Any, *, mode: str = "adpsgd",
+                 average_every: int = 1, group: str = "model", join: bool = True):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"GossipOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+        if isinstance(average_every, bool) or not isinstance(average_every, int) or average_every < 1:
+            raise ValueError(f"average_every: expected an integer >= 1 (steps between averaging), got {average_every!r}")
+        self.optimizer, self.swarm, self.mode, self.average_every = optimizer, swarm, mode, average_every
+        self.group_name = group
+        # torch.optim.Optimizer's own attributes, shared with the inner optimizer (not copied: a scheduler
+        # that changes our param_groups' lr changes the inner optimizer's)
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                      "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, hooks, OrderedDict())
+        params, seen = [], set()
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) not in seen and p.is_floating_point():
+                    seen.add(id(p))
+                    params.append(p)
+        if not params:
+            raise ValueError("the optimizer has no floating-point parameters to average")
+        # Named by position: peers build the same model and optimizer, so position i is the same tensor
+        # everywhere (each exchange checks names, dtypes and shapes before it moves a byte).
+        self.shared = swarm.share(group, {f"p{i}": p for i, p in enumerate(params)})
+        self.local_step = 0
+        self.averaged = 0  # averaging rounds started (adpsgd) or completed (dpsgd)
+        self.joined_at_step = swarm.download(group) if join else None
+        if self.joined_at_step is not None:
+            self.local_step = self.joined_at_step
+
+    def step(self, closure=None):
+        """The inner optimizer's step (under the lock the daemon's in-place updates take), then averaging
+        every `average_every` steps."""
+        with self.shared.lock:
+            loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self.local_step += 1
+        self.shared.step = self.local_step
+        if self.local_step % self.average_every == 0:
+            self.average()
+        return loss
+
+    def average(self) -> None:
+        """Average now (also called by `step`): adpsgd starts a round in the background, dpsgd waits for one."""
+        if self.mode == "adpsgd":
+            if self.swarm.average_in_background(self.group_name, mode="one"):
+                self.averaged += 1
+        else:
+            self.swarm.average(self.group_name, mode="all")
+            self.averaged += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise RuntimeError("GossipOptimizer shares its parameters when it is made: add parameter groups to the "
+                           "inner optimizer before wrapping it")
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "gossip": {"step": self.local_step, "mode": self.mode,
+                                                                      "average_every": self.average_every}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Ours (from `state_dict`), or a plain state dict of the inner optimizer."""
+        if set(state_dict) == {"optimizer", "gossip"}:
+            self.optimizer.load_state_dict(state_dict["optimizer"])
+            step = state_dict["gossip"].get("step", 0)
+            if isinstance(step, int) and step >= 0:
+                self.local_step = self.shared.step = step
+        else:
+            self.optimizer.load_state_dict(state_dict)
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+
+    def __repr__(self) -> str:
+        return f"GossipOptimizer({self.optimizer!r}, mode={self.mode!r}, average_every={self.average_every})"
+
