@@ -246,6 +246,15 @@ class AttachSection:
 
 
 @dataclass(frozen=True)
+class MetricsSection:
+    """Prometheus metrics over HTTP (peer/metrics/): off unless an address is given."""
+
+    listen: str = _f("", "HOST:PORT serving Prometheus metrics at GET /metrics; empty: off. Port 0 picks a free "
+                     "port (logged, and shown in `peer status` as metrics.listen). It tells whoever reaches it "
+                     "about this daemon and its peers: keep it on 127.0.0.1 or a private network.")
+
+
+@dataclass(frozen=True)
 class TrainerSection:
     name: str = _f("", "Trainer module the daemon hosts (e.g. trainers.gossip_sgd); empty: no training.")
     options: dict = _f({}, "Trainer options (see the trainer's docs).")
@@ -263,6 +272,7 @@ class Config:
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     nat: NatSection = field(default_factory=NatSection)
     relay: RelaySection = field(default_factory=RelaySection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     attach: AttachSection = field(default_factory=AttachSection)
     source: str = field(default="", compare=False)  # file it came from, for messages
@@ -395,6 +405,10 @@ def validate_semantics(cfg: Config) -> None:
     parse_hostport(d.listen, what="[daemon] listen")
     for j in d.join:
         parse_hostport(j, what="[daemon] join")
+    if cfg.metrics.listen:
+        _, metrics_port = parse_hostport(cfg.metrics.listen, what="[metrics] listen")
+        if metrics_port and metrics_port == parse_hostport(d.listen, what="[daemon] listen")[1]:
+            raise ConfigError(f"[metrics] listen: port {metrics_port} is [daemon] listen's; pick another (or 0)")
     if d.log_format not in ("text", "json"):
         raise ConfigError(f"[daemon] log_format: expected 'text' or 'json', got {d.log_format!r}")
     if d.log_level.lower() not in ("debug", "info", "warning", "error"):

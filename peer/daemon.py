@@ -5,7 +5,7 @@
     ├── TCP listener       (handshake under deadline → membership.own_session)
     ├── membership         (dialer, sessions, heartbeats, peer exchange)
     ├── mDNS discovery     (zeroconf thread bridged into trio)
-    ├── extra services     (topology, gossip, trainer host: see peer/services.py)
+    ├── extra services     (topology, gossip, trainer host, metrics: see peer/services.py)
     └── signal watcher     (SIGINT/SIGTERM → graceful stop)
 
 Stopping is one path for every trigger (signal, `peer stop`, a test): set `_stop`, stop dialing, let

@@ -1,4 +1,4 @@
-"""Optional services a daemon hosts beside membership (topology, gossip, pipeline, a trainer).
+"""Optional services a daemon hosts beside membership (topology, gossip, pipeline, a trainer, metrics).
 
 The daemon knows services only through this small interface, and learns which trainer to load from the
 config: `peer/` never imports a specific trainer. A service has `name`, `async run(task_status=...)`, and
@@ -27,4 +27,8 @@ def load_services(daemon) -> list:
         from peer.trainer_host import TrainerHost
 
         services.append(TrainerHost(daemon, gossip))
+    if daemon.config.metrics.listen:
+        from peer.metrics.service import MetricsService  # prometheus_client is only imported when asked for
+
+        services.append(MetricsService(daemon))
     return services

@@ -104,6 +104,9 @@ def test_out_of_range_nan_and_infinite_values_fail_at_load_with_file_line_and_ke
     ("[membership]\nhandshake_timeout = inf\n", ":2: [membership] handshake_timeout: expected 0.1 to 120 s, got inf"),
     ("[membership]\ndead_after = 1e400\n", ":2: [membership] dead_after: expected"),  # TOML reads inf
     ("[membership]\ndead_after = 100000000000000000000000000000\n", ":2: [membership] dead_after: expected"),
+    ('[metrics]\nlisten = "9100"\n', ":2: [metrics] listen: expected HOST:PORT, got '9100'"),
+    ('[metrics]\nlisten = "127.0.0.1:65536"\n', ":2: [metrics] listen: port 65536 out of range 0..65535"),
+    ('[daemon]\nlisten = "0.0.0.0:7100"\n[metrics]\nlisten = "127.0.0.1:7100"\n', ":4: [metrics] listen: port 7100 is"),
 ])
 def test_cross_key_rules_and_the_frame_cap_name_file_line_and_key(tmp_path, text, where) -> None:
     path = tmp_path / "c.toml"
@@ -111,6 +114,13 @@ def test_cross_key_rules_and_the_frame_cap_name_file_line_and_key(tmp_path, text
     with pytest.raises(ConfigError) as err:
         load(path)
     assert str(err.value).startswith(f"{path}{where}"), str(err.value)
+
+
+@pytest.mark.parametrize("listen", ["", "127.0.0.1:9100", "127.0.0.1:0", "[::1]:9100", "0.0.0.0:9100"])
+def test_metrics_listen_is_off_by_default_and_takes_host_port_with_port_0(listen) -> None:
+    assert Config().metrics.listen == ""  # no [metrics] section: no HTTP server
+    cfg = from_mapping({"daemon": {"listen": "127.0.0.1:0"}, "metrics": {"listen": listen}})
+    assert cfg.metrics.listen == listen
 
 
 def test_allow_peers_entries_must_be_peer_ids(tmp_path) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import trio
 
 from peer.config import GossipSection
-from peer.averaging.engine import GossipEngine
+from peer.averaging.engine import EXCHANGE_SECONDS_BUCKETS, GossipEngine
 from peer.averaging.shared import SharedTensors
 from peer.session.router import Router
 from peer.session.connect import dial, open_listeners, serve
@@ -129,6 +129,24 @@ def test_pairwise_exchange_moves_both_sides_a_third_of_the_way():
         np.testing.assert_allclose(a.groups["params"].tensors["w"], 1 + 2 / 3, rtol=1e-6)
         np.testing.assert_allclose(b.groups["params"].tensors["w"], 3 - 2 / 3, rtol=1e-6)
         assert not a.initiating and not b.inflight  # every weight set aside is free again
+
+    trio.run(run_pair, body)
+
+
+def test_each_completed_exchange_is_counted_in_the_duration_histogram_by_both_ends():
+    """The histogram `peer status` and Prometheus show (`exchange_seconds`): cumulative bucket counts, sum and
+    count, one observation per completed exchange at each end; a refused offer adds nothing."""
+    async def body(a, b):
+        for _ in range(3):
+            assert (await exchange_and_wait(a, b, rule="pairwise")).ok
+        for eng in (a, b):
+            h = eng.status()["exchange_seconds"]
+            assert h["count"] == 3 == eng.stats.exchanges and h["le"] == list(EXCHANGE_SECONDS_BUCKETS)
+            assert h["counts"] == sorted(h["counts"]) and h["counts"][-1] <= 3  # cumulative, +Inf is count
+            assert 0 < h["sum"] < 3 * 30
+        b.topology.neighbours = []  # b now refuses a's offers
+        assert not (await a.exchange(b.me, "params")).ok
+        assert a.stats.durations.count == 3 and b.stats.durations.count == 3
 
     trio.run(run_pair, body)
 

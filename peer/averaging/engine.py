@@ -34,6 +34,7 @@ from peer.averaging.exchange import Event, Exchange, Role, State
 from peer.averaging.shared import SharedTensors
 from peer.averaging.weights import MIN_WEIGHT_SHARE, WEIGHT_RULES, rule_cap
 from peer.concurrency import together
+from peer.metrics.histogram import Histogram
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
 from protocol.errors import ProtocolError
@@ -53,6 +54,12 @@ class ExchangeResult:
     bytes_sent: int = 0
 
 
+# Upper bounds, in seconds, of the exchange-duration histogram (`peer status`, Prometheus): from a small
+# vector on loopback (a few ms) to [gossip] exchange_timeout's default (30 s), about x2-2.5 a step, so an
+# exchange that takes twice as long lands a bucket higher; slower ones count in +Inf only.
+EXCHANGE_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
 @dataclass
 class GossipStats:
     exchanges: int = 0
@@ -67,6 +74,7 @@ class GossipStats:
     lapsed: dict = field(default_factory=dict)  # peer -> exchanges it let lapse or aborted after we accepted
     params_refused: int = 0  # parameter requests refused (not a neighbour, banned, no such group)
     by_peer: dict = field(default_factory=dict)  # peer -> PeerExchanges (peers we averaged with: bounded by membership)
+    durations: Histogram = field(default_factory=lambda: Histogram(EXCHANGE_SECONDS_BUCKETS))  # completed ones
 
 
 @dataclass
@@ -289,6 +297,7 @@ class GossipEngine(ParamsDownload):
         self.stats.bytes_sent += nbytes
         self.stats.last_seconds = seconds
         self.stats.recent = (self.stats.recent + [round(seconds, 4)])[-20:]
+        self.stats.durations.observe(seconds)
         p = self.stats.by_peer.get(peer_id)
         if p is None:
             p = self.stats.by_peer[peer_id] = PeerExchanges(first_at=time.time())
@@ -471,6 +480,7 @@ class GossipEngine(ParamsDownload):
                 "exchanges": s.exchanges, "served": s.served, "failed": s.failed, "rejected": s.rejected,
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_sent,  # symmetric exchanges: as many in as out
                 "last_exchange_s": round(s.last_seconds, 4), "recent_s": s.recent, "last_error": s.last_error,
+                "exchange_seconds": s.durations.as_dict(),  # completed exchanges, both roles (histogram)
                 "inflight": len(self.inflight.keys() | self.initiating.keys()),
                 "clipped": dict(s.clipped), "lapsed": dict(s.lapsed), "params_refused": s.params_refused,
                 "bans": self.ban_list(),

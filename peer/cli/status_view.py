@@ -69,6 +69,9 @@ def render_status(st: dict):
     head.add_row("listen", f"{st['listen']}   mDNS {'on' if st['mdns'] else 'off'}   cipher {'/'.join(st['ciphers'])}")
     head.add_row("uptime", f"{human_duration(st['uptime_s'])}   pid {st['pid']}   home {st['home']}")
     head.add_row("peers", f"{st['connected']} connected of {len(st['peers'])} known")
+    if (st.get("metrics") or {}).get("listen"):
+        head.add_row("metrics", f"http://{st['metrics']['listen']}{st['metrics'].get('path', '')}   "
+                                f"{st['metrics'].get('scrapes', 0)} scrapes")
     parts = [Panel(head, title="peertrain daemon", box=box.ROUNDED, expand=False)]
 
     topo = st.get("topology") or {}
