@@ -53,8 +53,12 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--target", type=float, default=0.95, help="stop at this held-out accuracy")
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: no limit)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     if "RANK" in os.environ:  # started by torchrun: the ranks of this host keep gradients in step
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -72,6 +76,7 @@ def main() -> None:
     net = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
     opt = peertrain.GossipOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),  # peertrain
                                     swarm, mode=args.mode)
+    swarm.wait_for_peers(max(1, args.world - 1), group="model", timeout=30)  # peertrain: start together
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs)
     loader = DataLoader(peertrain.shard(train, swarm, world=args.world or None), batch_size=32, shuffle=True)  # peertrain
 
@@ -83,19 +88,22 @@ def main() -> None:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()
+            if opt.local_step == args.max_steps:
+                break
         sched.step()
         acc = accuracy(model, test, device)
         swarm.publish({"epoch": epoch + 1, "step": opt.local_step, "loss": loss.item(), "accuracy": acc,  # peertrain
                        "elapsed_s": round(time.monotonic() - t0, 2)})
-        done = torch.tensor([float(acc >= args.target)])
+        done = torch.tensor([float(acc >= args.target or opt.local_step == args.max_steps)])
         if distributed:  # every rank leaves the loop together (rank 0 decides)
             dist.broadcast(done, 0)
         if done.item() or swarm.should_stop():
             break
     swarm.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict()}, "own_loop.pt")  # peertrain
     if not distributed or dist.get_rank() == 0:
+        exchanges = swarm.exchanges()
         print(json.dumps({"peer_id": swarm.peer_id, "accuracy": round(acc, 4), "epochs": epoch + 1,
-                          "steps": opt.local_step, "averaged": opt.averaged, "joined_at_step": opt.joined_at_step,
+                          "steps": opt.local_step, "joined_at_step": opt.joined_at_step, "exchanges": exchanges,
                           "seconds": round(time.monotonic() - t0, 2)}), flush=True)
     swarm.close()
     if distributed:

@@ -119,6 +119,9 @@ class HostRanks:
     def membership_events(self) -> list[tuple[str, str]]:
         return self._from_root(self.swarm.membership_events() if self.rank == 0 else None)
 
+    def wait_for_peers(self, n: int = 1, *, group: str | None = None, timeout: float = 30.0) -> int:
+        return self._from_root(self.swarm.wait_for_peers(n, group=group, timeout=timeout) if self.rank == 0 else None)
+
     def rank_and_world(self, world: int | None = None) -> tuple[int, int]:
         """This host's shard index and count (rank 0's view); split further by local rank with `local_rank`."""
         return tuple(self._from_root(self.swarm.rank_and_world(world) if self.rank == 0 else None))
@@ -134,6 +137,9 @@ class HostRanks:
     def publish(self, metrics: dict[str, Any]) -> None:
         if self.rank == 0:
             self.swarm.publish(dict(metrics, local_ranks=self.local_world))
+
+    def exchanges(self) -> dict:
+        return self.swarm.exchanges() if self.rank == 0 else {}
 
     def save_checkpoint(self, state: dict[str, Any], name: str = "latest.pt") -> Path:
         if self.rank == 0:

@@ -42,6 +42,12 @@ class FakeTopology:
     def record_transfer(self, peer_id: str, nbytes: int, seconds: float) -> None:
         pass
 
+    def holds(self, peer_id: str, group: str) -> bool | None:
+        return None  # no records here: every neighbour may hold any group
+
+    def announce_soon(self) -> None:
+        pass
+
 
 def _peer_id(identity) -> str:
     return peer_id_from_public_bytes(public_key_bytes(identity))

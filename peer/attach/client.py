@@ -191,6 +191,22 @@ class AttachedSwarm:
         """||other - own|| / ||own|| at the group's last exchange, as the daemon measured it."""
         return self.poll()["groups"].get(group, {}).get("distance")
 
+    def wait_for_peers(self, n: int = 1, *, group: str | None = None, timeout: float = 30.0) -> int:
+        """Wait (up to `timeout` s) until `n` other peers are connected (with `group`: peers that share that
+        group, as their records say) and we have a neighbour, so processes started together also train
+        together; how many there are (fewer if the wait ran out)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.poll()
+            have = len(got["groups"].get(group, {}).get("holders", [])) if group else len(got["peers"])
+            if (have >= n and got["neighbours"]) or time.monotonic() >= deadline or self.should_stop():
+                return have
+            time.sleep(0.1)
+
+    def exchanges(self) -> dict:
+        """The daemon's exchange counts (all groups): initiated, served, failed."""
+        return dict(self.poll()["exchanges"])
+
     def rank_and_world(self, world: int | None = None) -> tuple[int, int]:
         """A data-shard index and count: $PEERTRAIN_RANK/$PEERTRAIN_WORLD, else my place among the peers seen."""
         return shard_index(self.peer_id, self.peers, world, self.should_stop)
@@ -219,8 +235,9 @@ class AttachedSwarm:
         if self._closed:
             return True
         with self._lock:
+            self._sock.settimeout(0.0)  # a peek that never waits (with a timeout set, recv first polls for it)
             try:
-                return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+                return self._sock.recv(1, socket.MSG_PEEK) == b""  # the daemon sends nothing unasked: EOF only
             except BlockingIOError:
                 return False
             except OSError:

@@ -16,13 +16,15 @@ from typing import Any
 import msgpack
 
 from peer.attach.shm import SEGMENT_DTYPES
+from protocol.schema.topology import MAX_GROUP_CHARS
 from peer.control import pack  # noqa: F401  (re-exported) the control socket's framing: a u32 length, then msgpack
 
 PROTOCOL = 1  # bumped when a request changes meaning; a client of another version is refused at attach
 MAX_FRAME = 1 << 20  # one request (a metrics dict, a group's specs): far above honest use, small enough to hold
 MAX_REPLY = 16 << 20  # a reply (exchange results, membership news) the client accepts
 MAX_TENSORS = 4096  # tensors in one group: a large transformer has ~1000 parameter tensors
-MAX_NAME = 200  # characters of a group or tensor name
+MAX_NAME = 200  # characters of a tensor name (or a label)
+MAX_GROUP = MAX_GROUP_CHARS  # characters of a group name: peers' records list the groups they share
 MAX_DIMS = 8
 MAX_METRICS = 64  # keys of one publish: a trainer's figures, not a log
 MODES = ("one", "all")
@@ -39,10 +41,14 @@ def unpack(body: bytes) -> Any:
         raise WireError(f"not msgpack: {type(exc).__name__}") from None
 
 
-def _name(v: Any, what: str) -> str:
-    if not isinstance(v, str) or not 0 < len(v) <= MAX_NAME:
-        raise WireError(f"{what}: expected a name of 1 to {MAX_NAME} characters")
+def _name(v: Any, what: str, longest: int = MAX_NAME) -> str:
+    if not isinstance(v, str) or not 0 < len(v) <= longest:
+        raise WireError(f"{what}: expected a name of 1 to {longest} characters")
     return v
+
+
+def _group(v: Any, what: str) -> str:
+    return _name(v, what, MAX_GROUP)
 
 
 def _int(v: Any, what: str, lo: int, hi: int) -> int:
@@ -124,18 +130,18 @@ def decode(obj: Any) -> Request:
                 raise WireError(f"share.specs[{i}].shape: expected at most {MAX_DIMS} dimensions")
             shape = tuple(_int(d, f"share.specs[{i}].shape", 0, 1 << 40) for d in s[2])
             specs.append((name, s[1], shape))
-        return Share(_name(obj.get("group"), "share.group"), specs)
+        return Share(_group(obj.get("group"), "share.group"), specs)
     if op == "unshare":
-        return Unshare(_name(obj.get("group"), "unshare.group"))
+        return Unshare(_group(obj.get("group"), "unshare.group"))
     if op == "average":
         if obj.get("mode") not in MODES:
             raise WireError(f"average.mode: expected one of {', '.join(MODES)}")
         if not isinstance(obj.get("wait"), bool):
             raise WireError("average.wait: expected true or false")
-        return Average(_name(obj.get("group"), "average.group"), obj["mode"], obj["wait"],
+        return Average(_group(obj.get("group"), "average.group"), obj["mode"], obj["wait"],
                        _int(obj.get("step"), "average.step", 0, 1 << 62))
     if op == "download":
-        return Download(_name(obj.get("group"), "download.group"), _int(obj.get("min_step"), "download.min_step", 0, 1 << 62))
+        return Download(_group(obj.get("group"), "download.group"), _int(obj.get("min_step"), "download.min_step", 0, 1 << 62))
     if op == "publish":
         m = obj.get("metrics")
         if not isinstance(m, dict) or len(m) > MAX_METRICS:

@@ -116,6 +116,7 @@ class GossipEngine(ParamsDownload):
         self._nursery: trio.Nursery | None = None
         self._serving = 0
         self._background: set[str] = set()  # groups with a background round running (start_average)
+        topology.announce_groups = lambda: sorted(self.groups)  # our record lists what we share
         r = daemon.router
         r.register(AverageOffer, self._on_offer)
         r.register(AverageCommit, self._on_commit)
@@ -137,12 +138,14 @@ class GossipEngine(ParamsDownload):
         else:
             self._partners[group.name] = partners
         self.topology.shard_bytes = max((g.nbytes for g in self.groups.values()), default=self.topology.shard_bytes)
+        self.topology.announce_soon()
 
     def unregister(self, name: str) -> None:
         """Stop sharing group `name` (a peer that moved to another pipeline stage): later offers for it are
         refused as for any group we do not hold; an exchange already under way finishes on its own tensors."""
         self.groups.pop(name, None)
         self._partners.pop(name, None)
+        self.topology.announce_soon()
 
     # ---- the trainer-facing calls -------------------------------------------------------------------
     async def average(self, group: str, *, mode: str = "one") -> list[ExchangeResult]:
@@ -151,7 +154,9 @@ class GossipEngine(ParamsDownload):
         if mode not in ("one", "all"):
             raise ValueError(f"unknown averaging mode {mode!r} (choose 'one' or 'all')")
         now = trio.current_time()
-        nbrs = [p for p in self.partners(group) if p not in self.initiating and self.bans.banned(p, now) is None]
+        # (a partner whose record says it does not share the group would refuse: not asked)
+        nbrs = [p for p in self.partners(group) if p not in self.initiating and self.bans.banned(p, now) is None
+                and self.topology.holds(p, group) is not False]
         if not nbrs or group not in self.groups:  # (unshared meanwhile: a client that detached)
             return []
         targets = [random.choice(nbrs)] if mode == "one" else nbrs

@@ -36,7 +36,7 @@ from protocol import identity as ident
 from protocol.schema import DEFAULT_REGISTRY
 from protocol.schema.pipeline import StageAnnouncement
 from protocol.schema.topology import (
-    MAX_BANDWIDTH_BPS, MAX_RECORD_LINKS, MAX_RECORD_NEIGHBOURS, MAX_RECORDS_PER_MESSAGE, MAX_RTT_S,
+    MAX_BANDWIDTH_BPS, MAX_RECORD_GROUPS, MAX_RECORD_LINKS, MAX_RECORD_NEIGHBOURS, MAX_RECORDS_PER_MESSAGE, MAX_RTT_S,
     EdgeAccept, EdgeCommit, EdgeDrop, EdgePropose, EdgeReject, LinkReport, ProbeReply, ProbeRequest,
     TopologyRecord, TopologyRecords, topology_record_signing_bytes)
 
@@ -98,6 +98,8 @@ class TopologyService:
         self._others_moved = trio.Event()  # a peer came or went, or dropped our edge: maintain early
         # what our record says we serve of a pipeline (set by peer/pipeline/service.py; None: nothing)
         self.announce_stage: Callable[[], StageAnnouncement | None] = lambda: None
+        # the averaging groups our record lists (set by the gossip engine)
+        self.announce_groups: Callable[[], list[str]] = lambda: []
         r = daemon.router
         r.register(EdgePropose, self._on_propose)
         r.register(EdgeCommit, self._on_commit)
@@ -123,6 +125,11 @@ class TopologyService:
     def announce_soon(self) -> None:
         """Our record changed in a way others should hear of now (say, the stage we serve)."""
         self._changed.set()
+
+    def holds(self, peer_id: str, group: str) -> bool | None:
+        """Does `peer_id`'s latest record list averaging group `group`? None: no record of it yet."""
+        rec = self.records.get(peer_id)
+        return None if rec is None else group in rec.groups
 
     def fresh_records(self) -> list[TopologyRecord]:
         """Others' records refreshed within RECORD_TTL (a peer that stopped refreshing is gone)."""
@@ -195,7 +202,8 @@ class TopologyService:
                  for p, s in sorted(self.links.items()) if s.bandwidth_bps is not None or s.rtt_s is not None]
         rec = TopologyRecord(peer_id=self.me, public_key=ident.public_key_bytes(self.identity), version=self.version,
                              issued=time.time(), neighbours=sorted(self.neighbours)[:MAX_RECORD_NEIGHBOURS],
-                             links=links[:MAX_RECORD_LINKS], signature=b"", stage=self.announce_stage())
+                             links=links[:MAX_RECORD_LINKS], signature=b"", stage=self.announce_stage(),
+                             groups=self.announce_groups()[:MAX_RECORD_GROUPS])
         sig = ident.sign(self.identity, topology_record_signing_bytes(rec))
         return dataclasses.replace(rec, signature=sig)
 

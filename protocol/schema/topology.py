@@ -7,7 +7,7 @@ view of the whole graph. Edges change only through propose → accept → commit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 
@@ -27,6 +27,10 @@ MAX_BANDWIDTH_BPS = 1e13
 """10 Tbit/s, beyond any network interface: a larger figure is a lie that would dominate rewiring."""
 MAX_RTT_S = 600.0
 """Ten minutes: a link slower than that to answer is dead (`[membership] dead_after` is seconds)."""
+MAX_RECORD_GROUPS = 16
+"""Averaging groups one record lists: a hosted trainer's model plus attached processes' (8 each at most)."""
+MAX_GROUP_CHARS = 64
+"""Characters of a group name in a record: 16 of them add at most ~1 KiB to a record."""
 MAX_RECORDS_PER_MESSAGE = 512
 """Records in one TopologyRecords message, the size of a receiver's view (`peer.topology.service`)."""
 PUBLIC_KEY_BYTES = 32  # Ed25519
@@ -71,6 +75,9 @@ class TopologyRecord(Message):
     links: list[LinkReport]
     signature: bytes
     stage: StageAnnouncement | None = None  # the pipeline stage the owner serves (protocol/schema/pipeline.py)
+    # the averaging groups the owner shares: a peer averages a group with neighbours that list it (an offer
+    # to one that does not would only be refused), and a process waits for peers holding its group
+    groups: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_id("peer_id", self.peer_id)
@@ -86,6 +93,11 @@ class TopologyRecord(Message):
             raise ValueError(f"{len(self.links)} link reports (at most {MAX_RECORD_LINKS})")
         for n in self.neighbours:
             _check_id("neighbour", n)
+        if len(self.groups) > MAX_RECORD_GROUPS:
+            raise ValueError(f"{len(self.groups)} groups (at most {MAX_RECORD_GROUPS})")
+        for g in self.groups:
+            if not 0 < len(g) <= MAX_GROUP_CHARS:
+                raise ValueError(f"a group name must have 1..{MAX_GROUP_CHARS} characters, got {len(g)}")
 
 
 _DOMAIN = "peertrain/topology_record/v1"
@@ -96,8 +108,9 @@ def topology_record_signing_bytes(r: TopologyRecord) -> bytes:
     return msgpack.packb([_DOMAIN, r.peer_id, bytes(r.public_key), int(r.version), float(r.issued),
                           list(r.neighbours),
                           [[lr.peer, lr.bandwidth_bps, lr.rtt_s] for lr in r.links]]
-                         # appended only when present, so a record without a stage signs as before
-                         + ([] if r.stage is None else [_stage_signing_list(r.stage)]),
+                         # appended only when present, so a record without a stage (or groups) signs as before
+                         + ([] if r.stage is None else [_stage_signing_list(r.stage)])
+                         + ([] if not r.groups else [["groups", list(r.groups)]]),
                          use_bin_type=True)
 
 
