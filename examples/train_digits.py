@@ -80,7 +80,7 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs)
     loader = DataLoader(peertrain.shard(train, swarm, world=args.world or None), batch_size=32, shuffle=True)  # peertrain
 
-    t0, acc, loss = time.monotonic(), 0.0, torch.tensor(0.0)
+    t0, acc, loss, samples = time.monotonic(), 0.0, torch.tensor(0.0), 0
     for epoch in range(args.epochs):
         for x, y in loader:
             loss = F.cross_entropy(net(x.to(device)), y.to(device))
@@ -88,12 +88,14 @@ def main() -> None:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()
+            samples += len(y)
             if opt.local_step == args.max_steps:
                 break
         sched.step()
         acc = accuracy(model, test, device)
+        elapsed = time.monotonic() - t0
         swarm.publish({"epoch": epoch + 1, "step": opt.local_step, "loss": loss.item(), "accuracy": acc,  # peertrain
-                       "elapsed_s": round(time.monotonic() - t0, 2)})
+                       "samples_per_s": samples / elapsed, "mode": args.mode, "device": str(device)})
         done = torch.tensor([float(acc >= args.target or opt.local_step == args.max_steps)])
         if distributed:  # every rank leaves the loop together (rank 0 decides)
             dist.broadcast(done, 0)

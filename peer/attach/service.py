@@ -282,7 +282,11 @@ class AttachService:
         panel when the daemon hosts no trainer itself."""
         for c in self.clients.values():
             if len(c.report.metrics) > 2 or c.report.loss_history:
-                return c.report.status()
+                out = c.report.status()
+                group = self.gossip.groups.get(next(iter(c.segments), ""))
+                if group is not None and "consensus_distance" not in out:
+                    out["consensus_distance"] = group.last_distance
+                return out
         return None
 
 

@@ -121,12 +121,24 @@ def render_status(st: dict):
                 t.add_row(label, "   ".join(f"{p[:8]} {n}" for p, n in sorted(g[key].items())))
         parts.append(Panel(t, title="averaging trouble", box=box.ROUNDED, expand=False))
 
+    clients = (st.get("attach") or {}).get("clients") or []
+    if clients:  # training processes attached to this daemon (peertrain.attach)
+        t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title="attached processes")
+        for col in ("pid", "label", "groups", "since"):
+            t.add_column(col)
+        for c in clients:
+            groups = "  ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in c.get("groups", {}).items())
+            t.add_row(str(c.get("pid")), c.get("label") or "-", groups or "-",
+                      human_duration(max(0.0, time.time() - c.get("since", time.time()))))
+        parts.append(t)
+
     tr = st.get("trainer")
     if st.get("pipeline"):
         parts.append(render_pipeline(st["pipeline"], tr))
     elif tr:
         t = _facts()
-        t.add_row("job", f"{tr.get('trainer')}  mode {tr.get('mode')}  model {tr.get('model')}  device {tr.get('device')}")
+        t.add_row("job", "  ".join([str(tr.get("trainer"))] + [f"{k} {tr[k]}" for k in ("mode", "model", "device")
+                                                              if tr.get(k) is not None]))
         t.add_row("progress", f"step {tr.get('step')}   epoch {tr.get('epoch', 0):.2f}   {tr.get('samples_per_s', 0):.0f} samples/s   {tr.get('state', '')}")
         loss = tr.get("loss")
         t.add_row("loss", (f"{loss:.4f}  " if loss is not None else "-  ") + sparkline(tr.get("loss_history", [])))
