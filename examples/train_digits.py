@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--swarm", help="embedded daemon: swarm name")
     p.add_argument("--world", type=int, default=0, help="data shards (default: the peers seen at start)")
     p.add_argument("--mode", default="adpsgd", choices=["adpsgd", "dpsgd"])
+    p.add_argument("--average-every", type=int, default=1, help="optimizer steps between averaging rounds")
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--target", type=float, default=0.95, help="stop at this held-out accuracy")
@@ -75,7 +76,7 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).to(device)
     net = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
     opt = peertrain.GossipOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),  # peertrain
-                                    swarm, mode=args.mode)
+                                    swarm, mode=args.mode, average_every=args.average_every)
     swarm.wait_for_peers(max(1, args.world - 1), group="model", timeout=30)  # peertrain: start together
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs)
     loader = DataLoader(peertrain.shard(train, swarm, world=args.world or None), batch_size=32, shuffle=True)  # peertrain

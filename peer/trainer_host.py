@@ -147,7 +147,7 @@ class Swarm:
         neighbours, or with `partners()` (called on the daemon's thread: cheap, no blocking), say the peers
         that serve the same pipeline stage."""
         group = SharedTensors(name, tensors, lock=lock)
-        self._host.gossip.register(group, partners)
+        self._call_sync(self._host.gossip.register, group, partners)  # the engine's state is the daemon thread's
         return group
 
     def unshare(self, name: str) -> None:

@@ -133,6 +133,20 @@ def train_arguments(p: Parser) -> None:
     p.add_argument("--keep", default="", help="keep homes and logs under this directory")
 
 
+def attach_arguments(p: Parser) -> None:
+    p.add_argument("--size", default="64MiB", help="float32 vector averaged per exchange (default 64MiB)")
+    p.add_argument("--rounds", type=int, default=7,
+                   help="timed exchanges per swarm after one warm-up (default 7; at most 19)")
+    p.add_argument("--repeat", type=int, default=2, help="hosted and attached swarms each, alternating (default 2)")
+    p.add_argument("--cipher", choices=["auto", *CIPHERS], default="auto", help="session cipher (default auto)")
+    p.add_argument("--chunk", default="1MiB", help="tensor chunk (frame) size (default 1MiB)")
+    p.add_argument("--ranks", type=int, default=2,
+                   help="processes per host in the bytes-per-host comparison (0 or 1: skip it; default 2)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps per process there (default 200)")
+    p.add_argument("--average-every", type=int, default=10, help="steps between averaging rounds there (default 10)")
+    p.add_argument("--timeout", type=float, default=180.0, help="give up on one swarm after this many seconds")
+
+
 def hostile_arguments(p: Parser) -> None:
     p.add_argument("--classes", default="",
                    help="comma-separated attack classes to run, in order (default: all, as listed by "
@@ -256,6 +270,9 @@ BENCHES = {
     "train": Bench("peer.bench.train",
                    "AD-PSGD vs D-PSGD vs gloo all-reduce data parallel: time to target accuracy",
                    train_arguments),
+    "attach": Bench("peer.bench.attach",
+                    "averaging from an attached process vs a hosted trainer (overhead), and bytes per host with "
+                    "torchrun ranks as one peer vs one peer each", attach_arguments),
     "hostile": Bench("peer.bench.hostile",
                      "every attack class against one daemon beside an honest peer: pass/fail, memory, drop time",
                      hostile_arguments),

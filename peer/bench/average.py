@@ -58,7 +58,7 @@ def _configs(args, swarm: str, elements: int, mode: str, target: int) -> list:
     return out
 
 
-def _run_swarm(args, elements: int, mode: str, target: int) -> dict:
+def run_swarm(args, elements: int, mode: str, target: int) -> dict:
     """Start the swarm, wait for node 0's `target` exchanges, check the sum; stats of node 0 and all.
     On failure the swarm prints its daemons' log tails to stderr as it stops."""
     n = args.peers
@@ -206,7 +206,7 @@ def run(args) -> int:
     # recent_s keeps a daemon's last 20 exchanges; node 0 only initiates, so they are all ours
     measured = min(args.rounds, 19)
     try:
-        one = _run_swarm(args, elements, "one", measured + 1)
+        one = run_swarm(args, elements, "one", measured + 1)
         recent = one["status0"]["gossip"]["recent_s"]
         samples = recent[-measured:]
         if len(samples) < measured:
@@ -227,7 +227,7 @@ def run(args) -> int:
         }
         ok = result["sum_preserved"]
         if n > 2 and not args.no_all:
-            all_ = _run_swarm(args, elements, "all", (measured + 1) * (n - 1))
+            all_ = run_swarm(args, elements, "all", (measured + 1) * (n - 1))
             rounds_s = _per_round_seconds(all_["lines"], n - 1)
             result["seconds_per_round_all_neighbours"] = _r(statistics.median(rounds_s)) if rounds_s else None
             result["rounds_all_neighbours"] = len(rounds_s)
