@@ -202,14 +202,31 @@ def two_items():
     return user_data.Stream(torch.zeros(2, 64), torch.zeros(2, dtype=torch.long)), None
 
 
-def test_a_loader_failure_names_the_option():
-    class Broken(torch.utils.data.Dataset):
-        def __len__(self):
-            return 4
+class Broken(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
 
-        def __getitem__(self, i):
-            raise KeyError(i)
-    loader = torch_data.loader(Broken(), 2)
-    with pytest.raises(DataError, match=r"my option: loading a batch failed: KeyError: \d"):
+    def __getitem__(self, i):
+        raise KeyError(i)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_loader_failure_names_the_option(num_workers):
+    """In the trainer's thread or in a DataLoader worker (which wraps the traceback), the cause is one line."""
+    loader = torch_data.loader(Broken(), 2, num_workers=num_workers)
+    with pytest.raises(DataError, match=r"^my option: loading a batch failed: KeyError: \d$"):
         list(torch_data.batches(loader, "my option"))
-    assert isinstance(loader, DataLoader)
+    strings, _ = user_data.strings()
+    loader = torch_data.loader(strings, 2, num_workers=num_workers)
+    with pytest.raises(DataError, match=r"^my option: a sample is \(str, int\); expected an \(input, target\) pair"):
+        list(torch_data.batches(loader, "my option"))
+
+
+def test_workers_give_the_same_batches():
+    train, _ = user_data.digits_tensors()
+    part = torch_data.shard(train, 0, 4, seed=1)
+    inline, workers = (torch_data.loader(part, 32, generator=torch.Generator().manual_seed(2), num_workers=n)
+                       for n in (0, 2))
+    assert isinstance(workers, DataLoader)
+    for (xa, ya), (xb, yb) in zip(torch_data.batches(inline, "a"), torch_data.batches(workers, "b"), strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)

@@ -191,23 +191,49 @@ def collate(samples: Any) -> Any:
     return batch
 
 
+class InlineLoader:
+    """What a DataLoader without workers does for a map-style dataset (the same sampler, fetch and collate,
+    so the same batches), minus its per-batch bookkeeping (profiler ranges, iterator state): that cost
+    ~15 µs a batch, 8% of a digits MLP step. No pinned memory: with data small enough to load in the
+    trainer's thread, a plain copy is as fast."""
+
+    def __init__(self, dataset: Any, batch_sampler: IndexBatches) -> None:
+        self.dataset, self.batch_sampler = dataset, batch_sampler
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        fetch = getattr(self.dataset, "__getitems__", None)
+        for idx in self.batch_sampler:
+            yield collate(fetch(idx) if fetch else [self.dataset[i] for i in idx])
+
+
+Loader = DataLoader | InlineLoader
+
+
 def loader(data: Any, batch_size: int, *, generator: torch.Generator | None = None, shuffle: bool = True,
-           num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
-    """A DataLoader over a dataset or shard: shuffled by `generator` each pass when map-style, in stream order
-    when iterable. Build it once and iterate it every epoch (workers, if any, are kept between passes)."""
+           num_workers: int = 0, pin_memory: bool = False) -> Loader:
+    """Batches of a dataset or shard, pass after pass: shuffled by `generator` each pass when map-style, in
+    stream order when iterable. A DataLoader, or with no workers for a map-style dataset, an InlineLoader
+    giving the same batches. Build it once and iterate it every epoch (workers are kept between passes)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if num_workers < 0:
         raise DataError(f"[trainer.options] num_workers: expected >= 0, got {num_workers}")
-    common = dict(num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory, generator=generator,
+    # Workers' seeds come from a generator of their own: a DataLoader draws from it at every pass, which would
+    # shift the order drawn from `generator` and make batches depend on num_workers.
+    seeds = torch.Generator().manual_seed(generator.initial_seed() + 1) if generator is not None else None
+    common = dict(num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory, generator=seeds,
                   persistent_workers=num_workers > 0)
     if is_iterable(data):
         return DataLoader(data, batch_size=batch_size, **common)
     base, index = _unwrap(data)
-    return DataLoader(base, batch_sampler=IndexBatches(index, batch_size, generator, shuffle), **common)
+    sampler = IndexBatches(index, batch_size, generator, shuffle)
+    return InlineLoader(base, sampler) if num_workers == 0 else DataLoader(base, batch_sampler=sampler, **common)
 
 
-def batches(data: DataLoader, what: str) -> Iterator[Batch]:
+def batches(data: Loader, what: str) -> Iterator[Batch]:
     """One pass over a loader as (input, target) tensors; a failure to load names `what` (the option)."""
     it = iter(data)
     while True:
@@ -270,7 +296,7 @@ def evaluate(model: nn.Module, data: Any, loss_fn: LossFn, device: torch.device,
     """(mean loss per sample, accuracy) over a dataset or loader, in batches. Accuracy is per label (per token
     for sequences) and None unless the model's output is class logits for integer labels. The model's
     train/eval mode is restored afterwards, so a trainer can call this mid-run."""
-    data = data if isinstance(data, DataLoader) else loader(data, EVAL_BATCH, shuffle=False)
+    data = data if isinstance(data, (DataLoader, InlineLoader)) else loader(data, EVAL_BATCH, shuffle=False)
     was_training = model.training
     model.eval()
     total, samples, correct, labels, logits = 0.0, 0, 0, 0, True
