@@ -34,6 +34,8 @@ from peer.home import Home, atomic_write
 
 log = logging.getLogger("peertrain.trainer")
 
+FAILURE_CHARS = 240  # a failed trainer's cause in its status: one line a table can show; the log has the traceback
+
 # A launcher that knows how it cut the data (`peer local`, tests, benches) tells each daemon its shard.
 RANK_ENV, WORLD_ENV = "PEERTRAIN_RANK", "PEERTRAIN_WORLD"
 
@@ -125,6 +127,17 @@ class TrainingReport:
 
     def status(self) -> dict:
         return dict(self.metrics, loss_history=list(self.loss_history))
+
+
+def failure_state(exc: BaseException) -> str:
+    """The trainer's `state` after `exc`: "failed: Type: cause" on one line, cut to FAILURE_CHARS. A message
+    of many lines keeps its first, unless it wraps a traceback (a DataLoader worker's), whose last line is
+    the cause."""
+    text = str(exc).strip()
+    lines = [" ".join(ln.split()) for ln in text.splitlines() if ln.strip()] or [""]
+    cause = lines[-1] if "Traceback (most recent call last)" in text else lines[0]
+    state = f"failed: {type(exc).__name__}: {cause}" if cause else f"failed: {type(exc).__name__}"
+    return state if len(state) <= FAILURE_CHARS else state[: FAILURE_CHARS - 1] + "…"
 
 
 class TrainerStopped(Exception):
@@ -339,7 +352,7 @@ class TrainerHost:
             except TrainerStopped:
                 self.metrics["state"] = "stopped"
             except Exception as exc:
-                self.metrics["state"] = f"failed: {type(exc).__name__}: {exc}"
+                self.metrics["state"] = failure_state(exc)
                 log.exception("trainer failed (the daemon keeps serving peers)")
             finally:
                 self._done.set()

@@ -11,15 +11,9 @@ def shard(dataset: Any, swarm: Any, *, world: int | None = None, seed: int = 0) 
     The peer's index and count come from `swarm.rank_and_world(world)` ($PEERTRAIN_RANK/$PEERTRAIN_WORLD, or
     its place among the peers it sees); inside a torchrun job each local rank takes its own part of the host's
     shard. Map-style: a seeded disjoint partition (torch.utils.data.Subset); iterable: every n-th item."""
+    from trainers.torch_data import shard as shard_dataset
+
     rank, count = swarm.rank_and_world(world)
     local_rank, local_world = getattr(swarm, "local_rank", 0), getattr(swarm, "local_world", 1)
     return shard_dataset(dataset, rank * local_world + local_rank, count * local_world, seed=seed)
 
-
-def shard_dataset(dataset, rank, world, *, seed=0):  # TEMP until trainers/torch_data.py lands
-    import torch
-    from torch.utils.data import IterableDataset, Subset
-    if isinstance(dataset, IterableDataset):
-        raise NotImplementedError
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
-    return Subset(dataset, order[rank::world])

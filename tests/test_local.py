@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -67,3 +68,27 @@ def test_peer_local_demo_trains_to_the_target_and_exits(tmp_path):
     out = local.log_path.read_text(errors="replace")
     assert code == 0, out[-3000:]
     assert "training finished" in out and "2/2 peers reached the 95% target" in out, out[-3000:]
+
+
+def test_peer_local_demo_stops_at_once_when_every_trainer_fails(tmp_path):
+    """A trainer that raises at start: the demo does not wait for its timeout; it exits 1 with each cause."""
+    cfg = load(REPO / "configs" / "train-digits.toml")
+    broken = cfg.replace(daemon={"swarm": unique_swarm("loc")},
+                         trainer={"options": {**cfg.trainer.options, "model_factory": "tests.user_data:broken_model"}})
+    path = write_config(tmp_path / "broken.toml", broken)
+    local = ManagedProcess("peer-local", [sys.executable, "-m", "peer", "local", "--root", str(tmp_path / "runs"),
+                                          "--n", "2", "--config", str(path), "--demo", "--timeout", "300"],
+                           log_path=tmp_path / "local.out", cwd=REPO, env={"PYTHONPATH": str(REPO)}).start()
+    t0 = time.monotonic()
+    try:
+        code = local.wait_stopped(120)
+    finally:
+        local.stop()
+    took = time.monotonic() - t0
+    out = local.log_path.read_text(errors="replace")
+    assert code == 1, out[-3000:]
+    assert took < 90, f"took {took:.0f}s: the demo waited instead of stopping at the failure"
+    assert "every trainer failed" in out, out[-3000:]
+    for node in ("node1", "node2"):
+        assert f"{node}: RuntimeError: this model factory always fails" in out, out[-3000:]
+        assert str(tmp_path / "runs" / node / "daemon.log") in out, out[-3000:]

@@ -20,7 +20,7 @@ from prometheus_client.registry import CollectorRegistry
 from peer.metrics.collector import DaemonCollector
 from peer.metrics.http import MAX_CONNECTIONS, MAX_HEAD_BYTES, READ_DEADLINE_S, MetricsServer
 from peer.testing.swarm import swarm_config
-from tests.daemons import rank_env, unique_swarm, wait_for
+from tests.daemons import rank_env, unique_swarm
 
 HTTP_TIMEOUT = 5.0  # one request to a daemon on a loaded 2-core machine
 

@@ -54,6 +54,20 @@ def test_four_daemons_train_digits_to_target(cluster, tmp_path, mode):
     assert all(d.status()["gossip"]["exchanges"] > 0 for d in ds)
 
 
+def test_daemons_train_on_a_users_plain_torch_datasets(cluster, tmp_path):
+    """`dataset_factory` returning two TensorDatasets and `loss` by import path, as a user's config names them:
+    each daemon imports tests/user_data.py (PYTHONPATH), shards the TensorDataset by rank and reaches the target."""
+    cfg = digits_config(tmp_path / "c.toml", model="digits_mlp", world=2, loss="torch.nn:CrossEntropyLoss",
+                        dataset_factory="tests.user_data:digits_tensors")
+    ds = [cluster.start(f"u{i}", config=cfg, env={**rank_env(i, 2), "PYTHONPATH": str(REPO)}) for i in range(2)]
+    wait_for(lambda: done(ds), timeout=120, interval=0.5, what="2 peers on a user's TensorDatasets to finish")
+    assert all(trainer(d)["reached_target"] for d in ds), [trainer(d).get("accuracy") for d in ds]
+    from tests.user_data import digits_tensors
+
+    sizes = [trainer(d)["shard_size"] for d in ds]
+    assert sum(sizes) == len(digits_tensors()[0]) and max(sizes) - min(sizes) <= 1  # the training rows, split by rank
+
+
 def test_training_survives_a_peer_killed_mid_run(cluster, tmp_path):
     # a slightly slower run (small per-step delay) so there is a "mid-run" to kill in
     cfg = digits_config(tmp_path / "c.toml", step_delay=0.004)

@@ -1,10 +1,12 @@
 """Datasets the trainers use, loaded from files shipped in `trainers/data/` so training never downloads.
 
 Two tasks are bundled: UCI handwritten digits (8x8 images, 10 classes) for fast classification
-runs, and a Shakespeare corpus for char-level next-token prediction. Both are exposed through
-the same small interface (`len`, `subset`, `batches`) so a trainer can shard with `partition`
-and iterate without knowing which task it is running. `load_factory` lets a config name a
-user's own model or dataset factory as "package.module:attr".
+runs, and a Shakespeare corpus for char-level next-token prediction. Both are torch map-style
+datasets, so the hosted trainer shards and batches them exactly as it does a user's
+(trainers/torch_data.py); they also keep a small interface of their own (`subset`, `batches`)
+for the single-process baselines. `__getitems__` hands a whole batch over already stacked
+(`Rows`), which keeps a DataLoader over them as fast as slicing tensors. `load_factory` lets a
+config name a user's own model or dataset factory as "package.module:attr".
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 DIGITS_FILE = "digits.npz"
 CORPUS_FILE = "shakespeare.txt"
@@ -45,9 +48,27 @@ def _batch_indices(n: int, batch_size: int, generator: torch.Generator | None, s
         yield order[start : start + batch_size]
 
 
+class Rows(Sequence):
+    """Samples fetched together, already stacked (one tensor per field, rows along dim 0).
+
+    A dataset's `__getitems__` returns it so the loader (trainers/torch_data.py) takes the stacked tensors
+    as the batch instead of stacking one sample at a time again; it is still a sequence of samples, so any
+    other collate function reads it as torch expects of `__getitems__`.
+    """
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return tuple(t[i] for t in self.tensors)
+
+
 @dataclass
-class ArrayDataset:
-    """Features and labels held fully in memory: digits is tiny, so no DataLoader machinery is needed."""
+class ArrayDataset(Dataset):
+    """Features and labels held fully in memory (digits is tiny): indexing a batch is one gather per tensor."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -58,6 +79,13 @@ class ArrayDataset:
 
     def __len__(self) -> int:
         return len(self.y)
+
+    def __getitem__(self, i: int) -> Batch:
+        return self.x[i], self.y[i]
+
+    def __getitems__(self, indices: list[int]) -> Rows:
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        return Rows(self.x[idx], self.y[idx])
 
     def subset(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> ArrayDataset:
         """The rows at `indices` (e.g. this peer's shard from `partition`)."""
@@ -107,7 +135,7 @@ class Vocab:
 
 
 @dataclass
-class CharDataset:
+class CharDataset(Dataset):
     """Windows of `block` token ids; the target of each position is the next character.
 
     `starts` lists the window offsets that make up one epoch (non-overlapping by default), so
@@ -140,6 +168,9 @@ class CharDataset:
     def __getitem__(self, i: int) -> Batch:
         s = int(self.starts[i])
         return self.data[s : s + self.block], self.data[s + 1 : s + self.block + 1]
+
+    def __getitems__(self, indices: list[int]) -> Rows:
+        return Rows(*self._gather(self.starts[torch.as_tensor(indices, dtype=torch.long)]))
 
     def subset(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> CharDataset:
         idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)

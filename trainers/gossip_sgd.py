@@ -10,6 +10,9 @@ Optimizer state (momentum, Adam moments) stays local, as in the AD-PSGD/D-PSGD p
 is measured on this peer's *local* model. Checkpoints (model, optimizer, step) are written atomically
 every `checkpoint_every` steps and on shutdown; a restarted peer resumes from its own checkpoint, and a
 new peer first downloads a neighbour's parameters so it starts where the swarm is.
+
+Data: the model's built-in data set, or `dataset_factory` returning (train, test) torch datasets, map-style or
+iterable, test optional; both are sharded by rank and batched by one adapter (trainers/torch_data.py).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from trainers.baseline import RECOMMENDED, batch_loss, evaluate, make_optimizer, seeded_model
-from trainers.datasets import load_factory, load_for_model, partition
+from trainers import torch_data
+from trainers.baseline import RECOMMENDED, make_optimizer, seeded_model
+from trainers.datasets import load_factory, load_for_model
 from trainers.models import count_parameters, pick_device
 from trainers.options import parse_options
 
@@ -32,7 +36,9 @@ from trainers.options import parse_options
 class GossipSGDOptions:
     model: str = "digits_mlp"
     model_factory: str = ""  # "pkg.module:fn" returning an nn.Module (overrides `model`)
-    dataset_factory: str = ""  # "pkg.module:fn" returning (train, test) datasets with .subset/.batches
+    dataset_factory: str = ""  # "pkg.module:fn" returning (train, test) torch datasets (test may be None)
+    loss: str = ""  # "pkg.module:fn" or a torch.nn loss class (default: cross-entropy, torch_data.DEFAULT_LOSS)
+    num_workers: int = 0  # DataLoader worker processes (0: load in the trainer's thread, enough for in-memory data)
     mode: str = "adpsgd"  # adpsgd | dpsgd
     optimizer: str = ""  # sgd | adam (default: the model's recipe)
     lr: float = 0.0
@@ -73,6 +79,18 @@ def _recipe(o: GossipSGDOptions, world: int):
     )
 
 
+def _user_model(spec: str) -> torch.nn.Module:
+    try:
+        factory = load_factory(spec)
+    except ValueError as exc:
+        raise ValueError(f"[trainer.options] model_factory: {exc}") from None
+    model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"[trainer.options] model_factory {spec!r} returned {type(model).__name__}; expected a "
+                         "torch.nn.Module")
+    return model
+
+
 def _lr_at(step: int, base: float, warmup: int, total: int, schedule: str) -> float:
     if warmup and step < warmup:
         return base * (step + 1) / warmup
@@ -91,15 +109,25 @@ def run(swarm, options: dict) -> dict:
     torch.set_num_threads(max(1, o.threads))
     device = pick_device()
 
+    loss_fn = torch_data.load_loss(o.loss)
     if o.dataset_factory:
-        train, test = load_factory(o.dataset_factory)()
+        train, test = torch_data.load_datasets(o.dataset_factory)
         model_opts: dict = {}
+        source = f"[trainer.options] dataset_factory {o.dataset_factory!r}"
     else:
         train, test, model_opts = load_for_model(o.model)
+        source = f"the built-in data of model {o.model!r}"
+    if o.target_accuracy and test is None:
+        raise torch_data.DataError(f"[trainer.options] target_accuracy: {source} has no test set (None) to "
+                                   "measure accuracy on; unset target_accuracy or return a test set")
     rank, world = swarm.rank_and_world(o.world or None)
     hp = _recipe(o, world)
-    shard = train.subset(partition(len(train), rank, world, seed=o.seed))
-    model = (load_factory(o.model_factory)() if o.model_factory else seeded_model(o.model, o.seed, **model_opts)).to(device)
+    shard = torch_data.shard(train, rank, world, seed=o.seed)
+    shard_size = torch_data.shard_size(shard)
+    if shard_size == 0:
+        raise torch_data.DataError(f"[trainer.options] world: shard {rank} of {world} of {source}'s train set is "
+                                   "empty; use fewer shards (world) or more data")
+    model = (_user_model(o.model_factory) if o.model_factory else seeded_model(o.model, o.seed, **model_opts)).to(device)
     opt = make_optimizer(model.parameters(), hp["optimizer"], lr=hp["lr"], momentum=hp["momentum"],
                          weight_decay=hp["weight_decay"])
     use_amp = o.amp and device.type == "cuda"
@@ -107,7 +135,10 @@ def run(swarm, options: dict) -> dict:
     lock = threading.Lock()
     group = swarm.share("model", {name: p.data for name, p in model.named_parameters()}, lock=lock)
 
-    steps_per_epoch = max(1, math.ceil(len(shard) / hp["batch_size"]))
+    steps_per_epoch = math.ceil(shard_size / hp["batch_size"]) if shard_size is not None else None
+    if not hp["max_steps"] and steps_per_epoch is None:
+        raise torch_data.DataError(f"[trainer.options] max_steps: {source}'s train set is an IterableDataset without "
+                                   "__len__, so epochs cannot be turned into steps; set max_steps")
     total_steps = hp["max_steps"] or int(round(hp["epochs"] * steps_per_epoch))
     step, resumed_from, joined_from = 0, None, None
     ckpt = swarm.load_checkpoint(map_location=device)
@@ -134,7 +165,7 @@ def run(swarm, options: dict) -> dict:
 
     meta = {"trainer": "trainers.gossip_sgd", "mode": o.mode, "model": o.model_factory or o.model,
             "parameters": count_parameters(model), "device": str(device), "rank": rank, "world": world,
-            "shard_size": len(shard), "total_steps": total_steps, "target_accuracy": o.target_accuracy,
+            "shard_size": shard_size, "total_steps": total_steps, "target_accuracy": o.target_accuracy,
             "resumed_from_step": resumed_from, "joined_at_step": joined_from, "state": "training"}
     swarm.publish(meta)
 
@@ -146,13 +177,30 @@ def run(swarm, options: dict) -> dict:
 
     swarm.on_checkpoint_request(save)
     gen = torch.Generator().manual_seed(o.seed * 7919 + rank * 104729 + step)
+    pin = device.type == "cuda"
+    train_batches = torch_data.loader(shard, hp["batch_size"], generator=gen, num_workers=o.num_workers, pin_memory=pin)
+    test_batches = None if test is None else torch_data.loader(test, torch_data.EVAL_BATCH, shuffle=False,
+                                                               num_workers=o.num_workers, pin_memory=pin)
+
+    def evaluate() -> tuple[float | None, float | None]:
+        if test_batches is None:
+            return None, None
+        with lock:
+            return torch_data.evaluate(model, test_batches, loss_fn, device, what=f"{source}: the test set")
+
+    passes = 0  # full passes over the shard; an epoch's length for an iterable without __len__ is learnt on the first
+
+    def epoch_at(s: int) -> float:
+        return round(s / steps_per_epoch, 3) if steps_per_epoch else float(passes)
+
     t0, samples, last_pub = time.monotonic(), 0, 0.0
     loss_val, acc, test_loss = None, None, None
     reached = False
     target_info: dict = {}  # when the local model first reached the target (later exchanges keep changing it)
     model.train()
     while step < total_steps and not swarm.should_stop() and not reached:
-        for xb, yb in shard.batches(hp["batch_size"], gen):
+        pass_start = step
+        for xb, yb in torch_data.batches(train_batches, f"{source}: the train set"):
             if step >= total_steps or swarm.should_stop():
                 break
             xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
@@ -161,7 +209,7 @@ def run(swarm, options: dict) -> dict:
             with lock:
                 opt.zero_grad(set_to_none=True)
                 with torch.autocast(device.type, dtype=torch.float16) if use_amp else nullcontext():
-                    loss = batch_loss(model(xb), yb)
+                    loss = loss_fn(model(xb), yb)
                 if scaler is not None:
                     scaler.scale(loss).backward()
                     if o.grad_clip:
@@ -188,18 +236,21 @@ def run(swarm, options: dict) -> dict:
                 else:
                     swarm.average("model", mode="all")
             evaluate_now = step % o.eval_every == 0 or step == total_steps
-            if evaluate_now:
-                with lock:
-                    test_loss, acc = evaluate(model, test, device)
+            if evaluate_now and test_batches is not None:
+                test_loss, acc = evaluate()
+                if o.target_accuracy and acc is None:
+                    raise torch_data.DataError(
+                        f"[trainer.options] target_accuracy: the model's output on {source}'s test set is not class "
+                        "logits for integer labels, so there is no accuracy to reach; unset target_accuracy")
                 if o.target_accuracy and acc >= o.target_accuracy:
                     reached = True
                     target_info = {"target_step": step, "seconds_to_target": round(time.monotonic() - t0, 3),
-                                   "epochs_to_target": round(step / steps_per_epoch, 3), "accuracy_at_target": acc}
+                                   "epochs_to_target": epoch_at(step), "accuracy_at_target": acc}
             now = time.monotonic()
             if evaluate_now or now - last_pub > 1.0:
                 last_pub = now
                 elapsed = now - t0
-                swarm.publish({"step": step, "epoch": round(step / steps_per_epoch, 3), "loss": loss_val,
+                swarm.publish({"step": step, "epoch": epoch_at(step), "loss": loss_val,
                                "accuracy": acc, "test_loss": test_loss, "samples_per_s": samples / max(elapsed, 1e-9),
                                "elapsed_s": round(elapsed, 3), "consensus_distance": group.last_distance,
                                "neighbours": len(swarm.neighbours())})
@@ -207,12 +258,18 @@ def run(swarm, options: dict) -> dict:
                 save()
             if reached:
                 break
+        else:  # a whole pass
+            if step == pass_start:
+                raise torch_data.DataError(f"[trainer.options] world: shard {rank} of {world} of {source}'s train "
+                                           "set yielded no batch; use fewer shards (world) or more data")
+            passes += 1
+            if steps_per_epoch is None:
+                steps_per_epoch = step - pass_start
     save()
     elapsed = time.monotonic() - t0
-    with lock:
-        test_loss, acc = evaluate(model, test, device)
+    test_loss, acc = evaluate()
     result = {"step": step, "accuracy": acc, "test_loss": test_loss, "loss": loss_val, "elapsed_s": round(elapsed, 3),
               "samples_per_s": samples / max(elapsed, 1e-9), "reached_target": bool(target_info),
-              "epoch": round(step / steps_per_epoch, 3), **target_info}
+              "epoch": epoch_at(step), **target_info}
     swarm.publish(result)
     return result

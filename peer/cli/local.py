@@ -4,6 +4,8 @@ Each daemon is a real `peer start` subprocess with its own home (`ROOT/nodeK`) a
 127.0.0.1; they find each other through mDNS bound to loopback (configs/local.toml). Their logs go to
 `ROOT/nodeK/daemon.log` and also stream here with a `[nodeK]` prefix (not with --demo, which shows a
 live table instead). Ctrl-C stops them all: SIGTERM, a bounded wait, then SIGKILL for any that hang.
+A demo is over when training is done (exit 0), or has failed (exit 1, saying why): every trainer ended and
+one failed, every daemon exited, or --timeout passed first (`demo_end`).
 """
 
 from __future__ import annotations
@@ -12,19 +14,24 @@ import json
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from peer.home import Home
 from peer.testing.swarm import LocalSwarm, node_homes
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.toml"
 PIPELINE_TRAINER = "trainers.swarm_pipeline"  # the trainer whose peers keep serving once they are done driving
 
 
-def collect(root: Path) -> list[dict]:
+def collect(root: Path, names: set[str] | None = None) -> list[dict]:
+    """One row per daemon home under `root` (only `names`, if given): its status, or why there is none."""
     from peer.control import ControlError, call
 
     rows = []
     for home in node_homes(root):
+        if names is not None and home.name not in names:
+            continue
         try:
             rows.append({"node": home.name, "home": str(home), "status": call(home, "status", timeout=3)})
         except (ControlError, OSError) as exc:
@@ -44,6 +51,72 @@ def _training_finished(rows: list[dict]) -> bool:
     if _is_pipeline(trainers):
         return all(t.get("driving_done") for t in trainers)
     return bool(trainers) and all(t.get("state") == "done" for t in trainers)
+
+
+ENDED = ("done", "stopped")  # trainer states after which it does nothing more (besides "failed: ...")
+
+
+@dataclass(frozen=True)
+class DemoEnd:
+    """How a `peer local --demo` run ends: `ok` (exit 0) or not, why, and each failed trainer's
+    (node, cause, log file)."""
+
+    ok: bool
+    reason: str
+    failures: tuple[tuple[str, str, str], ...] = ()
+
+
+def demo_end(rows: list[dict], *, timeout_s: float | None = None) -> DemoEnd | None:
+    """Whether a demo is over, from its daemons' rows (`collect`'s, each with `running`: its process is alive);
+    `timeout_s` once --timeout has passed. None: keep watching. A trainer that failed is not waited for once
+    every other has ended too (done, stopped or failed) or its daemon is gone."""
+    from peer.cli.status_view import trainer_failure
+
+    if _training_finished(rows):
+        return DemoEnd(True, "training finished")
+    failures = tuple((r["node"], cause, str(Home(Path(r["home"])).log_file)) for r in rows
+                     if (cause := trainer_failure((r.get("status") or {}).get("trainer"))) is not None)
+
+    def ended(r: dict) -> bool:
+        tr = (r.get("status") or {}).get("trainer") or {}
+        if r.get("status") is None:
+            return not r.get("running", True)
+        return tr.get("state") in ENDED or bool(tr.get("driving_done")) or trainer_failure(tr) is not None
+
+    if failures and all(ended(r) for r in rows):
+        every = len(failures) == len(rows)
+        why = "every trainer failed" if every else f"{len(failures)} of {len(rows)} trainers failed"
+        return DemoEnd(False, why, failures)
+    if rows and not any(r.get("running", True) for r in rows):
+        return DemoEnd(False, "every daemon exited before training finished", failures)
+    if timeout_s is not None:
+        return DemoEnd(False, f"--timeout {timeout_s:g}s passed before training finished", failures)
+    return None
+
+
+def _print_end(end: DemoEnd, rows: list[dict]) -> None:
+    """Why a demo failed: each failed trainer's cause and log; after a timeout, where each trainer was."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console(stderr=True, soft_wrap=True)  # a log path stays on one line, whole
+    console.print()  # the live table's last line may not end one
+    console.print(f"[bold red]peer local --demo failed[/]: {escape(end.reason)}")
+    for node, cause, log_file in end.failures:
+        console.print(f"  [bold]{node}[/]: [red]{escape(cause)}[/]\n    log: {log_file}")
+    failed = {node for node, _, _ in end.failures}
+    for r in rows:
+        if r["node"] in failed:
+            continue
+        tr = (r.get("status") or {}).get("trainer")
+        if tr is None:
+            console.print(f"  [bold]{r['node']}[/]: {escape(r.get('error') or 'no trainer status')}   "
+                          f"log: {Home(Path(r['home'])).log_file}")
+            continue
+        acc = tr.get("accuracy")
+        console.print(f"  [bold]{r['node']}[/]: {escape(str(tr.get('state')))}, step {tr.get('step', '-')}"
+                      + (f", held-out accuracy {acc * 100:.1f}%" if acc is not None else "")
+                      + (f" (target {tr['target_accuracy'] * 100:.0f}%)" if tr.get("target_accuracy") else ""))
 
 
 def _print_pipeline_result(console, live: list[dict]) -> None:
@@ -118,7 +191,7 @@ def main(args) -> int:
     # --demo draws a table, so the daemons' output only goes to their log files; else it streams here too.
     swarm = LocalSwarm(root, echo=None if args.demo else (lambda name, line: print(f"[{name}] {line}", flush=True)))
     deadline = time.monotonic() + args.timeout if args.timeout else None
-    finished = False
+    end: DemoEnd | None = None
     try:
         swarm.start_nodes(args.n, config)
         print(f"started {args.n} daemons under {root} (config {config}); Ctrl-C stops them all.\n"
@@ -130,18 +203,21 @@ def main(args) -> int:
 
             from peer.cli.status_view import render_local_summary
 
-            with Live(render_local_summary(collect(root)), console=Console(), refresh_per_second=2) as live:
-                while deadline is None or time.monotonic() < deadline:
+            def rows_now() -> list[dict]:  # this run's daemons only (ROOT may hold older runs' homes)
+                running = {d.name: d.running for d in swarm.daemons}
+                return [dict(r, running=running[r["node"]]) for r in collect(root, set(running))]
+
+            with Live(render_local_summary(rows_now()), console=Console(), refresh_per_second=2) as live:
+                while end is None:
                     time.sleep(1.0)
-                    rows = collect(root)
+                    rows = rows_now()
                     live.update(render_local_summary(rows))
-                    if _training_finished(rows):
-                        finished = True
-                        break
-                    if not any(d.running for d in swarm.daemons):
-                        break
-            if finished:
+                    timed_out = deadline is not None and time.monotonic() >= deadline
+                    end = demo_end(rows, timeout_s=args.timeout if timed_out else None)
+            if end.ok:
                 _print_result(rows)
+            else:
+                _print_end(end, rows)
         else:
             while deadline is None or time.monotonic() < deadline:
                 time.sleep(0.5)
@@ -154,4 +230,4 @@ def main(args) -> int:
     bad = [c for c in codes if c not in (0, -signal.SIGTERM)]
     if bad:
         print(f"daemon exit codes: {codes} (logs under {root}/node*/)", file=sys.stderr)
-    return 0 if not bad else 1
+    return 0 if not bad and (end is None or end.ok) else 1

@@ -227,14 +227,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("local", help="run N daemons on this host (each with its own home and port)",
                        description="Start N daemons as subprocesses with homes under --root, stream their logs "
-                                   "with a prefix, and stop them all on Ctrl-C. `peer local status` summarizes them.")
+                                   "with a prefix, and stop them all on Ctrl-C. `peer local status` summarizes them "
+                                   "(a failed trainer in red, with its cause). With --demo: a live table instead of "
+                                   "logs; exit 0 once training is done, 1 as soon as every trainer has failed (each "
+                                   "node's cause and log file printed) or when --timeout passes first.")
     p.add_argument("action", nargs="?", choices=["run", "status", "stop"], default="run")
     p.add_argument("--n", type=int, default=4, help="number of daemons (default 4)")
     p.add_argument("--config", metavar="FILE", default=None, help="config for every daemon (default configs/local.toml)")
     p.add_argument("--root", metavar="DIR", default="runs/local", help="folder holding node homes (default runs/local)")
-    p.add_argument("--demo", action="store_true", help="show a live summary table instead of raw logs; exit when training reaches its target")
+    p.add_argument("--demo", action="store_true", help="show a live summary table instead of raw logs; exit 0 when training reaches its target, 1 when "
+                        "every trainer failed or --timeout passed first")
     p.add_argument("--json", action="store_true", help="with status: machine-readable output")
-    p.add_argument("--timeout", type=float, default=0, help="stop everything after this many seconds (0 = never)")
+    p.add_argument("--timeout", type=float, default=0, help="stop everything after this many seconds (0 = never); with --demo, a failure (exit 1)")
     p.set_defaults(fn=cmd_local)
 
     p = sub.add_parser("bench", help="benchmarks that print JSON (transport, discovery, average, gossip, train)")

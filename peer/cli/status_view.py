@@ -17,6 +17,12 @@ STATE_STYLE = {"connected": "green", "connecting": "yellow", "discovered": "cyan
 SPARK = "▁▂▃▄▅▆▇█"
 
 
+def trainer_failure(trainer: dict | None) -> str | None:
+    """The one-line cause when a daemon's trainer has failed (its state is "failed: ..."), else None."""
+    state = (trainer or {}).get("state") or ""
+    return state.removeprefix("failed:").strip() if state.startswith("failed") else None
+
+
 def human_bytes(n: int | float | None) -> str:
     if n is None:
         return "-"
@@ -133,13 +139,19 @@ def render_status(st: dict):
         parts.append(t)
 
     tr = st.get("trainer")
+    failure = trainer_failure(tr)
+    if failure is not None:  # first, in red: nothing else on the screen explains why training stands still
+        parts.append(Panel(Text(failure, style="bold red"), border_style="red", box=box.ROUNDED, expand=False,
+                           title="trainer failed (its traceback is in the daemon's log)"))
     if st.get("pipeline"):
         parts.append(render_pipeline(st["pipeline"], tr))
     elif tr:
         t = _facts()
         t.add_row("job", "  ".join([str(tr.get("trainer"))] + [f"{k} {tr[k]}" for k in ("mode", "model", "device")
                                                               if tr.get(k) is not None]))
-        t.add_row("progress", f"step {tr.get('step')}   epoch {tr.get('epoch', 0):.2f}   {tr.get('samples_per_s', 0):.0f} samples/s   {tr.get('state', '')}")
+        state = Text("failed", style="bold red") if failure is not None else Text(tr.get("state", ""))
+        t.add_row("progress", Text(f"step {tr.get('step')}   epoch {tr.get('epoch') or 0:.2f}   "
+                                   f"{tr.get('samples_per_s') or 0:.0f} samples/s   ").append_text(state))
         loss = tr.get("loss")
         t.add_row("loss", (f"{loss:.4f}  " if loss is not None else "-  ") + sparkline(tr.get("loss_history", [])))
         acc = tr.get("accuracy")
@@ -177,7 +189,7 @@ def render_nat(nat: dict, bootstrap: list[dict]):
 def render_local_summary(rows: list[dict]):
     """One row per daemon of a local swarm; with a pipeline running, each node's stage and pipeline figures
     (and the stage map as one line under the table) instead of gossip training's step and accuracy, and no
-    listen address, so a row still fits a terminal."""
+    listen address, so a row still fits a terminal. Under the table, in red, each failed trainer's cause."""
     pipeline = any((r.get("status") or {}).get("pipeline") for r in rows)
     if pipeline:
         table = Table(title="local swarm", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
@@ -200,11 +212,20 @@ def render_local_summary(rows: list[dict]):
         if pipeline:
             table.add_row(r["node"], st["peer_id"][:8], conn, up, *summary_cells(st))
             continue
-        table.add_row(r["node"], st["peer_id"][:12], st["listen"], Text("running", style="green"), conn, up,
+        failed = trainer_failure(tr) is not None
+        state = Text("failed", style="bold red") if failed else Text("running", style="green")
+        table.add_row(r["node"], st["peer_id"][:12], st["listen"], state, conn, up,
                       str(tr.get("step", "-")),
                       f"{tr['loss']:.3f}" if tr.get("loss") is not None else "-",
                       f"{tr['accuracy'] * 100:.1f}%" if tr.get("accuracy") is not None else "-")
-    return table
+    failures = [(r["node"], trainer_failure((r.get("status") or {}).get("trainer"))) for r in rows]
+    failures = [(node, cause) for node, cause in failures if cause is not None]
+    if not failures:
+        return table
+    lines = Text()
+    for node, cause in failures:
+        lines.append(f"{node} trainer failed: ", style="bold red").append(f"{cause}\n", style="red")
+    return Group(table, lines)
 
 
 def render_topology(topo: dict):
