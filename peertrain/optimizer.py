@@ -61,9 +61,18 @@ class GossipOptimizer(torch.optim.Optimizer):
         self.shared = swarm.share(group, {f"p{i}": p for i, p in enumerate(params)})
         self.local_step = 0
         self.averaged = 0  # averaging rounds started (adpsgd) or completed (dpsgd)
-        self.joined_at_step = swarm.download(group) if join else None
+        self.joined_at_step: int | None = None
+        if join:
+            self.join()
+
+    def join(self) -> int | None:
+        """Start from the swarm's current parameters if a partner has trained already (a peer joining late);
+        the step it was at, or None (no partner, or all at step 0). `join=True` does this when the wrapper is
+        made; a trainer that first waits for its peers passes join=False and calls this after."""
+        self.joined_at_step = self.swarm.download(self.group_name)
         if self.joined_at_step is not None:
-            self.local_step = self.joined_at_step
+            self.local_step = self.shared.step = self.joined_at_step  # what peers are told of our progress
+        return self.joined_at_step
 
     def step(self, closure=None):
         """The inner optimizer's step (under the lock the daemon's in-place updates take), then averaging

@@ -30,7 +30,12 @@ class LoneSwarm:
     def share(self, name, tensors, *, lock: threading.Lock | None = None, partners=None):
         class Group:
             step, last_distance = 0, None
-        return Group()
+        group = Group()
+        group.lock = lock or threading.Lock()
+        return group
+
+    def download(self, group, *, min_step=1):
+        return None
 
     def load_checkpoint(self, map_location=None):
         return None

@@ -18,13 +18,13 @@ iterable, test optional; both are sharded by rank and batched by one adapter (tr
 from __future__ import annotations
 
 import math
-import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
 
+from peertrain.optimizer import GossipOptimizer
 from trainers import torch_data
 from trainers.baseline import RECOMMENDED, make_optimizer, seeded_model
 from trainers.datasets import load_factory, load_for_model
@@ -128,12 +128,14 @@ def run(swarm, options: dict) -> dict:
         raise torch_data.DataError(f"[trainer.options] world: shard {rank} of {world} of {source}'s train set is "
                                    "empty; use fewer shards (world) or more data")
     model = (_user_model(o.model_factory) if o.model_factory else seeded_model(o.model, o.seed, **model_opts)).to(device)
-    opt = make_optimizer(model.parameters(), hp["optimizer"], lr=hp["lr"], momentum=hp["momentum"],
-                         weight_decay=hp["weight_decay"])
+    # The same wrapper a user's own loop uses (peertrain/optimizer.py): it shares the parameters as group
+    # "model" and averages every `average_every` steps, so hosted and attached peers train one model together.
+    opt = GossipOptimizer(make_optimizer(model.parameters(), hp["optimizer"], lr=hp["lr"], momentum=hp["momentum"],
+                                         weight_decay=hp["weight_decay"]),
+                          swarm, mode=o.mode, average_every=o.average_every, join=False)
+    group, lock = opt.shared, opt.shared.lock
     use_amp = o.amp and device.type == "cuda"
     scaler = torch.amp.GradScaler("cuda") if use_amp else None
-    lock = threading.Lock()
-    group = swarm.share("model", {name: p.data for name, p in model.named_parameters()}, lock=lock)
 
     steps_per_epoch = math.ceil(shard_size / hp["batch_size"]) if shard_size is not None else None
     if not hp["max_steps"] and steps_per_epoch is None:
@@ -145,7 +147,7 @@ def run(swarm, options: dict) -> dict:
     if ckpt is not None and ckpt.get("model_name") == (o.model_factory or o.model):
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        step = resumed_from = int(ckpt["step"])
+        step = resumed_from = opt.local_step = int(ckpt["step"])
         swarm.log("resumed from checkpoint at step %d", step)
     else:
         # Wait (bounded) for the swarm to assemble, so peers that start together also train together.
@@ -157,10 +159,8 @@ def run(swarm, options: dict) -> dict:
         if len(swarm.peers()) < want:
             swarm.log("starting with %d of %d expected peers after waiting %.0fs", len(swarm.peers()), want, o.join_wait)
         if swarm.neighbours():
-            got = swarm.fetch_params("model")
-            if got is not None and got[1] > 0:  # the swarm is already training: start where it is
-                group.load(got[0])
-                joined_from = got[1]
+            joined_from = opt.join()  # the swarm is already training: start where it is
+            if joined_from is not None:
                 swarm.log("joined a running swarm: downloaded parameters at its step %d", joined_from)
 
     meta = {"trainer": "trainers.gossip_sgd", "mode": o.mode, "model": o.model_factory or o.model,
@@ -171,7 +171,7 @@ def run(swarm, options: dict) -> dict:
 
     def save() -> None:
         with lock:
-            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+            state = {"model": model.state_dict(), "optimizer": opt.optimizer.state_dict(), "step": step,
                      "model_name": o.model_factory or o.model, "options": asdict(o)}
             swarm.save_checkpoint(state)
 
@@ -206,35 +206,28 @@ def run(swarm, options: dict) -> dict:
             xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
             for g in opt.param_groups:
                 g["lr"] = _lr_at(step, hp["lr"], o.warmup_steps, total_steps, o.schedule)
-            with lock:
-                opt.zero_grad(set_to_none=True)
-                with torch.autocast(device.type, dtype=torch.float16) if use_amp else nullcontext():
-                    loss = loss_fn(model(xb), yb)
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                    if o.grad_clip:
-                        scaler.unscale_(opt)
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    loss.backward()
-                    if o.grad_clip:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-                    opt.step()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.float16) if use_amp else nullcontext():
+                loss = loss_fn(model(xb), yb)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                if o.grad_clip:
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+                scaler.step(opt)  # the step and, every average_every steps, averaging (GossipOptimizer.step)
+                scaler.update()
+            else:
+                loss.backward()
+                if o.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+                opt.step()
             step += 1
-            group.step = step
             samples += len(yb)
             loss_val = loss.item()
             if not math.isfinite(loss_val):
                 raise FloatingPointError(f"loss became {loss_val} at step {step}; lower the learning rate")
             if o.step_delay:
                 time.sleep(o.step_delay)
-            if step % o.average_every == 0:
-                if o.mode == "adpsgd":
-                    swarm.average_in_background("model", mode="one")
-                else:
-                    swarm.average("model", mode="all")
             evaluate_now = step % o.eval_every == 0 or step == total_steps
             if evaluate_now and test_batches is not None:
                 test_loss, acc = evaluate()
