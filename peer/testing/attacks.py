@@ -162,7 +162,8 @@ def fake_id(i: int) -> str:
     return f"{i:020d}"
 
 
-def signed_record_body(*, neighbours: list[str], links: list[list], key=None, stage: dict | None = None) -> dict:
+def signed_record_body(*, neighbours: list[str], links: list[list], key=None, stage: dict | None = None,
+                       groups: list[str] | None = None) -> dict:
     """The wire body of a topology record signed by a fresh identity, whatever its fields say (the typed
     record would refuse the bad ones, so the attacker builds the body itself)."""
     key = key or ident.generate_identity()
@@ -170,12 +171,14 @@ def signed_record_body(*, neighbours: list[str], links: list[list], key=None, st
     ns = SimpleNamespace(peer_id=ident.peer_id_from_public_bytes(pub), public_key=pub, version=1,
                          issued=time.time(), neighbours=neighbours,
                          links=[SimpleNamespace(peer=p, bandwidth_bps=b, rtt_s=r) for p, b, r in links],
-                         stage=None if stage is None else _stage_namespace(stage))
+                         stage=None if stage is None else _stage_namespace(stage), groups=list(groups or []))
     body = {"peer_id": ns.peer_id, "public_key": pub, "version": 1, "issued": ns.issued, "neighbours": neighbours,
             "links": [{"peer": p, "bandwidth_bps": b, "rtt_s": r} for p, b, r in links],
             "signature": ident.sign(key, topology_record_signing_bytes(ns))}
     if stage is not None:
         body["stage"] = stage
+    if groups:
+        body["groups"] = list(groups)
     return body
 
 
@@ -203,6 +206,10 @@ BAD_RECORDS = {  # the field the victim must name in its reason -> a record bad 
     "copies": lambda: signed_record_body(neighbours=[], links=[], stage={
         "pipeline": "p", "stage": 0, "stages": 2, "samples_per_s": 1.0, "queue": 0, "cuts": [1],
         "copies": [{"stage": 1, "step": i} for i in range(50)]}),
+    # more averaging groups than a record may list, or a name past the limit (each would make every
+    # receiver hold and search it)
+    "groups": lambda: signed_record_body(neighbours=[], links=[], groups=[f"g{i}" for i in range(100)]),
+    "group name": lambda: signed_record_body(neighbours=[], links=[], groups=["x" * 5000]),
 }
 
 
