@@ -10,6 +10,7 @@ The peertrain lines are marked `# peertrain`; the rest is an ordinary PyTorch lo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -109,7 +110,10 @@ def main() -> None:
                           "steps": opt.local_step, "joined_at_step": opt.joined_at_step, "exchanges": exchanges,
                           "seconds": round(time.monotonic() - t0, 2)}), flush=True)
     swarm.close()
-    if distributed:
+    if distributed:  # DDP goes before its process group, then the ranks tear down together: otherwise gloo
+        del net  # (torch 2.13) aborts a rank at exit about one run in six ("terminate called without an
+        gc.collect()  # active exception")
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -142,8 +142,10 @@ def attach_arguments(p: Parser) -> None:
     p.add_argument("--chunk", default="1MiB", help="tensor chunk (frame) size (default 1MiB)")
     p.add_argument("--ranks", type=int, default=2,
                    help="processes per host in the bytes-per-host comparison (0 or 1: skip it; default 2)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps per process there (default 200)")
-    p.add_argument("--average-every", type=int, default=10, help="steps between averaging rounds there (default 10)")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps per process there (default 600)")
+    p.add_argument("--average-every", type=int, default=50,
+                   help="steps between averaging rounds there (default 50: a round ends before the next begins, "
+                        "so rounds are not skipped as busy)")
     p.add_argument("--timeout", type=float, default=180.0, help="give up on one swarm after this many seconds")
 
 
