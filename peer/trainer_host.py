@@ -155,11 +155,14 @@ class Swarm:
 
     # -- averaging ------------------------------------------------------------------------------------
     def share(self, name: str, tensors: dict[str, Any], *, lock: threading.Lock | None = None,
-              partners: Callable[[], set[str]] | None = None) -> SharedTensors:
+              partners: Callable[[], set[str]] | None = None, codec: str | None = None,
+              error_feedback: bool = False, averaged: bool = True) -> SharedTensors:
         """Offer these tensors (e.g. model parameters) for averaging under a group name, with our topology
         neighbours, or with `partners()` (called on the daemon's thread: cheap, no blocking), say the peers
-        that serve the same pipeline stage."""
-        group = SharedTensors(name, tensors, lock=lock)
+        that serve the same pipeline stage. `codec` overrides [gossip] codec for this group, `error_feedback`
+        carries a lossy codec's rounding into the next exchange, `averaged=False` only serves the tensors to
+        joining partners (an outer optimizer's state)."""
+        group = SharedTensors(name, tensors, lock=lock, codec=codec, error_feedback=error_feedback, averaged=averaged)
         self._call_sync(self._host.gossip.register, group, partners)  # the engine's state is the daemon thread's
         return group
 

@@ -85,8 +85,8 @@ class HostRanks:
                         offset += t.numel()
 
     # -- averaging ------------------------------------------------------------------------------------
-    def share(self, name: str, tensors: dict[str, Any]):
-        g = self.swarm.share(name, tensors) if self.rank == 0 else _RankGroup(name, tensors)
+    def share(self, name: str, tensors: dict[str, Any], **how: Any):
+        g = self.swarm.share(name, tensors, **how) if self.rank == 0 else _RankGroup(name, tensors)
         self._groups[name] = g
         self._broadcast_tensors(name)  # every rank starts from rank 0's values
         return g

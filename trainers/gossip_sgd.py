@@ -20,11 +20,12 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from peertrain.optimizer import GossipOptimizer
+from peertrain.outer import LocalStepsOptimizer
 from trainers import torch_data
 from trainers.baseline import RECOMMENDED, make_optimizer, seeded_model
 from trainers.datasets import load_factory, load_for_model
@@ -39,7 +40,8 @@ class GossipSGDOptions:
     dataset_factory: str = ""  # "pkg.module:fn" returning (train, test) torch datasets (test may be None)
     loss: str = ""  # "pkg.module:fn" or a torch.nn loss class (default: cross-entropy, torch_data.DEFAULT_LOSS)
     num_workers: int = 0  # DataLoader worker processes (0: load in the trainer's thread, enough for in-memory data)
-    mode: str = "adpsgd"  # adpsgd | dpsgd
+    model_options: dict = field(default_factory=dict)  # a built-in model's size, e.g. {d_model = 64, block = 32}
+    mode: str = "adpsgd"  # adpsgd | dpsgd | local (inner_steps local steps, then an outer step, gossiped)
     optimizer: str = ""  # sgd | adam (default: the model's recipe)
     lr: float = 0.0
     momentum: float = -1.0
@@ -54,6 +56,16 @@ class GossipSGDOptions:
     amp: bool = False  # mixed precision (CUDA only)
     average_every: int = 1
     target_accuracy: float = 0.0  # stop when the local model reaches it (0: run the whole budget)
+    target_loss: float = 0.0  # stop when the held-out loss falls to it (0: no such target)
+    # mode = "local" (peertrain/outer.py: DiLoCo's recipe, gossiped); defaults from DiLoCo's outer optimizer
+    inner_steps: int = 50  # local steps per round: fewer exchanges by this factor
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    outer_codec: str = ""  # raw | float16 | q8 for the outer weights' exchanges ("": [gossip] codec)
+    outer_error_feedback: bool = True  # carry a lossy codec's rounding into the next exchange
+    outer_background: bool = True  # exchange while the next round's inner steps run (one round stale)
+    outer_averaging: str = "one"  # one: a random neighbour, pairwise | all: every neighbour, Metropolis weights
     eval_every: int = 25
     checkpoint_every: int = 100
     seed: int = 0
@@ -102,8 +114,12 @@ def _lr_at(step: int, base: float, warmup: int, total: int, schedule: str) -> fl
 
 def run(swarm, options: dict) -> dict:
     o = parse_options(GossipSGDOptions, options, trainer="trainers.gossip_sgd")
-    if o.mode not in ("adpsgd", "dpsgd"):
-        raise ValueError(f"[trainer.options] mode: expected 'adpsgd' or 'dpsgd', got {o.mode!r}")
+    if o.mode not in ("adpsgd", "dpsgd", "local"):
+        raise ValueError(f"[trainer.options] mode: expected 'adpsgd', 'dpsgd' or 'local', got {o.mode!r}")
+    if not (math.isfinite(o.target_loss) and o.target_loss >= 0):
+        raise ValueError(f"[trainer.options] target_loss: expected a finite number >= 0, got {o.target_loss!r}")
+    if o.outer_codec not in ("", "raw", "float16", "q8"):
+        raise ValueError(f"[trainer.options] outer_codec: expected raw, float16 or q8, got {o.outer_codec!r}")
     if o.schedule not in ("constant", "cosine"):
         raise ValueError(f"[trainer.options] schedule: expected 'constant' or 'cosine', got {o.schedule!r}")
     torch.set_num_threads(max(1, o.threads))
@@ -115,9 +131,11 @@ def run(swarm, options: dict) -> dict:
         model_opts: dict = {}
         source = f"[trainer.options] dataset_factory {o.dataset_factory!r}"
     else:
-        train, test, model_opts = load_for_model(o.model)
+        block = o.model_options.get("block")
+        train, test, model_opts = load_for_model(o.model, **({"block": int(block)} if block else {}))
+        model_opts = {**model_opts, **o.model_options}
         source = f"the built-in data of model {o.model!r}"
-    if o.target_accuracy and test is None:
+    if (o.target_accuracy or o.target_loss) and test is None:
         raise torch_data.DataError(f"[trainer.options] target_accuracy: {source} has no test set (None) to "
                                    "measure accuracy on; unset target_accuracy or return a test set")
     rank, world = swarm.rank_and_world(o.world or None)
@@ -128,11 +146,17 @@ def run(swarm, options: dict) -> dict:
         raise torch_data.DataError(f"[trainer.options] world: shard {rank} of {world} of {source}'s train set is "
                                    "empty; use fewer shards (world) or more data")
     model = (_user_model(o.model_factory) if o.model_factory else seeded_model(o.model, o.seed, **model_opts)).to(device)
-    # The same wrapper a user's own loop uses (peertrain/optimizer.py): it shares the parameters as group
-    # "model" and averages every `average_every` steps, so hosted and attached peers train one model together.
-    opt = GossipOptimizer(make_optimizer(model.parameters(), hp["optimizer"], lr=hp["lr"], momentum=hp["momentum"],
-                                         weight_decay=hp["weight_decay"]),
-                          swarm, mode=o.mode, average_every=o.average_every, join=False)
+    # The same wrappers a user's own loop uses (peertrain/): they share the parameters as group "model" and
+    # average every `average_every` steps, or take an outer step every `inner_steps` (mode "local").
+    inner = make_optimizer(model.parameters(), hp["optimizer"], lr=hp["lr"], momentum=hp["momentum"],
+                           weight_decay=hp["weight_decay"])
+    if o.mode == "local":
+        opt = LocalStepsOptimizer(inner, swarm, inner_steps=o.inner_steps, outer_lr=o.outer_lr,
+                                  outer_momentum=o.outer_momentum, nesterov=o.outer_nesterov,
+                                  codec=o.outer_codec or None, error_feedback=o.outer_error_feedback,
+                                  background=o.outer_background, mode=o.outer_averaging, join=False)
+    else:
+        opt = GossipOptimizer(inner, swarm, mode=o.mode, average_every=o.average_every, join=False)
     group, lock = opt.shared, opt.shared.lock
     use_amp = o.amp and device.type == "cuda"
     scaler = torch.amp.GradScaler("cuda") if use_amp else None
@@ -166,14 +190,18 @@ def run(swarm, options: dict) -> dict:
     meta = {"trainer": "trainers.gossip_sgd", "mode": o.mode, "model": o.model_factory or o.model,
             "parameters": count_parameters(model), "device": str(device), "rank": rank, "world": world,
             "shard_size": shard_size, "total_steps": total_steps, "target_accuracy": o.target_accuracy,
+            "target_loss": o.target_loss,
             "resumed_from_step": resumed_from, "joined_at_step": joined_from, "state": "training"}
     swarm.publish(meta)
 
     def save() -> None:
-        with lock:
-            state = {"model": model.state_dict(), "optimizer": opt.optimizer.state_dict(), "step": step,
-                     "model_name": o.model_factory or o.model, "options": asdict(o)}
-            swarm.save_checkpoint(state)
+        # the inner optimizer's state as it is (gossip modes), or with the outer weights and momentum (local:
+        # copies taken under the group's lock by the wrapper itself)
+        opt_state = opt.state_dict() if o.mode == "local" else opt.optimizer.state_dict()
+        with lock:  # the model as one cut (in gossip modes the daemon updates it in place)
+            model_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        swarm.save_checkpoint({"model": model_state, "optimizer": opt_state, "step": step,
+                               "model_name": o.model_factory or o.model, "options": asdict(o)})
 
     swarm.on_checkpoint_request(save)
     gen = torch.Generator().manual_seed(o.seed * 7919 + rank * 104729 + step)
@@ -235,10 +263,11 @@ def run(swarm, options: dict) -> dict:
                     raise torch_data.DataError(
                         f"[trainer.options] target_accuracy: the model's output on {source}'s test set is not class "
                         "logits for integer labels, so there is no accuracy to reach; unset target_accuracy")
-                if o.target_accuracy and acc >= o.target_accuracy:
+                if (o.target_accuracy and acc >= o.target_accuracy) or (o.target_loss and test_loss <= o.target_loss):
                     reached = True
                     target_info = {"target_step": step, "seconds_to_target": round(time.monotonic() - t0, 3),
-                                   "epochs_to_target": epoch_at(step), "accuracy_at_target": acc}
+                                   "epochs_to_target": epoch_at(step), "accuracy_at_target": acc,
+                                   "loss_at_target": test_loss}
             now = time.monotonic()
             if evaluate_now or now - last_pub > 1.0:
                 last_pub = now
@@ -246,6 +275,7 @@ def run(swarm, options: dict) -> dict:
                 swarm.publish({"step": step, "epoch": epoch_at(step), "loss": loss_val,
                                "accuracy": acc, "test_loss": test_loss, "samples_per_s": samples / max(elapsed, 1e-9),
                                "elapsed_s": round(elapsed, 3), "consensus_distance": group.last_distance,
+                               **({"rounds": opt.rounds, "rounds_skipped": opt.skipped} if o.mode == "local" else {}),
                                "neighbours": len(swarm.neighbours())})
             if o.checkpoint_every and step % o.checkpoint_every == 0:
                 save()

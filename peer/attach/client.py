@@ -119,12 +119,14 @@ class AttachedSwarm:
         self._last_poll: dict = {}
 
     # -- averaging ------------------------------------------------------------------------------------
-    def share(self, name: str, tensors: dict[str, Any]) -> SharedGroup:
+    def share(self, name: str, tensors: dict[str, Any], *, codec: str | None = None, error_feedback: bool = False,
+              averaged: bool = True) -> SharedGroup:
         """Share `tensors` (pass parameters themselves, e.g. dict(model.named_parameters()): a CPU tensor is
-        re-homed into shared memory, so a copy such as `p.data` would leave the model out) as group `name`."""
+        re-homed into shared memory, so a copy such as `p.data` would leave the model out) as group `name`.
+        `codec`, `error_feedback`, `averaged`: as the hosted Swarm's `share` (peer/trainer_host.py)."""
         group = SharedGroup(self, name, tensors)
         try:
-            self._request(wire.Share(name, group.specs), fds=[group.segment.fd])
+            self._request(wire.Share(name, group.specs, codec or "", error_feedback, averaged), fds=[group.segment.fd])
         except BaseException:
             group.close()
             raise

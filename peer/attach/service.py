@@ -262,7 +262,8 @@ class AttachService:
         except (ValueError, OSError) as exc:
             raise AttachRefused(f"cannot map the segment of group {req.group!r}: {exc}") from None
         client.segments[req.group] = seg
-        self.gossip.register(SharedTensors(req.group, seg.arrays(), lock=seg.lock))
+        self.gossip.register(SharedTensors(req.group, seg.arrays(), lock=seg.lock, codec=req.codec or None,
+                                           error_feedback=req.error_feedback, averaged=req.averaged))
         log.info("process %d shares group %s: %d tensors, %.1f MiB", client.pid, req.group, len(slots), size / 2**20)
         return {"bytes": size}
 

@@ -17,6 +17,7 @@ import msgpack
 
 from peer.attach.shm import SEGMENT_DTYPES
 from protocol.schema.topology import MAX_GROUP_CHARS
+from protocol.tensor_codec import CODECS
 from peer.control import pack  # noqa: F401  (re-exported) the control socket's framing: a u32 length, then msgpack
 
 PROTOCOL = 1  # bumped when a request changes meaning; a client of another version is refused at attach
@@ -59,10 +60,14 @@ def _int(v: Any, what: str, lo: int, hi: int) -> int:
 
 @dataclass(frozen=True)
 class Share:
-    """Average these tensors (they live in the segment sent with this request) as group `group`."""
+    """Average these tensors (they live in the segment sent with this request) as group `group`: with `codec`
+    ("" for the daemon's), error feedback or not, or only serve them to joining partners (`averaged` false)."""
 
     group: str
     specs: list[tuple[str, str, tuple[int, ...]]]
+    codec: str = ""
+    error_feedback: bool = False
+    averaged: bool = True
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,14 @@ def decode(obj: Any) -> Request:
                 raise WireError(f"share.specs[{i}].shape: expected at most {MAX_DIMS} dimensions")
             shape = tuple(_int(d, f"share.specs[{i}].shape", 0, 1 << 40) for d in s[2])
             specs.append((name, s[1], shape))
-        return Share(_group(obj.get("group"), "share.group"), specs)
+        codec = obj.get("codec", "")
+        if codec not in ("", *CODECS):
+            raise WireError(f"share.codec: expected one of {', '.join(CODECS)} (or empty: the daemon's)")
+        flags = {k: obj.get(k, default) for k, default in (("error_feedback", False), ("averaged", True))}
+        for k, v in flags.items():
+            if not isinstance(v, bool):
+                raise WireError(f"share.{k}: expected true or false")
+        return Share(_group(obj.get("group"), "share.group"), specs, codec, **flags)
     if op == "unshare":
         return Unshare(_group(obj.get("group"), "unshare.group"))
     if op == "average":
@@ -162,7 +174,8 @@ def decode(obj: Any) -> Request:
 def encode(req: Request) -> dict:
     """The msgpack form of a request (the client's side of `decode`)."""
     if isinstance(req, Share):
-        return {"op": "share", "group": req.group, "specs": [[n, d, list(s)] for n, d, s in req.specs]}
+        return {"op": "share", "group": req.group, "specs": [[n, d, list(s)] for n, d, s in req.specs],
+                "codec": req.codec, "error_feedback": req.error_feedback, "averaged": req.averaged}
     if isinstance(req, Unshare):
         return {"op": "unshare", "group": req.group}
     if isinstance(req, Average):

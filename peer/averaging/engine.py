@@ -157,7 +157,8 @@ class GossipEngine(ParamsDownload):
         # (a partner whose record says it does not share the group would refuse: not asked)
         nbrs = [p for p in self.partners(group) if p not in self.initiating and self.bans.banned(p, now) is None
                 and self.topology.holds(p, group) is not False]
-        if not nbrs or group not in self.groups:  # (unshared meanwhile: a client that detached)
+        g = self.groups.get(group)
+        if not nbrs or g is None or not g.averaged:  # (unshared meanwhile, or download only)
             return []
         targets = [random.choice(nbrs)] if mode == "one" else nbrs
         rule = "pairwise" if mode == "one" else "metropolis"
@@ -223,15 +224,18 @@ class GossipEngine(ParamsDownload):
         theirs: IncomingGroup | None = None
         offer_rid = 0
         w = 0.0
+        codec = group.codec or self.cfg.codec
+        carried = committed = False  # error feedback: our residual rides on this exchange / it committed
         try:  # from the reservation on: whatever happens, the finally below gives it back
             own = await trio.to_thread.run_sync(group.snapshot)
-            sent = await trio.to_thread.run_sync(group.as_sent, own, self.cfg.codec)
+            carried = group.add_residual(own, codec)
+            sent = await trio.to_thread.run_sync(group.as_sent, own, codec)
             if peer_id in self.inflight:  # their offer won a collision while we took the snapshot
                 x.handle(Event.FAIL, "lost a collision")
                 return ExchangeResult(peer_id, False, "exchange with this peer already in flight")
             ours = OutgoingGroup(session, group.specs)
             offer = AverageOffer(group=group_name, tensors=group.specs, streams=ours.streams, max_weight=max_weight,
-                                 rule=rule, codec=self.cfg.codec, step=group.step)
+                                 rule=rule, codec=codec, step=group.step)
             with trio.fail_after(hold_seconds(group.nbytes, self.cfg.exchange_timeout)):
                 replies: list = []
                 offer_rid = session.new_request_id()
@@ -245,7 +249,7 @@ class GossipEngine(ParamsDownload):
                         theirs = IncomingGroup(session, env.message.streams, group.specs, as_torch=group.is_torch)
                     replies.append(env)
 
-                await together(ask, lambda: ours.send(own, codec=self.cfg.codec, after=announced))
+                await together(ask, lambda: ours.send(own, codec=codec, after=announced))
                 env = replies[0]
                 reply = env.message
                 if isinstance(reply, AverageReject):
@@ -266,6 +270,7 @@ class GossipEngine(ParamsDownload):
                 with trio.CancelScope(shield=True):
                     await session.send_message(AverageCommit(exchange=env.reply_to))
                 x.handle(Event.COMMIT)
+                committed = True
             with trio.CancelScope(shield=True):  # committed: the server applies, so we must too (the sum)
                 scale = await trio.to_thread.run_sync(
                     lambda: group.apply(w, others, sent, max_ratio=self.cfg.max_update_ratio))
@@ -287,6 +292,8 @@ class GossipEngine(ParamsDownload):
             if owed.send_abort:
                 await session.send_best_effort(AverageAbort(exchange=offer_rid, reason=x.reason))
             self.initiating.pop(peer_id, None)
+            if own is not None:
+                group.keep_residual(carried, own, sent if committed else own, committed)
             # (their tensors are expected from the accept on, also when we failed before handling it)
             if theirs is not None and (owed.discard_incoming or x.state is State.FAILED):
                 theirs.discard()
@@ -332,6 +339,8 @@ class GossipEngine(ParamsDownload):
         group = self.groups.get(offer.group)
         if group is None:
             reason = f"no group {offer.group!r} here"
+        elif not group.averaged:
+            reason = f"group {offer.group!r} is not averaged here (only downloaded by joining peers)"
         elif [(s.name, s.dtype, list(s.shape)) for s in offer.tensors] != [(s.name, s.dtype, list(s.shape)) for s in group.specs]:
             reason = "tensor specs differ from ours"
         elif len(offer.streams) != len(group.specs):
@@ -376,12 +385,15 @@ class GossipEngine(ParamsDownload):
         x, theirs = served.exchange, served.theirs
         t0 = trio.current_time()
         own: list[Any] | None = None
+        codec = group.codec or self.cfg.codec
+        carried = committed = False  # error feedback, as in `exchange`
         try:
             # The initiator commits within hold_seconds of its offer or not at all; the slack lets a commit in
             # flight arrive. Past that, the weight we hold for it is freed and the lapse counts against it.
             with trio.fail_after(hold_seconds(group.nbytes, self.cfg.exchange_timeout) + COMMIT_SLACK_S):
                 own = await trio.to_thread.run_sync(group.snapshot)
-                sent = await trio.to_thread.run_sync(group.as_sent, own, self.cfg.codec)
+                carried = group.add_residual(own, codec)
+                sent = await trio.to_thread.run_sync(group.as_sent, own, codec)
                 if served.abort_reason is not None:  # they gave up while we took the snapshot: send nothing
                     x.handle(Event.ABORT, served.abort_reason)
                     self.stats.failed += 1
@@ -397,7 +409,7 @@ class GossipEngine(ParamsDownload):
 
                 # Even after an abort both transfers run to their end (the initiator's is already
                 # complete by then): a tensor cut off mid-stream would stay half-received at the other end.
-                await together(receive, lambda: ours.send(own, codec=self.cfg.codec))
+                await together(receive, lambda: ours.send(own, codec=codec))
                 x.handle(Event.RECEIVED)
                 await served.decided.wait()
             if served.abort_reason is not None:
@@ -407,6 +419,7 @@ class GossipEngine(ParamsDownload):
                 self._lapsed(session.peer_id, "aborted an exchange we had accepted")
                 return
             x.handle(Event.COMMIT)
+            committed = True
             with trio.CancelScope(shield=True):  # the initiator committed and applies: so must we (the sum)
                 scale = await trio.to_thread.run_sync(
                     lambda: group.apply(w, others, sent, max_ratio=self.cfg.max_update_ratio))
@@ -434,6 +447,7 @@ class GossipEngine(ParamsDownload):
             if x.end("cancelled").discard_incoming:
                 theirs.discard()
             if own is not None:
+                group.keep_residual(carried, own, sent if committed else own, committed)
                 group.release(own)  # sent, and applied or abandoned: nothing reads our cut anymore
             self.served.pop(key, None)
             self.inflight.pop(session.peer_id, None)

@@ -18,7 +18,7 @@ from peer.averaging.bounds import cannot_clip, update_scale
 from protocol.limits import DEFAULT_LIMITS
 from protocol.schema.gossip import TensorSpec
 from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
-from protocol.tensor_codec import FLOAT_DTYPES, TensorDecoder, TensorEncoder
+from protocol.tensor_codec import CODECS, FLOAT_DTYPES, TensorDecoder, TensorEncoder
 
 MAX_SPARE = 1  # idle buffer sets kept per group: bounds the memory this costs to one copy
 APPLY_BLOCK_BYTES = 1 << 20  # a block and its two operands stay in L2
@@ -37,7 +37,8 @@ class SharedTensors:
     (an optimizer step); the engine takes it to snapshot them and to add an exchange's update.
     """
 
-    def __init__(self, name: str, tensors: dict[str, Any], *, lock: threading.Lock | None = None):
+    def __init__(self, name: str, tensors: dict[str, Any], *, lock: threading.Lock | None = None,
+                 codec: str | None = None, error_feedback: bool = False, averaged: bool = True):
         for key, t in tensors.items():
             if not (t.flags.c_contiguous if isinstance(t, np.ndarray) else t.is_contiguous()):
                 raise ValueError(f"tensor {key!r} of group {name!r} is not contiguous: the engine updates it in "
@@ -46,8 +47,15 @@ class SharedTensors:
                 raise ValueError(f"tensor {key!r} of group {name!r} is {_dtype_name(t)}: averaging adds fractional "
                                  f"weights in place, so share only floating-point tensors ({', '.join(sorted(FLOAT_DTYPES))}); "
                                  "keep counters such as BatchNorm's num_batches_tracked out of the group")
+        if codec is not None and codec not in CODECS:
+            raise ValueError(f"group {name!r}: codec {codec!r} is not one of {', '.join(CODECS)}")
         self.name = name
         self.tensors = dict(tensors)
+        self.codec = codec  # how its exchanges encode it (None: the daemon's [gossip] codec)
+        self.error_feedback = error_feedback  # carry a lossy codec's rounding into the next exchange
+        self.averaged = averaged  # False: served to joining partners (download) but never averaged
+        self._residual: list[Any] | None = None  # what lossy sends left out so far (error feedback)
+        self._residual_busy = False  # one exchange at a time carries the residual
         self.lock = lock or threading.Lock()
         self.step = 0  # the trainer's step, shared in offers so late joiners can tell who is ahead
         self.is_torch = not all(isinstance(t, np.ndarray) for t in self.tensors.values())
@@ -95,6 +103,35 @@ class SharedTensors:
             got = decoder.finish()
             out.append(got.to_torch() if self.is_torch else got.array)
         return out
+
+    def add_residual(self, own: list[Any], codec: str) -> bool:
+        """Error feedback, before a lossy send: add to our snapshot `own` (in place) what earlier sends left out,
+        and reserve the residual for this exchange (True), unless another exchange holds it or there is nothing
+        to carry. Why it keeps the sum and still converges: both sides apply w * (q(b + r_b) - q(a + r_a)), so
+        the pair's updates cancel exactly; each side's rounding error is the change of its residual, which
+        telescopes over exchanges instead of adding up (`keep_residual`)."""
+        if not self.error_feedback or codec == "raw" or self._residual_busy:
+            return False
+        self._residual_busy = True
+        if self._residual is not None:
+            for o, r in zip(own, self._residual):
+                o += r
+        return True
+
+    def keep_residual(self, reserved: bool, own: list[Any], sent: list[Any], committed: bool) -> None:
+        """After the exchange: if it committed, the new residual is what this send left out (own - sent);
+        if it did not, the old one stands. Releases the reservation of `add_residual`."""
+        if not reserved:
+            return
+        try:
+            if committed:
+                if self._residual is None:
+                    self._residual = [o - s for o, s in zip(own, sent)]
+                else:
+                    for r, o, sv in zip(self._residual, own, sent):
+                        r[...] = o - sv
+        finally:
+            self._residual_busy = False
 
     def release(self, bufs: list[Any]) -> None:
         """Hand back a snapshot, or received tensors of the same specs, once nothing reads them anymore."""

@@ -1,0 +1,164 @@
+"""LocalStepsOptimizer: many local steps, then an outer step, gossiped, for peers on slow links.
+
+DiLoCo's recipe (inner steps with any optimizer, then an outer Nesterov step on the pseudo-gradient) without
+its all-reduce: no global round, no barrier, a peer that leaves mid-round is only skipped.
+
+    opt = peertrain.LocalStepsOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), swarm, inner_steps=100)
+
+Every `inner_steps` steps, each peer:
+  1. forms its pseudo-gradient: where the round began minus where the inner steps took the model;
+  2. takes a local outer step on its outer ("slow") weights with it: SGD with Nesterov momentum;
+  3. averages the outer weights, not the pseudo-gradients, pairwise with a neighbour. Why: without an
+     all-reduce nothing else pulls the replicas together; averaging only pseudo-gradients would let each
+     peer's weights drift by what its mixes left out. When the weights agree, averaging them after each
+     peer's step equals DiLoCo's step on the averaged pseudo-gradient (the outer momentum is linear in it);
+  4. starts the next round from its outer weights.
+The exchange runs in the background while the next round's inner steps run (`background=True`): it lands in
+the outer weights, so the model sees it one round later (a staleness of one round; Streaming DiLoCo overlaps
+the same way). `codec` ("float16", "q8") compresses what is exchanged; with `error_feedback` what a send
+rounded off is carried into the next one (peer/averaging/shared.py: the swarm's sum is kept exactly and the
+rounding telescopes instead of adding up). The outer weights and momentum live on the CPU in float32 (a GPU
+model's memory holds only its inner copy); a joining peer downloads both from a partner.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+MODES = ("one", "all")
+
+
+class LocalStepsOptimizer(torch.optim.Optimizer):
+    """Wraps `optimizer` (the inner one); every `inner_steps` of its steps, an outer step and gossip."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, swarm: Any, *, inner_steps: int = 50, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, nesterov: bool = True, codec: str | None = None,
+                 error_feedback: bool = True, background: bool = True, mode: str = "one", group: str = "model",
+                 join: bool = True):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"LocalStepsOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
+            raise ValueError(f"inner_steps: expected an integer >= 1, got {inner_steps!r}")
+        if not (isinstance(outer_lr, (int, float)) and 0 < outer_lr <= 10):
+            raise ValueError(f"outer_lr: expected a number in (0, 10], got {outer_lr!r}")
+        if not (isinstance(outer_momentum, (int, float)) and 0 <= outer_momentum < 1):
+            raise ValueError(f"outer_momentum: expected a number in [0, 1), got {outer_momentum!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+        self.optimizer, self.swarm = optimizer, swarm
+        self.inner_steps, self.outer_lr, self.outer_momentum = inner_steps, float(outer_lr), float(outer_momentum)
+        self.nesterov, self.background, self.mode, self.group_name = nesterov, background, mode, group
+        self.defaults, self.param_groups, self.state = optimizer.defaults, optimizer.param_groups, optimizer.state
+        for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                      "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, hooks, OrderedDict())
+        params, seen = [], set()
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) not in seen and p.is_floating_point():
+                    seen.add(id(p))
+                    params.append(p)
+        if not params:
+            raise ValueError("the optimizer has no floating-point parameters")
+        self.params = {f"p{i}": p for i, p in enumerate(params)}  # named by position, as GossipOptimizer
+        self.slow = {k: p.detach().to("cpu", torch.float32, copy=True).contiguous() for k, p in self.params.items()}
+        self.momentum = {k: torch.zeros_like(t) for k, t in self.slow.items()}
+        self.shared = swarm.share(group, self.slow, codec=codec, error_feedback=error_feedback)
+        self.outer_state = swarm.share(f"{group}.outer", self.momentum, averaged=False)  # for joiners only
+        self.start = {k: t.clone() for k, t in self.slow.items()}  # the outer weights this round began from
+        self.local_step = 0  # inner steps in all
+        self.rounds = 0  # outer steps taken
+        self.skipped = 0  # rounds whose exchange could not start (the previous one still ran)
+        self.joined_at_step: int | None = None
+        if join:
+            self.join()
+
+    # -- joining --------------------------------------------------------------------------------------
+    def join(self) -> int | None:
+        """Start from a partner's outer weights and momentum if one has trained already: its step, or None."""
+        step = self.swarm.download(self.group_name)
+        if step is not None:
+            self.swarm.download(f"{self.group_name}.outer", min_step=0)  # momentum: best effort
+            self.local_step = self.shared.step = step
+            self._restart_round()
+        self.joined_at_step = step
+        return step
+
+    # -- the optimizer --------------------------------------------------------------------------------
+    def step(self, closure=None):
+        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self.local_step += 1
+        self.shared.step = self.local_step
+        if self.local_step % self.inner_steps == 0:
+            self.outer_step()
+        return loss
+
+    @torch.no_grad()
+    def outer_step(self) -> None:
+        """The round's end (also called by `step`): pseudo-gradient, outer step, gossip, next round."""
+        mu, lr = self.outer_momentum, self.outer_lr
+        with self.shared.lock, self.outer_state.lock:
+            for k, p in self.params.items():
+                delta = self.start[k] - p.detach().to("cpu", torch.float32)  # the pseudo-gradient
+                m = self.momentum[k]
+                m.mul_(mu).add_(delta)
+                self.slow[k].sub_(delta.add_(m, alpha=mu) if self.nesterov else m, alpha=lr)
+        self.rounds += 1
+        if self.background:
+            if not self.swarm.average_in_background(self.group_name, mode=self.mode):
+                self.skipped += 1
+        else:
+            self.swarm.average(self.group_name, mode=self.mode)
+        self._restart_round()
+
+    def _restart_round(self) -> None:
+        """The next round starts from the outer weights as they are now (an exchange may land in them any time
+        after: taken under the lock, so `start` and the model hold the same cut)."""
+        with torch.no_grad(), self.shared.lock:
+            for k, p in self.params.items():
+                self.start[k].copy_(self.slow[k])
+                p.copy_(self.slow[k].to(p.device, p.dtype))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise RuntimeError("LocalStepsOptimizer shares its parameters when it is made: add parameter groups to "
+                           "the inner optimizer before wrapping it")
+
+    def state_dict(self) -> dict:
+        with self.shared.lock:
+            outer = {"slow": {k: t.clone() for k, t in self.slow.items()},
+                     "momentum": {k: t.clone() for k, t in self.momentum.items()},
+                     "start": {k: t.clone() for k, t in self.start.items()}}
+        return {"optimizer": self.optimizer.state_dict(), "outer": outer,
+                "local_steps": {"step": self.local_step, "rounds": self.rounds, "inner_steps": self.inner_steps}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Ours (from `state_dict`), or a plain state dict of the inner optimizer."""
+        if set(state_dict) != {"optimizer", "outer", "local_steps"}:
+            self.optimizer.load_state_dict(state_dict)
+            return
+        outer = state_dict["outer"]
+        for part in ("slow", "momentum", "start"):
+            if set(outer[part]) != set(self.slow) or any(outer[part][k].shape != self.slow[k].shape for k in self.slow):
+                raise ValueError(f"this state's outer {part} tensors do not match the model's parameters")
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        with self.shared.lock, self.outer_state.lock:
+            for k in self.slow:
+                self.slow[k].copy_(outer["slow"][k])
+                self.momentum[k].copy_(outer["momentum"][k])
+                self.start[k].copy_(outer["start"][k])
+        counts = state_dict["local_steps"]
+        self.local_step = self.shared.step = int(counts.get("step", 0))
+        self.rounds = int(counts.get("rounds", 0))
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+
+    def __repr__(self) -> str:
+        return (f"LocalStepsOptimizer({self.optimizer!r}, inner_steps={self.inner_steps}, outer_lr={self.outer_lr}, "
+                f"outer_momentum={self.outer_momentum}, nesterov={self.nesterov})")
