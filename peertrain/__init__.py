@@ -5,7 +5,8 @@
     opt = peertrain.GossipOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), swarm)
     loader = DataLoader(peertrain.shard(train_set, swarm), batch_size=64, shuffle=True)
 
-`attach` and `start` return the Swarm handle a hosted trainer gets (peer/trainer_host.py): share tensors,
+Across slow links, `LocalStepsOptimizer` (many local steps, then an outer step, gossiped: peertrain/outer.py)
+takes GossipOptimizer's place. `attach` and `start` return the Swarm handle a hosted trainer gets (peer/trainer_host.py): share tensors,
 average (blocking or in the background), download parameters on join, publish metrics, checkpoints,
 membership news. Inside a torchrun job on one host every rank calls the same functions and the job is one
 peer (peertrain/distributed.py). The daemon averages the shared tensors in place, in shared memory.
@@ -18,8 +19,10 @@ from pathlib import Path
 from peer.attach.client import AttachedSwarm, AttachError, DaemonGone
 from peertrain.data import shard
 from peertrain.optimizer import GossipOptimizer
+from peertrain.outer import LocalStepsOptimizer
 
-__all__ = ["AttachError", "AttachedSwarm", "DaemonGone", "GossipOptimizer", "attach", "shard", "start"]
+__all__ = ["AttachError", "AttachedSwarm", "DaemonGone", "GossipOptimizer", "LocalStepsOptimizer", "attach", "shard",
+           "start"]
 
 
 def attach(home: str | Path | None = None, *, label: str = "", wait: float = 30.0, process_group=None):

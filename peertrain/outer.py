@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 MODES = ("one", "all")
+MOMENTUM_BOUND = 10.0  # a joiner's downloaded momentum may be at most this times the weights' norm: at momentum
+#                        0.9 it sums ~1/(1-0.9) = 10 rounds of pseudo-gradients, each far below the weights' norm
 
 
 class LocalStepsOptimizer(torch.optim.Optimizer):
@@ -83,10 +85,22 @@ class LocalStepsOptimizer(torch.optim.Optimizer):
         step = self.swarm.download(self.group_name)
         if step is not None:
             self.swarm.download(f"{self.group_name}.outer", min_step=0)  # momentum: best effort
+            self._check_momentum()
             self.local_step = self.shared.step = step
             self._restart_round()
         self.joined_at_step = step
         return step
+
+    @torch.no_grad()
+    def _check_momentum(self) -> None:
+        """A downloaded momentum sums pseudo-gradients, each a round's change of the weights: one larger than
+        MOMENTUM_BOUND times the weights' norm is not a momentum but a push, and is dropped (we start at 0)."""
+        with self.shared.lock, self.outer_state.lock:
+            m = sum(float(t.double().pow(2).sum()) for t in self.momentum.values()) ** 0.5
+            w = sum(float(t.double().pow(2).sum()) for t in self.slow.values()) ** 0.5
+            if not m <= MOMENTUM_BOUND * w:  # (NaN included)
+                for t in self.momentum.values():
+                    t.zero_()
 
     # -- the optimizer --------------------------------------------------------------------------------
     def step(self, closure=None):

@@ -151,7 +151,8 @@ def test_readme_is_short():
     # ~17 KB: a few screens; it grew past 15 KB with the second training mode (the swarm pipeline), and
     # past 16 KB with joining across the internet (NAT, relays, `peer doctor`), what users ask most about, and
     # past 18 KB with training from one's own script (attach, the optimizer wrapper, several GPUs as one peer)
-    assert size < 19_500, f"README.md is {size} bytes; move narrative to docs/ (design.md, benchmarks.md)"
+    # and training across slow links (local steps, an outer optimizer, 8-bit exchanges)
+    assert size < 20_500, f"README.md is {size} bytes; move narrative to docs/ (design.md, benchmarks.md)"
 
 
 def test_config_reference_matches_the_code():

@@ -86,8 +86,11 @@ class ParamsDownload:
                     raise ProtocolError("params reply has the wrong number of tensors")
                 values = await theirs.receive(timeout=self.cfg.exchange_timeout)
             # The same bound as an exchange, against our model: a download replaces it, so refuse, never clip.
+            # A download-only group still all zeros (a fresh outer momentum) has no norm to bound against: its
+            # trainer bounds it against the weights it downloaded with it (peertrain/outer.py, `join`).
             dist = await trio.to_thread.run_sync(group.distance_sq, values)
-            if not download_ok(*dist, self.cfg.max_update_ratio):
+            fresh_state = not group.averaged and dist[1] == 0.0
+            if not fresh_state and not download_ok(*dist, self.cfg.max_update_ratio):
                 self.stats.clipped[peer_id] = self.stats.clipped.get(peer_id, 0) + 1
                 log.warning("refused parameters from %s: %.3g from ours, past max_update_ratio %g of the norms",
                             session.short, dist[0] ** 0.5, self.cfg.max_update_ratio)
