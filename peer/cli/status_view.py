@@ -158,6 +158,8 @@ def render_status(st: dict):
         t.add_row("held-out acc", f"{acc * 100:.2f}%" if acc is not None else "-")
         cd = tr.get("consensus_distance")
         t.add_row("consensus dist", f"{cd:.3e}" if cd is not None else "-")
+        if tr.get("rounds") is not None:  # local steps (mode = "local"): outer rounds, and exchanges skipped as busy
+            t.add_row("outer rounds", f"{tr['rounds']}   exchanges skipped {tr.get('rounds_skipped') or 0}")
         parts.append(Panel(t, title="training", box=box.ROUNDED, expand=False))
     return Group(*parts)
 
