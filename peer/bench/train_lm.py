@@ -8,6 +8,8 @@ mode sends to the same loss with 8-bit outer exchanges and error feedback (`loca
 
 from __future__ import annotations
 
+import statistics
+
 # The goals of issue 20 (reported with whether they were met; at 20 Mbit/s per host, 4 hosts)
 GOAL_LOCAL_TO_ALLREDUCE = 0.2  # local's time to the loss <= 0.2x all-reduce's
 GOAL_LOCAL_TO_ADPSGD = 0.5  # ... and <= 0.5x AD-PSGD's
@@ -42,6 +44,14 @@ def lm_figures(modes: dict, plan, a) -> dict:
                   "outer": "Nesterov SGD, lr 0.7, momentum 0.9 (gossip_sgd's defaults, DiLoCo's); outer weights "
                            "averaged pairwise with a random neighbour in the background"},
     }
+    def per_exchange(mode: str) -> float | None:  # bytes per exchange a peer took part in (median over runs)
+        runs = get(mode, "trials") or ([modes[mode]] if mode in modes else [])
+        each = [r["bytes_sent_after_joins_per_peer"] / (sum(r["exchanges_per_peer"]) / len(r["exchanges_per_peer"]))
+                for r in runs if r.get("bytes_sent_after_joins_per_peer") and all(r.get("exchanges_per_peer") or [0])]
+        return statistics.median(each) if each and len(each) == len(runs) else None
+
+    out["bytes_per_exchange_q8_to_float32"] = _ratio(per_exchange("local_q8"), per_exchange("local"))
+
     def per_trial(num: str, den: str, value) -> list | None:  # with --repeats: each interleaved pair's ratio
         pairs = zip(get(num, "trials") or [], get(den, "trials") or [])
         out = [_ratio(value(x), value(y)) if x.get("reached_target") and y.get("reached_target") else None
@@ -78,7 +88,9 @@ def lm_figures(modes: dict, plan, a) -> dict:
         "from its training start (seen within 0.25 s) until the bench saw every peer reach the loss (heartbeats "
         "and records included; all-reduce: its training loop); bytes_sent_per_peer of our modes also counts "
         "discovery, from daemon start; _after_joins: from when every peer trained, so without the float32 state "
-        "(model and outer momentum, ~0.9 MB) a peer that started late downloaded from one already training",
+        "(model and outer momentum, ~0.9 MB) a peer that started late downloaded from one already training; "
+        "bytes_per_exchange_: those bytes over the exchanges a peer took part in (a faster exchange is skipped "
+        "less, so 8-bit peers exchange more often to the same loss)",
         "no latency is added to the links: tbf only (this kernel has no netem qdisc)",
         f"ratios are of the medians of {plan.repeats} interleaved runs per mode; trials_*: each run's own",
         "profile: seconds per step = batch / samples per second, each mode's own average over its run (evaluation "
