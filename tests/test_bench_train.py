@@ -125,7 +125,8 @@ def test_bench_train_language_model_smoke() -> None:
     assert all(x <= 2.9 for x in modes["local"]["test_loss_at_target_per_peer"])
     assert modes["allreduce"]["test_loss_at_target"] <= 2.9
     assert modes["local"]["rounds_per_peer"] and all(r >= 1 for r in modes["local"]["rounds_per_peer"])
-    for key, num, den in (("ratio_local_to_allreduce", "local", "allreduce"), ("ratio_local_to_adpsgd", "local", "adpsgd")):
+    for key, num, den in (("ratio_local_to_allreduce", "local", "allreduce"),
+                          ("ratio_local_to_adpsgd", "local", "adpsgd")):
         assert result[key] == pytest.approx(modes[num]["seconds_to_target"] / modes[den]["seconds_to_target"], rel=0.01)
     assert result["bytes_ratio_q8_to_float32"] == pytest.approx(
         modes["local_q8"]["bytes_sent_per_peer"] / modes["local"]["bytes_sent_per_peer"], rel=0.01)

@@ -23,15 +23,16 @@ LM_MODEL = "char_transformer"
 LM_MODES = "local,local_q8,adpsgd,allreduce"  # local_q8: 8-bit outer exchanges with error feedback, vs local's float32
 LM_MODEL_OPTIONS = {"d_model": 64, "n_layers": 2, "n_heads": 4, "block": 32}  # 110,529 parameters, 442 KB
 LM_BATCH = 16  # per worker: a step is ~18 ms of compute on one core, so a 20 Mbit/s all-reduce (~0.27 s) dominates it
-LM_TARGET_LOSS = 2.45  # every mode reaches it in 80-200 steps (all-reduce ~80, 4 local peers ~200), from ln(65) = 4.17
+LM_TARGET_LOSS = 2.45  # every mode reaches it, from ln(65) = 4.17: all-reduce in 80 steps, gossip peers in 60-180
 LM_MAX_STEPS = 400  # step budget per peer/rank: 2x what the slowest mode needs, so a slow run is still timed
 LM_EVAL_EVERY = 10  # steps between evaluations (all-reduce's ~0.3 s steps: a 3 s resolution)
 LM_EVAL_SAMPLES = 512  # the first 512 held-out windows (16k tokens, ~0.2 s): all 2,380 take 0.86 s, ~48 steps' compute
-LM_INNER_STEPS = 20  # H: 4 local peers reach ~2.39 in 200 steps; an exchange (~0.2 s at 20 Mbit/s) hides behind 20 steps
+LM_INNER_STEPS = 20  # H: a float32 exchange (~0.4 s at 20 Mbit/s) hides behind a round (~0.6 s); H=10 skipped up to
+#                       45% of rounds' exchanges and was slower, H=40 no faster (docs/benchmarks.md, 2026-11-26)
 LM_REPEATS = 3  # a gossip run to the loss takes ~5 s, of which peers' start skew alone is up to 2 s: take a median
 # A fixed ring (degree 2, as TRAIN_DEGREE): with every link alike rewiring has nothing to route around, and its
-# bandwidth probes (256 KiB per connected peer every 10 s, ~77 KB/s per peer) would weigh as much as the 8-bit
-# exchanges of this 442 KB model over a 10 s run: the q8/float32 bytes would measure probes, not averaging.
+# bandwidth probes (256 KiB to each connected peer every 10 s: ~90 KB/s per peer idle, a ring 8 KB/s) weigh as much
+# as this 442 KB model's 8-bit exchanges in a 5 s run: the q8/float32 bytes would measure probes, not averaging.
 LM_TOPOLOGY = "ring"
 
 
@@ -118,21 +119,25 @@ def gossip_arguments(p: Parser) -> None:
 def train_arguments(p: Parser) -> None:
     p.add_argument("--n", type=int, default=4, help="peers / ranks (default 4)")
     p.add_argument("--model", default=None,
-                   help="digits_mlp (default), digits_cnn, digits_wide_mlp (default with --netns: 9.9 MB of parameters), "
+                   help="digits_mlp (default), digits_cnn, digits_wide_mlp (default with --netns: 9.9 MB of "
+                        "parameters), "
                         f"{LM_MODEL} (a language model sized {LM_MODEL_OPTIONS}: timed to a held-out loss, "
                         f"batch {LM_BATCH}, evaluated on the first {LM_EVAL_SAMPLES} held-out windows)")
-    p.add_argument("--target", type=float, default=None, help="held-out accuracy to reach (default 0.95; digits models)")
+    p.add_argument("--target", type=float, default=None,
+                   help="held-out accuracy to reach (default 0.95; digits models)")
     p.add_argument("--target-loss", type=float, default=None,
                    help=f"held-out loss to reach instead of an accuracy (default {LM_TARGET_LOSS} for {LM_MODEL})")
     p.add_argument("--modes", default=None,
                    help=f"comma-separated subset of {','.join(TRAIN_MODES)} (default {DIGITS_MODES}; {LM_MODES} for "
                         f"{LM_MODEL}). local: gossip_sgd mode local (--inner-steps local steps, then a DiLoCo outer "
-                        "Nesterov step, lr 0.7, momentum 0.9; outer weights averaged pairwise, float32); local_q8: the same "
-                        "with 8-bit outer exchanges and error feedback")
+                        "Nesterov step, lr 0.7, momentum 0.9; outer weights averaged pairwise, float32); local_q8: "
+                        "the same with 8-bit outer exchanges and error feedback")
     p.add_argument("--inner-steps", type=int, default=LM_INNER_STEPS, metavar="H",
-                   help=f"local modes: local steps per outer round; they evaluate at each round's end (default {LM_INNER_STEPS})")
+                   help=f"local modes: local steps per outer round; they evaluate at each round's end "
+                        f"(default {LM_INNER_STEPS})")
     p.add_argument("--eval-every", type=int, default=None,
-                   help=f"steps between evaluations (default 20; 5 for digits_wide_mlp; {LM_EVAL_EVERY} for {LM_MODEL}, "
+                   help=f"steps between evaluations (default 20; 5 for digits_wide_mlp; {LM_EVAL_EVERY} for "
+                        f"{LM_MODEL}, "
                         "local modes every H unless given)")
     p.add_argument("--max-steps", type=int, default=0,
                    help=f"budget: most steps per peer/rank (default {LM_MAX_STEPS} for {LM_MODEL}; else --epochs)")
@@ -307,7 +312,8 @@ BENCHES = {
                     "time to consensus per topology (rewired, ring, exponential, random_regular)",
                     gossip_arguments),
     "train": Bench("peer.bench.train",
-                   "AD-PSGD vs D-PSGD vs local steps vs gloo all-reduce data parallel: time to a target accuracy or loss",
+                   "AD-PSGD vs D-PSGD vs local steps vs gloo all-reduce data parallel: time to a target accuracy "
+                   "or loss",
                    train_arguments),
     "attach": Bench("peer.bench.attach",
                     "averaging from an attached process vs a hosted trainer (overhead), and bytes per host with "

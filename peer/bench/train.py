@@ -120,7 +120,8 @@ def run(args) -> int:
             rates = {i: a.link_mbit for i in range(a.n)} if a.link_mbit else {}
             if a.slow_link:
                 rates[a.n - 1] = a.slow_link
-            net = Net(lan=stack.enter_context(virtual_lan(a.n, prefix="ptb", subnet="10.78.0", rate_mbit=rates or None)))
+            lan = virtual_lan(a.n, prefix="ptb", subnet="10.78.0", rate_mbit=rates or None)
+            net = Net(lan=stack.enter_context(lan))
         if a.straggler:
             body = {"straggler": straggler(a, plan, net, root, modes)}
         else:
