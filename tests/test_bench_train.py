@@ -59,3 +59,77 @@ def test_bench_train_smoke() -> None:
     assert modes["adpsgd"]["seconds_to_target"] > 0 and modes["adpsgd"]["bytes_sent_per_peer"] > 0
     assert result["ratio_to_allreduce"] == pytest.approx(
         modes["adpsgd"]["seconds_to_target"] / modes["allreduce"]["seconds_to_target"], rel=0.01)
+
+
+def test_a_loss_target_is_reached_by_falling_to_it() -> None:
+    lines = [{"trainer": "trainers.gossip_sgd", "parameters": 10, "ts": 0.0}]
+    lines += [{"step": s, "elapsed_s": s / 10, "test_loss": loss, "accuracy": 0.3, "ts": s / 10 + 0.001,
+               **({"rounds": s // 20, "rounds_skipped": 0} if s < 60 else {})}
+              for s, loss in ((20, 2.9), (40, 2.44), (60, 2.40))]
+    p = peer_summary(lines, 2.45, "test_loss")
+    assert p["reached"] and p["steps_to_target"] == 40 and p["test_loss_at_target"] == 2.44
+    assert p["rounds"] == 2  # from the last line that has them (the trainer's final line does not)
+    assert not peer_summary(lines, 2.3, "test_loss")["reached"]
+    assert not peer_summary(lines, 0.0, "test_loss")["reached"]  # no target: never reached
+
+
+def test_local_modes_are_gossip_sgd_local_with_their_outer_codec() -> None:
+    from peer.bench.train_plan import Plan
+
+    plan = Plan("char_transformer", 2.45, 10, 0.0, {}, [], {}, {}, {}, metric="test_loss", inner_steps=20,
+                local_eval_every=20)
+    assert plan.mode_options("adpsgd") == {"mode": "adpsgd"}
+    assert plan.mode_options("local") == {"mode": "local", "inner_steps": 20, "eval_every": 20, "outer_codec": "raw"}
+    q8 = plan.mode_options("local_q8")
+    assert q8["mode"] == "local" and q8["outer_codec"] == "q8" and q8["outer_error_feedback"] is True
+
+
+def test_lm_figures_ratios_and_goals() -> None:
+    from argparse import Namespace
+
+    from peer.bench.train_lm import lm_figures
+    from peer.bench.train_plan import Plan
+
+    plan = Plan("char_transformer", 2.45, 10, 0.0, {"batch_size": 16, "eval_samples": 512}, [], {}, {}, {},
+                metric="test_loss", inner_steps=20, local_eval_every=20)
+    run = lambda s, b, sps: {"reached_target": True, "seconds_to_target": s, "bytes_sent_per_peer": b,  # noqa: E731
+                             "samples_per_s_per_peer": sps}
+    modes = {"local": run(10.0, 1000, 400.0), "local_q8": run(11.0, 250, 400.0), "adpsgd": run(25.0, 9000, 300.0),
+             "allreduce": {**run(40.0, 50000, 64.0), "bytes_sent_estimate_ring": 660_000 * 100, "steps_to_target": 100}}
+    f = lm_figures(modes, plan, Namespace(link_mbit=20.0))
+    assert f["ratio_local_to_allreduce"] == 0.25 and f["ratio_local_to_adpsgd"] == 0.4
+    assert f["bytes_ratio_q8_to_float32"] == 0.25 and f["bytes_per_peer_to_target"]["allreduce"] == 50000
+    modes["local"]["bytes_sent_training_per_peer"] = 800  # the training window counts where it was measured
+    assert lm_figures(modes, plan, Namespace(link_mbit=20.0))["bytes_ratio_q8_to_float32"] == 0.312
+    assert [g["met"] for g in f["goals"]] == [False, True, True]
+    assert f["profile"]["allreduce_s_per_step"] == 0.25 and f["profile"]["allreduce_link_s_per_step"] == 0.264
+    modes["local_q8"]["reached_target"] = False  # bytes to the loss only where the loss was reached
+    assert lm_figures(modes, plan, Namespace(link_mbit=0.0))["bytes_ratio_q8_to_float32"] is None
+
+
+@pytest.mark.slow
+def test_bench_train_language_model_smoke() -> None:
+    """Two peers per mode train the small char transformer to an easy loss on loopback: local (float32 and 8-bit
+    outer exchanges), AD-PSGD and gloo all-reduce; every figure of issue 20 comes out."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "peer", "bench", "train", "--model", "char_transformer", "--n", "2",
+         "--target-loss", "2.9", "--max-steps", "120", "--inner-steps", "10", "--repeats", "1", "--timeout", "60",
+         "--json"],
+        capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    modes = result["modes"]
+    assert set(modes) == {"local", "local_q8", "adpsgd", "allreduce"} and result["target_test_loss"] == 2.9
+    for mode, r in modes.items():
+        assert r["reached_target"] and r["seconds_to_target"] > 0 and r["bytes_sent_per_peer"] > 0, (mode, r)
+    assert all(x <= 2.9 for x in modes["local"]["test_loss_at_target_per_peer"])
+    assert modes["allreduce"]["test_loss_at_target"] <= 2.9
+    assert modes["local"]["rounds_per_peer"] and all(r >= 1 for r in modes["local"]["rounds_per_peer"])
+    for key, num, den in (("ratio_local_to_allreduce", "local", "allreduce"),
+                          ("ratio_local_to_adpsgd", "local", "adpsgd")):
+        assert result[key] == pytest.approx(modes[num]["seconds_to_target"] / modes[den]["seconds_to_target"], rel=0.01)
+    assert result["bytes_ratio_q8_to_float32"] == pytest.approx(
+        modes["local_q8"]["bytes_sent_per_peer"] / modes["local"]["bytes_sent_per_peer"], rel=0.01)
+    assert result["local"]["inner_steps"] == 10 and len(result["goals"]) == 3
+    assert all(g["value"] is not None and isinstance(g["met"], bool) for g in result["goals"])
+    assert all(result["profile"][f"{m}_s_per_step"] > 0 for m in modes)

@@ -4,7 +4,8 @@ It must differ from `trainers.gossip_sgd` only in how workers agree, or the comp
 else: same model and seeded init, same shard per rank (`partition`), same per-worker batch, optimizer, lr,
 batch order, eval set and `eval_every`, and the same recipe defaults (`gossip_sgd._recipe`). Each step the
 gradients are flattened into ONE buffer, all_reduce(SUM)/world, then every rank steps. Rank 0 evaluates
-every `eval_every` steps and broadcasts whether the target was reached, so every rank stops together.
+every `eval_every` steps and broadcasts whether the target (held-out accuracy, or loss for a language model)
+was reached, so every rank stops together.
 
 The clock starts after process-group init and a barrier (so rendezvous is excluded, as daemon start-up and
 discovery are for the gossip modes) and stops at the evaluation that reached the target.
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from trainers.baseline import batch_loss, evaluate, make_optimizer, seeded_model
-from trainers.datasets import load_for_model, partition
+from trainers.datasets import head, load_sized_model, partition
 from trainers.gossip_sgd import GossipSGDOptions, _recipe
 from trainers.models import count_parameters, pick_device
 
@@ -77,7 +78,8 @@ def train(a: argparse.Namespace) -> dict:
 
 def _train(a: argparse.Namespace, device: torch.device, backend: str) -> dict:
     hp = _hyperparams(a)
-    train_set, test_set, model_opts = load_for_model(a.model)
+    train_set, test_set, model_opts = load_sized_model(a.model, a.model_options)
+    test_set = head(test_set, a.eval_samples)  # gossip_sgd's eval_samples: the same held-out samples
     shard = train_set.subset(partition(len(train_set), a.rank, a.world, seed=a.seed))
     model = seeded_model(a.model, a.seed, **model_opts).to(device)
     opt = make_optimizer(model.parameters(), hp["optimizer"], lr=hp["lr"], momentum=hp["momentum"],
@@ -95,7 +97,7 @@ def _train(a: argparse.Namespace, device: torch.device, backend: str) -> dict:
     tx0 = tx_bytes(a.net_dev) if a.net_dev else None
     t0 = time.monotonic()
     step, samples, evals = 0, 0, 0
-    acc = loss_val = t_reached = None
+    acc = loss_val = test_loss = t_reached = None
     reached = False
     model.train()
     while step < total_steps and not reached:
@@ -120,8 +122,9 @@ def _train(a: argparse.Namespace, device: torch.device, backend: str) -> dict:
             if step % a.eval_every == 0 or step == total_steps:
                 evals += 1
                 if a.rank == 0:
-                    _, acc = evaluate(model, test_set, device)
-                    flag.fill_(1.0 if a.target and acc >= a.target else 0.0)
+                    test_loss, acc = evaluate(model, test_set, device)
+                    hit = (a.target and acc >= a.target) or (a.target_loss and test_loss <= a.target_loss)
+                    flag.fill_(1.0 if hit else 0.0)
                 dist.broadcast(flag, src=0)
                 if flag.item() > 0:
                     reached = True
@@ -137,20 +140,22 @@ def _train(a: argparse.Namespace, device: torch.device, backend: str) -> dict:
     dist.all_gather_object(everyone, mine)
     if a.rank != 0:
         return mine
-    _, final_acc = evaluate(model, test_set, device)
+    final_loss, final_acc = evaluate(model, test_set, device)
     grad_bytes = flat.numel() * flat.element_size()
     ring = 2 * (a.world - 1) / a.world
     estimate = ring * grad_bytes * step + evals * flag.element_size() * (a.world - 1) / a.world
     measured = [e["tx_bytes"] for e in everyone]
     return {
         "trainer": "trainers.allreduce_baseline", "backend": backend, "device": str(device), "world": a.world,
-        "model": a.model, "parameters": count_parameters(model), "gradient_bytes": grad_bytes,
-        "hyperparams": hp, "eval_every": a.eval_every, "target_accuracy": a.target,
+        "model": a.model, "model_options": a.model_options, "parameters": count_parameters(model),
+        "gradient_bytes": grad_bytes, "hyperparams": hp, "eval_every": a.eval_every, "eval_samples": len(test_set),
+        "target_accuracy": a.target, "target_loss": a.target_loss,
         "reached_target": reached, "seconds_to_target": round(t_reached, 3) if reached else None,
-        "steps_to_target": step if reached else None,
+        "steps_to_target": step if reached else None, "test_loss_at_target": test_loss if reached else None,
         "epochs_to_target": round(step / steps_per_epoch, 3) if reached else None,
         "steps": step, "epochs": round(step / steps_per_epoch, 3), "elapsed_s": round(elapsed, 3),
-        "accuracy": final_acc, "loss": loss_val, "last_eval_accuracy": acc,
+        "accuracy": final_acc, "test_loss": final_loss, "loss": loss_val, "last_eval_accuracy": acc,
+        "last_eval_test_loss": test_loss,
         "steps_per_s_per_worker": [round(e["steps"] / max(e["elapsed_s"], 1e-9), 3) for e in everyone],
         "samples_per_s_per_worker": [round(e["samples_per_s"], 1) for e in everyone],
         "samples_per_s_total": round(sum(e["samples_per_s"] for e in everyone), 1),
@@ -207,6 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spawn", action="store_true", help="start all --world ranks on this host")
     p.add_argument("--model", default="digits_mlp")
     p.add_argument("--target", type=float, default=0.0, help="stop when rank 0's held-out accuracy reaches it")
+    p.add_argument("--target-loss", type=float, default=0.0,
+                   help="stop when rank 0's held-out loss falls to it (gossip_sgd's target_loss; 0: none)")
+    p.add_argument("--model-options", type=json.loads, default={},
+                   help="JSON object sizing a built-in model, as gossip_sgd's model_options (e.g. "
+                        "'{\"d_model\": 64, \"block\": 32}')")
+    p.add_argument("--eval-samples", type=int, default=0,
+                   help="evaluate on the first N held-out samples only (gossip_sgd's eval_samples; 0: all)")
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--epochs", type=float, help="passes over each rank's shard (default: gossip_sgd's)")
     p.add_argument("--max-steps", type=int)
@@ -230,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"need 0 <= rank < world, got rank {a.rank} world {a.world}")
     if a.eval_every < 1:
         p.error("--eval-every must be >= 1")
+    if not isinstance(a.model_options, dict) or a.eval_samples < 0 or a.target_loss < 0:
+        p.error("--model-options must be a JSON object; --eval-samples and --target-loss >= 0")
     if a.print_recipe:
         print(json.dumps(_hyperparams(a)), flush=True)
         return 0

@@ -263,6 +263,26 @@ def load_for_model(
     raise ValueError(f"no built-in dataset for model {model!r}")
 
 
+def load_sized_model(
+    model: str, model_options: dict[str, Any]
+) -> tuple[ArrayDataset | CharDataset, ArrayDataset | CharDataset, dict[str, Any]]:
+    """`load_for_model` for a built-in model sized by `model_options` (e.g. {d_model, n_layers, block}): its
+    `block` also cuts the data's windows, so every trainer that takes model_options builds the same model."""
+    block = model_options.get("block")
+    train, test, opts = load_for_model(model, **({"block": int(block)} if block else {}))
+    return train, test, {**opts, **model_options}
+
+
+def head(dataset: Any, n: int) -> Any:
+    """The first `n` items of a map-style dataset (all of it when n is 0 or too big): a fixed, cheaper held-out
+    set, the same on every peer and rank."""
+    if not n or n >= len(dataset):
+        return dataset
+    if hasattr(dataset, "subset"):
+        return dataset.subset(range(n))
+    return torch.utils.data.Subset(dataset, range(n))
+
+
 def partition(n: int, rank: int, world: int, *, seed: int) -> np.ndarray:
     """Sorted indices of the shard of range(n) that `rank` of `world` peers trains on.
 

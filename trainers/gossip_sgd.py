@@ -28,7 +28,7 @@ from peertrain.optimizer import GossipOptimizer
 from peertrain.outer import LocalStepsOptimizer
 from trainers import torch_data
 from trainers.baseline import RECOMMENDED, make_optimizer, seeded_model
-from trainers.datasets import load_factory, load_for_model
+from trainers.datasets import head, load_factory, load_sized_model
 from trainers.models import count_parameters, pick_device
 from trainers.options import parse_options
 
@@ -67,6 +67,7 @@ class GossipSGDOptions:
     outer_background: bool = True  # exchange while the next round's inner steps run (one round stale)
     outer_averaging: str = "one"  # one: a random neighbour, pairwise | all: every neighbour, Metropolis weights
     eval_every: int = 25
+    eval_samples: int = 0  # evaluate on the first N held-out samples only (0: all): cheaper, as fixed a yardstick
     checkpoint_every: int = 100
     seed: int = 0
     world: int = 0  # data shards (0: number of peers seen at start)
@@ -131,13 +132,18 @@ def run(swarm, options: dict) -> dict:
         model_opts: dict = {}
         source = f"[trainer.options] dataset_factory {o.dataset_factory!r}"
     else:
-        block = o.model_options.get("block")
-        train, test, model_opts = load_for_model(o.model, **({"block": int(block)} if block else {}))
-        model_opts = {**model_opts, **o.model_options}
+        train, test, model_opts = load_sized_model(o.model, o.model_options)
         source = f"the built-in data of model {o.model!r}"
     if (o.target_accuracy or o.target_loss) and test is None:
         raise torch_data.DataError(f"[trainer.options] target_accuracy: {source} has no test set (None) to "
                                    "measure accuracy on; unset target_accuracy or return a test set")
+    if o.eval_samples < 0:
+        raise ValueError(f"[trainer.options] eval_samples: expected an integer >= 0, got {o.eval_samples!r}")
+    if o.eval_samples and test is not None:
+        if torch_data.is_iterable(test):
+            raise torch_data.DataError(f"[trainer.options] eval_samples: {source}'s test set is iterable; "
+                                       "return a map-style test set or unset eval_samples")
+        test = head(test, o.eval_samples)
     rank, world = swarm.rank_and_world(o.world or None)
     hp = _recipe(o, world)
     shard = torch_data.shard(train, rank, world, seed=o.seed)

@@ -14,8 +14,26 @@ from protocol.cipher import CIPHERS
 
 Parser = argparse.ArgumentParser
 
-TRAIN_MODES = ("adpsgd", "dpsgd", "allreduce")
+TRAIN_MODES = ("adpsgd", "dpsgd", "allreduce", "local", "local_q8")
 TRAIN_DEGREE = 2  # gossip target degree of `peer bench train`, as configs/train-digits.toml
+DIGITS_MODES = "adpsgd,dpsgd,allreduce"  # the digits models' comparison (issues before 20)
+# `peer bench train --model char_transformer` (issue 20): a language model's target is its held-out loss, and
+# the question is local steps vs per-step exchanges on slow links. Sized to finish in minutes on 2 cores:
+LM_MODEL = "char_transformer"
+LM_MODES = "local,local_q8,adpsgd,allreduce"  # local_q8: 8-bit outer exchanges with error feedback, vs local's float32
+LM_MODEL_OPTIONS = {"d_model": 64, "n_layers": 2, "n_heads": 4, "block": 32}  # 110,529 parameters, 442 KB
+LM_BATCH = 16  # per worker: a step is ~18 ms of compute on one core, so a 20 Mbit/s all-reduce (~0.27 s) dominates it
+LM_TARGET_LOSS = 2.45  # every mode reaches it, from ln(65) = 4.17: all-reduce in 80 steps, gossip peers in 60-180
+LM_MAX_STEPS = 400  # step budget per peer/rank: 2x what the slowest mode needs, so a slow run is still timed
+LM_EVAL_EVERY = 10  # steps between evaluations (all-reduce's ~0.3 s steps: a 3 s resolution)
+LM_EVAL_SAMPLES = 512  # the first 512 held-out windows (16k tokens, ~0.2 s): all 2,380 take 0.86 s, ~48 steps' compute
+LM_INNER_STEPS = 20  # H: a float32 exchange (~0.4 s at 20 Mbit/s) hides behind a round (~0.6 s); H=10 skipped up to
+#                       45% of rounds' exchanges and was slower, H=40 no faster (docs/benchmarks.md, 2026-11-26)
+LM_REPEATS = 3  # a gossip run to the loss takes ~5 s, of which peers' start skew alone is up to 2 s: take a median
+# A fixed ring (degree 2, as TRAIN_DEGREE): with every link alike rewiring has nothing to route around, and its
+# bandwidth probes (256 KiB to each connected peer every 10 s: ~90 KB/s per peer idle, a ring 8 KB/s) weigh as much
+# as this 442 KB model's 8-bit exchanges in a 5 s run: the q8/float32 bytes would measure probes, not averaging.
+LM_TOPOLOGY = "ring"
 
 
 def parse_size(text: str) -> int:
@@ -101,25 +119,49 @@ def gossip_arguments(p: Parser) -> None:
 def train_arguments(p: Parser) -> None:
     p.add_argument("--n", type=int, default=4, help="peers / ranks (default 4)")
     p.add_argument("--model", default=None,
-                   help="digits_mlp (default), digits_cnn, digits_wide_mlp (default with --netns: 9.9 MB of parameters)")
-    p.add_argument("--target", type=float, default=None, help="held-out accuracy to reach (default 0.95)")
-    p.add_argument("--modes", default=",".join(TRAIN_MODES), help="comma-separated subset of adpsgd,dpsgd,allreduce")
-    p.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (default 20; 5 for digits_wide_mlp)")
+                   help="digits_mlp (default), digits_cnn, digits_wide_mlp (default with --netns: 9.9 MB of "
+                        "parameters), "
+                        f"{LM_MODEL} (a language model sized {LM_MODEL_OPTIONS}: timed to a held-out loss, "
+                        f"batch {LM_BATCH}, evaluated on the first {LM_EVAL_SAMPLES} held-out windows)")
+    p.add_argument("--target", type=float, default=None,
+                   help="held-out accuracy to reach (default 0.95; digits models)")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help=f"held-out loss to reach instead of an accuracy (default {LM_TARGET_LOSS} for {LM_MODEL})")
+    p.add_argument("--modes", default=None,
+                   help=f"comma-separated subset of {','.join(TRAIN_MODES)} (default {DIGITS_MODES}; {LM_MODES} for "
+                        f"{LM_MODEL}). local: gossip_sgd mode local (--inner-steps local steps, then a DiLoCo outer "
+                        "Nesterov step, lr 0.7, momentum 0.9; outer weights averaged pairwise, float32); local_q8: "
+                        "the same with 8-bit outer exchanges and error feedback")
+    p.add_argument("--inner-steps", type=int, default=LM_INNER_STEPS, metavar="H",
+                   help=f"local modes: local steps per outer round; they evaluate at each round's end "
+                        f"(default {LM_INNER_STEPS})")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help=f"steps between evaluations (default 20; 5 for digits_wide_mlp; {LM_EVAL_EVERY} for "
+                        f"{LM_MODEL}, "
+                        "local modes every H unless given)")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help=f"budget: most steps per peer/rank (default {LM_MAX_STEPS} for {LM_MODEL}; else --epochs)")
     p.add_argument("--epochs", type=float, default=0.0,
                    help="budget: most passes over a peer's own shard (default: twice the model recipe's, so a "
                         "peer slower than the recipe is still timed)")
-    p.add_argument("--batch-size", type=int, default=0, help="per-worker batch (default: the model's recipe)")
+    p.add_argument("--batch-size", type=int, default=0,
+                   help=f"per-worker batch (default: the model's recipe; {LM_BATCH} for {LM_MODEL})")
     p.add_argument("--lr", type=float, default=0.0, help="learning rate (default: the model's recipe)")
     p.add_argument("--degree", type=int, default=TRAIN_DEGREE,
-                   help="gossip target degree (default 2, as configs/train-digits.toml)")
+                   help=f"gossip target degree of the rewired topology (default 2, as configs/train-digits.toml; "
+                        f"{LM_MODEL}: a fixed {LM_TOPOLOGY}, no bandwidth probes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--codec", default="raw", choices=["raw", "float16", "q8"], help="gossip tensor codec (default raw)")
     p.add_argument("--trainer", default="trainers.gossip_sgd",
                    help="trainer module our daemons host (a gossip_sgd variant taking the same options)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per mode, interleaved; medians are reported")
+    p.add_argument("--repeats", type=int, default=0,
+                   help=f"runs per mode, interleaved; medians are reported (default 1; {LM_REPEATS} for {LM_MODEL})")
     p.add_argument("--netns", action="store_true", help="one network namespace per peer/rank (needs root)")
     p.add_argument("--slow-link", type=float, default=0.0, metavar="MBIT",
                    help="with --netns: limit the last host's link to MBIT (tbf, both directions)")
+    p.add_argument("--link-mbit", type=float, default=0.0, metavar="MBIT",
+                   help="with --netns: limit every host's link to MBIT (tbf, both directions; no added latency: "
+                        "this kernel has no netem)")
     p.add_argument("--straggler", type=float, default=0.0, metavar="F",
                    help="instead of time-to-target: slow the last peer's steps F-fold and compare the others' steps/s")
     p.add_argument("--no-caps", action="store_true",
@@ -270,7 +312,8 @@ BENCHES = {
                     "time to consensus per topology (rewired, ring, exponential, random_regular)",
                     gossip_arguments),
     "train": Bench("peer.bench.train",
-                   "AD-PSGD vs D-PSGD vs gloo all-reduce data parallel: time to target accuracy",
+                   "AD-PSGD vs D-PSGD vs local steps vs gloo all-reduce data parallel: time to a target accuracy "
+                   "or loss",
                    train_arguments),
     "attach": Bench("peer.bench.attach",
                     "averaging from an attached process vs a hosted trainer (overhead), and bytes per host with "

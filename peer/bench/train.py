@@ -1,19 +1,23 @@
-"""`peer bench train`: time to a target accuracy for AD-PSGD, D-PSGD and a gloo all-reduce baseline.
+"""`peer bench train`: time to a target accuracy (or a language model's loss) for AD-PSGD, D-PSGD, local steps and
+a gloo all-reduce baseline.
 
-One invocation trains the same model, data shards, per-worker batch, optimizer and lr three ways: our
-daemons hosting `trainers.gossip_sgd` in `adpsgd` and `dpsgd` mode, and `trainers.allreduce_baseline`
-(torch.distributed, one process per rank, started as `python -m ...`: `peer/` never imports `trainers`).
+One invocation trains the same model, data shards, per-worker batch, optimizer and lr several ways: our
+daemons hosting `trainers.gossip_sgd` in `adpsgd`, `dpsgd` and `local` mode (`local_q8`: 8-bit outer exchanges),
+and `trainers.allreduce_baseline` (torch.distributed, one process per rank, started as `python -m ...`: `peer/`
+never imports `trainers`).
 
 Clocks exclude start-up: for our modes each peer's training clock starts after its daemon has found the
 swarm (the trainer's own `elapsed_s`), for all-reduce after process-group init and a barrier.
 `seconds_to_target` is, for our modes, the wall time from the first peer's training start until the LAST
 peer's local model reached the target (every peer evaluates its own model on the held-out set every
 `eval_every` steps); for all-reduce, until rank 0's (shared) model reached it. `--netns` runs every peer
-and every rank in its own network namespace and can throttle one host's link (`--slow-link MBIT`);
+and every rank in its own network namespace and can throttle one host's link (`--slow-link MBIT`) or every
+host's (`--link-mbit MBIT`);
 `--straggler F` slows one peer's steps F-fold and reports the other peers' steps/s with and without it.
 
 This module runs the experiments and reports; one run of our modes is train_gossip.py, one of the
-baseline train_allreduce.py, the straggler experiment train_straggler.py, the shared choices train_plan.py.
+baseline train_allreduce.py, the straggler experiment train_straggler.py, the shared choices train_plan.py,
+the language model's figures (issue 20) train_lm.py.
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from peer.bench.args import TRAIN_MODES
+from peer.bench.args import LM_MODEL, TRAIN_MODES
 from peer.bench.hosts import Net, cpu_probe_ms, run_root
 from peer.bench.train_allreduce import run_allreduce, summarise_allreduce
 from peer.bench.train_gossip import run_gossip, summarise_gossip
-from peer.bench.train_plan import Plan, make_plan
+from peer.bench.train_lm import lm_figures
+from peer.bench.train_plan import Plan, default_modes, make_plan
 from peer.bench.train_straggler import straggler
 from peer.testing.netns import netns_available, virtual_lan
 
@@ -42,7 +47,7 @@ def _median(values: list) -> Any:
 
 def time_to_target(a, plan: Plan, net: Net, root: Path, modes: list[str]) -> dict:
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    for rep in range(a.repeats):
+    for rep in range(plan.repeats):
         for mode in modes:
             d = root / f"r{rep}-{mode}"
             d.mkdir(parents=True)
@@ -67,6 +72,10 @@ def time_to_target(a, plan: Plan, net: Net, root: Path, modes: list[str]) -> dic
             "samples_per_s_per_peer": _median([r["samples_per_s_per_peer"] for r in rs]),
             "samples_per_s_total": _median([r["samples_per_s_total"] for r in rs]),
             "bytes_sent_per_peer": _median([r["bytes_sent_per_peer"] for r in rs]),
+            "bytes_sent_training_per_peer": _median([r.get("bytes_sent_training_per_peer") for r in rs]),
+            "bytes_sent_after_joins_per_peer": _median([r.get("bytes_sent_after_joins_per_peer") for r in rs]),
+            "steps_to_target": _median([r.get("steps_to_target") for r in rs]),
+            "bytes_sent_estimate_ring": _median([r.get("bytes_sent_estimate_ring") for r in rs]),
             "reached_target": all(r["reached_target"] for r in rs),
             "trials_seconds_to_target": [r["seconds_to_target"] for r in rs],
             "trials_cpu_probe_ms": [r.get("cpu_probe_ms_before") for r in rs],
@@ -78,7 +87,7 @@ def time_to_target(a, plan: Plan, net: Net, root: Path, modes: list[str]) -> dic
         out[mode] = best
     base = runs.get("allreduce")
     for mode in ("adpsgd", "dpsgd"):
-        if base and mode in runs and a.repeats > 1:
+        if base and mode in runs and plan.repeats > 1:
             pairs = [r["seconds_to_target"] / b["seconds_to_target"] for r, b in zip(runs[mode], base)
                      if r.get("seconds_to_target") and b.get("seconds_to_target")]
             out[mode]["trials_ratio_to_allreduce"] = [round(x, 3) for x in pairs]
@@ -87,17 +96,19 @@ def time_to_target(a, plan: Plan, net: Net, root: Path, modes: list[str]) -> dic
 
 def run(args) -> int:
     a = args
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if a.n < 2:
+        raise ValueError("--n must be at least 2")
+    if (a.slow_link or a.link_mbit) and not a.netns:
+        raise ValueError("--slow-link and --link-mbit need --netns (the limit is a tbf qdisc on a host's link)")
+    if a.straggler and a.straggler <= 1:
+        raise ValueError("--straggler F needs F > 1")
+    if a.inner_steps < 1:
+        raise ValueError("--inner-steps must be at least 1")
+    plan = make_plan(a)
+    modes = [m.strip() for m in (a.modes or default_modes(plan.model)).split(",") if m.strip()]
     bad = [m for m in modes if m not in TRAIN_MODES]
     if bad or not modes:
         raise ValueError(f"--modes: unknown {bad}; choose from {', '.join(TRAIN_MODES)}")
-    if a.n < 2:
-        raise ValueError("--n must be at least 2")
-    if a.slow_link and not a.netns:
-        raise ValueError("--slow-link needs --netns (the limit is a tbf qdisc on one host's link)")
-    if a.straggler and a.straggler <= 1:
-        raise ValueError("--straggler F needs F > 1")
-    plan = make_plan(a)
     load_before = [round(x, 2) for x in os.getloadavg()]
     t0 = time.monotonic()
     with ExitStack() as stack:
@@ -106,17 +117,23 @@ def run(args) -> int:
         if a.netns:
             if not netns_available():
                 raise RuntimeError("--netns needs root and permission to create network namespaces")
-            rates = {a.n - 1: a.slow_link} if a.slow_link else None
-            net = Net(lan=stack.enter_context(virtual_lan(a.n, prefix="ptb", subnet="10.78.0", rate_mbit=rates)))
+            rates = {i: a.link_mbit for i in range(a.n)} if a.link_mbit else {}
+            if a.slow_link:
+                rates[a.n - 1] = a.slow_link
+            lan = virtual_lan(a.n, prefix="ptb", subnet="10.78.0", rate_mbit=rates or None)
+            net = Net(lan=stack.enter_context(lan))
         if a.straggler:
             body = {"straggler": straggler(a, plan, net, root, modes)}
         else:
             body = {"modes": time_to_target(a, plan, net, root, modes)}
     result = {
-        "bench": "train", "n": a.n, "model": plan.model, "target_accuracy": plan.target, "eval_every": plan.eval_every,
-        "epoch_budget": plan.epochs,
+        "bench": "train", "n": a.n, "model": plan.model,
+        **({"target_accuracy": plan.target} if plan.metric == "accuracy" else {"target_test_loss": plan.target}),
+        "eval_every": plan.eval_every, "epoch_budget": plan.epochs or None, "step_budget": plan.max_steps or None,
+        **({"model_options": plan.options["model_options"]} if "model_options" in plan.options else {}),
         "network": ({"netns": True, "slow_link_mbit": a.slow_link or None,
-                     "slow_host": (a.n - 1) if a.slow_link else None} if a.netns else "127.0.0.1"),
+                     "slow_host": (a.n - 1) if a.slow_link else None,
+                     **({"link_mbit_every_host": a.link_mbit} if a.link_mbit else {})} if a.netns else "127.0.0.1"),
         "topology": plan.topology,
         "gossip": plan.gossip, **body,
     }
@@ -131,9 +148,12 @@ def run(args) -> int:
         result["parameters"] = found[0]["parameters"] if found else None
         result["model_mb"] = round(found[0]["parameters"] * 4 / 1e6, 2) if found else None
         result["hyperparams"] = next((v["hyperparams"] for v in m.values() if v.get("hyperparams")), None)
-        result["goal"] = ("adpsgd time-to-target <= 0.5x all-reduce with one slow link" if a.slow_link
-                          else "adpsgd time-to-target <= 1.3x all-reduce on even links")
-        result["notes"] = [
+        if plan.model == LM_MODEL or plan.metric == "test_loss":
+            result.update(lm_figures(m, plan, a))
+        else:
+            result["goal"] = ("adpsgd time-to-target <= 0.5x all-reduce with one slow link" if a.slow_link
+                              else "adpsgd time-to-target <= 1.3x all-reduce on even links")
+        result.setdefault("notes", []).extend([
             "seconds_to_target, ours: wall time from the first peer's training start (after discovery) until the "
             "LAST peer's local model reached the target on the held-out set (checked every eval_every steps); "
             "_first_peer and _median_peer are given too",
@@ -145,7 +165,7 @@ def run(args) -> int:
             ("each peer stopped at its own target (gossip_sgd target_accuracy)" if a.stop_at_target else
              "every peer trains until all have reached the target (then the bench stops them); "
              "--stop-at-target lets each stop at its own"),
-        ]
+        ])
     else:
         result["goal"] = "adpsgd: others' steps/s with the straggler >= 0.85x without"
         result["notes"] = [

@@ -54,9 +54,13 @@ def summarise_allreduce(r: dict) -> dict:
         "reached_target": r["reached_target"], "seconds_to_target": r["seconds_to_target"],
         "epochs_to_target": r["epochs_to_target"], "steps_to_target": r["steps_to_target"],
         "final_accuracy": round(r["accuracy"], 4),
+        "final_test_loss": round(r["test_loss"], 4) if r.get("test_loss") is not None else None,
+        "test_loss_at_target": round(r["test_loss_at_target"], 4) if r.get("test_loss_at_target") is not None else None,
         "samples_per_s_per_peer": round(statistics.mean(sps), 1), "samples_per_s_each": sps,
         "samples_per_s_total": r["samples_per_s_total"],
         "bytes_sent_per_peer": r["bytes_sent_per_worker"], "bytes_sent_source": r["bytes_sent_source"],
+        "bytes_sent_training_per_peer": (r["bytes_sent_per_worker"] if r.get("bytes_sent_per_worker_each")
+                                         else None),  # measured in the training loop (in namespaces)
         "bytes_sent_estimate_ring": r["bytes_sent_estimate_ring"], "backend": r["backend"],
         "bench_wall_s": r["bench_wall_s"], "parameters": r["parameters"], "hyperparams": r["hyperparams"],
     }

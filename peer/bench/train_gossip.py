@@ -3,7 +3,10 @@ one run is read from the metrics every peer publishes at each evaluation.
 
 Each peer's training clock starts after its daemon has found the swarm (the trainer's own `elapsed_s`);
 a run's `seconds_to_target` is from the first peer's start until the LAST peer's local model reached the
-target on the held-out set.
+target on the held-out set. Inside namespaces, bytes are counted from daemon start; as the all-reduce's are,
+from each peer's training start (seen within a poll, 0.25 s): discovery and handshakes are not training; and from
+when every peer trains ("after joins"): a peer that starts late first downloads a partner's state (float32, model
+and, in local modes, outer momentum), which that partner sends inside its own training window.
 """
 
 from __future__ import annotations
@@ -14,22 +17,26 @@ from pathlib import Path
 from typing import Any
 
 from peer.bench.hosts import DAEMON_PORT, Net
-from peer.bench.train_plan import Plan
+from peer.bench.train_plan import Plan, reaches
 from peer.testing.swarm import LocalSwarm, rank_env, swarm_config, unique_swarm
 
 
-def peer_summary(lines: list[dict], target: float) -> dict:
-    """One peer's run from its published metrics: when its clock started, when its model reached the target."""
+def peer_summary(lines: list[dict], target: float, metric: str = "accuracy") -> dict:
+    """One peer's run from its published metrics: when its clock started, when its model reached the target
+    (`metric`: held-out accuracy, or test_loss for a language model)."""
     stepped = [m for m in lines if m.get("elapsed_s") is not None and m.get("step") is not None]
     if not stepped:
         return {"started": False}
     start = stepped[0]["ts"] - stepped[0]["elapsed_s"]
     last = stepped[-1]
-    hit = next((m for m in stepped if target and (m.get("accuracy") or 0.0) >= target), None)
+    hit = next((m for m in stepped if reaches(m, target, metric)), None)
+    rounds = next((m for m in reversed(stepped) if "rounds" in m), {})  # local modes (not in the final line)
     return {
         "started": True, "start_wall": start, "steps": last["step"], "elapsed_s": last["elapsed_s"],
         "epochs": last.get("epoch"), "samples_per_s": last.get("samples_per_s"),
         "steps_per_s": last["step"] / max(last["elapsed_s"], 1e-9), "accuracy": last.get("accuracy"),
+        "test_loss": last.get("test_loss"), "test_loss_at_target": hit.get("test_loss") if hit else None,
+        "rounds": rounds.get("rounds"), "rounds_skipped": rounds.get("rounds_skipped"),
         "reached": hit is not None,
         "reach_wall": start + hit["elapsed_s"] if hit else None,
         "seconds_to_target": hit["elapsed_s"] if hit else None,
@@ -57,26 +64,35 @@ def run_gossip(mode: str, a, net: Net, root: Path, plan: Plan, *, options: dict,
                 swarm=swarm_name, listen=f"0.0.0.0:{DAEMON_PORT}" if net.lan else "127.0.0.1:0", mdns=True,
                 interfaces=[] if net.lan else ["127.0.0.1"], topology=plan.topology,
                 gossip=plan.gossip, membership=plan.membership, trainer=a.trainer,
-                options={**options, "mode": mode, "step_delay": delays.get(i, 0.0)})
+                options={**options, **plan.mode_options(mode), "step_delay": delays.get(i, 0.0)})
             daemon = swarm.start(f"{mode}{i}", config=cfg, host=net.host(i),
                                  env={**rank_env(i, a.n), "OMP_NUM_THREADS": "1"})
             if caps is not None:
                 caps.add(i, daemon.pid)
 
+        tx_train: dict[int, int | None] = {}  # eth0 tx bytes of peer i when its training began
+        tx_joined: list[int | None] = []  # every peer's, once all of them train
+
         def finished(sts: list[dict | None]) -> bool:
             states = [_trainer_state(st) for st in sts]
             if any(s.startswith("failed") for s in states):
                 raise RuntimeError(f"a trainer failed: {states}")
+            lines = [d.metrics() for d in swarm.daemons] if target or (net.lan and len(tx_train) < a.n) else []
+            for i, ls in enumerate(lines if net.lan else []):
+                if i not in tx_train and any(m.get("state") == "training" for m in ls):  # gossip_sgd's meta line
+                    tx_train[i] = net.tx_bytes(i)
+            if net.lan and len(tx_train) == a.n and not tx_joined:
+                tx_joined.extend(net.tx_bytes(i) for i in range(a.n))
             if target:
-                return all(states[i] == "done" or peer_summary(d.metrics(), target).get("reached")
-                           for i, d in enumerate(swarm.daemons))
+                return all(states[i] == "done" or peer_summary(lines[i], target, plan.metric).get("reached")
+                           for i in range(a.n))
             return all(states[i] == "done" for i in wait_for_peers)
 
         swarm.wait(finished, timeout=a.timeout, what=f"{mode} peers to reach the target or finish", interval=0.25)
         statuses = swarm.statuses()
         tx1 = [net.tx_bytes(i) for i in range(a.n)]
     wall = time.monotonic() - t_begin
-    peers = [peer_summary(d.metrics(), target) for d in swarm.daemons]
+    peers = [peer_summary(d.metrics(), target, plan.metric) for d in swarm.daemons]
     wire = [sum(p["bytes_out"] for p in (st or {}).get("peers", [])) if st else None for st in statuses]
     payload = [((st or {}).get("gossip") or {}).get("bytes_sent") for st in statuses]
     exchanges = [((st or {}).get("gossip") or {}).get("exchanges") for st in statuses]
@@ -85,9 +101,14 @@ def run_gossip(mode: str, a, net: Net, root: Path, plan: Plan, *, options: dict,
     rejected = [((st or {}).get("gossip") or {}).get("rejected") for st in statuses]
     degrees = [((st or {}).get("topology") or {}).get("degree") for st in statuses]
     measured = [b - a0 for a0, b in zip(tx0, tx1)] if None not in tx0 + tx1 else None
+    starts = [tx_train.get(i) for i in range(a.n)]
+    training = [b - a0 for a0, b in zip(starts, tx1)] if None not in starts + tx1 else None
+    joined = [b - a0 for a0, b in zip(tx_joined, tx1)] if tx_joined and None not in tx_joined + tx1 else None
     return {"peers": peers, "wire_bytes_out": wire, "gossip_payload_bytes_sent": payload, "exchanges": exchanges,
             "failed_exchanges": failed, "rejected_offers": rejected, "degrees": degrees,
-            "recent_exchange_s": recent, "netdev_tx_bytes": measured, "bench_wall_s": round(wall, 1)}
+            "recent_exchange_s": recent, "netdev_tx_bytes": measured, "netdev_tx_bytes_training": training,
+            "netdev_tx_bytes_after_joins": joined,
+            "bench_wall_s": round(wall, 1)}
 
 
 def summarise_gossip(run: dict, n: int) -> dict:
@@ -107,7 +128,9 @@ def summarise_gossip(run: dict, n: int) -> dict:
         "start_skew_s": round(max(p["start_wall"] for p in ok) - start, 3) if ok else None,
         "epochs_to_target": max(p["epochs_to_target"] for p in reached) if all_reached else None,
         "steps_to_target_per_peer": [p["steps_to_target"] for p in peers] if ok else None,
-        "final_accuracy_per_peer": [round(p["accuracy"], 4) if p.get("accuracy") is not None else None for p in peers],
+        "final_accuracy_per_peer": [_r4(p.get("accuracy")) for p in peers],
+        "final_test_loss_per_peer": [_r4(p.get("test_loss")) for p in peers],
+        "test_loss_at_target_per_peer": [_r4(p.get("test_loss_at_target")) for p in peers],
         "samples_per_s_per_peer": round(statistics.mean(sps), 1) if sps else None,
         "samples_per_s_each": [round(s, 1) for s in sps],
         "samples_per_s_total": round(sum(sps), 1) if sps else None,
@@ -115,6 +138,10 @@ def summarise_gossip(run: dict, n: int) -> dict:
                                 round(statistics.mean(b for b in run["wire_bytes_out"] if b is not None))),
         "bytes_sent_source": ("measured: eth0 tx_bytes of each peer's namespace, daemon start to the end"
                               if tx else "measured: the daemon's encrypted session bytes_out to all peers"),
+        "bytes_sent_training_per_peer": (round(statistics.mean(run["netdev_tx_bytes_training"]))
+                                         if run.get("netdev_tx_bytes_training") else None),
+        "bytes_sent_after_joins_per_peer": (round(statistics.mean(run["netdev_tx_bytes_after_joins"]))
+                                            if run.get("netdev_tx_bytes_after_joins") else None),
         "gossip_payload_bytes_per_peer": round(statistics.mean(b for b in run["gossip_payload_bytes_sent"] if b is not None)),
         "exchanges_per_peer": run["exchanges"], "failed_exchanges_per_peer": run["failed_exchanges"],
         "rejected_offers_per_peer": run.get("rejected_offers"), "degree_at_end_per_peer": run.get("degrees"),
@@ -124,4 +151,11 @@ def summarise_gossip(run: dict, n: int) -> dict:
         "bench_wall_s": run["bench_wall_s"],
         "parameters": next((p["meta"].get("parameters") for p in ok if p["meta"]), None),
     }
+    if any(p.get("rounds") is not None for p in ok):  # local modes: outer rounds, and those whose exchange was skipped
+        out["rounds_per_peer"] = [p.get("rounds") for p in peers]
+        out["rounds_skipped_per_peer"] = [p.get("rounds_skipped") for p in peers]
     return out
+
+
+def _r4(x: float | None) -> float | None:
+    return round(x, 4) if x is not None else None
