@@ -300,9 +300,10 @@ class GossipEngine(ParamsDownload):
             if own is not None:
                 group.release(own)  # sent, and applied or abandoned: nothing reads it anymore
         seconds = trio.current_time() - t0
-        self.topology.record_transfer(peer_id, group.nbytes, seconds)
-        self._count(seconds, group.nbytes, peer_id)
-        return ExchangeResult(peer_id, True, weight=w, seconds=seconds, bytes_sent=group.nbytes)
+        sent_bytes = group.wire_nbytes(codec)
+        self.topology.record_transfer(peer_id, sent_bytes, seconds)
+        self._count(seconds, sent_bytes, peer_id)
+        return ExchangeResult(peer_id, True, weight=w, seconds=seconds, bytes_sent=sent_bytes)
 
     def _count(self, seconds: float, nbytes: int, peer_id: str) -> None:
         self.stats.exchanges += 1
@@ -427,8 +428,9 @@ class GossipEngine(ParamsDownload):
             group.release(others)
             seconds = trio.current_time() - t0
             self.stats.served += 1
-            self.topology.record_transfer(session.peer_id, group.nbytes, seconds)
-            self._count(seconds, group.nbytes, session.peer_id)
+            sent_bytes = group.wire_nbytes(codec)
+            self.topology.record_transfer(session.peer_id, sent_bytes, seconds)
+            self._count(seconds, sent_bytes, session.peer_id)
         except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
             reason = "no commit before the deadline" if x.state is State.DECIDING else str(exc) or "deadline passed"
             accepted = x.state in (State.TRANSFER, State.DECIDING)

@@ -18,7 +18,7 @@ from peer.averaging.bounds import cannot_clip, update_scale
 from protocol.limits import DEFAULT_LIMITS
 from protocol.schema.gossip import TensorSpec
 from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
-from protocol.tensor_codec import CODECS, FLOAT_DTYPES, TensorDecoder, TensorEncoder
+from protocol.tensor_codec import CODECS, DEFAULT_Q8_BLOCK, FLOAT_DTYPES, TensorDecoder, TensorEncoder, tensor_nbytes
 
 MAX_SPARE = 1  # idle buffer sets kept per group: bounds the memory this costs to one copy
 APPLY_BLOCK_BYTES = 1 << 20  # a block and its two operands stay in L2
@@ -103,6 +103,12 @@ class SharedTensors:
             got = decoder.finish()
             out.append(got.to_torch() if self.is_torch else got.array)
         return out
+
+    def wire_nbytes(self, codec: str) -> int:
+        """Bytes one side's tensors take on the wire with `codec` (what an exchange really sends, for the
+        counters and the link measurements that rewiring trusts: a q8 exchange moves about a quarter)."""
+        block = DEFAULT_Q8_BLOCK if codec == "q8" else 0
+        return sum(tensor_nbytes(s.dtype, s.shape, codec, block) for s in self.specs)
 
     def add_residual(self, own: list[Any], codec: str) -> bool:
         """Error feedback, before a lossy send: add to our snapshot `own` (in place) what earlier sends left out,
