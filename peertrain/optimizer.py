@@ -25,25 +25,22 @@ import torch
 MODES = ("adpsgd", "dpsgd")
 
 
-class GossipOptimizer(torch.optim.Optimizer):
-    """Wraps `optimizer`; averages its parameters through `swarm` (attached, embedded, hosted, or a torchrun
-    job's ranks as one peer: peertrain/distributed.py)."""
+def named(params: list) -> dict:
+    """Parameters named by position: peers build the same model and optimizer, so position i is the same
+    tensor everywhere (each exchange checks names, dtypes and shapes before it moves a byte)."""
+    return {f"p{i}": p for i, p in enumerate(params)}
 
-    def __init__(self, optimizer: torch.optim.Optimizer, swarm: Any, *, mode: str = "adpsgd",
-                 average_every: int = 1, group: str = "model", join: bool = True):
+
+class WrappingOptimizer(torch.optim.Optimizer):
+    """What GossipOptimizer and LocalStepsOptimizer share: torch.optim.Optimizer's attributes taken from the
+    inner optimizer (not copied: a scheduler that changes our param_groups' lr changes the inner one's)."""
+
+    def _wrap(self, optimizer: torch.optim.Optimizer) -> list:
+        """Adopt `optimizer`; its distinct floating-point parameters, in order."""
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"GossipOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if mode not in MODES:
-            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
-        if isinstance(average_every, bool) or not isinstance(average_every, int) or average_every < 1:
-            raise ValueError(f"average_every: expected an integer >= 1 (steps between averaging), got {average_every!r}")
-        self.optimizer, self.swarm, self.mode, self.average_every = optimizer, swarm, mode, average_every
-        self.group_name = group
-        # torch.optim.Optimizer's own attributes, shared with the inner optimizer (not copied: a scheduler
-        # that changes our param_groups' lr changes the inner optimizer's)
-        self.defaults = optimizer.defaults
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
+            raise TypeError(f"{type(self).__name__} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.defaults, self.param_groups, self.state = optimizer.defaults, optimizer.param_groups, optimizer.state
         for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
                       "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
                       "_optimizer_load_state_dict_post_hooks"):
@@ -56,9 +53,29 @@ class GossipOptimizer(torch.optim.Optimizer):
                     params.append(p)
         if not params:
             raise ValueError("the optimizer has no floating-point parameters to average")
-        # Named by position: peers build the same model and optimizer, so position i is the same tensor
-        # everywhere (each exchange checks names, dtypes and shapes before it moves a byte).
-        self.shared = swarm.share(group, {f"p{i}": p for i, p in enumerate(params)})
+        return params
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise RuntimeError(f"{type(self).__name__} shares its parameters when it is made: add parameter groups "
+                           "to the inner optimizer before wrapping it")
+
+
+class GossipOptimizer(WrappingOptimizer):
+    """Wraps `optimizer`; averages its parameters through `swarm` (attached, embedded, hosted, or a torchrun
+    job's ranks as one peer: peertrain/distributed.py)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, swarm: Any, *, mode: str = "adpsgd",
+                 average_every: int = 1, group: str = "model", join: bool = True):
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+        if isinstance(average_every, bool) or not isinstance(average_every, int) or average_every < 1:
+            raise ValueError(f"average_every: expected an integer >= 1 (steps between averaging), got {average_every!r}")
+        params = self._wrap(optimizer)
+        self.swarm, self.mode, self.average_every, self.group_name = swarm, mode, average_every, group
+        self.shared = swarm.share(group, named(params))
         self.local_step = 0
         self.averaged = 0  # averaging rounds started (adpsgd) or completed (dpsgd)
         self.joined_at_step: int | None = None
@@ -93,13 +110,6 @@ class GossipOptimizer(torch.optim.Optimizer):
         else:
             self.swarm.average(self.group_name, mode="all")
             self.averaged += 1
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, param_group: dict) -> None:
-        raise RuntimeError("GossipOptimizer shares its parameters when it is made: add parameter groups to the "
-                           "inner optimizer before wrapping it")
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "gossip": {"step": self.local_step, "mode": self.mode,

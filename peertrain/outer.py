@@ -23,25 +23,24 @@ model's memory holds only its inner copy); a joining peer downloads both from a 
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import torch
+
+from peertrain.optimizer import WrappingOptimizer, named
 
 MODES = ("one", "all")
 MOMENTUM_BOUND = 10.0  # a joiner's downloaded momentum may be at most this times the weights' norm: at momentum
 #                        0.9 it sums ~1/(1-0.9) = 10 rounds of pseudo-gradients, each far below the weights' norm
 
 
-class LocalStepsOptimizer(torch.optim.Optimizer):
+class LocalStepsOptimizer(WrappingOptimizer):
     """Wraps `optimizer` (the inner one); every `inner_steps` of its steps, an outer step and gossip."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, swarm: Any, *, inner_steps: int = 50, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, codec: str | None = None,
                  error_feedback: bool = True, background: bool = True, mode: str = "one", group: str = "model",
                  join: bool = True):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"LocalStepsOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps: expected an integer >= 1, got {inner_steps!r}")
         if not (isinstance(outer_lr, (int, float)) and 0 < outer_lr <= 10):
@@ -50,23 +49,11 @@ class LocalStepsOptimizer(torch.optim.Optimizer):
             raise ValueError(f"outer_momentum: expected a number in [0, 1), got {outer_momentum!r}")
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
-        self.optimizer, self.swarm = optimizer, swarm
+        params = self._wrap(optimizer)
+        self.swarm = swarm
         self.inner_steps, self.outer_lr, self.outer_momentum = inner_steps, float(outer_lr), float(outer_momentum)
         self.nesterov, self.background, self.mode, self.group_name = nesterov, background, mode, group
-        self.defaults, self.param_groups, self.state = optimizer.defaults, optimizer.param_groups, optimizer.state
-        for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-                      "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, hooks, OrderedDict())
-        params, seen = [], set()
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if id(p) not in seen and p.is_floating_point():
-                    seen.add(id(p))
-                    params.append(p)
-        if not params:
-            raise ValueError("the optimizer has no floating-point parameters")
-        self.params = {f"p{i}": p for i, p in enumerate(params)}  # named by position, as GossipOptimizer
+        self.params = named(params)
         self.slow = {k: p.detach().to("cpu", torch.float32, copy=True).contiguous() for k, p in self.params.items()}
         self.momentum = {k: torch.zeros_like(t) for k, t in self.slow.items()}
         self.shared = swarm.share(group, self.slow, codec=codec, error_feedback=error_feedback)
@@ -136,13 +123,6 @@ class LocalStepsOptimizer(torch.optim.Optimizer):
             for k, p in self.params.items():
                 self.start[k].copy_(self.slow[k])
                 p.copy_(self.slow[k].to(p.device, p.dtype))
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, param_group: dict) -> None:
-        raise RuntimeError("LocalStepsOptimizer shares its parameters when it is made: add parameter groups to "
-                           "the inner optimizer before wrapping it")
 
     def state_dict(self) -> dict:
         with self.shared.lock:
