@@ -261,9 +261,10 @@ class Daemon:
             st = getattr(svc, "status", None)
             if st is not None:
                 out[svc.name] = st()
-        attach = next((svc for svc in self.services if svc.name == "attach"), None)
-        if "trainer" not in out and attach is not None and (attached := attach.training()) is not None:
-            out["trainer"] = attached  # an attached process's figures fill the training panel
+        for svc in self.services:  # no hosted trainer: a service's training figures (an attached process's) fill the panel
+            training = getattr(svc, "training", None)
+            if "trainer" not in out and training is not None and (figures := training()) is not None:
+                out["trainer"] = figures
         out["bans"] = out.get("gossip", {}).get("bans", [])  # peers we do not average with for now, and why
         return out
 

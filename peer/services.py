@@ -3,7 +3,8 @@
 The daemon knows services only through this small interface, and learns which trainer to load from the
 config: `peer/` never imports a specific trainer. A service has `name`, `async run(task_status=...)`, and
 may have `status() -> dict` (merged into `peer status --json` under its name), `commands() -> dict`
-(extra control-socket commands), `sessions() -> dict` (control commands that keep their connection) and `async shutdown()` (save state before the daemon stops).
+(extra control-socket commands), `sessions() -> dict` (control commands that keep their connection),
+`training() -> dict | None` (figures for `peer status`'s training panel when no trainer is hosted) and `async shutdown()` (save state before the daemon stops).
 """
 
 from __future__ import annotations

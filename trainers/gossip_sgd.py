@@ -25,7 +25,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from peertrain.optimizer import GossipOptimizer
+from peertrain.outer import MODES as OUTER_MODES
 from peertrain.outer import LocalStepsOptimizer
+from protocol.tensor_codec import CODECS
 from trainers import torch_data
 from trainers.baseline import RECOMMENDED, make_optimizer, seeded_model
 from trainers.datasets import head, load_factory, load_sized_model
@@ -119,8 +121,11 @@ def run(swarm, options: dict) -> dict:
         raise ValueError(f"[trainer.options] mode: expected 'adpsgd', 'dpsgd' or 'local', got {o.mode!r}")
     if not (math.isfinite(o.target_loss) and o.target_loss >= 0):
         raise ValueError(f"[trainer.options] target_loss: expected a finite number >= 0, got {o.target_loss!r}")
-    if o.outer_codec not in ("", "raw", "float16", "q8"):
-        raise ValueError(f"[trainer.options] outer_codec: expected raw, float16 or q8, got {o.outer_codec!r}")
+    if o.outer_codec and o.outer_codec not in CODECS:
+        raise ValueError(f"[trainer.options] outer_codec: expected one of {', '.join(CODECS)}, got {o.outer_codec!r}")
+    if o.outer_averaging not in OUTER_MODES:
+        raise ValueError(f"[trainer.options] outer_averaging: expected one of {', '.join(OUTER_MODES)}, "
+                         f"got {o.outer_averaging!r}")
     if o.schedule not in ("constant", "cosine"):
         raise ValueError(f"[trainer.options] schedule: expected 'constant' or 'cosine', got {o.schedule!r}")
     torch.set_num_threads(max(1, o.threads))
@@ -135,8 +140,9 @@ def run(swarm, options: dict) -> dict:
         train, test, model_opts = load_sized_model(o.model, o.model_options)
         source = f"the built-in data of model {o.model!r}"
     if (o.target_accuracy or o.target_loss) and test is None:
-        raise torch_data.DataError(f"[trainer.options] target_accuracy: {source} has no test set (None) to "
-                                   "measure accuracy on; unset target_accuracy or return a test set")
+        key = "target_accuracy" if o.target_accuracy else "target_loss"
+        raise torch_data.DataError(f"[trainer.options] {key}: {source} has no test set (None) to measure it on; "
+                                   f"unset {key} or return a test set")
     if o.eval_samples < 0:
         raise ValueError(f"[trainer.options] eval_samples: expected an integer >= 0, got {o.eval_samples!r}")
     if o.eval_samples and test is not None:

@@ -268,9 +268,6 @@ class AttachService:
         return {"bytes": size}
 
     # ---- daemon-facing ------------------------------------------------------------------------------
-    async def shutdown(self) -> None:
-        """Nothing to save: the clients own their tensors. Their sessions end with the nursery."""
-
     def status(self) -> dict:
         return {"clients": [{"id": c.id, "pid": c.pid, "label": c.label, "since": round(c.since, 3),
                              "groups": {n: s.size for n, s in c.segments.items()},

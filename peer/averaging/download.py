@@ -106,7 +106,7 @@ class ParamsDownload:
     async def fetch_from_partners(self, group: str) -> tuple[list[Any], int] | None:
         """A joining peer's download: ask up to DOWNLOAD_TRIES partners of `group`, in random order, for their
         tensors; the first complete answer within bounds wins (values, their step), else None."""
-        partners = [p for p in self.partners(group) if self.topology.holds(p, group) is not False]
+        partners = self.holders(group)
         random.shuffle(partners)
         for pid in partners[:DOWNLOAD_TRIES]:
             if group not in self.groups:

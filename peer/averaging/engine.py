@@ -154,9 +154,7 @@ class GossipEngine(ParamsDownload):
         if mode not in ("one", "all"):
             raise ValueError(f"unknown averaging mode {mode!r} (choose 'one' or 'all')")
         now = trio.current_time()
-        # (a partner whose record says it does not share the group would refuse: not asked)
-        nbrs = [p for p in self.partners(group) if p not in self.initiating and self.bans.banned(p, now) is None
-                and self.topology.holds(p, group) is not False]
+        nbrs = [p for p in self.holders(group) if p not in self.initiating and self.bans.banned(p, now) is None]
         g = self.groups.get(group)
         if not nbrs or g is None or not g.averaged:  # (unshared meanwhile, or download only)
             return []
@@ -228,7 +226,7 @@ class GossipEngine(ParamsDownload):
         carried = committed = False  # error feedback: our residual rides on this exchange / it committed
         try:  # from the reservation on: whatever happens, the finally below gives it back
             own = await trio.to_thread.run_sync(group.snapshot)
-            carried = group.add_residual(own, codec)
+            carried = await trio.to_thread.run_sync(group.add_residual, own, codec)
             sent = await trio.to_thread.run_sync(group.as_sent, own, codec)
             if peer_id in self.inflight:  # their offer won a collision while we took the snapshot
                 x.handle(Event.FAIL, "lost a collision")
@@ -292,8 +290,8 @@ class GossipEngine(ParamsDownload):
             if owed.send_abort:
                 await session.send_best_effort(AverageAbort(exchange=offer_rid, reason=x.reason))
             self.initiating.pop(peer_id, None)
-            if own is not None:
-                group.keep_residual(carried, own, sent if committed else own, committed)
+            if carried:
+                await self._keep_residual(group, own, sent if committed else None)
             # (their tensors are expected from the accept on, also when we failed before handling it)
             if theirs is not None and (owed.discard_incoming or x.state is State.FAILED):
                 theirs.discard()
@@ -323,6 +321,11 @@ class GossipEngine(ParamsDownload):
         """Who may average `group` with us or download it: its partners (register), else our neighbours."""
         fn = self._partners.get(group)
         return sorted(self.topology.neighbours if fn is None else fn() - {self.me})
+
+    def holders(self, group: str) -> list[str]:
+        """The partners worth asking to average or download `group`: those whose record does not say they lack
+        it (they would refuse); one we have no record of yet is asked."""
+        return [p for p in self.partners(group) if self.topology.holds(p, group) is not False]
 
     def _role_refusal(self, peer_id: str, group: str) -> tuple[str, str] | None:
         """Who may average `group` with us or download it: a current partner for it (a neighbour, unless the
@@ -393,7 +396,7 @@ class GossipEngine(ParamsDownload):
             # flight arrive. Past that, the weight we hold for it is freed and the lapse counts against it.
             with trio.fail_after(hold_seconds(group.nbytes, self.cfg.exchange_timeout) + COMMIT_SLACK_S):
                 own = await trio.to_thread.run_sync(group.snapshot)
-                carried = group.add_residual(own, codec)
+                carried = await trio.to_thread.run_sync(group.add_residual, own, codec)
                 sent = await trio.to_thread.run_sync(group.as_sent, own, codec)
                 if served.abort_reason is not None:  # they gave up while we took the snapshot: send nothing
                     x.handle(Event.ABORT, served.abort_reason)
@@ -448,12 +451,20 @@ class GossipEngine(ParamsDownload):
         finally:
             if x.end("cancelled").discard_incoming:
                 theirs.discard()
+            if carried:
+                await self._keep_residual(group, own, sent if committed else None)
             if own is not None:
-                group.keep_residual(carried, own, sent if committed else own, committed)
                 group.release(own)  # sent, and applied or abandoned: nothing reads our cut anymore
             self.served.pop(key, None)
             self.inflight.pop(session.peer_id, None)
             self._serving -= 1
+
+    @staticmethod
+    async def _keep_residual(group: SharedTensors, own: list[Any], sent: list[Any] | None) -> None:
+        """Settle an exchange's error-feedback reservation, in a worker thread (a pass over the whole group),
+        shielded: a reservation left unsettled would keep every later exchange from carrying the residual."""
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(group.keep_residual, own, sent)
 
     def _lapsed(self, peer_id: str, reason: str) -> None:
         """An exchange we accepted held our weight for nothing: count it, and ban a peer that keeps doing it."""

@@ -56,6 +56,7 @@ class SharedTensors:
         self.averaged = averaged  # False: served to joining partners (download) but never averaged
         self._residual: list[Any] | None = None  # what lossy sends left out so far (error feedback)
         self._residual_busy = False  # one exchange at a time carries the residual
+        self._residual_lock = threading.Lock()  # guards the reservation (taken in worker threads)
         self.lock = lock or threading.Lock()
         self.step = 0  # the trainer's step, shared in offers so late joiners can tell who is ahead
         self.is_torch = not all(isinstance(t, np.ndarray) for t in self.tensors.values())
@@ -115,22 +116,25 @@ class SharedTensors:
         and reserve the residual for this exchange (True), unless another exchange holds it or there is nothing
         to carry. Why it keeps the sum and still converges: both sides apply w * (q(b + r_b) - q(a + r_a)), so
         the pair's updates cancel exactly; each side's rounding error is the change of its residual, which
-        telescopes over exchanges instead of adding up (`keep_residual`)."""
-        if not self.error_feedback or codec == "raw" or self._residual_busy:
+        telescopes over exchanges instead of adding up (`keep_residual`). A whole-group pass: call it from a
+        worker thread."""
+        if not self.error_feedback or codec == "raw":
             return False
-        self._residual_busy = True
+        with self._residual_lock:
+            if self._residual_busy:
+                return False
+            self._residual_busy = True
         if self._residual is not None:
             for o, r in zip(own, self._residual):
                 o += r
         return True
 
-    def keep_residual(self, reserved: bool, own: list[Any], sent: list[Any], committed: bool) -> None:
-        """After the exchange: if it committed, the new residual is what this send left out (own - sent);
-        if it did not, the old one stands. Releases the reservation of `add_residual`."""
-        if not reserved:
-            return
+    def keep_residual(self, own: list[Any], sent: list[Any] | None) -> None:
+        """After an exchange that reserved the residual (`add_residual`): if it committed (`sent`, what the
+        other side decoded of `own`), the new residual is what this send left out (own - sent); if it did not
+        (None), the old one stands. Releases the reservation. A whole-group pass: call it from a worker thread."""
         try:
-            if committed:
+            if sent is not None:
                 if self._residual is None:
                     self._residual = [o - s for o, s in zip(own, sent)]
                 else:
