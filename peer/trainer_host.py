@@ -102,6 +102,21 @@ def shard_index(me: str, peers: Callable[[], list[str]], world: int | None,
     return ids.index(me) % w, w
 
 
+WAIT_POLL_S = 0.1  # how often a trainer waiting for its peers looks again
+
+
+def wait_for_peers(count: Callable[[], tuple[int, bool]], n: int, timeout: float,
+                   stopping: Callable[[], bool] = lambda: False) -> int:
+    """Poll `count()` -> (peers there, whether we have a neighbour) until `n` peers and a neighbour, the
+    timeout, or a stop; the last count. Hosted and attached trainers wait for their peers this one way."""
+    deadline = time.monotonic() + timeout
+    while True:
+        have, neighbour = count()
+        if (have >= n and neighbour) or time.monotonic() >= deadline or stopping():
+            return have
+        time.sleep(WAIT_POLL_S)
+
+
 class TrainingReport:
     """What a training job tells `peer status` (its latest figures, a short loss history) and HOME/metrics.jsonl
     (every publish as one JSON line). A hosted trainer and an attached process (peer/attach/) each have one."""
@@ -264,6 +279,14 @@ class Swarm:
 
     def peers(self) -> list[str]:
         return sorted(self._host.daemon.membership.connected())
+
+    def wait_for_peers(self, n: int = 1, *, group: str | None = None, timeout: float = 30.0) -> int:
+        """Wait (up to `timeout` s) until `n` other peers are connected (with `group`: peers whose records say
+        they share it, i.e. their trainer is up) and we have a neighbour; how many there are."""
+        def count() -> tuple[int, bool]:
+            have = len(self._call_sync(self._host.gossip.peers_holding, group)) if group else len(self.peers())
+            return have, bool(self.neighbours())
+        return wait_for_peers(count, n, timeout, self.should_stop)
 
     def membership_events(self) -> list[tuple[str, str]]:
         """(peer_id, 'joined'|'left') since the last call."""

@@ -186,14 +186,12 @@ def run(swarm, options: dict) -> dict:
         step = resumed_from = opt.local_step = int(ckpt["step"])
         swarm.log("resumed from checkpoint at step %d", step)
     else:
-        # Wait (bounded) for the swarm to assemble, so peers that start together also train together.
+        # Wait (bounded) for the swarm to assemble, so peers that start together also train together: for
+        # peers whose trainers are up (their records list the group), not only connected daemons.
         want = world - 1 if o.min_peers < 0 else o.min_peers
-        deadline = time.monotonic() + o.join_wait
-        while (len(swarm.peers()) < want or not swarm.neighbours()) and time.monotonic() < deadline \
-                and not swarm.should_stop():
-            time.sleep(0.1)
-        if len(swarm.peers()) < want:
-            swarm.log("starting with %d of %d expected peers after waiting %.0fs", len(swarm.peers()), want, o.join_wait)
+        have = swarm.wait_for_peers(want, group=opt.group_name, timeout=o.join_wait)
+        if have < want:
+            swarm.log("starting with %d of %d expected peers after waiting %.0fs", have, want, o.join_wait)
         if swarm.neighbours():
             joined_from = opt.join()  # the swarm is already training: start where it is
             if joined_from is not None:

@@ -23,7 +23,7 @@ from typing import Any
 from peer.attach import wire
 from peer.attach.shm import SEGMENT_DTYPES, Segment, layout
 from peer.home import Home, default_home
-from peer.trainer_host import load_checkpoint, save_checkpoint, shard_index
+from peer.trainer_host import load_checkpoint, save_checkpoint, shard_index, wait_for_peers
 
 log = logging.getLogger("peertrain.attach")
 
@@ -197,13 +197,11 @@ class AttachedSwarm:
         """Wait (up to `timeout` s) until `n` other peers are connected (with `group`: peers that share that
         group, as their records say) and we have a neighbour, so processes started together also train
         together; how many there are (fewer if the wait ran out)."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def count() -> tuple[int, bool]:
             got = self.poll()
             have = len(got["groups"].get(group, {}).get("holders", [])) if group else len(got["peers"])
-            if (have >= n and got["neighbours"]) or time.monotonic() >= deadline or self.should_stop():
-                return have
-            time.sleep(0.1)
+            return have, bool(got["neighbours"])
+        return wait_for_peers(count, n, timeout, self.should_stop)
 
     def exchanges(self) -> dict:
         """The daemon's exchange counts (all groups): initiated, served, failed."""

@@ -232,14 +232,13 @@ class AttachService:
         if isinstance(req, wire.Poll):
             events = list(client.events)
             client.events.clear()
-            connected = self.daemon.membership.connected()
             groups = {name: {"averaging": self.gossip.averaging(name),
                              "distance": self.gossip.groups[name].last_distance,
-                             "holders": sorted(p for p in connected if self.gossip.topology.holds(p, name))}
+                             "holders": self.gossip.peers_holding(name)}
                       for name in client.segments if name in self.gossip.groups}
             st = self.gossip.stats
             return {"neighbours": sorted(self.gossip.topology.neighbours),
-                    "peers": sorted(connected), "events": events, "groups": groups,
+                    "peers": sorted(self.daemon.membership.connected()), "events": events, "groups": groups,
                     "exchanges": {"initiated": st.exchanges - st.served, "served": st.served, "failed": st.failed}}
         return None  # Detach: the session ends after the reply
 

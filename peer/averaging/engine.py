@@ -322,6 +322,11 @@ class GossipEngine(ParamsDownload):
         fn = self._partners.get(group)
         return sorted(self.topology.neighbours if fn is None else fn() - {self.me})
 
+    def peers_holding(self, group: str) -> list[str]:
+        """Connected peers whose record says they share `group` (their trainer is up): who a peer waits for
+        before its first step, so that peers started together train together."""
+        return sorted(p for p in self.membership.connected() if self.topology.holds(p, group))
+
     def holders(self, group: str) -> list[str]:
         """The partners worth asking to average or download `group`: those whose record does not say they lack
         it (they would refuse); one we have no record of yet is asked."""
