@@ -53,11 +53,17 @@ def _results(procs: list[ManagedProcess], swarm: LocalSwarm | None = None) -> li
     return out
 
 
-def _trained_together(results: list[dict]) -> None:
+def _trained_together(results: list[dict], every_peer: bool) -> None:
+    """Each process reached the target, and exchanges completed: in every process when it averaged in the
+    foreground (dpsgd waits for its neighbours each step); in the swarm when in the background (adpsgd
+    here trains 100 steps in a tenth of a second, the time of a few rounds, so a process may finish before
+    one of its own completes). Failed exchanges are not bounded: the first process to reach the target
+    leaves while its partners may be mid-exchange with it ("peer said goodbye")."""
+    done = [r["exchanges"]["initiated"] + r["exchanges"]["served"] for r in results]
     for r in results:
         assert r["accuracy"] >= TARGET, r
-        ex = r["exchanges"]
-        assert ex["initiated"] + ex["served"] > 0 and ex["failed"] <= ex["initiated"] + ex["served"], r
+        assert r["exchanges"]["failed"] == 0 or r["exchanges"]["last_error"], r  # a failure carries its reason
+    assert (min(done) if every_peer else sum(done)) > 0, results
     assert len({r["peer_id"] for r in results}) == len(results)
 
 
@@ -74,7 +80,7 @@ def test_example_attached_to_three_daemons_reaches_target(tmp_path):
         procs = [_example(f"client{i}", tmp_path, "--home", str(d.home), "--world", "3", env=rank_env(i, 3))
                  for i, d in enumerate(swarm.daemons)]
         results = _results(procs, swarm)
-        _trained_together(results)
+        _trained_together(results, every_peer=False)
         assert {r["peer_id"] for r in results} == {s["peer_id"] for s in swarm.statuses()}
         for s in swarm.statuses():  # each detached cleanly, and its figures filled the training panel
             assert s["attach"]["clients"] == [] and any("detached" in e for e in s["attach"]["ended"]), s["attach"]
@@ -84,8 +90,9 @@ def test_example_attached_to_three_daemons_reaches_target(tmp_path):
 def test_example_with_embedded_daemons_reaches_target(tmp_path):
     config = write_config(tmp_path / "embedded.toml", swarm_config(swarm=unique_swarm("emb")))
     procs = [_example(f"embedded{i}", tmp_path, "--embedded", "--config", str(config), "--home",
-                      str(tmp_path / f"home{i}"), "--world", "3", env=rank_env(i, 3)) for i in range(3)]
-    _trained_together(_results(procs))
+                      str(tmp_path / f"home{i}"), "--world", "3", "--mode", "dpsgd", env=rank_env(i, 3))
+             for i in range(3)]
+    _trained_together(_results(procs), every_peer=True)
 
 
 def test_torchrun_two_gloo_ranks_are_one_peer(tmp_path):
@@ -93,15 +100,15 @@ def test_torchrun_two_gloo_ranks_are_one_peer(tmp_path):
         node1, node2, node3 = swarm.daemons
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                     f"--master-port={_free_port()}"]
-        procs = [_example("torchrun", tmp_path, "--home", str(node1.home), "--world", "3", env=rank_env(0, 3),
-                          launcher=torchrun),
-                 _example("client2", tmp_path, "--home", str(node2.home), "--world", "3", env=rank_env(1, 3)),
-                 _example("client3", tmp_path, "--home", str(node3.home), "--world", "3", env=rank_env(2, 3))]
+        dpsgd = ("--world", "3", "--mode", "dpsgd")
+        procs = [_example("torchrun", tmp_path, "--home", str(node1.home), *dpsgd, env=rank_env(0, 3), launcher=torchrun),
+                 _example("client2", tmp_path, "--home", str(node2.home), *dpsgd, env=rank_env(1, 3)),
+                 _example("client3", tmp_path, "--home", str(node3.home), *dpsgd, env=rank_env(2, 3))]
         # while it trains: one process attached to node1 (rank 0), and the others see three peers in all
         wait_for(lambda: len((node1.try_status() or {}).get("attach", {}).get("clients", [])) == 1 or
                  not procs[0].running, timeout=RUN_TIMEOUT, what="rank 0 to attach")
         results = _results(procs, swarm)
-        _trained_together(results)
+        _trained_together(results, every_peer=True)
         job = [ln for ln in (tmp_path / "torchrun.log").read_text().splitlines() if ln.startswith("{")]
         assert len(job) == 1, "only rank 0 reports (and attaches)"
         st = node1.status()

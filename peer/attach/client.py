@@ -204,7 +204,7 @@ class AttachedSwarm:
         return wait_for_peers(count, n, timeout, self.should_stop)
 
     def exchanges(self) -> dict:
-        """The daemon's exchange counts (all groups): initiated, served, failed."""
+        """The daemon's exchange counts (all groups): initiated, served, failed, and the last failure's reason."""
         return dict(self.poll()["exchanges"])
 
     def rank_and_world(self, world: int | None = None) -> tuple[int, int]:

@@ -239,7 +239,8 @@ class AttachService:
             st = self.gossip.stats
             return {"neighbours": sorted(self.gossip.topology.neighbours),
                     "peers": sorted(self.daemon.membership.connected()), "events": events, "groups": groups,
-                    "exchanges": {"initiated": st.exchanges - st.served, "served": st.served, "failed": st.failed}}
+                    "exchanges": {"initiated": st.exchanges - st.served, "served": st.served, "failed": st.failed,
+                                  "last_error": st.last_error}}
         return None  # Detach: the session ends after the reply
 
     async def _share(self, client: AttachedClient, req: wire.Share, fds: list[int]):
