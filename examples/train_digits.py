@@ -50,8 +50,10 @@ def main() -> None:
     p.add_argument("--listen", default="127.0.0.1:0", help="embedded daemon: address to accept peers on")
     p.add_argument("--swarm", help="embedded daemon: swarm name")
     p.add_argument("--world", type=int, default=0, help="data shards (default: the peers seen at start)")
-    p.add_argument("--mode", default="adpsgd", choices=["adpsgd", "dpsgd"])
-    p.add_argument("--average-every", type=int, default=1, help="optimizer steps between averaging rounds")
+    p.add_argument("--mode", default="adpsgd", choices=["adpsgd", "dpsgd", "local"],
+                   help="adpsgd/dpsgd: GossipOptimizer; local: LocalStepsOptimizer (local steps, for slow links)")
+    p.add_argument("--average-every", type=int, default=1, help="adpsgd/dpsgd: optimizer steps between averaging")
+    p.add_argument("--inner-steps", type=int, default=10, help="local: inner steps between outer steps")
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--target", type=float, default=0.95, help="stop at this held-out accuracy")
@@ -76,8 +78,11 @@ def main() -> None:
     train, test = digits()
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).to(device)
     net = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
-    opt = peertrain.GossipOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),  # peertrain
-                                    swarm, mode=args.mode, average_every=args.average_every)
+    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if args.mode == "local":  # peertrain (slow links: an outer step and one exchange every --inner-steps)
+        opt = peertrain.LocalStepsOptimizer(inner, swarm, inner_steps=args.inner_steps)
+    else:  # peertrain
+        opt = peertrain.GossipOptimizer(inner, swarm, mode=args.mode, average_every=args.average_every)
     swarm.wait_for_peers(max(1, args.world - 1), group="model", timeout=30)  # peertrain: start together
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs)
     loader = DataLoader(peertrain.shard(train, swarm, world=args.world or None), batch_size=32, shuffle=True)  # peertrain

@@ -1,6 +1,6 @@
 """Your own training script with peertrain: the shipped example (examples/train_digits.py) run as real
 processes attached to real daemons, inside its own embedded daemons, and as a torchrun job of two gloo
-ranks that is one peer; a killed process frees its shared memory. (peer/attach/, peertrain/)"""
+ranks that is one peer (with local steps); a killed process frees its shared memory. (peer/attach/, peertrain/)"""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ def _results(procs: list[ManagedProcess], swarm: LocalSwarm | None = None) -> li
 
 def _trained_together(results: list[dict], every_peer: bool) -> None:
     """Each process reached the target, and exchanges completed: in every process when it averaged in the
-    foreground (dpsgd waits for its neighbours each step); in the swarm when in the background (adpsgd
-    here trains 100 steps in a tenth of a second, the time of a few rounds, so a process may finish before
+    foreground (dpsgd waits for its neighbours each step); in the swarm when in the background (adpsgd, and
+    local steps' outer rounds: the example here trains 100 steps in a tenth of a second, the time of a few rounds, so a process may finish before
     one of its own completes). Failed exchanges are not bounded: the first process to reach the target
     leaves while its partners may be mid-exchange with it ("peer said goodbye")."""
     done = [r["exchanges"]["initiated"] + r["exchanges"]["served"] for r in results]
@@ -95,20 +95,20 @@ def test_example_with_embedded_daemons_reaches_target(tmp_path):
     _trained_together(_results(procs), every_peer=True)
 
 
-def test_torchrun_two_gloo_ranks_are_one_peer(tmp_path):
+def test_torchrun_two_gloo_ranks_are_one_peer_with_local_steps(tmp_path):
     with _daemons(tmp_path, 3) as swarm:
         node1, node2, node3 = swarm.daemons
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                     f"--master-port={_free_port()}"]
-        dpsgd = ("--world", "3", "--mode", "dpsgd")
-        procs = [_example("torchrun", tmp_path, "--home", str(node1.home), *dpsgd, env=rank_env(0, 3), launcher=torchrun),
-                 _example("client2", tmp_path, "--home", str(node2.home), *dpsgd, env=rank_env(1, 3)),
-                 _example("client3", tmp_path, "--home", str(node3.home), *dpsgd, env=rank_env(2, 3))]
+        local = ("--world", "3", "--mode", "local", "--inner-steps", "5")  # LocalStepsOptimizer across ranks too
+        procs = [_example("torchrun", tmp_path, "--home", str(node1.home), *local, env=rank_env(0, 3), launcher=torchrun),
+                 _example("client2", tmp_path, "--home", str(node2.home), *local, env=rank_env(1, 3)),
+                 _example("client3", tmp_path, "--home", str(node3.home), *local, env=rank_env(2, 3))]
         # while it trains: one process attached to node1 (rank 0), and the others see three peers in all
         wait_for(lambda: len((node1.try_status() or {}).get("attach", {}).get("clients", [])) == 1 or
                  not procs[0].running, timeout=RUN_TIMEOUT, what="rank 0 to attach")
         results = _results(procs, swarm)
-        _trained_together(results, every_peer=True)
+        _trained_together(results, every_peer=False)  # local steps exchange in the background
         job = [ln for ln in (tmp_path / "torchrun.log").read_text().splitlines() if ln.startswith("{")]
         assert len(job) == 1, "only rank 0 reports (and attaches)"
         st = node1.status()
