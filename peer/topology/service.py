@@ -1,12 +1,10 @@
 """The topology service: which peers are my gossip neighbours, and how the graph improves over time.
 
-Edges are agreed by both endpoints with propose → accept → commit (a proposer adds the edge only after
-an accept, the acceptor only on commit; a commit that cannot be honoured is answered with a drop, so the
-two ends converge). Every peer floods a signed `TopologyRecord` (neighbours + measured links); the
-latest records form the local `GraphView` (records.py) from which mixing weights, the spectral gap and
-rewiring moves are computed. Fixed kinds (ring, exponential, random_regular, full) derive the wanted
-edges from the sorted IDs of known peers; `rewired` asks `plan_move` for one randomized, rate-limited
-move at a time.
+Edges are agreed by both endpoints with propose → accept → commit (edges.py). Every peer floods a
+signed `TopologyRecord` (neighbours + measured links); the latest records form the local `GraphView`
+(records.py) from which mixing weights, the spectral gap and rewiring moves are computed. Fixed kinds
+(ring, exponential, random_regular, full) derive the wanted edges from the sorted IDs of known peers;
+`rewired` asks `plan_move` for one randomized, rate-limited move at a time.
 
 Link figures come from real averaging transfers (`record_transfer`) and, for candidates we are not yet
 neighbours with, small probes within a byte budget.
@@ -19,11 +17,11 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import trio
 
+from peer.topology.edges import EdgeChanges, Neighbour
 from peer.topology.fixed import build_fixed
 from peer.topology.links import LinkStats
 from peer.topology.mixing import metropolis_weight
@@ -35,24 +33,15 @@ from peer.session.transport import SessionClosed
 from protocol import identity as ident
 from protocol.schema.pipeline import StageAnnouncement
 from protocol.schema.topology import (
-    EdgeAccept, EdgeCommit, EdgeDrop, EdgePropose, EdgeReject, ProbeReply, ProbeRequest, TopologyRecord,
-    TopologyRecords)
+    EdgeCommit, EdgeDrop, EdgePropose, ProbeReply, ProbeRequest, TopologyRecord, TopologyRecords)
 
 log = logging.getLogger("peertrain.topology")
 
 PROBE_BYTES = 256 * 1024
 PROBE_EVERY = 10.0  # seconds between probes of one peer (neighbours too: estimates must be comparable)
-RESERVATION_S = 15.0
 
 
-@dataclass
-class Neighbour:
-    peer_id: str
-    since: float
-    degree: int = 0  # last degree the neighbour told us (records / exchanges)
-
-
-class TopologyService(RecordFlooding):
+class TopologyService(EdgeChanges, RecordFlooding):
     name = "topology"
 
     def __init__(self, daemon, *, shard_bytes: int = 16 << 20):
@@ -144,93 +133,6 @@ class TopologyService(RecordFlooding):
     def _bump(self) -> None:
         self.version += 1
         self._changed.set()
-
-    # ---- two-phase edge changes ---------------------------------------------------------------------
-    def _effective_degree(self) -> int:
-        return len(self.neighbours) + len(self.reserved) + len(self.pending_out)
-
-    async def add_edge(self, peer_id: str, reason: str) -> bool:
-        """Propose an edge; add it only if the peer accepts. A refusal or timeout changes nothing."""
-        session = self.membership.connected().get(peer_id)
-        if session is None or peer_id in self.neighbours or peer_id in self.pending_out:
-            return False
-        if self._effective_degree() >= self.cfg.max_degree:
-            return False
-        self.pending_out.add(peer_id)
-        try:
-            env = await session.request(EdgePropose(degree=self.degree, reason=reason), timeout=5.0)
-            reply = env.message
-            if not isinstance(reply, EdgeAccept):
-                log.debug("edge to %s refused: %s", ident.short_id(peer_id), getattr(reply, "reason", reply))
-                return False
-            self.neighbours[peer_id] = Neighbour(peer_id, since=time.time(), degree=reply.degree + 1)
-            self.reserved.pop(peer_id, None)
-            await session.send_message(EdgeCommit(proposal=env.reply_to))
-        except (trio.TooSlowError, SessionClosed):
-            if peer_id in self.neighbours and session.closed.is_set():
-                self.neighbours.pop(peer_id, None)
-            return peer_id in self.neighbours
-        finally:
-            self.pending_out.discard(peer_id)
-        log.info("edge to %s added (%s); degree %d", ident.short_id(peer_id), reason, self.degree)
-        self._bump()
-        return True
-
-    async def drop_edge(self, peer_id: str, reason: str) -> None:
-        if self.neighbours.pop(peer_id, None) is None:
-            return
-        log.info("edge to %s dropped (%s); degree %d", ident.short_id(peer_id), reason, self.degree)
-        self._bump()
-        session = self.membership.connected().get(peer_id)
-        if session is not None:
-            try:
-                await session.send_message(EdgeDrop(reason=reason))
-            except SessionClosed:
-                pass
-
-    async def _on_propose(self, session, env) -> None:
-        peer_id = session.peer_id
-        if peer_id in self.neighbours:
-            await session.reply(env, EdgeAccept(degree=self.degree))
-            return
-        if not self._accepts(peer_id, env.message.degree):
-            await session.reply(env, EdgeReject(reason=f"degree limit ({self._effective_degree()}/{self.cfg.max_degree})"
-                                                if self._effective_degree() >= self.cfg.max_degree else "not wanted by this topology"))
-            return
-        self.reserved[peer_id] = (trio.current_time() + RESERVATION_S, env.rid)
-        await session.reply(env, EdgeAccept(degree=self.degree))
-
-    def _accepts(self, peer_id: str, their_degree: int = 0) -> bool:
-        if self._effective_degree() >= self.cfg.max_degree:
-            return False
-        if self.cfg.kind != "rewired":
-            return peer_id in self._wanted_fixed()
-        # one above target leaves room for swaps; beyond that only a peer below min_degree gets in
-        return self._effective_degree() <= self.cfg.target_degree or their_degree < self.cfg.min_degree
-
-    async def _on_commit(self, session, env) -> None:
-        """Only the proposer of an edge we accepted commits it: the commit must name the proposal we
-        reserved a slot for (the only way to become our neighbour). Any other commit, or one arriving
-        after the reservation expired, is answered with a drop, so both ends agree there is no edge."""
-        peer_id = session.peer_id
-        if peer_id in self.neighbours:
-            return
-        reservation = self.reserved.get(peer_id)
-        if reservation is not None and reservation[1] == env.message.proposal:
-            del self.reserved[peer_id]
-            self.neighbours[peer_id] = Neighbour(peer_id, since=time.time())
-            log.info("edge to %s added (accepted their proposal); degree %d", session.short, self.degree)
-            self._bump()
-        else:
-            why = "no accepted proposal of theirs matches it (never made, or its reservation expired)"
-            log.info("edge commit from %s refused: %s", session.short, why)
-            await session.send_message(EdgeDrop(reason=f"commit refused: {why}"))
-
-    async def _on_drop(self, session, env) -> None:
-        if self.neighbours.pop(session.peer_id, None) is not None:
-            log.info("edge to %s dropped by them (%s); degree %d", session.short, env.message.reason, self.degree)
-            self._bump()
-            self._others_moved.set()
 
     # ---- keeping the graph good ---------------------------------------------------------------------
     def _wanted_fixed(self) -> set[str]:
