@@ -1,7 +1,8 @@
 """peertrain's daemon, one folder per concern (read top-down):
 
-- `daemon.py` owns the trio nursery and wires the services; `config.py`, `home.py` (every file name in a
-  home directory), `control.py` (the control socket), `services.py` (what a hosted service offers).
+- `daemon.py` owns the trio nursery and wires the services; `home.py` (every file name in a home
+  directory), `control.py` (the control socket), `services.py` (what a hosted service offers).
+- `config/`      the configuration: typed sections read from TOML, checked, written back, documented.
 - `session/`     authenticated encrypted sessions over TCP: messages, tensors and tensor groups.
 - `membership/`  who is in the swarm: one session per peer, heartbeats, peer records, mDNS discovery.
 - `topology/`    the gossip graph: records, mixing weights, spectral gap, rewiring, graph yardsticks.

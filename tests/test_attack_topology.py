@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from peer.control import call
-from peer.topology.service import MAX_VIEW_RECORDS
+from peer.topology.records import MAX_VIEW_RECORDS
 
 from peer.testing.attacker import attacker_session
 from peer.testing.attacks import (BAD_RECORDS, answer_pings, become_neighbour, fake_id, run_scenario, send_raw,

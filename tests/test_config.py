@@ -44,7 +44,8 @@ import tomllib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peer.config import Config, Range, _toml_value, docs_markdown, load
+from peer.config import Config, Range, docs_markdown, load
+from peer.config.rendering import _toml_value
 from protocol import identity as ident
 
 

@@ -11,10 +11,10 @@ Both sides add `w * (other snapshot - own snapshot)` (times the same clip s <= 1
 so the swarm-wide sum is unchanged by averaging however the trainers' own updates interleave (docs/design.md, "Invariants", 1). A side that does not reach the
 commit applies nothing. Every exchange has a deadline; a slow or dead neighbour is skipped.
 
-The engine (peer/averaging/engine.py) does the I/O and tells an `Exchange` what happened (`handle`); the
-tables below say which step may follow which, and what an exchange that ends by a step still owes
-(`Cleanup`: an abort to the peer, dropping the peer's tensors). The engine's cleanup reads that, so
-what an ending owes is decided once, here, for every way an exchange can end. An illegal step is a bug
+The engine (peer/averaging/engine.py, serving.py) does the I/O and tells an `Exchange` what happened
+(`handle`); the tables below say which step may follow which, and what an exchange that ends by a step
+still owes (`Cleanup`: an abort to the peer, dropping the peer's tensors). The engine's cleanup reads
+that, so what an ending owes is decided once, here, for every way an exchange can end. An illegal step is a bug
 in the engine (a peer's message is checked before it becomes a step), so it raises `ExchangeStateError`.
 """
 

@@ -1,6 +1,6 @@
 """The daemon's spectral computations, off the event loop: the view's gap (for status) and rewiring plans
 (each a few dozen gaps) run in a worker thread, one at a time, so an eigensolve never stalls sessions,
-heartbeats or `peer status`. Their cost is bounded by the view's size (`service.MAX_VIEW_RECORDS`) and
+heartbeats or `peer status`. Their cost is bounded by the view's size (`records.MAX_VIEW_RECORDS`) and
 the planner's `RewireConfig.max_evaluations`. The view's gap is cached per view structure (nodes and
 edges: all a Metropolis gap depends on), so an unchanged view is never solved twice."""
 

@@ -32,7 +32,7 @@ MAX_RECORD_GROUPS = 16
 MAX_GROUP_CHARS = 64
 """Characters of a group name in a record: 16 of them add at most ~1 KiB to a record."""
 MAX_RECORDS_PER_MESSAGE = 512
-"""Records in one TopologyRecords message, the size of a receiver's view (`peer.topology.service`)."""
+"""Records in one TopologyRecords message, the size of a receiver's view (`peer.topology.records`)."""
 PUBLIC_KEY_BYTES = 32  # Ed25519
 SIGNATURE_BYTES = 64  # Ed25519 (empty while a record is being built, before it is signed)
 
