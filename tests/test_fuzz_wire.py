@@ -24,7 +24,8 @@ from protocol.limits import DEFAULT_LIMITS, KiB, MiB, WireLimits
 from protocol.messages import MAX_NESTING
 from protocol.schema import DEFAULT_REGISTRY, MESSAGES, TensorHeader
 from tests.test_protocol_messages import any_registered
-from protocol.tensor_codec import CODECS, DTYPES, MAX_NDIM, MAX_Q8_BLOCK, TensorDecoder, tensor_nbytes
+from protocol.tensor_codec import CODECS, DTYPES, MAX_NDIM, MAX_Q8_BLOCK, tensor_nbytes
+from protocol.tensor_decoder import TensorDecoder
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SLACK = 64 * KiB

@@ -497,7 +497,7 @@ def test_importing_the_protocol_stays_small():
     code = (
         "import sys, protocol.messages, protocol.schema, protocol.limits;"
         "assert 'numpy' not in sys.modules and 'torch' not in sys.modules;"
-        "import protocol.tensor_codec;"
+        "import protocol.tensor_codec, protocol.tensor_encoder, protocol.tensor_decoder;"
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,14 +14,9 @@ from hypothesis.extra import numpy as hnp
 from protocol.errors import LimitExceeded, ProtocolError
 from protocol.limits import DEFAULT_LIMITS, WireLimits
 from protocol.schema import DEFAULT_REGISTRY, TensorHeader
-from protocol.tensor_codec import (
-    DTYPES,
-    MAX_NDIM,
-    DecodedTensor,
-    TensorDecoder,
-    TensorEncoder,
-    tensor_nbytes,
-)
+from protocol.tensor_codec import DTYPES, MAX_NDIM, tensor_nbytes
+from protocol.tensor_decoder import DecodedTensor, TensorDecoder
+from protocol.tensor_encoder import TensorEncoder
 
 LIMITS = DEFAULT_LIMITS
 NUMPY_DTYPES = [name for name in DTYPES if name != "bfloat16"]

@@ -17,7 +17,7 @@ from protocol.frames import KIND_CHUNK
 from protocol.limits import GiB, MiB, WireLimits
 from protocol.schema import TensorHeader
 from protocol.schema.gossip import AverageOffer, TensorSpec
-from protocol.tensor_codec import TensorEncoder
+from protocol.tensor_encoder import TensorEncoder
 from tests.test_session_groups import in_pair, until
 
 BIG = TensorHeader(stream=1, name="w", dtype="float32", shape=[1 << 30], codec="raw", nbytes=4 * GiB)  # 4 GiB

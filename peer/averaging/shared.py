@@ -18,7 +18,9 @@ from peer.averaging.bounds import cannot_clip, update_scale
 from protocol.limits import DEFAULT_LIMITS
 from protocol.schema.gossip import TensorSpec
 from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
-from protocol.tensor_codec import CODECS, DEFAULT_Q8_BLOCK, FLOAT_DTYPES, TensorDecoder, TensorEncoder, tensor_nbytes
+from protocol.tensor_codec import CODECS, DEFAULT_Q8_BLOCK, FLOAT_DTYPES, tensor_nbytes
+from protocol.tensor_decoder import TensorDecoder
+from protocol.tensor_encoder import TensorEncoder
 
 MAX_SPARE = 1  # idle buffer sets kept per group: bounds the memory this costs to one copy
 APPLY_BLOCK_BYTES = 1 << 20  # a block and its two operands stay in L2

@@ -37,7 +37,7 @@ from protocol.errors import LimitExceeded, ProtocolError
 from protocol.limits import WireLimits
 from protocol.schema import TensorCancel, TensorHeader
 from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
-from protocol.tensor_codec import DecodedTensor, TensorDecoder
+from protocol.tensor_decoder import DecodedTensor, TensorDecoder
 
 log = logging.getLogger("peertrain.transport")
 

@@ -34,7 +34,8 @@ from protocol.identity import short_id
 from protocol.limits import DEFAULT_CHUNK_SIZE, WireLimits
 from protocol.messages import Envelope, Registry
 from protocol.schema import DEFAULT_REGISTRY, Ping, Pong, TensorCancel, TensorHeader
-from protocol.tensor_codec import DecodedTensor, TensorEncoder
+from protocol.tensor_decoder import DecodedTensor
+from protocol.tensor_encoder import TensorEncoder
 
 log = logging.getLogger("peertrain.transport")
 

@@ -2,7 +2,7 @@
 
 The header travels as an ordinary message; the body follows as KIND_CHUNK
 frames on `stream`. Everything the receiver needs to bound and preallocate the
-body is here, and `protocol.tensor_codec.TensorDecoder` checks it all before
+body is here, and `protocol.tensor_decoder.TensorDecoder` checks it all before
 allocating a byte.
 """
 

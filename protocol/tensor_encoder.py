@@ -1,0 +1,127 @@
+"""Turning one tensor into a `TensorHeader` and the chunks of its body; the codecs are `protocol.tensor_codec`.
+
+Memory: the encoder yields views of the tensor itself for raw data and converts
+the other codecs one ~1 MiB step at a time, so sending holds no second
+full-size copy of the tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from protocol.limits import DEFAULT_CHUNK_SIZE
+from protocol.schema.tensor import TensorHeader
+from protocol.tensor_codec import (CONVERT_STEP, DEFAULT_Q8_BLOCK, DTYPES, U32, bf16_to_f32, body_spec,
+                                   is_torch_tensor, quantize, to_float16, torch_module)
+
+__all__ = ["TensorEncoder"]
+
+
+def _flatten(tensor: Any) -> tuple[np.ndarray, str, list[int], Any]:
+    """(flat C-contiguous wire-dtype array, dtype name, shape, object keeping memory alive)."""
+    if is_torch_tensor(tensor):
+        torch = torch_module()
+        t = tensor.detach()
+        if t.layout != torch.strided:
+            raise ValueError(f"only dense tensors can be sent, not {t.layout}")
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r} (allowed: {', '.join(DTYPES)})")
+        if t.device.type != "cpu":
+            t = t.cpu()  # the one copy a device tensor needs
+        t = t.contiguous()  # no-op when it already is
+        arr = (t.view(torch.int16) if dtype == "bfloat16" else t).numpy()
+        return arr.reshape(-1), dtype, list(tensor.shape), t
+    if isinstance(tensor, (np.ndarray, np.generic)):
+        arr = np.asarray(tensor)
+        dtype = arr.dtype.name
+        if dtype == "bfloat16":  # ml_dtypes' numpy bfloat16, if someone has it
+            arr = np.ascontiguousarray(arr).view(np.int16)
+        elif dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r} (allowed: {', '.join(DTYPES)})")
+        flat = np.ascontiguousarray(arr, dtype=DTYPES[dtype]).reshape(-1)
+        return flat, dtype, [int(d) for d in arr.shape], flat
+    raise TypeError(f"expected a numpy array or torch tensor, got {type(tensor).__name__}")
+
+
+def _split(view: memoryview, size: int) -> Iterator[memoryview]:
+    for offset in range(0, len(view), size):
+        yield view[offset : offset + size]
+
+
+class TensorEncoder:
+    """Turns one tensor into a `TensorHeader` and the chunks of its body.
+
+    Accepts a numpy array or a torch tensor (device tensors are copied to the
+    CPU once, non-contiguous ones made contiguous). `chunks()` can be iterated
+    again to resend. Raw chunks are views of the tensor's memory, so the tensor
+    must not be modified until they are sent.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        tensor: Any,
+        codec: str = "raw",
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        block: int = DEFAULT_Q8_BLOCK,
+    ) -> None:
+        if not isinstance(name, str):
+            raise TypeError("tensor name must be a str")
+        if type(chunk_size) is not int or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        flat, dtype, shape, keepalive = _flatten(tensor)
+        block = block if codec == "q8" else 0
+        self.name = name
+        self.dtype = dtype
+        self.shape = shape
+        self.codec = codec
+        self.block = block
+        self.chunk_size = chunk_size
+        self.nbytes = body_spec(dtype, shape, codec, block)[1]
+        self._flat = flat
+        self._keepalive = keepalive
+
+    def header(self, stream: int) -> TensorHeader:
+        """The message announcing this tensor's body on chunk stream `stream`."""
+        if type(stream) is not int or not 0 <= stream < U32:
+            raise ValueError(f"stream must be a u32, got {stream!r}")
+        return TensorHeader(
+            stream=stream,
+            name=self.name,
+            dtype=self.dtype,
+            shape=list(self.shape),
+            codec=self.codec,
+            nbytes=self.nbytes,
+            block=self.block,
+        )
+
+    def chunks(self) -> Iterator[memoryview]:
+        """The body, in pieces of at most `chunk_size` bytes."""
+        if self.codec == "raw" or (self.codec == "float16" and self.dtype == "float16"):
+            yield from _split(memoryview(self._flat.view(np.uint8)), self.chunk_size)
+        elif self.codec == "float16":
+            step = min(CONVERT_STEP, max(1, self.chunk_size // 2))
+            for i in range(0, self._flat.shape[0], step):
+                half = to_float16(self._as_float(i, i + step))
+                yield from _split(memoryview(half.view(np.uint8)), self.chunk_size)
+        else:
+            yield from self._q8_chunks()
+
+    def _as_float(self, start: int, stop: int) -> np.ndarray:
+        part = self._flat[start:stop]
+        return bf16_to_f32(part) if self.dtype == "bfloat16" else part
+
+    def _q8_chunks(self) -> Iterator[memoryview]:
+        block = self.block
+        step = max(1, min(self.chunk_size, CONVERT_STEP) // block) * block
+        scales = []
+        for i in range(0, self._flat.shape[0], step):
+            q, s = quantize(self._as_float(i, i + step), block)
+            scales.append(s)
+            yield from _split(memoryview(q.view(np.uint8)), self.chunk_size)
+        if scales:
+            yield from _split(memoryview(np.concatenate(scales).view(np.uint8)), self.chunk_size)
