@@ -21,7 +21,7 @@ from protocol.cipher import CipherState, NullCipher
 from protocol.errors import LimitExceeded, ProtocolError
 from protocol.frames import KIND_CHUNK, KIND_MESSAGE, FrameReader, LengthPrefixedReader
 from protocol.limits import DEFAULT_LIMITS, KiB, MiB, WireLimits
-from protocol.messages import MAX_NESTING
+from protocol.msgpack_scan import MAX_NESTING
 from protocol.schema import DEFAULT_REGISTRY, MESSAGES, TensorHeader
 from tests.test_protocol_messages import any_registered
 from protocol.tensor_codec import CODECS, DTYPES, MAX_NDIM, MAX_Q8_BLOCK, tensor_nbytes
