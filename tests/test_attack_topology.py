@@ -14,9 +14,9 @@ from peer.control import call
 from peer.topology.records import MAX_VIEW_RECORDS
 
 from peer.testing.attacker import attacker_session
-from peer.testing.attacks import (BAD_RECORDS, answer_pings, become_neighbour, fake_id, run_scenario, send_raw,
-                                  signed_record_body)
-from peer.testing.attacks import bad_topology_record as _bad_topology_record
+from peer.testing.attacks import answer_pings, become_neighbour, run_scenario, send_raw
+from peer.testing.attacks_topology import BAD_RECORDS, fake_id, signed_record_body
+from peer.testing.attacks_topology import bad_topology_record as _bad_topology_record
 from protocol.schema import Ping, TopologyRecords
 from protocol.schema.topology import MAX_RECORD_LINKS, MAX_RECORD_NEIGHBOURS
 from tests.daemons import config_file, unique_swarm, wait_for
