@@ -11,7 +11,7 @@ refuse (their view may differ). Moves, in priority order:
              the noise of both estimates: see `confidence`) or for
              mixing (the spectral gap grows by >= `min_improvement`, relative, and
              the new link is no slower than the old one, nor its peer's onward
-             time: see `_Scene.onward`);
+             time: see `Scene.onward`);
   * relink -- (a swap) I sit behind a slow link of my own and so does a
              neighbour: replace that edge by one to a well-linked peer, even if the
              neighbour falls one below `min_degree` (see `_plan_relink`);
@@ -48,14 +48,14 @@ chase the same candidate in lockstep.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
 from peer.topology.graph import GraphView, LinkEstimate
 from peer.topology.mixing import graph_spectral_gap, predicted_round_time
+from peer.topology.rewire_scene import Candidate, Scene, by_speed_then_far, candidates, my_edges_slowest_first, shuffled
 
 MoveKind = Literal["add", "drop", "swap"]
 
@@ -164,153 +164,19 @@ def apply_move(view: GraphView, me: str, move: Move) -> GraphView:
     return out
 
 
-@dataclass(frozen=True)
-class _Scene:
-    """Everything about the current view that every candidate evaluation reuses."""
-
-    view: GraphView
-    me: str
-    cfg: RewireConfig
-    round_time: float
-    typical_time: float  # median predicted time of the view's edges (0 with none)
-    gap: float
-    components: int
-    _edge_times: dict[tuple[str, str | None], list[float]] = field(default_factory=dict, compare=False)
-
-    def time(self, link: LinkEstimate) -> float:
-        c = self.cfg
-        return link.transfer_time(c.shard_bytes, c.default_bandwidth_bps, c.default_rtt_s)
-
-    @property
-    def straggler_time(self) -> float:
-        """Link time above which a link is slow: `straggler_factor` times the view's median edge (0 with
-        no edges). Above min_degree no add may be this slow, and relink looks for peers behind it."""
-        return self.cfg.straggler_factor * self.typical_time
-
-    def onward(self, node: str, exclude: str | None = None) -> float:
-        """Median predicted time of `node`'s edges (but the one to `exclude`): how fast what reaches it
-        travels on. A peer behind a slow link of its own passes things on slowly whatever edge they
-        came by, so an edge to it is worth less than an equally fast-looking edge to a well-linked
-        peer; two slow hosts linked to each other mix with the swarm only through their other edges.
-        A peer with no other edge passes nothing on: inf (so an unlinked newcomer is never taken for
-        the best-linked peer; it links itself, with its own urgent adds)."""
-        ts = self._times_of(node, exclude)
-        return float(np.median(ts)) if ts else math.inf
-
-    def fastest(self, node: str, exclude: str | None = None) -> float:
-        """Predicted time of `node`'s fastest edge (but the one to `exclude`; inf with none). A peer
-        whose fastest edge is slow sits behind a slow link of its own; a well-linked peer with a few
-        slow neighbours has a slow median edge, but not a slow fastest one."""
-        return min(self._times_of(node, exclude), default=math.inf)
-
-    def _times_of(self, node: str, exclude: str | None) -> list[float]:
-        """Predicted times of `node`'s edges but the one to `exclude` (memoized: the view never changes)."""
-        key = (node, exclude)
-        if key not in self._edge_times:
-            self._edge_times[key] = [self.time(self.view.link(node, m))
-                                     for m in self.view.neighbours(node) if m != exclude]
-        return self._edge_times[key]
-
-    def margin(self, link: LinkEstimate) -> float:
-        """Factor by which `link`'s time may be off, at the configured confidence (1: exact)."""
-        return math.exp(self.cfg.confidence * link.log_se)
-
-    def score(self, after: GraphView) -> tuple[float, float] | None:
-        """(round time, gap) of a hypothetical view, or None if it splits the graph."""
-        if after.component_count() > self.components:
-            return None
-        c = self.cfg
-        rt = predicted_round_time(after, c.shard_bytes, c.default_bandwidth_bps, c.default_rtt_s)
-        return rt, graph_spectral_gap(after)
-
-    def move(self, kind: MoveKind, drop: str | None, add: str | None,
-             scored: tuple[float, float], reason: str, link: LinkEstimate | None = None,
-             drop_below_min: bool = False) -> Move:
-        return Move(kind, drop, add, self.round_time, scored[0], self.gap, scored[1], reason, link,
-                    drop_below_min)
+def _move(s: Scene, kind: MoveKind, drop: str | None, add: str | None, scored: tuple[float, float], reason: str,
+          link: LinkEstimate | None = None, drop_below_min: bool = False) -> Move:
+    """The move, with the scene's round time and gap before it and `scored` (round time, gap) after."""
+    return Move(kind, drop, add, s.round_time, scored[0], s.gap, scored[1], reason, link, drop_below_min)
 
 
-class _Candidate(NamedTuple):
-    node: str
-    link: LinkEstimate
-    time: float
-    hops: int
-
-
-def _bucket(t: float, step: float) -> float:
-    """Log-scale bucket: link times within about `step` (relative) count as ties."""
-    if math.isinf(t):
-        return math.inf
-    return -math.inf if t <= 0 else math.floor(math.log(t) / math.log1p(step))
-
-
-def _shuffled(items: list, rng: np.random.Generator) -> list:
-    return [items[i] for i in rng.permutation(len(items))]
-
-
-def _candidates(
-    s: _Scene, candidates_measured: Mapping[str, LinkEstimate] | None
-) -> list[_Candidate]:
-    """Peers I could link to, with the estimate, link time and hop distance.
-
-    With `candidates_measured` (my fresh probes), only those peers are candidates:
-    a peer I have not reached may well be unreachable. Without it, every
-    non-neighbour in the view is, with the view's estimate or the defaults. Peers
-    unknown to the view or already at `max_degree` are skipped.
-    """
-    view, me = s.view, s.me
-    mine = view.neighbours(me)
-    if candidates_measured is None:
-        pool = {n: view.link(me, n) for n in view.nodes if n != me}
-    else:
-        pool = {n: est for n, est in candidates_measured.items() if n in view.nodes}
-    dist = view.hop_distances(me)
-    far = len(view.nodes) + 1  # unreachable: linking there merges components
-    out: list[_Candidate] = []
-    urgent = view.degree(me) < s.cfg.min_degree
-    # peers accept up to target + 1 (one slot of slack for swaps), beyond that only urgent adds
-    cap = s.cfg.max_degree if urgent else min(s.cfg.max_degree, s.cfg.target_degree + 1)
-    for n in sorted(pool):
-        if n == me or n in mine or view.degree(n) >= cap:
-            continue
-        out.append(_Candidate(n, pool[n], s.time(pool[n]), dist.get(n, far)))
-    return out
-
-
-def _by_speed_then_far(
-    s: _Scene, cands: list[_Candidate], rng: np.random.Generator, *, onward: bool = False
-) -> list[_Candidate]:
-    """Fastest first; among similar speeds the farthest, then the least connected.
-
-    Far peers shorten paths (raising the gap); low-degree peers keep degrees
-    balanced, since every swap moves one edge end from the dropped peer to them.
-    With `onward`, speed is the link's time plus the candidate's `onward` time.
-    """
-    step = s.cfg.min_improvement
-    return sorted(
-        _shuffled(cands, rng),
-        key=lambda c: (_bucket(c.time + (s.onward(c.node) if onward else 0.0), step), -c.hops,
-                       s.view.degree(c.node)),
-    )
-
-
-def _my_edges_slowest_first(
-    s: _Scene, rng: np.random.Generator, *, onward: bool = False
-) -> list[tuple[str, float]]:
-    """My edges with their link times, the slowest first; with `onward`, the costliest first (link time
-    plus the other end's `onward` time)."""
-    edges = [(m, s.time(s.view.link(s.me, m))) for m in sorted(s.view.neighbours(s.me))]
-    extra = (lambda m: s.onward(m, exclude=s.me)) if onward else (lambda m: 0.0)
-    return sorted(_shuffled(edges, rng), key=lambda e: -(e[1] + extra(e[0])))
-
-
-def _drop_slowest(s: _Scene, rng: np.random.Generator, *, keep: int, why: str,
+def _drop_slowest(s: Scene, rng: np.random.Generator, *, keep: int, why: str,
                   slower_than: float = -math.inf) -> Move | None:
-    """Drop my costliest edge (see `_my_edges_slowest_first`) that is slower than `slower_than`
+    """Drop my costliest edge (see `my_edges_slowest_first`) that is slower than `slower_than`
     seconds even at its best, within its margin, and whose other end keeps more than `keep`
     neighbours, if the gap rule allows."""
     view, cfg = s.view, s.cfg
-    for other, t in _my_edges_slowest_first(s, rng, onward=True):
+    for other, t in my_edges_slowest_first(s, rng, onward=True):
         if t / s.margin(view.link(s.me, other)) <= slower_than:
             continue  # not slow enough, or not beyond its noise
         if view.degree(other) <= keep:
@@ -318,16 +184,16 @@ def _drop_slowest(s: _Scene, rng: np.random.Generator, *, keep: int, why: str,
         scored = s.score(view.without_edge(s.me, other))
         if scored is None or scored[1] < min(cfg.gap_floor, s.gap):
             continue
-        return s.move("drop", other, None, scored, f"{why}: drop {other} ({t:.3g} s)")
+        return _move(s, "drop", other, None, scored, f"{why}: drop {other} ({t:.3g} s)")
     return None
 
 
-def _plan_drop(s: _Scene, rng: np.random.Generator) -> Move | None:
+def _plan_drop(s: Scene, rng: np.random.Generator) -> Move | None:
     """Above max: drop an edge whose other end stays at or above min_degree."""
     return _drop_slowest(s, rng, keep=s.cfg.min_degree, why=f"degree {s.view.degree(s.me)} > max {s.cfg.max_degree}")
 
 
-def _plan_trim(s: _Scene, rng: np.random.Generator) -> Move | None:
+def _plan_trim(s: Scene, rng: np.random.Generator) -> Move | None:
     """Above target: drop my costliest edge to a neighbour also above target (both move towards it).
 
     Without this, swaps and below-target adds ratchet degrees up to max_degree, and MH weights
@@ -339,7 +205,7 @@ def _plan_trim(s: _Scene, rng: np.random.Generator) -> Move | None:
                          why=f"degree {s.view.degree(s.me)} > target {cfg.target_degree}")
 
 
-def _plan_add(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> Move | None:
+def _plan_add(s: Scene, cands: list[Candidate], rng: np.random.Generator) -> Move | None:
     """Add the fastest (then farthest) candidate, counting its `onward` time as well.
 
     Below `min_degree` robustness comes first and any candidate will do. Between
@@ -348,7 +214,7 @@ def _plan_add(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> M
     """
     view, cfg = s.view, s.cfg
     urgent = view.degree(s.me) < cfg.min_degree
-    for n, est, t, _ in _by_speed_then_far(s, cands, rng, onward=True)[: cfg.max_evaluations]:
+    for n, est, t, _ in by_speed_then_far(s, cands, rng, onward=True)[: cfg.max_evaluations]:
         if not urgent and s.round_time > 0 and t > min(s.round_time, s.straggler_time):
             continue  # above min_degree a link much slower than the usual one costs more than it mixes
         scored = s.score(view.with_edge(s.me, n, est))
@@ -357,14 +223,14 @@ def _plan_add(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> M
         if not urgent and scored[1] < min(cfg.gap_floor, s.gap):
             continue
         why = "below min" if urgent else "below target"
-        return s.move("add", None, n, scored,
-                      f"degree {view.degree(s.me)} {why}: add {n} ({t:.3g} s)", est)
+        return _move(s, "add", None, n, scored,
+                     f"degree {view.degree(s.me)} {why}: add {n} ({t:.3g} s)", est)
     return None
 
 
-def _plan_swap(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> Move | None:
+def _plan_swap(s: Scene, cands: list[Candidate], rng: np.random.Generator) -> Move | None:
     view, cfg, me = s.view, s.cfg, s.me
-    mine = _my_edges_slowest_first(s, rng)
+    mine = my_edges_slowest_first(s, rng)
     droppable = [(m, t) for m, t in mine if view.degree(m) - 1 >= cfg.min_degree]
     budget = cfg.max_evaluations
     if not droppable or not cands:
@@ -372,7 +238,7 @@ def _plan_swap(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> 
 
     # Speed: replace one of my slowest links (within min_improvement of my slowest).
     slowest = mine[0][1]
-    fast_first = _by_speed_then_far(s, cands, rng)
+    fast_first = by_speed_then_far(s, cands, rng)
     for other, t_old in droppable:
         if t_old < (1 - cfg.min_improvement) * slowest:
             break
@@ -388,13 +254,13 @@ def _plan_swap(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> 
             gain = 1.0 - worst_new / best_old if best_old > 0 else 0.0
             if scored is None or not gap_acceptable(s.gap, scored[1], gain, cfg):
                 continue
-            return s.move("swap", other, n, scored,
-                          f"speed: {other} ({t_old:.3g} s) -> {n} ({t_new:.3g} s), {gain:.0%} faster", est)
+            return _move(s, "swap", other, n, scored,
+                         f"speed: {other} ({t_old:.3g} s) -> {n} ({t_new:.3g} s), {gain:.0%} faster", est)
 
     # Mixing: a link no costlier than the one it replaces (its time plus the peer's onward time: else
     # the gap, which favours linking the two least-linked peers, pairs up slow hosts), to a far peer,
     # raising the gap.
-    far_first = sorted(_shuffled(cands, rng), key=lambda c: (-c.hops, view.degree(c.node)))
+    far_first = sorted(shuffled(cands, rng), key=lambda c: (-c.hops, view.degree(c.node)))
     for other, t_old in droppable:
         cost_old = t_old + s.onward(other, exclude=me)
         for n, est, t_new, _ in far_first:
@@ -408,12 +274,12 @@ def _plan_swap(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> 
                 continue
             g1 = scored[1]
             if g1 >= (1 + cfg.min_improvement) * s.gap and g1 > s.gap + 1e-12:
-                return s.move("swap", other, n, scored,
-                              f"mixing: {other} -> {n}, gap {s.gap:.3f} -> {g1:.3f}", est)
+                return _move(s, "swap", other, n, scored,
+                             f"mixing: {other} -> {n}, gap {s.gap:.3f} -> {g1:.3f}", est)
     return None
 
 
-def _plan_relink(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -> Move | None:
+def _plan_relink(s: Scene, cands: list[Candidate], rng: np.random.Generator) -> Move | None:
     """Replace my edge to a neighbour that, like me, sits behind a slow link of its own.
 
     Such an edge carries nothing either end can pass on quickly: in `peer bench gossip --netns
@@ -434,9 +300,9 @@ def _plan_relink(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -
     slow = s.straggler_time
     if s.fastest(me) < slow:
         return None  # I am well linked: my slow edges are for sheds and swaps
-    ranked = _by_speed_then_far(s, cands, rng, onward=True)
+    ranked = by_speed_then_far(s, cands, rng, onward=True)
     budget = cfg.max_evaluations
-    for other in _shuffled(sorted(view.neighbours(me)), rng):
+    for other in shuffled(sorted(view.neighbours(me)), rng):
         link_old = view.link(me, other)
         t_old, old_margin = s.time(link_old), s.margin(link_old)
         if (view.degree(other) < max(2, cfg.min_degree) or s.fastest(other, exclude=me) < slow
@@ -455,13 +321,13 @@ def _plan_relink(s: _Scene, cands: list[_Candidate], rng: np.random.Generator) -
             scored = s.score(view.without_edge(me, other).with_edge(me, n, est))
             if scored is None or scored[1] < min(cfg.gap_floor, s.gap):
                 continue
-            return s.move("swap", other, n, scored,
-                          f"relink: {other} is behind a slow link too ({s.onward(other, exclude=me):.3g} s "
-                          f"onward) -> {n} ({s.onward(n):.3g} s onward)", est, drop_below_min=True)
+            return _move(s, "swap", other, n, scored,
+                         f"relink: {other} is behind a slow link too ({s.onward(other, exclude=me):.3g} s "
+                         f"onward) -> {n} ({s.onward(n):.3g} s onward)", est, drop_below_min=True)
     return None
 
 
-def _plan_shed(s: _Scene, rng: np.random.Generator) -> Move | None:
+def _plan_shed(s: Scene, rng: np.random.Generator) -> Move | None:
     """Drop a link far slower than the usual one (the costliest such), keeping both ends above min_degree
     (like `_plan_add`'s straggler bar: above min_degree such a link costs more than it mixes)."""
     cfg = s.cfg
@@ -481,11 +347,11 @@ def plan_move(
     """Plan at most one move for `me`, or None when nothing helps.
 
     `candidates_measured` holds my own fresh probes of non-neighbours (they win
-    over the view's older estimates); see `_candidates` for who is a candidate.
+    over the view's older estimates); see `candidates` for who is a candidate.
     """
     if me not in view.nodes:
         raise ValueError(f"planner {me!r} is not in the view")
-    s = _Scene(
+    s = Scene(
         view=view,
         me=me,
         cfg=cfg,
@@ -500,7 +366,7 @@ def plan_move(
         return m
     if degree > cfg.target_degree and (m := _plan_trim(s, rng)) is not None:
         return m
-    cands = _candidates(s, candidates_measured)
+    cands = candidates(s, candidates_measured)
     if degree < cfg.target_degree and (m := _plan_add(s, cands, rng)) is not None:
         return m
     if (m := _plan_relink(s, cands, rng)) is not None:
