@@ -8,7 +8,8 @@ session ends or its pongs stop for `dead_after` (replies, not just any bytes: a 
 not read is dead too); a frame it does not take within `dead_after` closes its session as well.
 
 Ownership: `run()` owns the dialer, the peer-exchange loop and (through `own_session`) every session's
-reader, heartbeat and dispatcher tasks. Cancelling `run()` closes them all.
+reader, heartbeat and dispatcher tasks. Cancelling `run()` closes them all. The dialer (what to dial
+when, and the backoff) is `peer.membership.dialing`, a base class of `Membership`.
 """
 
 from __future__ import annotations
@@ -23,21 +24,19 @@ import trio
 
 from peer.config import Config
 from peer.nat.addresses import RelayedAddress, format_hostport, parse_address, parse_relayed
-from peer.nat.explain import explain_dial_error
 from peer.session.router import Router
-from peer.session.connect import dial
 from peer.session.fanout import Fanout, send_to_each
-from peer.membership.peers import (FORGET_AFTER_FAILURES, IDLE_ROUNDS, MAX_ADDRESSES, MAX_DIALS_IN_PROGRESS,
-                                   MAX_OBSERVED_CANDIDATES, MAX_PEERS, MAX_RELAYED, OBSERVED_QUORUM, SECOND_HAND,
-                                   BootstrapTarget, HostBackoff, PeerInfo, is_public_address, pick_idle)
+from peer.membership.dialing import Dialer
+from peer.membership.peers import (IDLE_ROUNDS, MAX_ADDRESSES, MAX_OBSERVED_CANDIDATES, MAX_PEERS, MAX_RELAYED,
+                                   OBSERVED_QUORUM, SECOND_HAND, BootstrapTarget, HostBackoff, PeerInfo,
+                                   is_public_address, pick_idle)
 from peer.session.transport import Session, SessionClosed, TransportConfig
 from protocol import identity as ident
-from protocol.errors import HandshakeError, ProtocolError
 from protocol.schema import Goodbye, PeerExchange, PeerRecord, Ping, Pong, peer_record_signing_bytes
 
 log = logging.getLogger("peertrain.membership")
 
-class Membership:
+class Membership(Dialer):
     def __init__(self, *, config: Config, transport: TransportConfig, peer_id: str, router: Router,
                  listen_port: Callable[[], int]):
         self.cfg = config.membership
@@ -184,122 +183,6 @@ class Membership:
             nursery.start_soon(self._pex_loop)
             task_status.started()
             await self._dial_loop(nursery)
-
-    def stop_dialing(self) -> None:
-        """We are leaving: make no new connections. Sessions we have stay up for the goodbye; peers that
-        leave with us would otherwise be re-dialed, and each failure logged, while we shut down."""
-        self._leaving = True
-        self._wake.set()
-
-    async def _dial_loop(self, nursery: trio.Nursery) -> None:
-        while not self._leaving:
-            now = trio.current_time()
-            n_sessions = sum(1 for p in self.peers.values() if p.session is not None)
-            n_dials = sum(1 for p in self.peers.values() if p.dialing) + sum(1 for t in self.bootstrap if t.dialing)
-            for target in self.bootstrap:
-                if target.dialing or target.next_attempt > now or n_dials >= MAX_DIALS_IN_PROGRESS:
-                    continue
-                if target.peer_id and self.peers.get(target.peer_id) and self.peers[target.peer_id].session:
-                    continue
-                target.dialing = True
-                n_dials += 1
-                nursery.start_soon(self._dial_bootstrap, target)
-            for info in list(self.peers.values()):
-                if info.session is None and not info.dialing and info.failures >= FORGET_AFTER_FAILURES \
-                        and not info.last_seen:
-                    # learned second-hand (cache, peer exchange) and never reached: stop trying
-                    del self.peers[info.peer_id]
-                    continue
-                if (info.session is None and not info.dialing and info.next_attempt <= now
-                        and n_sessions < self.cfg.max_connections and n_dials < MAX_DIALS_IN_PROGRESS
-                        and (self._dialable(info, now) or (info.relayed and self.dial_relayed is not None))):
-                    info.dialing = True
-                    n_sessions += 1
-                    n_dials += 1
-                    nursery.start_soon(self._dial_peer, info)
-            self._wake = trio.Event()
-            with trio.move_on_after(0.25):
-                await self._wake.wait()
-
-    def _dialable(self, info: PeerInfo, now: float) -> list[tuple[str, int]]:
-        """The peer's addresses we may dial now: first-hand ones, and others' whose host is not backing off."""
-        return [a for a in info.addresses
-                if a in info.firsthand or self.host_backoff.get(a[0], HostBackoff()).next_attempt <= now]
-
-    def _host_failed(self, host: str) -> None:
-        hb = self.host_backoff.get(host)
-        if hb is None:
-            if len(self.host_backoff) >= MAX_PEERS:  # forget the host whose backoff ends first
-                self.host_backoff.pop(min(self.host_backoff, key=lambda h: self.host_backoff[h].next_attempt))
-            hb = self.host_backoff[host] = HostBackoff()
-        hb.failures += 1
-        hb.next_attempt = trio.current_time() + self._backoff(hb.failures)
-
-    def _backoff(self, failures: int) -> float:
-        delay = min(self.cfg.reconnect_max, self.cfg.reconnect_min * (2 ** min(failures, 16)))
-        return delay * random.uniform(0.5, 1.5)
-
-    async def _dial_peer(self, info: PeerInfo) -> None:
-        try:
-            # The larger ID waits a moment so that simultaneous discovery rarely makes two sessions.
-            if info.failures == 0 and self.peer_id > info.peer_id:
-                await trio.sleep(random.uniform(0.2, 0.6))
-            if info.session is not None:  # an inbound session arrived meanwhile
-                return
-            if info.state != "dead":
-                info.state = "connecting"
-            for host, port in list(info.addresses):
-                if (host, port) not in self._dialable(info, trio.current_time()):
-                    continue  # its host failed meanwhile (another dial): wait for its backoff
-                try:
-                    session = await dial(host, port, self.transport, expected_peer_id=info.peer_id,
-                                         connect_timeout=self.cfg.handshake_timeout)
-                except (OSError, trio.TooSlowError, ProtocolError) as exc:
-                    level = logging.WARNING if isinstance(exc, HandshakeError) else logging.DEBUG
-                    log.log(level, "dial %s at %s:%d failed: %s", ident.short_id(info.peer_id), host, port,
-                            exc or type(exc).__name__)
-                    if (host, port) not in info.firsthand:
-                        self._host_failed(host)
-                    continue
-                self.host_backoff.pop(host, None)
-                self._start_session(session)
-                return
-            for relayed in list(info.relayed) if self.dial_relayed is not None else []:
-                try:
-                    session = await self.dial_relayed(info, relayed)
-                except (OSError, trio.TooSlowError, ProtocolError) as exc:
-                    log.info("dial %s through relay %s failed: %s", ident.short_id(info.peer_id),
-                             ident.short_id(relayed.relay_id), exc or type(exc).__name__)
-                    continue
-                self._start_session(session)
-                return
-            info.failures += 1
-            info.next_attempt = trio.current_time() + self._backoff(info.failures)
-            if info.state == "connecting" and info.session is None:
-                info.state = "discovered" if not info.last_seen else "dead"
-        finally:
-            info.dialing = False
-
-    async def _dial_bootstrap(self, target: BootstrapTarget) -> None:
-        try:
-            session = await dial(target.host, target.port, self.transport,
-                                 connect_timeout=self.cfg.handshake_timeout)
-        except (OSError, trio.TooSlowError, ProtocolError) as exc:
-            target.failures += 1
-            target.next_attempt = trio.current_time() + self._backoff(target.failures)
-            problem = explain_dial_error(exc, target.host, target.port, timeout=self.cfg.handshake_timeout)
-            changed = (problem.cause, problem.fix) != (target.cause, target.fix)
-            target.cause, target.fix = problem.cause, problem.fix
-            level = logging.WARNING if changed or isinstance(exc, HandshakeError) else logging.DEBUG
-            log.log(level, "cannot reach bootstrap peer %s:%d: %s; try: %s (retrying with backoff)",
-                    target.host, target.port, problem.cause, problem.fix)
-            return
-        finally:
-            target.dialing = False
-        target.failures = 0
-        target.cause = target.fix = ""
-        target.peer_id = session.peer_id
-        self._start_session(session)
 
     def _start_session(self, session: Session) -> None:
         assert self._nursery is not None
