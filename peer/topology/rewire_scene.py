@@ -83,6 +83,8 @@ class Scene:
 
 
 class Candidate(NamedTuple):
+    """A peer I could link to: the link's estimate, its predicted time, and the peer's hop distance."""
+
     node: str
     link: LinkEstimate
     time: float
@@ -97,6 +99,8 @@ def _bucket(t: float, step: float) -> float:
 
 
 def shuffled(items: list, rng: np.random.Generator) -> list:
+    """`items` in the caller's random order, before a stable sort: peers with identical views break ties
+    differently instead of all chasing the same candidate."""
     return [items[i] for i in rng.permutation(len(items))]
 
 
