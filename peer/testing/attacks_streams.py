@@ -1,7 +1,8 @@
 """Stream attacks of issue 15 (registered in `peer.testing.attacks.SCENARIOS`): a tensor header nobody
 asked for, announcing 4 GiB, and a flood of fat control messages.
 
-Their own module because they attack what a session reads and holds before any service sees a message.
+Their own module because they attack a session's bounds on what it holds (parked headers, queued messages),
+not a service's handler.
 """
 
 from __future__ import annotations
