@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Compiler", "Invalid", "type_label"]
+__all__ = ["Compiler", "Invalid", "U64", "type_label"]
 
-_U64 = 1 << 64
+U64 = 1 << 64  # msgpack's widest unsigned integer: ids, sizes and counts are checked against it
 _I64_MIN = -(1 << 63)
 
 
@@ -58,14 +58,14 @@ def type_label(value: Any) -> str:
 def _convert_int(value: Any, decoding: bool) -> int:
     if type(value) is not int:
         raise Invalid(f"expected int, got {type_label(value)}")
-    if not _I64_MIN <= value < _U64:
+    if not _I64_MIN <= value < U64:
         raise Invalid("int out of the 64-bit range")
     return value
 
 
 def _convert_float(value: Any, decoding: bool) -> float:
     if type(value) is int:
-        if not _I64_MIN <= value < _U64:
+        if not _I64_MIN <= value < U64:
             raise Invalid("int out of the 64-bit range")
         value = float(value)
     elif type(value) is not float:

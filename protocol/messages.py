@@ -37,12 +37,10 @@ import msgpack
 
 from protocol.errors import LimitExceeded, ProtocolError
 from protocol.limits import WireLimits
-from protocol.message_fields import Compiler, Invalid, type_label
+from protocol.message_fields import U64, Compiler, Invalid, type_label
 from protocol.msgpack_scan import check_structure
 
 __all__ = ["Envelope", "Message", "Registry"]
-
-_U64 = 1 << 64
 
 
 class Message:
@@ -67,7 +65,7 @@ class Envelope:
 
 
 def _check_id(name: str, value: Any) -> int:
-    if type(value) is not int or not 0 <= value < _U64:
+    if type(value) is not int or not 0 <= value < U64:
         raise ValueError(f"{name} must be an int in [0, 2**64), got {value!r}")
     return value
 
@@ -188,9 +186,9 @@ class Registry:
                 f"{name}: version {version} is newer than the version {cls.VERSION} we support"
             )
         rid, reply_to = obj.get("r", 0), obj.get("q", 0)
-        if type(rid) is not int or not 0 <= rid < _U64:
+        if type(rid) is not int or not 0 <= rid < U64:
             raise ProtocolError(f"{name}: bad rid {str(rid)[:32]}")
-        if type(reply_to) is not int or not 0 <= reply_to < _U64:
+        if type(reply_to) is not int or not 0 <= reply_to < U64:
             raise ProtocolError(f"{name}: bad reply_to {str(reply_to)[:32]}")
         body = obj.get("b")
         if type(body) is not dict:

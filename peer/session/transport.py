@@ -50,7 +50,7 @@ send lock is held by the stuck frame). 60 s lets a 4 MiB frame, the largest the 
 HEARTBEATS = (Ping, Pong)
 """Messages that only keep a session alive. A session is as busy as its last message of another type
 (`SessionStats.last_useful`): a peer that answers pings and sends nothing else holds a connection slot
-for nothing, and `serve` may evict it for a newcomer (see `peer.membership.service.pick_idle`)."""
+for nothing, and `serve` may evict it for a newcomer (see `peer.membership.peers.pick_idle`)."""
 
 
 class SessionClosed(Exception):

@@ -15,7 +15,7 @@ from protocol.messages import Message
 
 MAX_RECORD_ADDRESSES = 16
 """Addresses in one peer record: a host has a few interfaces, each maybe with IPv4 and IPv6; a daemon
-advertises at most 8 (`peer.membership.service.MAX_ADDRESSES`), so 16 leaves room and refuses the
+advertises at most 8 (`peer.membership.peers.MAX_ADDRESSES`), so 16 leaves room and refuses the
 90,000-address records that once froze address merging."""
 MAX_ADDRESS_CHARS = 262
 """Characters of one "host:port" address: a DNS name's 255, a colon and a port."""
