@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from peertrain.optimizer import MODES as GOSSIP_MODES
 from peertrain.optimizer import GossipOptimizer
 from peertrain.outer import MODES as OUTER_MODES
 from peertrain.outer import LocalStepsOptimizer
@@ -117,8 +118,8 @@ def _lr_at(step: int, base: float, warmup: int, total: int, schedule: str) -> fl
 
 def run(swarm, options: dict) -> dict:
     o = parse_options(GossipSGDOptions, options, trainer="trainers.gossip_sgd")
-    if o.mode not in ("adpsgd", "dpsgd", "local"):
-        raise ValueError(f"[trainer.options] mode: expected 'adpsgd', 'dpsgd' or 'local', got {o.mode!r}")
+    if o.mode not in (*GOSSIP_MODES, "local"):
+        raise ValueError(f"[trainer.options] mode: expected one of {', '.join(GOSSIP_MODES)}, local, got {o.mode!r}")
     if not (math.isfinite(o.target_loss) and o.target_loss >= 0):
         raise ValueError(f"[trainer.options] target_loss: expected a finite number >= 0, got {o.target_loss!r}")
     if o.outer_codec and o.outer_codec not in CODECS:
