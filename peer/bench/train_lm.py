@@ -44,6 +44,7 @@ def lm_figures(modes: dict, plan, a) -> dict:
                   "outer": "Nesterov SGD, lr 0.7, momentum 0.9 (gossip_sgd's defaults, DiLoCo's); outer weights "
                            "averaged pairwise with a random neighbour in the background"},
     }
+
     def per_exchange(mode: str) -> float | None:  # bytes per exchange a peer took part in (median over runs)
         runs = get(mode, "trials") or ([modes[mode]] if mode in modes else [])
         each = [r["bytes_sent_after_joins_per_peer"] / (sum(r["exchanges_per_peer"]) / len(r["exchanges_per_peer"]))
@@ -54,9 +55,9 @@ def lm_figures(modes: dict, plan, a) -> dict:
 
     def per_trial(num: str, den: str, value) -> list | None:  # with --repeats: each interleaved pair's ratio
         pairs = zip(get(num, "trials") or [], get(den, "trials") or [])
-        out = [_ratio(value(x), value(y)) if x.get("reached_target") and y.get("reached_target") else None
-               for x, y in pairs]
-        return out or None
+        ratios = [_ratio(value(x), value(y)) if x.get("reached_target") and y.get("reached_target") else None
+                  for x, y in pairs]
+        return ratios or None
 
     if plan.repeats > 1:
         seconds = lambda r: r.get("seconds_to_target")  # noqa: E731

@@ -43,7 +43,6 @@ class Plan:
                 **LOCAL_MODES[mode]}
 
 
-
 def reaches(metrics: dict, target: float, metric: str = "accuracy") -> bool:
     """Whether one evaluation (a peer's metrics line) reached the target: an accuracy at or above it, a loss at or
     below it; never without a target."""
