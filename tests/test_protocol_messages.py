@@ -1,4 +1,4 @@
-"""Typed messages: round trips, schema validation and hostile input.
+"""Typed messages: round trips, schema validation and hostile input (the limits themselves: test_protocol_limits.py).
 
 The decoder's contract is that *any* bytes end in a typed message or in
 ProtocolError/LimitExceeded; the fuzz tests below hold it to that.
@@ -473,23 +473,6 @@ def test_peer_record_signature_verifies_with_identity_helpers():
     assert identity.verify(received.public_key, received.signature, peer_record_signing_bytes(received))
     forged = replace(received, addresses=["6.6.6.6:1"])
     assert not identity.verify(forged.public_key, forged.signature, peer_record_signing_bytes(forged))
-
-
-# --- limits -----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "8"])
-def test_wire_limits_must_be_positive_ints(bad):
-    with pytest.raises(ValueError, match="max_str_len"):
-        WireLimits(max_str_len=bad)
-
-
-def test_wire_limits_must_be_consistent():
-    with pytest.raises(ValueError, match="fit in one frame"):
-        WireLimits(max_message_bytes=2 << 20, max_frame_bytes=1 << 20)
-    with pytest.raises(ValueError, match="in-flight"):
-        WireLimits(max_tensor_bytes=2 << 30, max_inflight_tensor_bytes=1 << 30)
-    assert WireLimits().max_frame_bytes == 4 * 1024 * 1024 + 64
 
 
 def test_importing_the_protocol_stays_small():
