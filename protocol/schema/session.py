@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import msgpack
 
 from protocol.messages import Message
+from protocol.refusal import Refusal
 
 MAX_RECORD_ADDRESSES = 16
 """Addresses in one peer record: a host has a few interfaces, each maybe with IPv4 and IPv6; a daemon
@@ -138,3 +139,12 @@ class ErrorReply(Message):
     TYPE = "error"
     code: str
     message: str
+
+    @classmethod
+    def of(cls, refusal: Refusal) -> "ErrorReply":
+        """The wire form of a refusal (protocol/refusal.py)."""
+        return cls(code=refusal.code.value, message=refusal.reason)
+
+    def refusal(self) -> Refusal:
+        """This reply read back as a refusal (an unknown code reads as Code.UNKNOWN)."""
+        return Refusal.from_wire(self.code, self.message)
