@@ -3,7 +3,7 @@
 An exchange between i (initiator) and j:
   i → j  AverageOffer (request; i's tensors follow on `streams`)
   j → i  AverageAccept (reply; the weight both will use, at most the offer's `max_weight`; j's tensors
-         follow) | AverageReject
+         follow, in the offer's `codec`) | AverageReject (a refusal: code and reason, protocol/refusal.py)
   i → j  AverageCommit (i received everything and applied; j applies on receipt)
        | AverageAbort (i gave up after its offer went out; j applies nothing, stops waiting)
 Both apply x += w * (x_other_snapshot - x_own_snapshot) with the same w, so the swarm sum is unchanged.
@@ -18,6 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.messages import Message
+from protocol.refusal import MAX_REASON_CHARS, Code, Refusal
+
+MAX_CODE_CHARS = 64  # a refusal code is one short word (protocol/refusal.py's are under 20 characters)
 
 __all__ = ["TensorSpec", "AverageOffer", "AverageAccept", "AverageReject", "AverageCommit",
            "AverageAbort", "ParamsRequest", "ParamsReply"]
@@ -39,7 +42,7 @@ class AverageOffer(Message):
     streams: list[int]
     max_weight: float  # the most the initiator will apply (already set aside in its budget), 0 < w <= 1/2
     rule: str = "pairwise"  # "pairwise" | "metropolis": how the server caps the weight from its side
-    codec: str = "raw"
+    codec: str = "raw"  # the exchange's: the initiator's tensors come in it, and the server replies in it
     step: int = 0
 
 
@@ -54,8 +57,29 @@ class AverageAccept(Message):
 
 @dataclass(frozen=True, slots=True)
 class AverageReject(Message):
+    """The server refuses the offer: `code` for the initiator to act on, `reason` for people.
+
+    `code` came after version 1 and has a default, so no VERSION bump: an older peer ignores it, and its
+    rejects, which lack it, read as Code.UNKNOWN (the compatibility rules, protocol/messages.py)."""
+
     TYPE = "avg_reject"
     reason: str
+    code: str = Code.UNKNOWN.value
+
+    def __post_init__(self) -> None:
+        if len(self.code) > MAX_CODE_CHARS:
+            raise ValueError(f"a refusal code of at most {MAX_CODE_CHARS} characters, got {len(self.code)}")
+        if len(self.reason) > MAX_REASON_CHARS:
+            raise ValueError(f"a reason of at most {MAX_REASON_CHARS} characters, got {len(self.reason)}")
+
+    @classmethod
+    def of(cls, refusal: Refusal) -> "AverageReject":
+        """The wire form of a refused offer."""
+        return cls(reason=refusal.reason, code=refusal.code.value)
+
+    def refusal(self) -> Refusal:
+        """This reject read back as a refusal (an unknown code reads as Code.UNKNOWN)."""
+        return Refusal.from_wire(self.code, self.reason)
 
 
 @dataclass(frozen=True, slots=True)
