@@ -148,10 +148,10 @@ def test_a_peer_whose_updates_keep_being_clipped_is_banned_and_refused():
 
 def test_parameters_are_served_to_neighbours_only_and_a_download_is_checked():
     async def body(a, b):
-        got = await a.fetch_params("params", b.me)
+        got = await a.downloads.fetch_params("params", b.me)
         assert got is not None and float(got[0][0][0]) == 3.0
         b.groups["params"].tensors["w"][:] = 1e30  # past max_update_ratio of a's model
-        assert await a.fetch_params("params", b.me) is None
+        assert await a.downloads.fetch_params("params", b.me) is None
         assert a.stats.clipped == {b.me: 1}
         b.topology.neighbours.clear()  # a is no longer b's neighbour
         session = a.membership.connected()[b.me]
@@ -160,6 +160,37 @@ def test_parameters_are_served_to_neighbours_only_and_a_download_is_checked():
         assert b.stats.params_refused == 1
     trio.run(run_pair, body)
 
+
+def test_a_joining_download_asks_past_busy_partners_without_using_up_its_tries(monkeypatch):
+    """A TRY_LATER refusal (busy) is no answer about the partner: it uses up none of DOWNLOAD_TRIES; any
+    other refusal or failure does."""
+    from peer.averaging import download
+    from peer.averaging.budget import ServingSlots
+    from peer.averaging.ledger import Ledger
+    from protocol.refusal import Code, Refusal
+
+    peers = [f"p{i}" for i in range(6)]
+    monkeypatch.setattr(download.random, "shuffle", lambda xs: None)  # asked in this order
+
+    def downloads(answers: dict) -> tuple[download.Downloads, list]:
+        asked: list = []
+        d = download.Downloads(None, groups={"g": object()}, slots=ServingSlots(1), ledger=Ledger(),
+                               may_download=lambda p, g: None, holders=lambda g: list(peers), connected=dict)
+
+        async def fetch_params(group, pid):
+            asked.append(pid)
+            return answers.get(pid)
+
+        d.fetch_params = fetch_params
+        return d, asked
+
+    busy = Refusal(Code.BUSY, "serving as many transfers as it may; ask again later")
+    d, asked = downloads({**{p: busy for p in peers[:5]}, "p5": (["values"], 3)})
+    assert trio.run(d.fetch_from_partners, "g") == (["values"], 3)
+    assert asked == peers  # five busy partners, then one that answers
+    d, asked = downloads({p: Refusal(Code.NOT_NEIGHBOUR, "no") for p in peers})
+    assert trio.run(d.fetch_from_partners, "g") is None
+    assert len(asked) == download.DOWNLOAD_TRIES
 
 
 def test_peer_status_shows_bans_and_per_peer_counts():

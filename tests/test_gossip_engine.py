@@ -15,7 +15,8 @@ import numpy as np
 import trio
 
 from peer.config import GossipSection
-from peer.averaging.engine import EXCHANGE_SECONDS_BUCKETS, GossipEngine
+from peer.averaging.engine import GossipEngine
+from peer.averaging.ledger import EXCHANGE_SECONDS_BUCKETS
 from peer.averaging.shared import SharedTensors
 from peer.session.router import Router
 from peer.session.connect import dial, open_listeners, serve
@@ -134,7 +135,7 @@ def test_pairwise_exchange_moves_both_sides_a_third_of_the_way():
         assert result.weight == 1 / 3
         np.testing.assert_allclose(a.groups["params"].tensors["w"], 1 + 2 / 3, rtol=1e-6)
         np.testing.assert_allclose(b.groups["params"].tensors["w"], 3 - 2 / 3, rtol=1e-6)
-        assert not a.initiating and not b.inflight  # every weight set aside is free again
+        assert not a.budget.initiating and not b.budget.serving  # every weight set aside is free again
 
     trio.run(run_pair, body)
 
@@ -179,14 +180,14 @@ def test_a_busy_server_accepts_with_the_weight_it_has_room_for_or_refuses():
     pairwise offer with 0.3 (and both sides apply 0.3, so the sum holds); with 0.95 in flight the room
     left (0.05) is under a quarter of the rule's 1/3, and it refuses."""
     async def body(a, b):
-        b.inflight["someone-else"] = 0.7
+        b.budget.serving["someone-else"] = 0.7
         before = total(a) + total(b)
         result = await exchange_and_wait(a, b)
         assert result.ok, result.reason
         assert abs(result.weight - 0.3) < 1e-12
         assert abs(total(a) + total(b) - before) < 1e-6 * before  # float32 rounding only
         np.testing.assert_allclose(a.groups["params"].tensors["w"], 1.6, rtol=1e-6)  # 1 + 0.3 * (3 - 1)
-        b.inflight["someone-else"] = 0.95
+        b.budget.serving["someone-else"] = 0.95
         result = await a.exchange(b.me, "params")
         assert not result.ok and "too much weight in flight" in result.reason
         assert abs(total(a) + total(b) - before) < 1e-6 * before  # float32 rounding only
@@ -197,10 +198,10 @@ def test_a_busy_server_accepts_with_the_weight_it_has_room_for_or_refuses():
 def test_initiator_sets_its_weight_aside_before_it_offers():
     """An initiator with 0.8 in flight offers at most 0.2; with 0.95 it does not offer at all."""
     async def body(a, b):
-        a.inflight["someone-else"] = 0.8
+        a.budget.serving["someone-else"] = 0.8
         result = await exchange_and_wait(a, b)
         assert result.ok and abs(result.weight - 0.2) < 1e-12, result
-        a.inflight["someone-else"] = 0.95
+        a.budget.serving["someone-else"] = 0.95
         result = await a.exchange(b.me, "params")
         assert not result.ok and result.reason == "too much weight in flight"
         assert b.stats.rejected == 0  # decided before any offer went out
@@ -220,18 +221,18 @@ def test_initiator_that_gives_up_after_the_accept_frees_the_server_at_once():
             await honest(session, dataclasses.replace(env, message=dataclasses.replace(env.message, max_weight=0.5)))
 
         router._handlers[AverageOffer] = ignore_the_offered_cap
-        a.inflight["someone-else"] = 0.7
+        a.budget.serving["someone-else"] = 0.7
         before_a, before_b = total(a), total(b)
         result = await a.exchange(b.me, "params")
         assert not result.ok and "inconsistent accept" in result.reason, result
-        await until(lambda: not b.inflight, 3)
+        await until(lambda: not b.budget.serving, 3)
         assert "aborted by them: inconsistent accept" in b.stats.last_error
         a_session = a.membership.connected()[b.me]
         # b's tensors still arrive whole, and a drops them: nothing half-received
         await until(lambda: not a_session._streams, 3)
         assert (total(a), total(b)) == (before_a, before_b)  # neither side applied anything
         router._handlers[AverageOffer] = honest
-        del a.inflight["someone-else"]
+        del a.budget.serving["someone-else"]
         result = await a.exchange(b.me, "params")  # and the pair still exchanges afterwards
         assert result.ok, result.reason
 
@@ -244,7 +245,7 @@ def test_colliding_offers_the_winner_is_served_with_the_losers_reservation():
     sent. Here the loser has 1/2 in flight elsewhere, so without that hand-over it would have no room."""
     async def body(a, b):
         small, large = (a, b) if a.me < b.me else (b, a)
-        large.inflight["someone-else"] = 0.5
+        large.budget.serving["someone-else"] = 0.5
         before = total(a) + total(b)
         results = {}
 
@@ -261,7 +262,7 @@ def test_colliding_offers_the_winner_is_served_with_the_losers_reservation():
         assert abs(total(a) + total(b) - before) < 1e-6 * before
         np.testing.assert_allclose(a.groups["params"].tensors["w"], 2.0)
         np.testing.assert_allclose(b.groups["params"].tensors["w"], 2.0)
-        assert not small.initiating and not large.initiating and list(large.inflight) == ["someone-else"]
+        assert not small.budget.initiating and not large.budget.initiating and list(large.budget.serving) == ["someone-else"]
 
     trio.run(run_pair, body)
 
@@ -283,7 +284,7 @@ def test_a_failed_snapshot_gives_the_reservation_back():
             pass
         else:
             raise AssertionError("the snapshot's error should reach the caller")
-        assert not a.initiating
+        assert not a.budget.initiating
         group.snapshot = real
         result = await a.exchange(b.me, "params")
         assert result.ok, result.reason
@@ -318,7 +319,7 @@ def test_a_bad_tensor_from_the_server_changes_nothing():
             finally:
                 OutgoingGroup.send = real_send
             assert not result.ok and reason in result.reason, (lie, result)
-            await until(lambda: not b.inflight, 3)
+            await until(lambda: not b.budget.serving, 3)
             assert (total(a), total(b)) == (before_a, before_b), lie
         result = await exchange_and_wait(a, b)
         assert result.ok, result.reason
@@ -349,9 +350,9 @@ def test_an_initiator_that_gives_up_before_the_reply_still_calls_the_exchange_of
         result = await a.exchange(b.me, "params")
         assert not result.ok and result.reason == "deadline passed", result
         # the abort reached b while its snapshot still runs
-        await until(lambda: any(s.abort_reason for s in b.served.values()), 5)
+        await until(lambda: any(s.abort_reason for s in b.server.served.values()), 5)
         released.set()
-        await until(lambda: not b.inflight, 5)
+        await until(lambda: not b.budget.serving, 5)
         assert "aborted by them before we accepted: deadline passed" in b.stats.last_error
         assert (total(a), total(b)) == (before_a, before_b)
         assert not a.membership.connected()[b.me]._streams  # nothing of b's arrived for nobody
@@ -434,3 +435,24 @@ def test_float16_distance_is_summed_wide_enough_not_to_overflow():
     group.apply(0.5, [np.full(4096, 300.0, dtype=np.float16)], [start.copy()])
     np.testing.assert_array_equal(x, np.full(4096, 200.0, dtype=np.float16))
     assert abs(group.last_distance - 2.0) < 1e-6
+
+
+def test_a_refused_offer_carries_a_code_the_initiator_reads():
+    """The initiator's result says why in a code (protocol/refusal.py), not only in words, whether the server
+    refused or our own budget did."""
+    from protocol.refusal import Code
+
+    async def body(a, b):
+        b.budget.serving["someone-else"] = 0.95
+        result = await a.exchange(b.me, "params")
+        assert not result.ok and result.code is Code.BUSY and "too much weight in flight" in result.reason
+        del b.budget.serving["someone-else"]
+        b.topology.neighbours = []
+        result = await a.exchange(b.me, "params")
+        assert not result.ok and result.code is Code.NOT_NEIGHBOUR, result
+        a.budget.serving["someone-else"] = 0.95
+        result = await a.exchange(b.me, "params")
+        assert result.code is Code.BUSY and b.stats.rejected == 2  # ours: decided before any offer went out
+        assert (await a.exchange(b.me, "nothing")).code is Code.NO_GROUP
+
+    trio.run(run_pair, body)

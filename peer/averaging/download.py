@@ -1,23 +1,28 @@
 """Joining: downloading a partner's current tensors of a group, and serving ours to partners that ask.
 
-A part of the averaging engine (GossipEngine inherits it): it shares the engine's groups, partners, bans
-and its cap on transfers served at once. A download replaces the downloader's tensors, so the same bound
-as an exchange applies, and a download past it is refused, never clipped (peer/averaging/bounds.py).
+`Downloads` is given what it reads of the averaging engine: its groups, who may download from us, the
+partners worth asking, the serving slots it shares with the exchanges we serve (a download holds a snapshot
+and our upload as one does), and the ledger. A download replaces the downloader's tensors, so the same
+bound as an exchange applies, and a download past it is refused, never clipped (peer/averaging/bounds.py).
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import trio
 
 from peer.averaging.bounds import download_ok
+from peer.averaging.budget import ServingSlots
+from peer.averaging.ledger import Ledger
 from peer.averaging.shared import SharedTensors
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
 from protocol.errors import ProtocolError
+from protocol.refusal import TRY_LATER, Code, Refusal
 from protocol.schema.gossip import ParamsReply, ParamsRequest
 from protocol.schema.session import ErrorReply
 
@@ -25,30 +30,52 @@ log = logging.getLogger("peertrain.gossip")
 
 DOWNLOAD_TRIES = 3  # partners asked in turn before a join gives up (each bounded by the exchange deadline)
 
+Fetched = tuple[list[Any], int]  # a partner's tensors of a group, and its step
 
-class ParamsDownload:
-    """The download half of GossipEngine (see peer/averaging/engine.py for the attributes it uses)."""
 
-    async def _on_params_request(self, session, env) -> None:
+class Downloads:
+    """Parameter downloads, both ways: `fetch_from_partners` for a joining peer, `on_request` for partners."""
+
+    def __init__(self, cfg, *, groups: Mapping[str, SharedTensors], slots: ServingSlots, ledger: Ledger,
+                 may_download: Callable[[str, str], Refusal | None], holders: Callable[[str], list[str]],
+                 connected: Callable[[], Mapping[str, Any]]):
+        self.cfg = cfg  # [gossip]: exchange_timeout, max_update_ratio
+        self.groups = groups
+        self.slots = slots
+        self.ledger = ledger
+        self.may_download = may_download  # (peer, group) -> why that peer may not download it from us, or None
+        self.holders = holders  # group -> partners worth asking for it
+        self.connected = connected  # peer -> session, the sessions open now
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Own the downloads we serve (each outlives the request's dispatch)."""
+        async with trio.open_nursery() as n:
+            self._nursery = n
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def on_request(self, session, env) -> None:
         """Served to current neighbours only: a joining peer asks one (the model is not for anyone who dials)."""
         group = self.groups.get(env.message.group)
         if group is None:
-            refusal = ("no_group", f"no group {env.message.group[:40]!r} here")
+            refusal = Refusal(Code.NO_GROUP, f"no group {env.message.group[:40]!r} here")
         else:
-            refusal = self._role_refusal(session.peer_id, env.message.group)
-        if refusal is None and self._serving >= self.cfg.max_concurrent_exchanges:
-            refusal = ("busy", "serving as many transfers as it may; ask again later")
+            refusal = self.may_download(session.peer_id, env.message.group)
+        if refusal is None and self.slots.full():
+            refusal = Refusal(Code.BUSY, "serving as many transfers as it may; ask again later")
         if refusal is not None:
-            self.stats.params_refused += 1
-            await session.reply(env, ErrorReply(code=refusal[0], message=refusal[1]))
+            self.ledger.stats.params_refused += 1
+            await session.reply(env, ErrorReply.of(refusal))
             return
-        self._serving += 1  # a download counts against the same cap as the exchanges we serve
-        self._nursery.start_soon(self._serve_params, session, env, group)
+        assert group is not None and self._nursery is not None
+        self.slots.take()  # a download counts against the same cap as the exchanges we serve
+        self._nursery.start_soon(self._serve, session, env, group)
 
-    async def _serve_params(self, session, env, group: SharedTensors) -> None:
-        """Stream a snapshot to the neighbour that asked, in the engine's nursery and under the exchange
-        deadline: from the session's dispatch task a slow downloader would hold that session's other
-        messages, its pings included, and get itself (or an honest peer) declared dead."""
+    async def _serve(self, session, env, group: SharedTensors) -> None:
+        """Stream a snapshot to the neighbour that asked, in our own nursery and under the exchange deadline:
+        from the session's dispatch task a slow downloader would hold that session's other messages, its
+        pings included, and get itself (or an honest peer) declared dead."""
         own: list[Any] | None = None
         try:
             with trio.fail_after(self.cfg.exchange_timeout):
@@ -61,14 +88,15 @@ class ParamsDownload:
         except Exception:  # a bug here must not take the daemon down: this download just fails
             log.exception("serving parameters to %s failed unexpectedly", session.short)
         finally:
-            self._serving -= 1
+            self.slots.give_back()
             if own is not None:
                 group.release(own)
 
-    async def fetch_params(self, group_name: str, peer_id: str) -> tuple[list[Any], int] | None:
-        """Download `peer_id`'s current tensors of a group (None if it has none or the deadline passes)."""
+    async def fetch_params(self, group_name: str, peer_id: str) -> Fetched | Refusal | None:
+        """Download `peer_id`'s current tensors of a group: (values, their step), the peer's refusal, or None
+        (it has none, the transfer failed or its deadline passed, or the values are past our bound)."""
         group = self.groups[group_name]
-        session = self.membership.connected().get(peer_id)
+        session = self.connected().get(peer_id)
         if session is None:
             return None
         theirs: IncomingGroup | None = None
@@ -77,8 +105,9 @@ class ParamsDownload:
                 env = await session.request(ParamsRequest(group=group_name), timeout=self.cfg.exchange_timeout)
                 reply = env.message
                 if isinstance(reply, ErrorReply):
-                    log.info("%s will not send parameters: %s", session.short, reply.message[:200])
-                    return None
+                    refusal = reply.refusal()
+                    log.info("%s will not send parameters: %s", session.short, refusal.reason[:200])
+                    return refusal
                 if not isinstance(reply, ParamsReply) or not reply.available:
                     return None
                 theirs = IncomingGroup(session, reply.streams, group.specs, as_torch=group.is_torch)
@@ -91,10 +120,9 @@ class ParamsDownload:
             dist = await trio.to_thread.run_sync(group.distance_sq, values)
             fresh_state = not group.averaged and dist[1] == 0.0
             if not fresh_state and not download_ok(*dist, self.cfg.max_update_ratio):
-                self.stats.clipped[peer_id] = self.stats.clipped.get(peer_id, 0) + 1
                 log.warning("refused parameters from %s: %.3g from ours, past max_update_ratio %g of the norms",
                             session.short, dist[0] ** 0.5, self.cfg.max_update_ratio)
-                self._strike(peer_id, "sent parameters past max_update_ratio")
+                self.ledger.clipped(peer_id, "sent parameters past max_update_ratio")
                 return None
             return values, reply.step
         except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
@@ -103,15 +131,19 @@ class ParamsDownload:
                 theirs.discard()
             return None
 
-    async def fetch_from_partners(self, group: str) -> tuple[list[Any], int] | None:
-        """A joining peer's download: ask up to DOWNLOAD_TRIES partners of `group`, in random order, for their
-        tensors; the first complete answer within bounds wins (values, their step), else None."""
+    async def fetch_from_partners(self, group: str) -> Fetched | None:
+        """A joining peer's download: ask partners of `group`, in random order, for their tensors; the first
+        complete answer within bounds wins (values, their step), else None. Up to DOWNLOAD_TRIES partners are
+        tried; one that is only busy now (a TRY_LATER refusal) uses up no try."""
         partners = self.holders(group)
         random.shuffle(partners)
-        for pid in partners[:DOWNLOAD_TRIES]:
-            if group not in self.groups:
+        tries = 0
+        for pid in partners:
+            if tries >= DOWNLOAD_TRIES or group not in self.groups:
                 return None
             got = await self.fetch_params(group, pid)
-            if got is not None:
+            if isinstance(got, tuple):
                 return got
+            if not (isinstance(got, Refusal) and got.code in TRY_LATER):
+                tries += 1
         return None

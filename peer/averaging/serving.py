@@ -1,30 +1,45 @@
 """Serving exchanges that partners offer: checking an offer, accepting it with the weight we can spare,
 sending our tensors, and applying once the initiator commits (or dropping it on their abort or a lapse).
 
-A part of the averaging engine (GossipEngine inherits it), as download.py is: it shares the engine's
-groups, its budget of weight in flight, its stats and bans (see peer/averaging/engine.py for the attributes
-it uses, the initiator's side and the rules of the budget).
+The server's half of an exchange (its initiating half is GossipEngine.exchange, peer/averaging/engine.py;
+the steps both follow are peer/averaging/exchange.py). `ExchangeServer` holds the exchanges it serves and
+is given what it reads of the rest of the engine: the groups, the weight budget and the serving slots it
+shares with the initiator and downloads, the ledger, who may average with us, and the links' degree.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
 from peer.averaging.bounds import COMMIT_SLACK_S, hold_seconds
+from peer.averaging.budget import ServingSlots, WeightBudget
 from peer.averaging.exchange import Event, Exchange, Role, State
+from peer.averaging.ledger import Ledger
+from peer.averaging.settle import apply_committed, keep_residual
 from peer.averaging.shared import SharedTensors
-from peer.averaging.weights import MIN_WEIGHT_SHARE, WEIGHT_RULES, rule_cap
+from peer.averaging.weights import WEIGHT_RULES, rule_cap
 from peer.concurrency import together
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
 from protocol.errors import ProtocolError
+from protocol.refusal import Code, Refusal
 from protocol.schema.gossip import AverageAccept, AverageOffer, AverageReject
 
 log = logging.getLogger("peertrain.gossip")
+
+class Links(Protocol):
+    """What an exchange reads of the topology: our degree (the Metropolis rule's cap) and where to report a
+    transfer's bytes and seconds (the link measurements rewiring uses)."""
+
+    @property
+    def degree(self) -> int: ...
+
+    def record_transfer(self, peer_id: str, nbytes: int, seconds: float) -> None: ...
 
 
 @dataclass
@@ -37,64 +52,90 @@ class ServedExchange:
     abort_reason: str | None = None
 
 
-class ExchangeServing:
-    """The serving half of an exchange, for GossipEngine (its initiating half is in peer/averaging/engine.py)."""
+class ExchangeServer:
+    """The exchanges partners offer us, from the offer to the apply; `served` holds those under way."""
 
-    async def _on_offer(self, session, env) -> None:
-        offer: AverageOffer = env.message
-        peer_id = session.peer_id
-        reason = None
+    def __init__(self, cfg, *, groups: Mapping[str, SharedTensors], budget: WeightBudget, slots: ServingSlots,
+                 ledger: Ledger, may_average: Callable[[str, str], Refusal | None], links: Links):
+        self.cfg = cfg  # [gossip]: exchange_timeout, max_update_ratio, codec
+        self.groups = groups
+        self.budget = budget
+        self.slots = slots
+        self.ledger = ledger
+        self.may_average = may_average  # (peer, group) -> why that peer may not average it with us, or None
+        self.links = links
+        self.served: dict[tuple[str, int], ServedExchange] = {}  # (peer, offer rid) -> exchange we serve
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Own the exchanges we serve (each outlives the offer's dispatch)."""
+        async with trio.open_nursery() as n:
+            self._nursery = n
+            task_status.started()
+            await trio.sleep_forever()
+
+    def _refusal(self, peer_id: str, offer: AverageOffer) -> Refusal | None:
+        """Why we do not serve this offer at all, before any weight is looked at; None if we may."""
         group = self.groups.get(offer.group)
         if group is None:
-            reason = f"no group {offer.group!r} here"
-        elif not group.averaged:
-            reason = f"group {offer.group!r} is not averaged here (only downloaded by joining peers)"
-        elif [(s.name, s.dtype, list(s.shape)) for s in offer.tensors] != [(s.name, s.dtype, list(s.shape)) for s in group.specs]:
-            reason = "tensor specs differ from ours"
-        elif len(offer.streams) != len(group.specs):
-            reason = "wrong number of streams"
-        elif offer.rule not in WEIGHT_RULES:
-            reason = f"unknown weight rule {offer.rule[:40]!r}"
-        elif not 0.0 < offer.max_weight <= 0.5:
-            reason = f"impossible weight {offer.max_weight}"
-        elif (refused := self._role_refusal(peer_id, offer.group)) is not None:
-            reason = refused[1]
-        elif peer_id in self.inflight or (peer_id in self.initiating and peer_id > self.me):
-            reason = "exchange already in flight"  # on collision the smaller peer ID's offer wins
-        elif self._serving >= self.cfg.max_concurrent_exchanges:
-            reason = "busy"
-        if reason is None:
-            full = rule_cap(offer.rule, self.topology.degree)
+            return Refusal(Code.NO_GROUP, f"no group {offer.group!r} here")
+        if not group.averaged:
+            return Refusal(Code.NOT_AVERAGED,
+                           f"group {offer.group!r} is not averaged here (only downloaded by joining peers)")
+        if [(s.name, s.dtype, list(s.shape)) for s in offer.tensors] != [(s.name, s.dtype, list(s.shape)) for s in group.specs]:
+            return Refusal(Code.WRONG_SPECS, "tensor specs differ from ours")
+        if len(offer.streams) != len(group.specs):
+            return Refusal(Code.WRONG_SPECS, "wrong number of streams")
+        if offer.rule not in WEIGHT_RULES:
+            return Refusal(Code.BAD_RULE, f"unknown weight rule {offer.rule[:40]!r}")
+        if not 0.0 < offer.max_weight <= 0.5:
+            return Refusal(Code.BAD_WEIGHT, f"impossible weight {offer.max_weight}")
+        if (refused := self.may_average(peer_id, offer.group)) is not None:
+            return refused
+        if self.budget.loses_collision(peer_id):
+            return Refusal(Code.BUSY, "exchange already in flight")  # on collision the smaller peer ID's offer wins
+        if self.slots.full():
+            return Refusal(Code.BUSY, "busy")
+        return None
+
+    async def on_offer(self, session, env) -> None:
+        offer: AverageOffer = env.message
+        peer_id = session.peer_id
+        group = self.groups.get(offer.group)
+        refusal = self._refusal(peer_id, offer)
+        w = None
+        if refusal is None:
             # If we also initiated with this peer, their offer won the collision and ours will be refused
             # (it reaches them while they still initiate, since our reply follows it on the session), and
             # we never send it if it is not out yet: its reservation is ours to serve them with.
-            room = self._room() + self.initiating.get(peer_id, 0.0)
-            w = min(offer.max_weight, full, room)
-            if w < MIN_WEIGHT_SHARE * full - 1e-12:
-                reason = "too much weight in flight"
+            w = self.budget.acceptable(peer_id, offer.max_weight, rule_cap(offer.rule, self.links.degree))
+            if w is None:
+                refusal = Refusal(Code.BUSY, "too much weight in flight")
         x = Exchange(Role.SERVER)
         theirs = IncomingGroup(session, offer.streams, group.specs if group is not None else [],
                                as_torch=group is not None and group.is_torch)
-        if reason is not None:
-            x.handle(Event.REFUSE, reason)
+        if refusal is not None:
+            x.handle(Event.REFUSE, refusal.reason)
             if x.cleanup.discard_incoming:
                 theirs.discard()  # their tensors follow the offer: drop them as they come
-            self.stats.rejected += 1
-            await session.reply(env, AverageReject(reason=reason))
+            self.ledger.stats.rejected += 1
+            await session.reply(env, AverageReject.of(refusal))
             return
-        self.inflight[peer_id] = w
-        self._serving += 1
+        assert group is not None and w is not None and self._nursery is not None
+        self.budget.serving[peer_id] = w
+        self.slots.take()
         key = (peer_id, env.rid)
         self.served[key] = ServedExchange(x, theirs)
-        self._nursery.start_soon(self._serve_exchange, session, env, group, w, key)
+        self._nursery.start_soon(self._serve, session, env, group, w, key)
 
-    async def _serve_exchange(self, session, env, group: SharedTensors, w: float, key) -> None:
+    async def _serve(self, session, env, group: SharedTensors, w: float, key) -> None:
+        """Accept, trade tensors, wait for the verdict, apply on a commit."""
         served = self.served[key]
         x, theirs = served.exchange, served.theirs
         t0 = trio.current_time()
         own: list[Any] | None = None
         codec = group.codec or self.cfg.codec
-        carried = committed = False  # error feedback, as in `exchange`
+        carried = committed = False  # error feedback, as in GossipEngine.exchange
         try:
             # The initiator commits within hold_seconds of its offer or not at all; the slack lets a commit in
             # flight arrive. Past that, the weight we hold for it is freed and the lapse counts against it.
@@ -104,8 +145,7 @@ class ExchangeServing:
                 sent = await trio.to_thread.run_sync(group.as_sent, own, codec)
                 if served.abort_reason is not None:  # they gave up while we took the snapshot: send nothing
                     x.handle(Event.ABORT, served.abort_reason)
-                    self.stats.failed += 1
-                    self.stats.last_error = f"{session.short}: aborted by them before we accepted: {served.abort_reason}"
+                    self.ledger.failed(session.short, f"aborted by them before we accepted: {served.abort_reason}")
                     return
                 ours = OutgoingGroup(session, group.specs)
                 x.handle(Event.ACCEPT)
@@ -122,53 +162,49 @@ class ExchangeServing:
                 await served.decided.wait()
             if served.abort_reason is not None:
                 x.handle(Event.ABORT, served.abort_reason)
-                self.stats.failed += 1
-                self.stats.last_error = f"{session.short}: aborted by them: {served.abort_reason}"
-                self._lapsed(session.peer_id, "aborted an exchange we had accepted")
+                self.ledger.failed(session.short, f"aborted by them: {served.abort_reason}")
+                self.ledger.lapsed(session.peer_id, "aborted an exchange we had accepted")
                 return
             x.handle(Event.COMMIT)
             committed = True
-            with trio.CancelScope(shield=True):  # the initiator committed and applies: so must we (the sum)
-                scale = await trio.to_thread.run_sync(
-                    lambda: group.apply(w, others, sent, max_ratio=self.cfg.max_update_ratio))
-            self._check_scale(session.peer_id, scale)
-            group.release(others)
+            # the initiator committed and applies: so must we (the sum)
+            await apply_committed(group, w, others, sent, peer_id=session.peer_id,
+                                  max_ratio=self.cfg.max_update_ratio, ledger=self.ledger)
             seconds = trio.current_time() - t0
-            self.stats.served += 1
+            self.ledger.stats.served += 1
             sent_bytes = group.wire_nbytes(codec)
-            self.topology.record_transfer(session.peer_id, sent_bytes, seconds)
-            self._count(seconds, sent_bytes, session.peer_id)
+            self.links.record_transfer(session.peer_id, sent_bytes, seconds)
+            self.ledger.completed(session.peer_id, seconds, sent_bytes)
         except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
             reason = "no commit before the deadline" if x.state is State.DECIDING else str(exc) or "deadline passed"
             accepted = x.state in (State.TRANSFER, State.DECIDING)
             x.end(reason)
             if accepted and isinstance(exc, trio.TooSlowError):
-                self._lapsed(session.peer_id, "let an exchange we had accepted lapse")
-            self.stats.failed += 1
-            self.stats.last_error = f"{session.short}: {reason}"
+                self.ledger.lapsed(session.peer_id, "let an exchange we had accepted lapse")
+            self.ledger.failed(session.short, reason)
             if isinstance(exc, ProtocolError):
                 log.warning("exchange served to %s failed: %s", session.short, exc)
         except Exception as exc:  # a bug here must not take the daemon down: this exchange just fails
             log.exception("exchange served to %s failed unexpectedly", session.short)
             x.end(f"internal error: {type(exc).__name__}")
-            self.stats.failed += 1
+            self.ledger.stats.failed += 1
         finally:
             if x.end("cancelled").discard_incoming:
                 theirs.discard()
             if carried:
-                await self._keep_residual(group, own, sent if committed else None)
+                await keep_residual(group, own, sent if committed else None)
             if own is not None:
                 group.release(own)  # sent, and applied or abandoned: nothing reads our cut anymore
             self.served.pop(key, None)
-            self.inflight.pop(session.peer_id, None)
-            self._serving -= 1
+            self.budget.serving.pop(session.peer_id, None)
+            self.slots.give_back()
 
-    async def _on_commit(self, session, env) -> None:
+    async def on_commit(self, session, env) -> None:
         served = self.served.get((session.peer_id, env.message.exchange))
         if served is not None and not served.decided.is_set():
             served.decided.set()
 
-    async def _on_abort(self, session, env) -> None:
+    async def on_abort(self, session, env) -> None:
         served = self.served.get((session.peer_id, env.message.exchange))
         if served is not None and not served.decided.is_set():
             served.abort_reason = env.message.reason[:200] or "no reason given"

@@ -43,7 +43,7 @@ async def params_as_non_neighbour(status: dict) -> Observed:
         obs.facts = {"params_reply": _describe(reply.message), "offer_reply": _describe(rejected.message),
                      "session_kept": not s.closed.is_set()}
         obs.ok = (isinstance(reply.message, ErrorReply) and reply.message.code == "not_neighbour"
-                  and isinstance(rejected.message, AverageReject) and "neighbour" in rejected.message.reason)
+                  and isinstance(rejected.message, AverageReject) and rejected.message.code == "not_neighbour")
         obs.reason = obs.facts["params_reply"]
         n.cancel_scope.cancel()
     return obs
@@ -102,7 +102,7 @@ async def lapsing_neighbour(status: dict) -> Observed:
         obs.facts["params_after_ban"] = _describe(refused.message)
         obs.ok = (bool(mine) and "lapse" in obs.reason and len(obs.facts["held_s"]) == BAN_AFTER
                   and all(t <= HOLD_S + LOAD_MARGIN_S for t in obs.facts["held_s"])
-                  and isinstance(rejected.message, AverageReject) and "banned" in rejected.message.reason
+                  and isinstance(rejected.message, AverageReject) and rejected.message.code == "banned"
                   and isinstance(refused.message, ErrorReply) and refused.message.code == "banned")
         n.cancel_scope.cancel()
     return obs

@@ -1,0 +1,118 @@
+"""What averaging did, and what each peer earned by it: the counters `peer status` shows, and strikes.
+
+Both sides of an exchange and both sides of a download write here: completed exchanges (their bytes and
+seconds, per peer), failures, refusals, and the strikes a peer earns (an exchange we accepted that it let
+lapse or aborted, an update or a download past max_update_ratio), which ban it (peer/averaging/bans.py).
+The clock is trio's, as the bans' (tests drive it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from peer.averaging.bans import BanList
+from peer.metrics.histogram import Histogram
+
+log = logging.getLogger("peertrain.gossip")
+
+# Upper bounds, in seconds, of the exchange-duration histogram (`peer status`, Prometheus): from a small
+# vector on loopback (a few ms) to [gossip] exchange_timeout's default (30 s), about x2-2.5 a step, so an
+# exchange that takes twice as long lands a bucket higher; slower ones count in +Inf only.
+EXCHANGE_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+RECENT_EXCHANGES = 20  # durations `peer status` lists
+
+
+@dataclass
+class GossipStats:
+    exchanges: int = 0
+    served: int = 0
+    failed: int = 0
+    rejected: int = 0
+    bytes_sent: int = 0
+    last_seconds: float = 0.0
+    last_error: str = ""
+    recent: list = field(default_factory=list)  # seconds of the last exchanges
+    clipped: dict = field(default_factory=dict)  # peer -> exchanges whose update was clipped (bounds.py)
+    lapsed: dict = field(default_factory=dict)  # peer -> exchanges it let lapse or aborted after we accepted
+    params_refused: int = 0  # parameter requests refused (not a neighbour, banned, no such group)
+    by_peer: dict = field(default_factory=dict)  # peer -> PeerExchanges (peers we averaged with: bounded by membership)
+    durations: Histogram = field(default_factory=lambda: Histogram(EXCHANGE_SECONDS_BUCKETS))  # completed ones
+
+
+@dataclass
+class PeerExchanges:
+    """Exchanges with one peer, for `peer status` and `peer bench nat` (which link paths carry averaging)."""
+
+    exchanges: int = 0
+    bytes: int = 0  # sent (as many arrive: exchanges are symmetric)
+    first_at: float = 0.0  # wall clock of the first one
+    last_s: float = 0.0
+
+
+class Ledger:
+    """The averaging counters and the ban list, and the rules that move them."""
+
+    def __init__(self) -> None:
+        self.stats = GossipStats()
+        self.bans = BanList()
+
+    def completed(self, peer_id: str, seconds: float, sent: int) -> None:
+        """An exchange with `peer_id` committed and was applied, on either side; `sent`: our tensor bytes."""
+        s = self.stats
+        s.exchanges += 1
+        s.bytes_sent += sent
+        s.last_seconds = seconds
+        s.recent = (s.recent + [round(seconds, 4)])[-RECENT_EXCHANGES:]
+        s.durations.observe(seconds)
+        p = s.by_peer.get(peer_id)
+        if p is None:
+            p = s.by_peer[peer_id] = PeerExchanges(first_at=time.time())
+        p.exchanges += 1
+        p.bytes += sent
+        p.last_s = round(seconds, 4)
+
+    def failed(self, short: str, reason: str) -> None:
+        """An exchange with the peer `short` names ended without applying anything."""
+        self.stats.failed += 1
+        self.stats.last_error = f"{short}: {reason}"
+
+    def lapsed(self, peer_id: str, reason: str) -> None:
+        """An exchange we accepted held our weight for nothing: count it, and ban a peer that keeps doing it."""
+        self.stats.lapsed[peer_id] = self.stats.lapsed.get(peer_id, 0) + 1
+        self.strike(peer_id, reason)
+
+    def clipped(self, peer_id: str, reason: str) -> None:
+        """`peer_id` sent values past max_update_ratio (an exchange's update, clipped alike on both sides, or a
+        download we refused): count it and strike it."""
+        self.stats.clipped[peer_id] = self.stats.clipped.get(peer_id, 0) + 1
+        self.strike(peer_id, reason)
+
+    def strike(self, peer_id: str, reason: str) -> None:
+        if self.bans.strike(peer_id, reason, trio.current_time()):
+            log.warning("banned %s from averaging with us: %s", peer_id[:8], self.banned(peer_id))
+
+    def banned(self, peer_id: str) -> str | None:
+        """Why `peer_id` is banned now, or None."""
+        return self.bans.banned(peer_id, trio.current_time())
+
+    def ban_list(self) -> list[dict]:
+        """Bans in force for `peer status`: peer, until (unix time), reason."""
+        wall, now = time.time(), trio.current_time()
+        return [{"peer": p, "until": round(wall + left, 1), "reason": reason}
+                for p, left, reason in self.bans.active(now)]
+
+    def status(self) -> dict:
+        """The counters, as `peer status` (and Prometheus) read them."""
+        s = self.stats
+        return {"exchanges": s.exchanges, "served": s.served, "failed": s.failed, "rejected": s.rejected,
+                "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_sent,  # symmetric exchanges: as many in as out
+                "last_exchange_s": round(s.last_seconds, 4), "recent_s": s.recent, "last_error": s.last_error,
+                "exchange_seconds": s.durations.as_dict(),  # completed exchanges, both roles (histogram)
+                "clipped": dict(s.clipped), "lapsed": dict(s.lapsed), "params_refused": s.params_refused,
+                "bans": self.ban_list(),
+                "by_peer": {pid: dataclasses.asdict(p) for pid, p in s.by_peer.items()}}
