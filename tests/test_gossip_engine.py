@@ -437,6 +437,42 @@ def test_float16_distance_is_summed_wide_enough_not_to_overflow():
     assert abs(group.last_distance - 2.0) < 1e-6
 
 
+def test_the_server_sends_in_the_offers_codec_whatever_its_own_group_says():
+    """The offer names the exchange's codec: a server whose group is set to q8 still answers a raw offer raw
+    (it used to send in its own codec), and a q8 offer gets q8 from a raw server."""
+    async def body(a, b):
+        rng = np.random.default_rng(6)
+        start_a = rng.standard_normal(50_000).astype(np.float32)
+        start_b = rng.standard_normal(50_000).astype(np.float32)
+        a.groups["params"].tensors["w"][:] = start_a
+        b.groups["params"].tensors["w"][:] = start_b
+        b.groups["params"].codec = "q8"
+        assert (await exchange_and_wait(a, b)).ok
+        raw = a.groups["params"].wire_nbytes("raw")
+        assert b.stats.bytes_sent == raw  # (q8 would be about a quarter)
+        # a received b's exact values: raw, not quantized
+        np.testing.assert_allclose(a.groups["params"].tensors["w"], start_a + (start_b - start_a) / 3, rtol=0, atol=1e-6)
+        a.groups["params"].codec, b.groups["params"].codec = "q8", None
+        assert (await exchange_and_wait(a, b)).ok
+        assert b.stats.bytes_sent == raw + b.groups["params"].wire_nbytes("q8")
+
+    trio.run(run_pair, body)
+
+
+def test_what_one_end_counts_as_sent_the_other_counts_as_received():
+    """`bytes_received` is its own count (it used to repeat `bytes_sent`): over exchanges in both directions
+    and codecs set differently at each end, each end's received bytes are the other's sent bytes."""
+    async def body(a, b):
+        b.groups["params"].codec = "float16"
+        for x, y in ((a, b), (b, a), (a, b)):
+            assert (await exchange_and_wait(x, y)).ok
+        sa, sb = a.status(), b.status()
+        assert sa["bytes_sent"] == sb["bytes_received"] and sb["bytes_sent"] == sa["bytes_received"]
+        assert sa["bytes_sent"] == 2 * a.groups["params"].wire_nbytes("raw") + b.groups["params"].wire_nbytes("float16")
+
+    trio.run(run_pair, body)
+
+
 def test_a_refused_offer_carries_a_code_the_initiator_reads():
     """The initiator's result says why in a code (protocol/refusal.py), not only in words, whether the server
     refused or our own budget did."""

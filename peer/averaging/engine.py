@@ -188,7 +188,7 @@ class GossipEngine:
         theirs: IncomingGroup | None = None
         offer_rid = 0
         w = 0.0
-        codec = group.codec or self.cfg.codec
+        codec = group.codec or self.cfg.codec  # the exchange's: named in the offer, the server replies in it
         carried = committed = False  # error feedback: our residual rides on this exchange / it committed
         try:  # from the reservation on: whatever happens, the finally below gives it back
             own = await trio.to_thread.run_sync(group.snapshot)
@@ -262,10 +262,10 @@ class GossipEngine:
             if own is not None:
                 group.release(own)  # sent, and applied or abandoned: nothing reads it anymore
         seconds = trio.current_time() - t0
-        sent_bytes = group.wire_nbytes(codec)
-        self.topology.record_transfer(peer_id, sent_bytes, seconds)
-        self.ledger.completed(peer_id, seconds, sent_bytes)
-        return ExchangeResult(peer_id, True, weight=w, seconds=seconds, bytes_sent=sent_bytes)
+        nbytes = group.wire_nbytes(codec)  # each way: the server sends in the offer's codec too
+        self.topology.record_transfer(peer_id, nbytes, seconds)
+        self.ledger.completed(peer_id, seconds, sent=nbytes, received=nbytes)
+        return ExchangeResult(peer_id, True, weight=w, seconds=seconds, bytes_sent=nbytes)
 
     # ---- partners -----------------------------------------------------------------------------------
     def partners(self, group: str) -> list[str]:

@@ -33,7 +33,8 @@ class GossipStats:
     served: int = 0
     failed: int = 0
     rejected: int = 0
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # tensor bytes of completed exchanges, ours on the wire
+    bytes_received: int = 0  # tensor bytes of completed exchanges, the other side's on the wire
     last_seconds: float = 0.0
     last_error: str = ""
     recent: list = field(default_factory=list)  # seconds of the last exchanges
@@ -49,7 +50,7 @@ class PeerExchanges:
     """Exchanges with one peer, for `peer status` and `peer bench nat` (which link paths carry averaging)."""
 
     exchanges: int = 0
-    bytes: int = 0  # sent (as many arrive: exchanges are symmetric)
+    bytes: int = 0  # sent (the exchange's codec is both sides': as many arrive)
     first_at: float = 0.0  # wall clock of the first one
     last_s: float = 0.0
 
@@ -61,11 +62,13 @@ class Ledger:
         self.stats = GossipStats()
         self.bans = BanList()
 
-    def completed(self, peer_id: str, seconds: float, sent: int) -> None:
-        """An exchange with `peer_id` committed and was applied, on either side; `sent`: our tensor bytes."""
+    def completed(self, peer_id: str, seconds: float, sent: int, received: int) -> None:
+        """An exchange with `peer_id` committed and was applied, on either side: `sent` and `received`
+        are the two sides' tensor bytes on the wire."""
         s = self.stats
         s.exchanges += 1
         s.bytes_sent += sent
+        s.bytes_received += received
         s.last_seconds = seconds
         s.recent = (s.recent + [round(seconds, 4)])[-RECENT_EXCHANGES:]
         s.durations.observe(seconds)
@@ -110,7 +113,7 @@ class Ledger:
         """The counters, as `peer status` (and Prometheus) read them."""
         s = self.stats
         return {"exchanges": s.exchanges, "served": s.served, "failed": s.failed, "rejected": s.rejected,
-                "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_sent,  # symmetric exchanges: as many in as out
+                "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
                 "last_exchange_s": round(s.last_seconds, 4), "recent_s": s.recent, "last_error": s.last_error,
                 "exchange_seconds": s.durations.as_dict(),  # completed exchanges, both roles (histogram)
                 "clipped": dict(s.clipped), "lapsed": dict(s.lapsed), "params_refused": s.params_refused,

@@ -29,6 +29,7 @@ from peer.session.transport import SessionClosed
 from protocol.errors import ProtocolError
 from protocol.refusal import Code, Refusal
 from protocol.schema.gossip import AverageAccept, AverageOffer, AverageReject
+from protocol.tensor_codec import CODECS
 
 log = logging.getLogger("peertrain.gossip")
 
@@ -57,7 +58,7 @@ class ExchangeServer:
 
     def __init__(self, cfg, *, groups: Mapping[str, SharedTensors], budget: WeightBudget, slots: ServingSlots,
                  ledger: Ledger, may_average: Callable[[str, str], Refusal | None], links: Links):
-        self.cfg = cfg  # [gossip]: exchange_timeout, max_update_ratio, codec
+        self.cfg = cfg  # [gossip]: exchange_timeout, max_update_ratio
         self.groups = groups
         self.budget = budget
         self.slots = slots
@@ -90,6 +91,8 @@ class ExchangeServer:
             return Refusal(Code.BAD_RULE, f"unknown weight rule {offer.rule[:40]!r}")
         if not 0.0 < offer.max_weight <= 0.5:
             return Refusal(Code.BAD_WEIGHT, f"impossible weight {offer.max_weight}")
+        if offer.codec not in CODECS:
+            return Refusal(Code.BAD_CODEC, f"unknown codec {offer.codec[:40]!r}")
         if (refused := self.may_average(peer_id, offer.group)) is not None:
             return refused
         if self.budget.loses_collision(peer_id):
@@ -126,15 +129,14 @@ class ExchangeServer:
         self.slots.take()
         key = (peer_id, env.rid)
         self.served[key] = ServedExchange(x, theirs)
-        self._nursery.start_soon(self._serve, session, env, group, w, key)
+        self._nursery.start_soon(self._serve, session, env, group, w, offer.codec, key)
 
-    async def _serve(self, session, env, group: SharedTensors, w: float, key) -> None:
-        """Accept, trade tensors, wait for the verdict, apply on a commit."""
+    async def _serve(self, session, env, group: SharedTensors, w: float, codec: str, key) -> None:
+        """Accept, trade tensors in the offer's `codec`, wait for the verdict, apply on a commit."""
         served = self.served[key]
         x, theirs = served.exchange, served.theirs
         t0 = trio.current_time()
         own: list[Any] | None = None
-        codec = group.codec or self.cfg.codec
         carried = committed = False  # error feedback, as in GossipEngine.exchange
         try:
             # The initiator commits within hold_seconds of its offer or not at all; the slack lets a commit in
@@ -172,9 +174,9 @@ class ExchangeServer:
                                   max_ratio=self.cfg.max_update_ratio, ledger=self.ledger)
             seconds = trio.current_time() - t0
             self.ledger.stats.served += 1
-            sent_bytes = group.wire_nbytes(codec)
-            self.links.record_transfer(session.peer_id, sent_bytes, seconds)
-            self.ledger.completed(session.peer_id, seconds, sent_bytes)
+            nbytes = group.wire_nbytes(codec)  # each way: both sides send in the offer's codec
+            self.links.record_transfer(session.peer_id, nbytes, seconds)
+            self.ledger.completed(session.peer_id, seconds, sent=nbytes, received=nbytes)
         except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
             reason = "no commit before the deadline" if x.state is State.DECIDING else str(exc) or "deadline passed"
             accepted = x.state in (State.TRANSFER, State.DECIDING)
