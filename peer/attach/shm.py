@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 
 ALIGN = 64  # bytes: a cache line, so no two tensors share one (and vector loads stay aligned)
-LOCK_WAIT_S = 10.0  # longest the daemon waits for a client's step to release the lock, then the exchange fails
+# Longest the daemon waits for a client's step to release the lock: then an exchange not yet committed fails,
+# and a committed one's update is owed and added at the next lock (peer/averaging/shared.py): never half-applied.
+LOCK_WAIT_S = 10.0
 _POLL_FIRST_S, _POLL_MAX_S = 0.0002, 0.005  # flock is polled (a blocked flock cannot be given up): short at first
 
 # dtypes a segment may hold: what numpy can view in place (bfloat16 has no numpy dtype; keep a float32

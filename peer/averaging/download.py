@@ -83,7 +83,7 @@ class Downloads:
                 ours = OutgoingGroup(session, group.specs)
                 await session.reply(env, ParamsReply(tensors=group.specs, streams=ours.streams, step=group.step))
                 await ours.send(own)
-        except (trio.TooSlowError, SessionClosed) as exc:
+        except (trio.TooSlowError, SessionClosed, TimeoutError) as exc:  # (TimeoutError: the group's lock)
             log.info("parameters for %s not sent: %s", session.short, exc or "deadline passed")
         except Exception:  # a bug here must not take the daemon down: this download just fails
             log.exception("serving parameters to %s failed unexpectedly", session.short)
@@ -125,7 +125,7 @@ class Downloads:
                 self.ledger.clipped(peer_id, "sent parameters past max_update_ratio")
                 return None
             return values, reply.step
-        except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
+        except (trio.TooSlowError, SessionClosed, ProtocolError, TimeoutError) as exc:
             log.warning("could not download parameters from %s: %s", session.short, exc)
             if theirs is not None:
                 theirs.discard()

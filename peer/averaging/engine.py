@@ -239,7 +239,8 @@ class GossipEngine:
             # committed: the server applies, so we must too (the sum)
             await apply_committed(group, w, others, sent, peer_id=peer_id, max_ratio=self.cfg.max_update_ratio,
                                   ledger=self.ledger)
-        except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
+        except (trio.TooSlowError, SessionClosed, ProtocolError, TimeoutError) as exc:
+            # (TimeoutError: the group's lock, held past its bound by an attached process, before the offer)
             reason = "deadline passed" if isinstance(exc, trio.TooSlowError) else str(exc)
             x.end(reason)
             if isinstance(exc, ProtocolError):

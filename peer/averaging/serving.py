@@ -177,7 +177,8 @@ class ExchangeServer:
             nbytes = group.wire_nbytes(codec)  # each way: both sides send in the offer's codec
             self.links.record_transfer(session.peer_id, nbytes, seconds)
             self.ledger.completed(session.peer_id, seconds, sent=nbytes, received=nbytes)
-        except (trio.TooSlowError, SessionClosed, ProtocolError) as exc:
+        except (trio.TooSlowError, SessionClosed, ProtocolError, TimeoutError) as exc:
+            # (TimeoutError: the group's lock, held past its bound by an attached process, before the commit)
             reason = "no commit before the deadline" if x.state is State.DECIDING else str(exc) or "deadline passed"
             accepted = x.state in (State.TRANSFER, State.DECIDING)
             x.end(reason)

@@ -21,9 +21,13 @@ async def apply_committed(group: SharedTensors, weight: float, others: list[Any]
                           peer_id: str, max_ratio: float, ledger: Ledger) -> None:
     """Add a committed exchange's update to `group`, in a worker thread and shielded: the other side applies
     its half, so ours must land whatever happens (the sum). An update that had to be clipped (both sides
-    clip it alike) is logged, counted and struck."""
+    clip it alike) is logged, counted and struck; one whose lock was held past its bound is owed, not
+    lost (SharedTensors.apply), and logged."""
     with trio.CancelScope(shield=True):
         scale = await trio.to_thread.run_sync(lambda: group.apply(weight, others, sent, max_ratio=max_ratio))
+    if group.owing:
+        log.warning("group %s was locked past its bound while an exchange with %s applied: the rest of the "
+                    "update is added when the lock is next had", group.name, peer_id[:8])
     if scale < 1.0:
         log.warning("update from %s clipped to %.3g of its size (past max_update_ratio %g)",
                     peer_id[:8], scale, max_ratio)

@@ -5,6 +5,14 @@ its tensors taken under the trainer's lock, and the exchange's whole effect is o
 x += w * s * (other's snapshot - own snapshot), made block by block (s <= 1, the same on both sides:
 peer/averaging/bounds.py). Both are additions, so a trainer step and an update can interleave in any
 order without changing the sum (peer/averaging/exchange.py).
+
+A lock may be bounded: an attached process's (peer/attach/shm.py) gives up with a TimeoutError when the
+other process holds it too long. Before an exchange commits that only fails it (the snapshot raises,
+nothing is applied on either side). After, the other side applies its half whatever we do, and a server
+cannot refuse a commit, so an update must never stop half-way: what cannot be added for want of the lock
+is owed (kept, one buffer per group however many updates it sums), and added under the lock the next
+time the engine has it (a snapshot, the next exchange's first step). The sum is whole again then, and
+anything the engine reads of the group (snapshots, stats, downloads served) already includes it.
 """
 
 from __future__ import annotations
@@ -67,6 +75,8 @@ class SharedTensors:
         self.last_distance: float | None = None  # ||x_other - x_own|| / ||x_own|| at the last exchange
         self._spare: list[list[Any]] = []  # CPU buffers shaped like `tensors`, reused by snapshot()
         self._spare_lock = threading.Lock()
+        self._owed: list[Any] | None = None  # updates not yet added for want of the lock (module docstring)
+        self._owed_lock = threading.Lock()  # guards `_owed` (an apply owes without holding `lock`)
 
     def snapshot(self) -> list[Any]:
         """Copies of every tensor, on the CPU (a consistent cut: taken under the lock).
@@ -77,6 +87,7 @@ class SharedTensors:
         with self._spare_lock:
             bufs = self._spare.pop() if self._spare else None
         with self.lock:
+            self._settle_owed()
             if bufs is None:
                 if self.is_torch:
                     return [t.detach().to("cpu", copy=True) for t in self.tensors.values()]
@@ -166,7 +177,8 @@ class SharedTensors:
         here against 3.7 ms for the two norms: the bound cost the 64 MiB exchange ~20% that way.) The lock is taken per block, so a trainer step waits for one
         block at most; both are additions, so how they interleave does not change the result. Torch
         tensors in CPU memory take the same path through numpy views of their memory; only device tensors
-        and bfloat16 (no numpy dtype) use whole-tensor torch operations.
+        and bfloat16 (no numpy dtype) use whole-tensor torch operations. It never raises for want of the
+        lock: if the lock times out, the blocks not yet added are owed (`owing`; the module docstring).
         """
         diff_sq = own_sq = other_sq = 0.0
         arrays = _host_arrays(self.tensors.values(), others, own)
@@ -183,9 +195,14 @@ class SharedTensors:
                 deltas.append(d)
             scale = 1.0 if max_ratio is None else update_scale(diff_sq, own_sq, other_sq, max_ratio)
             if scale > 0.0:
-                with self.lock:
-                    for t, d in zip(self.tensors.values(), deltas):
-                        t.data.add_(d.to(t.device, non_blocking=False), alpha=weight * scale)
+                moved = [d.to(t.device, non_blocking=False) for t, d in zip(self.tensors.values(), deltas)]
+                try:
+                    with self.lock:
+                        for t, d in zip(self.tensors.values(), moved):
+                            t.data.add_(d, alpha=weight * scale)
+                except TimeoutError:  # raised taking it, before the first add: all of it is owed
+                    for k, d in enumerate(moved):
+                        self._owe(k, 0, d.mul_(weight * scale))
         else:
             for _t, o, a in zip(*arrays):  # pass 1: the two snapshots' norms (two reads, nothing written)
                 of, af = o.reshape(-1), a.reshape(-1)
@@ -207,7 +224,9 @@ class SharedTensors:
             else:
                 scale = 1.0
             if scale > 0.0:
-                for t, o, a in zip(*arrays):  # pass 2: add, block by block (the difference's norm on the way)
+                locked = True  # False once the lock timed out: the blocks left are owed, not waited for again
+                # pass 2: add, block by block (the difference's norm on the way)
+                for k, (t, o, a) in enumerate(zip(*arrays)):
                     tf, of, af = t.reshape(-1), o.reshape(-1), a.reshape(-1)
                     step = max(1, APPLY_BLOCK_BYTES // tf.itemsize)
                     scratch = np.empty(min(step, tf.shape[0]), dtype=tf.dtype)
@@ -218,10 +237,46 @@ class SharedTensors:
                         if not diff_known:
                             diff_sq += _sum_sq(d)  # in cache: nearly free, for the distance status shows
                         d *= weight * scale
-                        with self.lock:
-                            np.add(tb, d, out=tb)
+                        if locked:
+                            try:
+                                with self.lock:
+                                    np.add(tb, d, out=tb)
+                                continue
+                            except TimeoutError:  # raised taking it: this block is not added
+                                locked = False
+                        self._owe(k, i, d)
         self.last_distance = (diff_sq / own_sq) ** 0.5 if own_sq > 0 else diff_sq ** 0.5
         return scale
+
+    @property
+    def owing(self) -> bool:
+        """Is an update owed (its lock timed out mid-apply), not yet added?"""
+        return self._owed is not None
+
+    def _owe(self, k: int, start: int, delta: Any) -> None:
+        """Keep `delta`, the part of an update for tensor `k` from flat element `start` on, to add later."""
+        with self._owed_lock:
+            if self._owed is None:
+                self._owed = [_zeros_like(t) for t in self.tensors.values()]
+            owed = self._owed[k]
+            if isinstance(owed, np.ndarray):
+                part = owed.reshape(-1)[start:start + delta.shape[0]]
+                np.add(part, delta, out=part)
+            else:
+                owed.add_(delta)
+
+    def _settle_owed(self) -> None:
+        """Add what earlier updates owe (the caller holds `lock`)."""
+        with self._owed_lock:
+            owed, self._owed = self._owed, None
+        if owed is None:
+            return
+        for t, d in zip(self.tensors.values(), owed):
+            if isinstance(d, np.ndarray):
+                view = t if isinstance(t, np.ndarray) else t.detach().numpy()
+                np.add(view, d, out=view)
+            else:
+                t.data.add_(d)
 
     def distance_sq(self, values: list[Any]) -> tuple[float, float, float]:
         """(||values - x||^2, ||x||^2, ||values||^2) against the tensors now: checks a parameter download."""
@@ -247,13 +302,29 @@ class SharedTensors:
         return out
 
     def load(self, values: list[Any]) -> None:
-        """Replace every tensor's value (a joining peer adopting a neighbour's parameters)."""
+        """Replace every tensor's value (a joining peer adopting a neighbour's parameters; an update still
+        owed is dropped with the values it was for)."""
         with self.lock:
+            with self._owed_lock:
+                self._owed = None
             for t, v in zip(self.tensors.values(), values):
                 if self.is_torch:
                     t.data.copy_(v.to(t.device))
                 else:
                     t[...] = v
+
+
+def _zeros_like(t: Any) -> Any:
+    """A zero buffer an owed update of `t` adds into: numpy where the blocked update views `t` as numpy (numpy
+    arrays, torch CPU tensors numpy can view), else a torch tensor on `t`'s device."""
+    if isinstance(t, np.ndarray):
+        return np.zeros_like(t)
+    views = _host_arrays([t])
+    if views is not None:
+        return np.zeros_like(views[0][0])
+    import torch
+
+    return torch.zeros_like(t.detach())
 
 
 def _as_numpy(v: Any) -> np.ndarray:
