@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from peer.home import Home, atomic_write
-from peer.trainer_host import CheckpointRefused, Swarm, read_checkpoint
+from peer.trainer_host import TrainerSwarm
+from peertrain.checkpoints import CheckpointRefused, read_checkpoint
 from tests.daemons import REPO
 from trainers.baseline import make_optimizer, seeded_model
 from trainers.gossip_sgd import GossipSGDOptions
@@ -44,8 +45,8 @@ def _trainer_state(optimizer: str) -> dict:
             "model_name": o.model_factory or o.model, "options": asdict(o)}
 
 
-def _host(home: Path) -> Swarm:
-    return Swarm(SimpleNamespace(daemon=SimpleNamespace(home=Home(home), peer_id="p" * 20)))
+def _host(home: Path) -> TrainerSwarm:
+    return TrainerSwarm(SimpleNamespace(daemon=SimpleNamespace(home=Home(home), peer_id="p" * 20)))
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

@@ -21,7 +21,7 @@ import torch
 
 from peer.testing.process import wait_for
 from peer.testing.swarm import rank_env, swarm_config, unique_swarm
-from peer.trainer_host import read_checkpoint
+from peertrain.checkpoints import read_checkpoint
 from tests.pipeline_status import driver, pipe, trainer
 from trainers.datasets import load_char_corpus, partition
 from trainers.pipeline.blocks import char_transformer_pipeline

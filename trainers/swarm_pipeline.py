@@ -235,7 +235,7 @@ def _own_checkpoint(swarm, key: PipelineKey) -> dict | None:
 def _launcher_numbered() -> bool:
     import os
 
-    from peer.trainer_host import RANK_ENV
+    from peertrain.swarm import RANK_ENV
 
     return RANK_ENV in os.environ
 

@@ -23,7 +23,8 @@ from typing import Any
 from peer.attach import wire
 from peer.attach.shm import SEGMENT_DTYPES, Segment, layout
 from peer.home import Home, default_home
-from peer.trainer_host import load_checkpoint, save_checkpoint, shard_index, wait_for_peers
+from peertrain.checkpoints import load_checkpoint, save_checkpoint
+from peertrain.swarm import LATEST_CHECKPOINT, ExchangeResult, shard_index, wait_for_peers
 
 log = logging.getLogger("peertrain.attach")
 
@@ -138,14 +139,13 @@ class AttachedSwarm:
         self._request(wire.Unshare(name))
         group.close()
 
-    def average(self, group: str, *, mode: str = "one") -> list[dict]:
-        """Average now and wait: with one random neighbour (pairwise) or with all of them (Metropolis-Hastings).
-        Each exchange's result: peer_id, ok, reason, weight, seconds, bytes_sent."""
+    def average(self, group: str, *, mode: str = "one") -> list[ExchangeResult]:
+        """Average now and wait: with one random neighbour (pairwise) or with all of them (Metropolis-Hastings)."""
         g = self._groups[group]
         g.sync()
         out = self._request(wire.Average(group, mode, True, g.step), timeout=None)["results"]
         g.sync()
-        return out
+        return [ExchangeResult(**r) for r in out]
 
     def average_in_background(self, group: str, *, mode: str = "one") -> bool:
         """Start an averaging round and return at once (AD-PSGD); False while the previous one still runs."""
@@ -207,6 +207,9 @@ class AttachedSwarm:
         """The daemon's exchange counts (all groups): initiated, served, failed, and the last failure's reason."""
         return dict(self.poll()["exchanges"])
 
+    local_rank = 0  # one process, the whole peer (a torchrun job wraps this in HostRanks)
+    local_world = 1
+
     def rank_and_world(self, world: int | None = None) -> tuple[int, int]:
         """A data-shard index and count: $PEERTRAIN_RANK/$PEERTRAIN_WORLD, else my place among the peers seen."""
         return shard_index(self.peer_id, self.peers, world, self.should_stop)
@@ -223,11 +226,11 @@ class AttachedSwarm:
             clean[str(k)] = v
         self._request(wire.Publish(clean))
 
-    def save_checkpoint(self, state: dict[str, Any], name: str = Home.LATEST_CHECKPOINT) -> Path:
+    def save_checkpoint(self, state: dict[str, Any], name: str = LATEST_CHECKPOINT) -> Path:
         """torch.save to the daemon's HOME/checkpoints/<name> atomically."""
         return save_checkpoint(self.checkpoint_dir, state, name)
 
-    def load_checkpoint(self, name: str = Home.LATEST_CHECKPOINT, map_location: Any = "cpu") -> dict[str, Any] | None:
+    def load_checkpoint(self, name: str = LATEST_CHECKPOINT, map_location: Any = "cpu") -> dict[str, Any] | None:
         return load_checkpoint(self.checkpoint_dir, name, map_location)
 
     def should_stop(self) -> bool:

@@ -25,7 +25,7 @@ import trio
 from peer.attach import wire
 from peer.attach.shm import Segment, layout
 from peer.averaging.shared import SharedTensors
-from peer.trainer_host import TrainingReport
+from peer.training_report import TrainingReport
 
 log = logging.getLogger("peertrain.attach")
 
@@ -148,7 +148,7 @@ class AttachService:
             await _send(stream, {"ok": False, "error": refusal})
             return
         client = AttachedClient(self._next_id, pid, label, time.time(),
-                                TrainingReport(self.daemon, {"trainer": f"attached pid {pid}", "state": "attached"}))
+                                TrainingReport(self.daemon.peer_id, self.daemon.home.metrics_file, {"trainer": f"attached pid {pid}", "state": "attached"}))
         self._next_id += 1
         self.clients[client.id] = client
         d = self.daemon

@@ -321,7 +321,7 @@ BENCHES = {
     "hostile": Bench("peer.bench.hostile",
                      "every attack class against one daemon beside an honest peer: pass/fail, memory, drop time",
                      hostile_arguments),
-    "pipeline": Bench("peer.bench.pipeline",
+    "pipeline": Bench("peer.bench.pipeline_main",
                       "4-stage swarm pipeline across CPU-capped daemons: samples/s vs the slowest stage, kill -9 recovery",
                       pipeline_arguments),
     "nat": Bench("peer.bench.nat",

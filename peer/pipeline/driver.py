@@ -26,6 +26,7 @@ from peer.pipeline.balancer import Balancer
 from peer.pipeline.directory import PipelineKey
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
+from peertrain.swarm import TrainerStopped
 from protocol.errors import ProtocolError
 from protocol.schema.gossip import TensorSpec
 from protocol.schema.pipeline import StageCall, StageReply
@@ -324,8 +325,6 @@ class DriverHandle:
 
     def submit(self, mb: Microbatch, *, into: queue.SimpleQueue | None = None) -> None:
         """Start `mb` once fewer than `in_flight` are out; its outcome goes to `outcomes()` (or `into`)."""
-        from peer.trainer_host import TrainerStopped
-
         sink = self._outcomes if into is None else into
 
         async def go() -> None:
