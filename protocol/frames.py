@@ -430,7 +430,7 @@ class LengthPrefixedReader:
         self.max_len: Final = max_len
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         self._buf += data
 
     def next_message(self) -> bytes | None:
