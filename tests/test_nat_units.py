@@ -20,8 +20,10 @@ from peer.session.router import Router
 from protocol import circuit
 from protocol.errors import ProtocolError
 from protocol.limits import MiB, WireLimits
-from protocol.schema import (DEFAULT_REGISTRY, DialBackRequest, PunchOffer, RelayConnectReply,
-                             RelayReservation)
+from protocol.refusal import Code, Refusal
+from protocol.schema import (DEFAULT_REGISTRY, DialBackReply, DialBackRequest, DialBackResult, PunchOffer, RelayAck,
+                             RelayConnectReply, RelayReservation)
+from protocol.schema.nat import NOT_TRIED
 
 
 # ---- the wire ---------------------------------------------------------------------------------------------
@@ -51,6 +53,10 @@ BAD = [
     ("punch_offer", {"address": ""}, "address"),
     ("relay_reservation", {"ok": True, "reason": "", "max_circuit_bytes": -1, "max_circuit_seconds": 1.0}, "limits"),
     ("relay_reservation", {"ok": True, "reason": "r" * 600, "max_circuit_bytes": 1, "max_circuit_seconds": 1.0}, "reason"),
+    ("relay_reservation", {"ok": False, "code": "c" * 33}, "code"),
+    ("relay_ack", {"ok": True, "code": "busy"}, "code"),
+    ("relay_connect_reply", {"ok": False, "code": "x" * 100}, "code"),
+    ("dialback_reply", {"results": [{"address": "1.2.3.4:5", "ok": True, "reason": "", "code": "busy"}]}, "code"),
 ]
 
 
@@ -65,9 +71,24 @@ def test_nat_messages_out_of_range_are_refused_at_decode(kind, body, what):
 
 def test_nat_messages_round_trip():
     for msg in (DialBackRequest(addresses=["10.0.0.1:7100"]), PunchOffer(address="[::1]:5"),
-                RelayConnectReply(ok=True, token=b"t" * 16), RelayReservation(ok=False, reason="full")):
+                RelayConnectReply(ok=True, token=b"t" * 16), RelayReservation(ok=False, reason="full"),
+                RelayReservation.refused(Refusal(Code.BUSY, "full")), RelayAck.refused(Refusal(Code.NO_RESERVATION, "no")),
+                DialBackReply(results=[DialBackResult("1.2.3.4:5", True, ""),
+                                       DialBackResult.not_tried("1.2.3.4:6", Refusal(Code.TOO_SOON, "wait"))])):
         env = DEFAULT_REGISTRY.decode(DEFAULT_REGISTRY.encode(msg, rid=3), WireLimits())
         assert env.message == msg
+
+
+def test_a_nat_refusal_reads_back_as_its_code_and_an_older_peers_as_unknown():
+    assert RelayReservation.refused(Refusal(Code.BUSY, "full")).refusal() == Refusal(Code.BUSY, "full")
+    assert RelayReservation(ok=True).refusal() is None
+    assert RelayConnectReply(ok=False, reason="full").refusal() == Refusal(Code.UNKNOWN, "full")  # no code: older
+    assert RelayAck(ok=False, code="a_newer_code", reason="why").refusal().code is Code.UNKNOWN
+    tried, failed = DialBackResult("1.2.3.4:5", True, ""), DialBackResult("1.2.3.4:5", False, "timed out")
+    assert tried.refusal() is None and failed.refusal() is None  # tried: evidence either way
+    skipped = DialBackResult.not_tried("1.2.3.4:5", Refusal(Code.BUSY, "busy"))
+    assert skipped.refusal() == Refusal(Code.BUSY, NOT_TRIED + "busy") and skipped.reason.startswith(NOT_TRIED)
+    assert DialBackResult("1.2.3.4:5", False, NOT_TRIED + "busy").refusal().code is Code.UNKNOWN  # an older peer's
 
 
 def test_relayed_addresses_parse_and_are_not_direct_ones():
@@ -165,14 +186,17 @@ async def _relay_refuses_what_its_caps_and_role_do_not_allow():
     await relay._on_reserve(c, env)
     assert [r.ok for r in (a.replies[0], b.replies[0], c.replies[0])] == [True, False, False]
     assert "full" in b.replies[0].reason and "direct" in c.replies[0].reason
-    assert relay._connect_refusal(b, "z" * 20) == "no reservation for that peer here"
-    assert relay._connect_refusal(a, a.peer_id) == "a circuit to yourself"
-    assert "direct" in relay._connect_refusal(c, a.peer_id)
+    assert b.replies[0].refusal().code is Code.BUSY and c.replies[0].refusal().code is Code.WRONG_PATH
+    assert relay._connect_refusal(b, "z" * 20) == Refusal(Code.NO_RESERVATION, "no reservation for that peer here")
+    assert relay._connect_refusal(a, a.peer_id) == Refusal(Code.BAD_INPUT, "a circuit to yourself")
+    assert relay._connect_refusal(c, a.peer_id).code is Code.WRONG_PATH
     assert relay._connect_refusal(b, a.peer_id) is None
     relay._per_peer[a.peer_id] = 1
-    assert "already has 1" in relay._connect_refusal(b, a.peer_id)
-    offering[0] = "not publicly reachable (nat)"
-    assert relay._connect_refusal(b, a.peer_id) == "not publicly reachable (nat)"
+    refused = relay._connect_refusal(b, a.peer_id)
+    assert refused.code is Code.BUSY and "already has 1" in refused.reason
+    offering[0] = Refusal(Code.DISABLED, "not publicly reachable (nat)")
+    assert relay._connect_refusal(b, a.peer_id) == offering[0]
+    assert relay.status()["why_not"] == "not publicly reachable (nat)" and relay.stats.refused == 2
     a.closed.set()
     relay.forget(a.peer_id)
     assert not relay.reservations

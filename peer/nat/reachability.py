@@ -28,6 +28,7 @@ from peer.nat.addresses import format_hostport, ip_literal, parse_address
 from peer.session.connect import dial
 from peer.session.transport import SessionClosed
 from protocol.identity import short_id
+from protocol.refusal import Code, Refusal
 from protocol.schema import DialBackReply, DialBackRequest, DialBackResult
 from protocol.schema.nat import MAX_DIALBACK_ADDRESSES
 
@@ -45,7 +46,6 @@ MAX_DIALBACKS = 4
 MIN_INTERVAL = 10.0  # seconds between two dial-back requests we serve for one peer
 UNKNOWN_RETRY = 5.0  # seconds between rounds while we do not know yet
 MAX_EVIDENCE = 16  # answers kept (one per asking IP, the oldest forgotten)
-NOT_TRIED = "not tried: "  # a result that is no evidence either way (the asked peer refused to dial)
 
 
 def local_ip(session) -> str | None:
@@ -171,7 +171,7 @@ class Reachability:
         if not isinstance(reply, DialBackReply):
             return
         for r in reply.results:
-            if r.address not in addresses or r.reason.startswith(NOT_TRIED):
+            if r.address not in addresses or r.refusal() is not None:  # not tried: no evidence either way
                 continue
             ip = session.remote_addr[0]
             self.evidence.pop(ip, None)
@@ -208,13 +208,13 @@ class Reachability:
         now = trio.current_time()
         why = None
         if session.path != "direct":
-            why = "ask over a direct session"
+            why = Refusal(Code.WRONG_PATH, "ask over a direct session")
         elif session.peer_id in self._serving or now - self._served_at.get(session.peer_id, -1e9) < MIN_INTERVAL:
-            why = f"at most one request per {MIN_INTERVAL:g} s"
+            why = Refusal(Code.TOO_SOON, f"at most one request per {MIN_INTERVAL:g} s")
         elif self._dials >= MAX_DIALBACKS or self._nursery is None:
-            why = "busy"
+            why = Refusal(Code.BUSY, f"busy ({MAX_DIALBACKS} dial-backs at once)")
         if why is not None:
-            await session.reply(env, DialBackReply(results=[DialBackResult(a, False, NOT_TRIED + why) for a in addresses]))
+            await session.reply(env, DialBackReply(results=[DialBackResult.not_tried(a, why) for a in addresses]))
             return
         self._serving.add(session.peer_id)
         self._served_at[session.peer_id] = now
@@ -230,7 +230,8 @@ class Reachability:
             for a in env.message.addresses:
                 hp = parse_address(a)
                 if hp is None or ip_literal(hp[0]) != seen:
-                    results.append(DialBackResult(a, False, NOT_TRIED + f"not your address (we see you at {seen})"))
+                    results.append(DialBackResult.not_tried(a, Refusal(Code.BAD_INPUT,
+                                                                       f"not your address (we see you at {seen})")))
                     continue
                 results.append(await self._dial_back(session.peer_id, a, *hp))
             await session.reply(env, DialBackReply(results=results))
