@@ -220,20 +220,57 @@ def test_reachability_needs_two_distinct_ips_to_agree_unless_only_one_can_be_ask
 async def _reachability_needs_two_distinct_ips_to_agree_unless_only_one_can_be_asked():
     r = _reach()
     now = trio.current_time()
-    r.evidence["1.1.1.1"] = Evidence("p1", "1.1.1.1", "9.9.9.9:7100", False, "timeout", now)
+    r.evidence["1.1.1.1"] = [Evidence("p1", "1.1.1.1", "9.9.9.9:7100", False, "timeout", now)]
     r._decide(needed=2)
     assert r.verdict == "unknown"
     r._decide(needed=1)
     assert r.verdict == "nat" and r.weak
-    r.evidence["2.2.2.2"] = Evidence("p2", "2.2.2.2", "9.9.9.9:7100", True, "", now)
+    r.evidence["2.2.2.2"] = [Evidence("p2", "2.2.2.2", "9.9.9.9:7100", True, "", now)]
     r._decide(needed=2)
     assert r.verdict == "unknown"  # answers disagree: no verdict is kept against evidence
-    r.evidence["3.3.3.3"] = Evidence("p3", "3.3.3.3", "9.9.9.9:7100", True, "", now)
+    r.evidence["3.3.3.3"] = [Evidence("p3", "3.3.3.3", "9.9.9.9:7100", True, "", now)]
     r._decide(needed=2)
     assert r.verdict == "public" and not r.weak and r.verified_hosts() == ["9.9.9.9"]
     del r.evidence["1.1.1.1"], r.evidence["2.2.2.2"]
     r._decide(needed=2)
     assert r.verdict == "public"  # one answer left, none against: the verdict is kept
+
+
+class AskedSession:
+    """A connected peer at `ip` that answers a dial-back request with `results`."""
+
+    def __init__(self, peer_id: str, ip: str, results: list[DialBackResult]):
+        self.peer_id, self.remote_addr, self.results = peer_id, (ip, 7100), results
+
+    async def request(self, msg, timeout):
+        return SimpleNamespace(message=DialBackReply(results=self.results))
+
+
+def test_a_failed_address_listed_last_does_not_hide_a_success_at_another():
+    """Regression: the evidence of an IP was overwritten by each result of its answer, so an advertised address
+    that failed, listed after the observed one that worked, made that peer a vote against us."""
+    trio.run(_a_failed_address_listed_last_does_not_hide_a_success_at_another)
+
+
+async def _a_failed_address_listed_last_does_not_hide_a_success_at_another():
+    r = _reach()
+    r.transport = SimpleNamespace(handshake_timeout=1.0)
+    observed, advertised = "9.9.9.9:7100", "8.8.8.8:7100"
+    for peer, ip in (("p1", "1.1.1.1"), ("p2", "2.2.2.2")):
+        await r._ask(AskedSession(peer, ip, [DialBackResult(observed, True, ""),
+                                             DialBackResult(advertised, False, "timed out")]), [observed, advertised])
+    r._decide(needed=2)
+    assert r.verdict == "public" and r.verified_hosts() == ["9.9.9.9"]
+    assert [(e["address"], e["ok"]) for e in r.status()["evidence"]] == [(observed, True), (advertised, False)] * 2
+    # a refused (not tried) answer is no evidence: the IP's last real answer stands
+    await r._ask(AskedSession("p1", "1.1.1.1", [DialBackResult.not_tried(observed, Refusal(Code.BUSY, "busy"))]),
+                 [observed])
+    assert len(r.evidence["1.1.1.1"]) == 2
+    # a later answer replaces the IP's vote: both addresses failing there now is a vote against
+    await r._ask(AskedSession("p1", "1.1.1.1", [DialBackResult(observed, False, "timed out")]), [observed])
+    await r._ask(AskedSession("p2", "2.2.2.2", [DialBackResult(observed, False, "refused")]), [observed])
+    r._decide(needed=2)
+    assert r.verdict == "nat" and r.verified_hosts() == []
 
 
 # ---- which session both ends keep ------------------------------------------------------------------------

@@ -2,9 +2,11 @@
 
 Asking side: every round we send our candidate addresses (configured `advertise` and the addresses
 peers observe for us, with our listen port) to up to `[nat] dialback_peers` connected peers at distinct
-IPs. Two peers at distinct IPs that got through make us "public"; two that could not, and none that
-could, "nat"; anything else stays "unknown". The last answer from each IP is the evidence `peer status`
-and `peer doctor` show.
+IPs. Each asked IP has one vote, from its last answer: it got through if it reached us at any address it
+tested (one that failed, say an advertised address we no longer hold, does not hide one that worked), else
+it could not. Two peers at distinct IPs that got through make us "public"; two that could not, and none
+that could, "nat"; anything else stays "unknown". The last answer from each IP, every address of it, is the
+evidence `peer status` and `peer doctor` show.
 
 Answering side (an attack surface: a request names addresses for us to dial): we only dial addresses at
 the IP we see the asker at (so nobody can aim our dials at a third party), one request per peer at a
@@ -45,7 +47,7 @@ MAX_DIALBACKS = 4
 `handshake_timeout`; 4 answers a few joining peers at once while bounding what askers can make us do."""
 MIN_INTERVAL = 10.0  # seconds between two dial-back requests we serve for one peer
 UNKNOWN_RETRY = 5.0  # seconds between rounds while we do not know yet
-MAX_EVIDENCE = 16  # answers kept (one per asking IP, the oldest forgotten)
+MAX_EVIDENCE = 16  # answers kept (one per asked IP, the oldest forgotten), each of at most MAX_DIALBACK_ADDRESSES results
 
 
 def local_ip(session) -> str | None:
@@ -69,12 +71,20 @@ def seen_by(session) -> str | None:
 
 @dataclass
 class Evidence:
+    """What one asked peer found when it dialed one address of ours."""
+
     peer_id: str
     ip: str  # where the asked peer is, as we see it (one vote per IP)
     address: str
     ok: bool
     reason: str
     at: float  # trio clock
+
+
+def vote(answer: list[Evidence]) -> Evidence:
+    """An asked IP's one vote from its answer's results: one that got through if any did (we are reachable
+    there, whatever another address of ours did), else its last failure."""
+    return next((e for e in answer if e.ok), answer[-1])
 
 
 class Reachability:
@@ -90,7 +100,7 @@ class Reachability:
         forced = {"public": "public", "private": "nat"}.get(cfg.reachability)
         self.verdict = forced or "unknown"
         self.reason = f"set by [nat] reachability = {cfg.reachability!r}" if forced else "not checked yet"
-        self.evidence: dict[str, Evidence] = {}
+        self.evidence: dict[str, list[Evidence]] = {}  # asked peer's IP -> its last answer's results (tested ones)
         self._serving: set[str] = set()
         self._served_at: dict[str, float] = {}
         self._dials = 0
@@ -107,13 +117,17 @@ class Reachability:
         """Hosts of ours that peers dialed back while we are public: proven, so worth advertising."""
         if self.verdict != "public":
             return []
-        return list(dict.fromkeys(e.address.rpartition(":")[0].strip("[]") for e in self.evidence.values() if e.ok))
+        return list(dict.fromkeys(e.address.rpartition(":")[0].strip("[]") for e in self.results() if e.ok))
+
+    def results(self) -> list[Evidence]:
+        """Every result of the answers kept, oldest answer first."""
+        return [e for answer in self.evidence.values() for e in answer]
 
     def status(self) -> dict:
         now = trio.current_time()
         return {"reachability": self.verdict, "reason": self.reason,
                 "evidence": [{"peer_id": e.peer_id, "address": e.address, "ok": e.ok, "reason": e.reason,
-                              "age_s": round(now - e.at, 1)} for e in self.evidence.values()]}
+                              "age_s": round(now - e.at, 1)} for e in self.results()]}
 
     # ---- asking -------------------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -170,18 +184,18 @@ class Reachability:
             return
         if not isinstance(reply, DialBackReply):
             return
-        for r in reply.results:
-            if r.address not in addresses or r.refusal() is not None:  # not tried: no evidence either way
-                continue
-            ip = session.remote_addr[0]
-            self.evidence.pop(ip, None)
-            self.evidence[ip] = Evidence(session.peer_id, ip, r.address, r.ok, r.reason, trio.current_time())
-            if len(self.evidence) > MAX_EVIDENCE:
-                self.evidence.pop(next(iter(self.evidence)))
+        ip, now = session.remote_addr[0], trio.current_time()
+        tested = {r.address: r for r in reply.results if r.address in addresses and r.refusal() is None}
+        if not tested:  # it dialed nothing (it refused, see `refusal`): no evidence either way
+            return
+        self.evidence.pop(ip, None)  # its last answer is its vote: it replaces the one before, moved to the end
+        self.evidence[ip] = [Evidence(session.peer_id, ip, r.address, r.ok, r.reason, now) for r in tested.values()]
+        if len(self.evidence) > MAX_EVIDENCE:
+            self.evidence.pop(next(iter(self.evidence)))
 
     def _decide(self, needed: int) -> None:
         horizon = trio.current_time() - 3 * self.cfg.recheck_interval
-        recent = [e for e in self.evidence.values() if e.at >= horizon]
+        recent = [vote(answer) for answer in self.evidence.values() if answer[-1].at >= horizon]
         good = [e for e in recent if e.ok]
         bad = [e for e in recent if not e.ok]
         before = self.verdict
