@@ -34,7 +34,7 @@ def test_every_request_round_trips():
             wire.Average("model", "one", False, 7), wire.Download("model", 1), wire.Publish({"loss": 0.5, "x": None}),
             wire.Poll(), wire.Detach()]
     for r in reqs:
-        assert wire.decode(wire.unpack(wire.pack(wire.encode(r))[4:])) == r
+        assert wire.decode(wire.unpack(pack(wire.encode(r))[4:])) == r
 
 
 @pytest.mark.parametrize("obj, says", [
