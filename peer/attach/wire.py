@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 
 from peer.attach.shm import SEGMENT_DTYPES
+from peertrain.swarm import AVERAGE_MODES
 from protocol.schema.topology import MAX_GROUP_CHARS
 from protocol.tensor_codec import CODECS
 
@@ -29,7 +30,6 @@ MAX_NAME = 200  # characters of a tensor name (or a label)
 MAX_GROUP = MAX_GROUP_CHARS  # characters of a group name: peers' records list the groups they share
 MAX_DIMS = 8
 MAX_METRICS = 64  # keys of one publish: a trainer's figures, not a log
-MODES = ("one", "all")
 
 
 class WireError(ValueError):
@@ -147,8 +147,8 @@ def decode(obj: Any) -> Request:
     if op == "unshare":
         return Unshare(_group(obj.get("group"), "unshare.group"))
     if op == "average":
-        if obj.get("mode") not in MODES:
-            raise WireError(f"average.mode: expected one of {', '.join(MODES)}")
+        if obj.get("mode") not in AVERAGE_MODES:
+            raise WireError(f"average.mode: expected one of {', '.join(AVERAGE_MODES)}")
         if not isinstance(obj.get("wait"), bool):
             raise WireError("average.wait: expected true or false")
         return Average(_group(obj.get("group"), "average.group"), obj["mode"], obj["wait"],
