@@ -475,6 +475,7 @@ def test_peer_record_signature_verifies_with_identity_helpers():
     assert not identity.verify(forged.public_key, forged.signature, peer_record_signing_bytes(forged))
 
 
+@pytest.mark.process
 def test_importing_the_protocol_stays_small():
     """An idle daemon must not pay for torch; the control plane not even for numpy."""
     code = (
