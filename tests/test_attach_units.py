@@ -89,6 +89,7 @@ def test_adopted_segment_is_the_same_memory_and_is_checked():
             Segment.adopt(os.dup(f.fileno()), slots, size)
 
 
+@pytest.mark.process
 def test_lock_excludes_another_process_and_is_released_when_it_dies():
     slots, size = layout([("w", "float32", (4,))])
     seg = Segment.create("lock", slots, size)

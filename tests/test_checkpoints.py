@@ -72,6 +72,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_by_the_trainer_host(tmp_pat
     assert not marker.exists()
 
 
+@pytest.mark.process
 def test_peer_export_refuses_a_checkpoint_that_would_run_code_and_writes_nothing(tmp_path) -> None:
     home, marker, out = Home(tmp_path / "home"), tmp_path / "pwned", tmp_path / "model.pt"
     buf = io.BytesIO()
@@ -83,6 +84,7 @@ def test_peer_export_refuses_a_checkpoint_that_would_run_code_and_writes_nothing
     assert not marker.exists() and not out.exists()
 
 
+@pytest.mark.process
 def test_peer_export_writes_a_file_that_loads_as_data(tmp_path) -> None:
     home, out = Home(tmp_path / "home"), tmp_path / "model.pt"
     _host(home.root).save_checkpoint(_trainer_state("sgd"))
@@ -93,6 +95,7 @@ def test_peer_export_writes_a_file_that_loads_as_data(tmp_path) -> None:
     assert saved["step"] == 7 and saved["model_name"] == "digits_mlp"
 
 
+@pytest.mark.process
 def test_a_daemon_whose_home_holds_a_planted_checkpoint_refuses_it_and_trains_afresh(cluster, tmp_path) -> None:
     """A real daemon hosting the gossip trainer, started on a home where someone planted a checkpoint that
     runs a command when unpickled: the daemon logs the refusal, runs nothing, and trains from scratch."""

@@ -372,6 +372,7 @@ def test_the_benchmark_log_has_dated_entries_and_room_for_the_next():
 
 # ---- the cheap commands, for real -----------------------------------------------------------------
 
+@pytest.mark.process
 def test_help_lists_every_subcommand():
     r = _run_peer("--help")
     assert r.returncode == 0, r.stderr
@@ -379,6 +380,7 @@ def test_help_lists_every_subcommand():
         assert name in r.stdout
 
 
+@pytest.mark.process
 def test_peer_id_creates_a_private_key_once(tmp_path):
     home = tmp_path / "home"
     first, again = _run_peer("id", "--home", str(home)), _run_peer("id", "--home", str(home))
@@ -387,12 +389,14 @@ def test_peer_id_creates_a_private_key_once(tmp_path):
     assert stat.S_IMODE(os.stat(home / "identity.key").st_mode) == 0o600
 
 
+@pytest.mark.process
 def test_config_docs_prints_the_daemon_table():
     r = _run_peer("config", "docs")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == docs_markdown().strip()
 
 
+@pytest.mark.process
 def test_config_show_of_the_readme_configs():
     r = _run_peer("config", "show", "--config", "configs/lan.toml")
     assert r.returncode == 0, r.stderr

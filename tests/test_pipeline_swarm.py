@@ -194,6 +194,7 @@ def test_kill_of_a_stage_peer_loses_no_microbatch(cluster):
 
 # ---- 4. a slow peer gets a smaller share ----------------------------------------------------------------
 
+@pytest.mark.serial
 def test_a_peer_slowed_four_times_gets_a_proportionally_smaller_share(cluster):
     """Two stages: node1 serves stage 0 and drives; nodes 2 and 3 serve stage 1, node3 four times slower.
     The model is wider than TINY so computing, not the wire, is most of a call; enough microbatches are in
