@@ -78,6 +78,10 @@ UNIT_MODULES = frozenset({
     "test_tiers_units.py",
     "test_trainers_models.py",
     "test_local_steps.py",
+    "test_seams.py",
+    "test_control_units.py",
+    "test_topology_edges.py",
+    "test_topology_record_book.py",
 })
 
 # Whole modules in the serial tier: their tests measure rates or race timers that a second test on the same

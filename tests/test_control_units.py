@@ -77,6 +77,7 @@ def test_a_message_split_into_single_bytes_arrives_whole():
     trio.run(main)
 
 
+@pytest.mark.process  # a real Unix socket
 def test_a_control_server_answers_a_client_and_drops_an_oversized_request(tmp_path):
     home = tmp_path / "h"
     home.mkdir(mode=0o700)
