@@ -1,5 +1,10 @@
 """The control socket: a Unix socket (mode 0600) in the home directory speaking length-prefixed msgpack.
 
+Framing is the wire's one length prefix (protocol/frames.py: a u32 big-endian length, then the body), read
+by its sans-I/O `LengthPrefixedReader`, which refuses a length over the reader's limit before waiting for
+the body. The limits: MAX_REQUEST (what the daemon reads of a request) and MAX_RESPONSE (what `call` reads
+of a reply) here; an attach session's own in peer/attach/wire.py.
+
 `peer status`, `peer stop` and friends are clients. The socket file doubles as the "is a daemon running
 here?" probe: a connect that is refused means a crashed daemon left it behind (stale), and it is removed.
 Requests are tiny and local, so the client side is plain blocking sockets (no trio needed in the CLI).
@@ -11,7 +16,6 @@ import errno
 import logging
 import os
 import socket
-import struct
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -19,11 +23,13 @@ import msgpack
 import trio
 
 from peer.home import Home
+from protocol.errors import LimitExceeded
+from protocol.frames import LengthPrefixedReader, encode_length_prefixed
 
 log = logging.getLogger("peertrain.control")
 
-MAX_REQUEST = 1 << 20
-MAX_RESPONSE = 64 << 20
+MAX_REQUEST = 1 << 20  # a command and its arguments: tiny; the bound is what a local client can make us hold
+MAX_RESPONSE = 64 << 20  # a reply (a full status with every peer's figures) the CLI accepts
 
 Command = Callable[[dict], Awaitable[Any]]
 # A command that keeps its connection (an attached training process, peer/attach/): it gets the request's
@@ -40,8 +46,29 @@ class DaemonAlreadyRunning(ControlError):
 
 
 def pack(obj: Any) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
-    return struct.pack(">I", len(body)) + body
+    """`obj` as one control-socket message: msgpack, length-prefixed (also an attach session's framing)."""
+    return encode_length_prefixed(msgpack.packb(obj, use_bin_type=True))
+
+
+async def receive_message(stream: trio.abc.ReceiveStream, reader: LengthPrefixedReader) -> bytes | None:
+    """The next message from `stream`, or None if it ended first. Reads exactly what the message still
+    needs, never past it: the bytes after a session command's request are the session's (peer/attach/)."""
+    while (message := reader.next_message()) is None:
+        chunk = await stream.receive_some(reader.needed())
+        if not chunk:
+            return None
+        reader.feed(chunk)
+    return message
+
+
+def receive_message_blocking(sock: socket.socket, reader: LengthPrefixedReader) -> bytes | None:
+    """`receive_message` for a blocking socket (the CLI, an attached process): no trio needed."""
+    while (message := reader.next_message()) is None:
+        chunk = sock.recv(reader.needed())
+        if not chunk:
+            return None
+        reader.feed(chunk)
+    return message
 
 
 def claim_socket_path(path: Path) -> None:
@@ -84,8 +111,11 @@ async def serve_control(path: Path, commands: dict[str, Command], *, sessions: d
             async with stream:
                 try:
                     with trio.fail_after(10):
-                        request = await _recv_obj(stream, MAX_REQUEST)
-                except (trio.TooSlowError, ValueError, trio.BrokenResourceError, OSError) as exc:
+                        body = await receive_message(stream, LengthPrefixedReader(MAX_REQUEST))
+                    if body is None:
+                        raise ValueError("connection closed")
+                    request = msgpack.unpackb(body, raw=False)
+                except (trio.TooSlowError, ValueError, LimitExceeded, trio.BrokenResourceError, OSError) as exc:
                     log.debug("bad control request: %s", exc)
                     return
                 cmd = request.get("cmd") if isinstance(request, dict) else None
@@ -121,23 +151,6 @@ async def serve_control(path: Path, commands: dict[str, Command], *, sessions: d
             pass
 
 
-async def _recv_exact(stream: trio.SocketStream, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = await stream.receive_some(n - len(buf))
-        if not chunk:
-            raise ValueError("connection closed")
-        buf += chunk
-    return bytes(buf)
-
-
-async def _recv_obj(stream: trio.SocketStream, limit: int) -> Any:
-    (n,) = struct.unpack(">I", await _recv_exact(stream, 4))
-    if n > limit:
-        raise ValueError(f"request of {n} bytes exceeds {limit}")
-    return msgpack.unpackb(await _recv_exact(stream, n), raw=False)
-
-
 def call(home: Path, cmd: str, args: dict | None = None, *, timeout: float = 10.0) -> Any:
     """Blocking client: send one command to the daemon at `home` and return its result."""
     path = Home(Path(home)).control_socket
@@ -149,11 +162,12 @@ def call(home: Path, cmd: str, args: dict | None = None, *, timeout: float = 10.
         except (FileNotFoundError, ConnectionRefusedError):
             raise ControlError(f"no daemon is running with home {home} (start one with `peer start --home {home}`)") from None
         s.sendall(pack({"cmd": cmd, "args": args or {}}))
-        header = _recv_exact_blocking(s, 4)
-        (n,) = struct.unpack(">I", header)
-        if n > MAX_RESPONSE:
-            raise ControlError(f"daemon reply of {n} bytes is too large")
-        reply = msgpack.unpackb(_recv_exact_blocking(s, n), raw=False)
+        body = receive_message_blocking(s, LengthPrefixedReader(MAX_RESPONSE))
+        if body is None:
+            raise ControlError("the daemon closed the control connection early")
+        reply = msgpack.unpackb(body, raw=False)
+    except LimitExceeded as exc:
+        raise ControlError(f"the daemon's reply is too large: {exc}") from None
     except socket.timeout:
         raise ControlError(f"the daemon at {home} did not answer within {timeout:.0f}s") from None
     finally:
@@ -161,13 +175,3 @@ def call(home: Path, cmd: str, args: dict | None = None, *, timeout: float = 10.
     if not reply.get("ok"):
         raise ControlError(reply.get("error", "unknown error"))
     return reply.get("result")
-
-
-def _recv_exact_blocking(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ControlError("the daemon closed the control connection early")
-        buf += chunk
-    return bytes(buf)

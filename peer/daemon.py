@@ -28,12 +28,17 @@ from peer.session.cipher_choice import resolve_ciphers
 from peer.config import Config, parse_hostport
 from peer.control import claim_socket_path, serve_control
 from peer.home import Home, HomeClaim, atomic_write
+from peer.attach.service import AttachService
+from peer.averaging.engine import GossipEngine
 from peer.membership.service import Membership
 from peer.membership.store import PeerStore, StoredPeer, entries_from_peers
+from peer.nat.service import NatService
+from peer.pipeline.service import PipelineService
 from peer.session.router import Router
-from peer.services import load_services
+from peer.services import DaemonContext, HasCommands, HasSessions, HasShutdown, HasTraining, Services
 from peer.session.connect import ListenerStats, open_listeners, serve
 from peer.session.transport import TransportConfig
+from peer.topology.service import TopologyService
 from protocol import PROTOCOL_VERSION
 from protocol import identity as ident
 from protocol.limits import KiB, MiB, WireLimits
@@ -95,7 +100,7 @@ class Daemon:
         self._stop = trio.Event()
         self.stop_reason = ""
         self.membership: Membership | None = None
-        self.services: list = []
+        self.services = Services()
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -120,9 +125,8 @@ class Daemon:
         if host not in ("0.0.0.0", "::", ""):
             m.bound_hosts.append(host)
         self.services = load_services(self)
-        topology = getattr(self, "topology", None)
-        if topology is not None:
-            m.keep = topology.is_neighbour  # a neighbour is never evicted as idle
+        m.keep = self.services.get(TopologyService).is_neighbour  # a neighbour is never evicted as idle
+        relay = self.services.get(NatService).relay
         atomic_write(self.home.config_snapshot, _snapshot(cfg).encode(), mode=0o600)
 
         async with trio.open_nursery() as nursery:
@@ -135,7 +139,7 @@ class Daemon:
                                              max_connections=cfg.membership.max_connections,
                                              max_connections_per_ip=cfg.membership.max_connections_per_ip,
                                              stats=self.listener_stats, idle_victim=m.idle_victim,
-                                             on_circuit=self.nat.relay.accept_circuit))
+                                             on_circuit=relay.accept_circuit))
             await nursery.start(m.run)
             for peer in self._load_peer_cache():  # dial hints from an earlier run (peer/membership/store.py)
                 m.learn_addresses(peer.peer_id, peer.addresses, source="cache")
@@ -153,10 +157,8 @@ class Daemon:
             m.stop_dialing()
             with trio.move_on_after(30) as cs:
                 cs.shield = True
-                for svc in reversed(self.services):
-                    stop = getattr(svc, "shutdown", None)
-                    if stop is not None:
-                        await stop()
+                for stoppable in reversed(self.services.providing(HasShutdown)):
+                    await stoppable.shutdown()
                 await m.say_goodbye(self.stop_reason or "shutting down")
                 self._save_peer_cache()
             nursery.cancel_scope.cancel()
@@ -212,16 +214,14 @@ class Daemon:
             return {"stopping": True, "pid": os.getpid()}
 
         commands = {"status": status, "stop": stop}
-        for svc in self.services:
-            if hasattr(svc, "commands"):
-                commands.update(svc.commands())
+        for svc in self.services.providing(HasCommands):
+            commands.update(svc.commands())
         return commands
 
     def _control_sessions(self):
         sessions = {}
-        for svc in self.services:
-            if hasattr(svc, "sessions"):
-                sessions.update(svc.sessions())
+        for svc in self.services.providing(HasSessions):
+            sessions.update(svc.sessions())
         return sessions
 
     def status(self) -> dict:
@@ -258,15 +258,33 @@ class Daemon:
                          "evicted": self.listener_stats.evicted},
         }
         for svc in self.services:
-            st = getattr(svc, "status", None)
-            if st is not None:
-                out[svc.name] = st()
-        for svc in self.services:  # no hosted trainer: a service's training figures (an attached process's) fill the panel
-            training = getattr(svc, "training", None)
-            if "trainer" not in out and training is not None and (figures := training()) is not None:
+            out[svc.name] = svc.status()
+        for reporter in self.services.providing(HasTraining):  # no hosted trainer: an attached process's figures fill the panel
+            if "trainer" not in out and (figures := reporter.training()) is not None:
                 out["trainer"] = figures
         out["bans"] = out.get("gossip", {}).get("bans", [])  # peers we do not average with for now, and why
         return out
+
+
+def load_services(daemon: DaemonContext) -> Services:
+    """The services this daemon's config asks for, built with what each uses, in start order. `peer/`
+    never imports a specific trainer: the config names the trainer module, and TrainerHost loads it."""
+
+    services = Services()
+    services.add(NatService(daemon))
+    topology = services.add(TopologyService(daemon))
+    gossip = services.add(GossipEngine(daemon, topology))
+    pipeline = services.add(PipelineService(daemon, topology))
+    services.add(AttachService(daemon, gossip))
+    if daemon.config.trainer.name:
+        from peer.trainer_host import TrainerHost
+
+        services.add(TrainerHost(daemon, gossip, pipeline, topology))
+    if daemon.config.metrics.listen:
+        from peer.metrics.service import MetricsService  # prometheus_client is only imported when asked for
+
+        services.add(MetricsService(daemon))
+    return services
 
 
 def _by_path(closed: dict[str, int], session) -> dict[str, int]:

@@ -19,6 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from peertrain.swarm import LATEST_CHECKPOINT
 from protocol import identity as ident
 
 
@@ -99,7 +100,7 @@ class Home:
 
     root: Path
 
-    LATEST_CHECKPOINT = "latest.pt"  # a trainer's current state; `peer export` and restarts read it
+    LATEST_CHECKPOINT = LATEST_CHECKPOINT  # a job's current state (named with the Swarm API: peertrain/swarm.py)
 
     @property
     def identity_file(self) -> Path:

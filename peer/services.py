@@ -1,35 +1,123 @@
-"""Optional services a daemon hosts beside membership (topology, gossip, pipeline, a trainer, metrics).
+"""What a service of the daemon is, what it may read of its daemon, and the registry that holds them.
 
-The daemon knows services only through this small interface, and learns which trainer to load from the
-config: `peer/` never imports a specific trainer. A service has `name`, `async run(task_status=...)`, and
-may have `status() -> dict` (merged into `peer status --json` under its name), `commands() -> dict`
-(extra control-socket commands), `sessions() -> dict` (control commands that keep their connection),
-`training() -> dict | None` (figures for `peer status`'s training panel when no trainer is hosted) and `async shutdown()` (save state before the daemon stops).
+The daemon (peer/daemon.py) owns one nursery; beside membership it runs services (NAT, topology, gossip,
+pipeline, attached processes, a trainer, metrics). Each is a `Service`: a name, `run` (started in the
+daemon's nursery, with `task_status.started()` once it serves) and `status()` (merged into `peer status
+--json` under its name). A service may also offer control commands, kept control sessions, training
+figures or a graceful shutdown: each such capability is a small protocol below, and the daemon asks the
+registry for the services that have it. Services are found by their type (`services.get(GossipEngine)`),
+never by attribute name, and receive what they use in their constructors (peer/daemon.py's
+`load_services` is where they are wired).
+
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-def load_services(daemon) -> list:
-    """The services this daemon's config asks for, in start order."""
-    from peer.attach.service import AttachService
-    from peer.averaging.engine import GossipEngine
-    from peer.nat.service import NatService
-    from peer.pipeline.service import PipelineService
-    from peer.topology.service import TopologyService
+import trio
 
-    nat = daemon.nat = NatService(daemon)
-    topology = TopologyService(daemon)
-    gossip = GossipEngine(daemon, topology)
-    pipeline = PipelineService(daemon, topology)
-    daemon.topology, daemon.gossip, daemon.pipeline = topology, gossip, pipeline
-    services = [nat, topology, gossip, pipeline, AttachService(daemon, gossip)]
-    if daemon.config.trainer.name:
-        from peer.trainer_host import TrainerHost
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-        services.append(TrainerHost(daemon, gossip))
-    if daemon.config.metrics.listen:
-        from peer.metrics.service import MetricsService  # prometheus_client is only imported when asked for
+    from peer.config import Config
+    from peer.home import Home
+    from peer.membership.service import Membership
+    from peer.session.router import Router
+    from peer.session.transport import TransportConfig
 
-        services.append(MetricsService(daemon))
-    return services
+Command = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]  # a control command: its args -> its reply
+SessionHandler = Callable[..., Awaitable[None]]  # a control command that keeps its connection (peer/control.py)
+
+
+class DaemonContext(Protocol):
+    """What a service may read of the daemon that hosts it (set before any service is built)."""
+
+    config: Config
+    home: Home
+    peer_id: str
+    identity: Ed25519PrivateKey
+    router: Router
+    transport: TransportConfig
+    membership: Membership
+    listen_addr: tuple[str, int]
+
+
+@runtime_checkable
+class Service(Protocol):
+    """One service of the daemon."""
+
+    name: str  # its key in `peer status --json`
+
+    async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class HasCommands(Protocol):
+    """Offers control-socket commands (`peer status`'s neighbours: `group_stats`, `checkpoint`, ...)."""
+
+    def commands(self) -> dict[str, Command]: ...
+
+
+@runtime_checkable
+class HasSessions(Protocol):
+    """Offers control commands that keep their connection (an attached process's session)."""
+
+    def sessions(self) -> dict[str, SessionHandler]: ...
+
+
+@runtime_checkable
+class HasTraining(Protocol):
+    """Has training figures for `peer status`'s panel when no trainer is hosted (an attached process's)."""
+
+    def training(self) -> dict[str, Any] | None: ...
+
+
+@runtime_checkable
+class HasShutdown(Protocol):
+    """Saves state before the daemon stops (bounded by the daemon's shutdown deadline)."""
+
+    async def shutdown(self) -> None: ...
+
+
+S = TypeVar("S")
+
+
+class Services:
+    """The daemon's services in start order, each registered under its own type."""
+
+    def __init__(self) -> None:
+        self._in_order: list[Service] = []
+        self._by_type: dict[type, Service] = {}
+
+    def add(self, service: S) -> S:
+        if not isinstance(service, Service):
+            raise TypeError(f"{type(service).__name__} is not a Service (name, run, status)")
+        if type(service) in self._by_type:
+            raise ValueError(f"a {type(service).__name__} is registered already")
+        self._in_order.append(service)
+        self._by_type[type(service)] = service
+        return service
+
+    def get(self, kind: type[S]) -> S:
+        """The service of type `kind` (LookupError naming it if this daemon runs none)."""
+        found = self.find(kind)
+        if found is None:
+            raise LookupError(f"this daemon runs no {kind.__name__}")
+        return found
+
+    def find(self, kind: type[S]) -> S | None:
+        return self._by_type.get(kind)  # type: ignore[return-value]  # registered under its own type
+
+    def providing(self, capability: type[S]) -> list[S]:
+        """The services that have `capability` (one of the Has* protocols), in start order."""
+        return [s for s in self._in_order if isinstance(s, capability)]  # type: ignore[misc]
+
+    def __iter__(self) -> Iterator[Service]:
+        return iter(self._in_order)
+
+    def __len__(self) -> int:
+        return len(self._in_order)

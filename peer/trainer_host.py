@@ -1,19 +1,17 @@
 """Hosting a training job inside the daemon.
 
 The config names a trainer module (`[trainer] name = "trainers.gossip_sgd"`); the module defines
-`run(swarm: Swarm, options: dict) -> dict | None`. It runs in a worker thread (torch releases the GIL
-for its kernels) while trio keeps heartbeats and exchanges going. `Swarm` is the one narrow interface a
-trainer sees: averaging with neighbours, parameter download, metrics, checkpoints and membership news.
-`peer/` never imports a specific trainer.
+`run(swarm: HostedSwarm, options: dict) -> dict | None`. It runs in a worker thread (torch releases the GIL
+for its kernels) while trio keeps heartbeats and exchanges going. `TrainerSwarm` implements the one narrow
+interface a trainer sees (`peertrain/swarm.py`): averaging with neighbours, parameter download, metrics,
+checkpoints, membership news, and pipeline stages. `peer/` never imports a specific trainer.
 """
 
 from __future__ import annotations
 
 import importlib
-import io
 import json
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -23,146 +21,27 @@ from typing import Any
 
 import trio
 
-from peer.averaging.engine import ExchangeResult
+from peer.averaging.engine import GossipEngine
 from peer.averaging.shared import SharedTensors
+from peer.training_report import TrainingReport, failure_state
 from peer.pipeline.directory import PipelineKey, StagePeer
+from peer.pipeline.service import PipelineService
+from peer.topology.service import TopologyService
 from peer.pipeline.driver import DriverHandle
 from peer.pipeline.server import StageHandler
 from peer.pipeline.state import FetchedState, KeptCopy
+from peer.services import DaemonContext
+from peertrain.checkpoints import load_checkpoint, save_checkpoint
+from peertrain.swarm import LATEST_CHECKPOINT, ExchangeResult, TrainerStopped, shard_index, wait_for_peers
 from protocol.schema.pipeline import StageAnnouncement
-from peer.home import Home, atomic_write
 
 log = logging.getLogger("peertrain.trainer")
 
-FAILURE_CHARS = 240  # a failed trainer's cause in its status: one line a table can show; the log has the traceback
+class TrainerSwarm:
+    """The handle a hosted trainer gets: `peertrain.swarm.HostedSwarm` (the `Swarm` every handle implements,
+    plus pipeline stages and the daemon's requests). Every method is safe to call from the trainer's thread."""
 
-# A launcher that knows how it cut the data (`peer local`, tests, benches) tells each daemon its shard.
-RANK_ENV, WORLD_ENV = "PEERTRAIN_RANK", "PEERTRAIN_WORLD"
-
-
-class CheckpointRefused(ValueError):
-    """A checkpoint file that cannot be read as data alone (tensors, numbers, strings, lists and dicts)."""
-
-
-def read_checkpoint(path: Path, map_location: Any = "cpu") -> Any:
-    """torch.load with weights_only=True: a checkpoint is data, and a pickle that would have to build other
-    objects (run code) to load is refused, so a file planted in a home cannot run code in the daemon or in
-    `peer export`. Raises CheckpointRefused saying why."""
-    import pickle
-
-    import torch
-
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]
-        reason = next((ln for ln in lines if "GLOBAL" in ln), lines[-1])  # torch names the global it refused
-        raise CheckpointRefused(f"refusing checkpoint {path}: it holds more than tensors and plain data, and "
-                                f"loading it could run code ({reason})") from None
-    except Exception as exc:
-        raise CheckpointRefused(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from None
-
-
-def save_checkpoint(directory: Path, state: dict[str, Any], name: str = Home.LATEST_CHECKPOINT) -> Path:
-    """torch.save to directory/<name> atomically (a crash never leaves a torn file)."""
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    path = Path(directory) / name
-    atomic_write(path, buf.getvalue(), mode=0o600)
-    return path
-
-
-def load_checkpoint(directory: Path, name: str = Home.LATEST_CHECKPOINT, map_location: Any = "cpu") -> dict[str, Any] | None:
-    """The checkpoint saved as `name`, or None if there is none or it is refused (logged: the trainer starts
-    afresh rather than run what a planted file would make it run)."""
-    path = Path(directory) / name
-    if not path.exists():
-        return None
-    try:
-        return read_checkpoint(path, map_location)
-    except CheckpointRefused as exc:
-        log.error("%s; starting without it", exc)
-        return None
-
-
-def shard_index(me: str, peers: Callable[[], list[str]], world: int | None,
-                stopping: Callable[[], bool] = lambda: False) -> tuple[int, int]:
-    """A data-shard index and count: $PEERTRAIN_RANK/$PEERTRAIN_WORLD if set (peer local sets them), else my
-    position among the sorted IDs of the peers I see (waiting up to 10 s to see `world` of them)."""
-    env_rank, env_world = os.environ.get(RANK_ENV), os.environ.get(WORLD_ENV)
-    if env_rank is not None and env_world is not None:
-        return int(env_rank), int(env_world)
-    deadline = time.monotonic() + 10
-    while world and len(peers()) + 1 < world and time.monotonic() < deadline and not stopping():
-        time.sleep(0.1)
-    ids = sorted(set(peers()) | {me})
-    w = world or len(ids)
-    return ids.index(me) % w, w
-
-
-WAIT_POLL_S = 0.1  # how often a trainer waiting for its peers looks again
-
-
-def wait_for_peers(count: Callable[[], tuple[int, bool]], n: int, timeout: float,
-                   stopping: Callable[[], bool] = lambda: False) -> int:
-    """Poll `count()` -> (peers there, whether we have a neighbour) until `n` peers and a neighbour, the
-    timeout, or a stop; the last count. Hosted and attached trainers wait for their peers this one way."""
-    deadline = time.monotonic() + timeout
-    while True:
-        have, neighbour = count()
-        if (have >= n and neighbour) or time.monotonic() >= deadline or stopping():
-            return have
-        time.sleep(WAIT_POLL_S)
-
-
-class TrainingReport:
-    """What a training job tells `peer status` (its latest figures, a short loss history) and HOME/metrics.jsonl
-    (every publish as one JSON line). A hosted trainer and an attached process (peer/attach/) each have one."""
-
-    LOSS_HISTORY = 60  # points of the loss sparkline in `peer status`
-
-    def __init__(self, daemon, metrics: dict[str, Any]):
-        self.daemon = daemon
-        self.metrics: dict[str, Any] = dict(metrics)
-        self.loss_history: deque[float] = deque(maxlen=self.LOSS_HISTORY)
-
-    def publish(self, metrics: dict[str, Any]) -> None:
-        metrics = dict(metrics)
-        if metrics.get("loss") is not None:
-            self.loss_history.append(float(metrics["loss"]))
-        self.metrics.update(metrics)
-        line = dict(metrics, ts=round(time.time(), 3), peer=self.daemon.peer_id)
-        try:
-            with open(self.daemon.home.metrics_file, "a") as f:
-                f.write(json.dumps(line, default=float) + "\n")
-        except OSError as exc:
-            log.warning("cannot append metrics: %s", exc)
-
-    def status(self) -> dict:
-        return dict(self.metrics, loss_history=list(self.loss_history))
-
-
-def failure_state(exc: BaseException) -> str:
-    """The trainer's `state` after `exc`: "failed: Type: cause" on one line, cut to FAILURE_CHARS. A message
-    of many lines keeps its first, unless it wraps a traceback (a DataLoader worker's), whose last line is
-    the cause."""
-    text = str(exc).strip()
-    lines = [" ".join(ln.split()) for ln in text.splitlines() if ln.strip()] or [""]
-    cause = lines[-1] if "Traceback (most recent call last)" in text else lines[0]
-    state = f"failed: {type(exc).__name__}: {cause}" if cause else f"failed: {type(exc).__name__}"
-    return state if len(state) <= FAILURE_CHARS else state[: FAILURE_CHARS - 1] + "…"
-
-
-class TrainerStopped(Exception):
-    """Raised inside the trainer thread when the daemon is stopping."""
-
-
-class Swarm:
-    """What a trainer may ask of the daemon. Every method is safe to call from the trainer's thread."""
-
-    def __init__(self, host: "TrainerHost"):
+    def __init__(self, host: TrainerHost):
         self._host = host
         self.peer_id: str = host.daemon.peer_id
         self.home: Path = host.daemon.home.root
@@ -216,56 +95,56 @@ class Swarm:
         """Serve `stage` of pipeline `key` with `handler` (its compute runs in a worker thread of the
         daemon, one call at a time), replacing what we served; the swarm hears of it in our next record.
         `ready=False`: announce the stage (so its peers hand us its state) but refuse calls until `stage_ready()`."""
-        self._call_sync(self._host.daemon.pipeline.serve, key, stage, max_batch, handler, ready=ready)
+        self._call_sync(self._host.pipeline.serve, key, stage, max_batch, handler, ready=ready)
 
     def stage_ready(self) -> None:
         """Start taking calls for the stage announced with `serve_stage(ready=False)`."""
-        self._call_sync(self._host.daemon.pipeline.set_ready)
+        self._call_sync(self._host.pipeline.set_ready)
 
     def stop_serving(self) -> None:
-        self._call_sync(self._host.daemon.pipeline.stop_serving)
+        self._call_sync(self._host.pipeline.stop_serving)
 
     def stage_map(self, key: PipelineKey) -> dict[int, list[StagePeer]]:
         """The live peers of each stage of pipeline `key` (us included, marked `me`)."""
-        return self._call_sync(self._host.daemon.pipeline.stage_map, key)
+        return self._call_sync(self._host.pipeline.stage_map, key)
 
     def stage_announcements(self) -> dict[str, StageAnnouncement]:
         """What each peer we hear of announces serving (any pipeline, any cut), by peer ID."""
-        return self._call_sync(self._host.daemon.pipeline.announcements)
+        return self._call_sync(self._host.pipeline.announcements)
 
     def stage_partners(self) -> set[str]:
         """The live peers serving our stage. Runs on the daemon's thread: pass it as `share(partners=...)`."""
-        return self._host.daemon.pipeline.stage_partners()
+        return self._host.pipeline.stage_partners()
 
     def fetch_stage_state(self, key: PipelineKey, stage: int, peer_id: str, check) -> FetchedState:
         """Download stage `stage`'s state (weights, optimizer state, step) from `peer_id`, a peer serving it or
         keeping a copy; `check(specs)` refuses a list of (name, dtype, shape) that is not this stage's state
         before anything is allocated. Raises StateUnavailable with the reason (peer/pipeline/state.py)."""
-        return self._call(self._host.daemon.pipeline.fetch_state, key, stage, peer_id, check)
+        return self._call(self._host.pipeline.fetch_state, key, stage, peer_id, check)
 
     def keep_stage_copy(self, key: PipelineKey, stage: int, tensors: list, step: int, samples: int) -> None:
         """Keep a copy of a stage's state (one we left, or back up) to hand to whoever takes the stage over."""
-        self._call_sync(self._host.daemon.pipeline.keep_copy, key, stage, tensors, step, samples)
+        self._call_sync(self._host.pipeline.keep_copy, key, stage, tensors, step, samples)
 
     def stage_copy(self, key: PipelineKey, stage: int) -> KeptCopy | None:
         """The copy of `stage` this daemon keeps (tensors, step, samples), or None."""
-        return self._call_sync(self._host.daemon.pipeline.copy_of, key, stage)
+        return self._call_sync(self._host.pipeline.copy_of, key, stage)
 
     def drop_stage_copy(self, key: PipelineKey, stage: int) -> None:
-        self._call_sync(self._host.daemon.pipeline.drop_copy, key, stage)
+        self._call_sync(self._host.pipeline.drop_copy, key, stage)
 
     def announce_move(self, moving_to: int = -1, moved_from: int = -1) -> None:
         """Tell the swarm (our record) that we are moving to a stage, or lately left one (-1: neither)."""
-        self._call_sync(self._host.daemon.pipeline.announce_move, moving_to, moved_from)
+        self._call_sync(self._host.pipeline.announce_move, moving_to, moved_from)
 
     def note_move(self, **move: Any) -> None:
         """Record one of our moves (from, to, reason, ...) for `peer status`."""
-        self._call_sync(self._host.daemon.pipeline.note_move, move)
+        self._call_sync(self._host.pipeline.note_move, move)
 
     def open_driver(self, key: PipelineKey, *, reply_shapes, in_flight: int, forward_codec: str = "raw",
                     backward_codec: str = "raw") -> DriverHandle:
         """A driver of microbatches through pipeline `key`, at most `in_flight` at once (peer/pipeline/driver.py)."""
-        return self._call_sync(self._host.daemon.pipeline.open_driver, key, reply_shapes=reply_shapes,
+        return self._call_sync(self._host.pipeline.open_driver, key, reply_shapes=reply_shapes,
                                in_flight=in_flight, token=self._host.token, stopped=self.should_stop,
                                forward_codec=forward_codec, backward_codec=backward_codec)
 
@@ -275,7 +154,7 @@ class Swarm:
 
     # -- who is around --------------------------------------------------------------------------------
     def neighbours(self) -> list[str]:
-        return sorted(self._host.daemon.topology.neighbours)
+        return sorted(self._host.topology.neighbours)
 
     def peers(self) -> list[str]:
         return sorted(self._host.daemon.membership.connected())
@@ -299,16 +178,23 @@ class Swarm:
         """A data-shard index and count (see `shard_index`)."""
         return shard_index(self.peer_id, self.peers, world, self.should_stop)
 
+    local_rank = 0  # a hosted trainer is one process, the whole peer
+    local_world = 1
+
+    def exchanges(self) -> dict[str, Any]:
+        """The daemon's exchange counts (all groups): initiated, served, failed, and the last failure's reason."""
+        return self._call_sync(self._host.gossip.exchange_counts)
+
     # -- reporting and state --------------------------------------------------------------------------
     def publish(self, metrics: dict[str, Any]) -> None:
         """Metrics for `peer status` and one JSON line in HOME/metrics.jsonl."""
         self._host.report.publish(metrics)
 
-    def save_checkpoint(self, state: dict[str, Any], name: str = Home.LATEST_CHECKPOINT) -> Path:
+    def save_checkpoint(self, state: dict[str, Any], name: str = LATEST_CHECKPOINT) -> Path:
         """torch.save to HOME/checkpoints/<name> atomically (a crash never leaves a torn file)."""
         return save_checkpoint(self.checkpoint_dir, state, name)
 
-    def load_checkpoint(self, name: str = Home.LATEST_CHECKPOINT, map_location: Any = "cpu") -> dict[str, Any] | None:
+    def load_checkpoint(self, name: str = LATEST_CHECKPOINT, map_location: Any = "cpu") -> dict[str, Any] | None:
         """The checkpoint saved as `name`, or None if there is none or it is refused (logged)."""
         return load_checkpoint(self.checkpoint_dir, name, map_location)
 
@@ -340,13 +226,16 @@ class Swarm:
 
 
 class TrainerHost:
+    """The service that runs the configured trainer in a worker thread and hands it a TrainerSwarm."""
+
     name = "trainer"
 
-    def __init__(self, daemon, gossip):
+    def __init__(self, daemon: DaemonContext, gossip: GossipEngine, pipeline: PipelineService,
+                 topology: TopologyService):
         self.daemon = daemon
-        self.gossip = gossip
+        self.gossip, self.pipeline, self.topology = gossip, pipeline, topology
         self.cfg = daemon.config.trainer
-        self.report = TrainingReport(daemon, {"trainer": self.cfg.name, "state": "starting"})
+        self.report = TrainingReport(daemon.peer_id, daemon.home.metrics_file, {"trainer": self.cfg.name, "state": "starting"})
         self.metrics = self.report.metrics
         self.events: deque[tuple[str, str]] = deque(maxlen=1000)
         self.stopping = threading.Event()
@@ -365,7 +254,7 @@ class TrainerHost:
         if not callable(getattr(module, "run", None)):
             raise ValueError(f"[trainer] name: {self.cfg.name!r} has no run(swarm, options) function")
         self.token = trio.lowlevel.current_trio_token()
-        swarm = Swarm(self)
+        swarm = TrainerSwarm(self)
         async with trio.open_nursery() as n:
             self._nursery = n
             task_status.started()
@@ -384,7 +273,7 @@ class TrainerHost:
                 self._done.set()
             await trio.sleep_forever()  # keep serving exchanges for the others
 
-    def _run_thread(self, module, swarm: Swarm):
+    def _run_thread(self, module, swarm: TrainerSwarm):
         return module.run(swarm, dict(self.cfg.options))
 
     async def shutdown(self) -> None:

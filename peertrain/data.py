@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from peertrain.swarm import Swarm
 
-def shard(dataset: Any, swarm: Any, *, world: int | None = None, seed: int = 0) -> Any:
+
+def shard(dataset: Any, swarm: Swarm, *, world: int | None = None, seed: int = 0) -> Any:
     """The part of `dataset` (any map-style torch Dataset, or an IterableDataset) this process trains on.
 
     The peer's index and count come from `swarm.rank_and_world(world)` ($PEERTRAIN_RANK/$PEERTRAIN_WORLD, or
@@ -14,6 +16,6 @@ def shard(dataset: Any, swarm: Any, *, world: int | None = None, seed: int = 0) 
     from trainers.torch_data import shard as shard_dataset
 
     rank, count = swarm.rank_and_world(world)
-    local_rank, local_world = getattr(swarm, "local_rank", 0), getattr(swarm, "local_world", 1)
+    local_rank, local_world = swarm.local_rank, swarm.local_world
     return shard_dataset(dataset, rank * local_world + local_rank, count * local_world, seed=seed)
 

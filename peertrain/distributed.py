@@ -15,10 +15,13 @@ from __future__ import annotations
 import threading
 from contextlib import nullcontext
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from peertrain.swarm import LATEST_CHECKPOINT, ClosableSwarm, ExchangeResult, SharedGroup
 
 
 def is_multi_rank(group=None) -> bool:
@@ -27,7 +30,7 @@ def is_multi_rank(group=None) -> bool:
 
 
 class _RankGroup:
-    """What `share` returns on ranks other than 0: the tensors, a lock no one else takes, a step."""
+    """What `share` returns on ranks other than 0 (a SharedGroup): the tensors, a lock no one else takes, a step."""
 
     def __init__(self, name: str, tensors: dict[str, Any]):
         self.name, self.tensors, self.step = name, dict(tensors), 0
@@ -38,9 +41,10 @@ class _RankGroup:
 
 
 class HostRanks:
-    """The Swarm handle for every rank of a one-host torch.distributed job; rank 0 holds the real one."""
+    """The Swarm handle (peertrain/swarm.py) for every rank of a one-host torch.distributed job; rank 0 holds
+    the real one."""
 
-    def __init__(self, connect, group=None):
+    def __init__(self, connect: Callable[[], ClosableSwarm], group: Any = None):
         """`connect()` attaches (or starts) on rank 0; its failure is raised on every rank, not only rank 0
         (the others would wait in the next collective forever)."""
         self.pg = group
@@ -55,7 +59,7 @@ class HostRanks:
         error = self._from_root(error)
         if error is not None:
             raise RuntimeError(f"rank 0 could not attach to the daemon: {error}")
-        self.swarm = swarm
+        self.swarm: ClosableSwarm | None = swarm
         self.peer_id: str = self._from_root(swarm.peer_id if swarm else None)
         self.home = Path(self._from_root(str(swarm.home) if swarm else None))
         self.checkpoint_dir = self.home / "checkpoints"
@@ -85,49 +89,66 @@ class HostRanks:
                         offset += t.numel()
 
     # -- averaging ------------------------------------------------------------------------------------
-    def share(self, name: str, tensors: dict[str, Any], **how: Any):
-        g = self.swarm.share(name, tensors, **how) if self.rank == 0 else _RankGroup(name, tensors)
+    def share(self, name: str, tensors: dict[str, Any], *, codec: str | None = None, error_feedback: bool = False,
+              averaged: bool = True) -> SharedGroup:
+        g: SharedGroup
+        if self.rank == 0:
+            g = self._root_swarm.share(name, tensors, codec=codec, error_feedback=error_feedback, averaged=averaged)
+        else:
+            g = _RankGroup(name, tensors)
         self._groups[name] = g
         self._broadcast_tensors(name)  # every rank starts from rank 0's values
         return g
 
-    def average(self, group: str, *, mode: str = "one") -> list[dict]:
-        results = self._from_root(self.swarm.average(group, mode=mode) if self.rank == 0 else None)
+    def unshare(self, name: str) -> None:
+        """Stop sharing `name` (on rank 0; every rank forgets it). Not a collective."""
+        self._groups.pop(name, None)
+        if self.rank == 0:
+            self._root_swarm.unshare(name)
+
+    @property
+    def _root_swarm(self) -> ClosableSwarm:
+        """Rank 0's real handle (only rank 0 calls this)."""
+        assert self.swarm is not None, "only rank 0 holds the daemon's handle"
+        return self.swarm
+
+    def average(self, group: str, *, mode: str = "one") -> list[ExchangeResult]:
+        results = self._from_root(self._root_swarm.average(group, mode=mode) if self.rank == 0 else None)
         self._broadcast_tensors(group)
         return results
 
     def average_in_background(self, group: str, *, mode: str = "one") -> bool:
         """Start a round on rank 0 and give every rank rank 0's parameters now (with the rounds that ended
         since the last call): between calls, ranks other than 0 run on values at most one interval old."""
-        started = self._from_root(self.swarm.average_in_background(group, mode=mode) if self.rank == 0 else None)
+        started = self._from_root(self._root_swarm.average_in_background(group, mode=mode) if self.rank == 0 else None)
         self._broadcast_tensors(group)
         return started
 
     def download(self, group: str, *, min_step: int = 1) -> int | None:
-        step = self._from_root(self.swarm.download(group, min_step=min_step) if self.rank == 0 else None)
+        step = self._from_root(self._root_swarm.download(group, min_step=min_step) if self.rank == 0 else None)
         if step is not None:
             self._broadcast_tensors(group)
         return step
 
     # -- who is around (collectives) ------------------------------------------------------------------
     def neighbours(self) -> list[str]:
-        return self._from_root(self.swarm.neighbours() if self.rank == 0 else None)
+        return self._from_root(self._root_swarm.neighbours() if self.rank == 0 else None)
 
     def peers(self) -> list[str]:
-        return self._from_root(self.swarm.peers() if self.rank == 0 else None)
+        return self._from_root(self._root_swarm.peers() if self.rank == 0 else None)
 
     def membership_events(self) -> list[tuple[str, str]]:
-        return self._from_root(self.swarm.membership_events() if self.rank == 0 else None)
+        return self._from_root(self._root_swarm.membership_events() if self.rank == 0 else None)
 
     def wait_for_peers(self, n: int = 1, *, group: str | None = None, timeout: float = 30.0) -> int:
-        return self._from_root(self.swarm.wait_for_peers(n, group=group, timeout=timeout) if self.rank == 0 else None)
+        return self._from_root(self._root_swarm.wait_for_peers(n, group=group, timeout=timeout) if self.rank == 0 else None)
 
     def rank_and_world(self, world: int | None = None) -> tuple[int, int]:
         """This host's shard index and count (rank 0's view); split further by local rank with `local_rank`."""
-        return tuple(self._from_root(self.swarm.rank_and_world(world) if self.rank == 0 else None))
+        return tuple(self._from_root(self._root_swarm.rank_and_world(world) if self.rank == 0 else None))
 
     def should_stop(self) -> bool:
-        return bool(self._from_root(self.swarm.should_stop() if self.rank == 0 else None))
+        return bool(self._from_root(self._root_swarm.should_stop() if self.rank == 0 else None))
 
     @property
     def local_rank(self) -> int:
@@ -136,24 +157,24 @@ class HostRanks:
     # -- rank 0 only (not collectives) ----------------------------------------------------------------
     def publish(self, metrics: dict[str, Any]) -> None:
         if self.rank == 0:
-            self.swarm.publish(dict(metrics, local_ranks=self.local_world))
+            self._root_swarm.publish(dict(metrics, local_ranks=self.local_world))
 
-    def exchanges(self) -> dict:
-        return self.swarm.exchanges() if self.rank == 0 else {}
+    def exchanges(self) -> dict[str, Any]:
+        return self._root_swarm.exchanges() if self.rank == 0 else {}
 
-    def save_checkpoint(self, state: dict[str, Any], name: str = "latest.pt") -> Path:
+    def save_checkpoint(self, state: dict[str, Any], name: str = LATEST_CHECKPOINT) -> Path:
         if self.rank == 0:
-            return self.swarm.save_checkpoint(state, name)
+            return self._root_swarm.save_checkpoint(state, name)
         return self.checkpoint_dir / name
 
-    def load_checkpoint(self, name: str = "latest.pt", map_location: Any = "cpu") -> dict[str, Any] | None:
-        from peer.trainer_host import load_checkpoint
+    def load_checkpoint(self, name: str = LATEST_CHECKPOINT, map_location: Any = "cpu") -> dict[str, Any] | None:
+        from peertrain.checkpoints import load_checkpoint
 
         return load_checkpoint(self.checkpoint_dir, name, map_location)
 
     def log(self, msg: str, *args: Any) -> None:
         if self.rank == 0:
-            self.swarm.log(msg, *args)
+            self._root_swarm.log(msg, *args)
 
     def close(self) -> None:
         if self.rank == 0 and self.swarm is not None:

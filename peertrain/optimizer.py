@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from peertrain.swarm import Swarm
+
 MODES = ("adpsgd", "dpsgd")
 
 
@@ -67,7 +69,7 @@ class GossipOptimizer(WrappingOptimizer):
     """Wraps `optimizer`; averages its parameters through `swarm` (attached, embedded, hosted, or a torchrun
     job's ranks as one peer: peertrain/distributed.py)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, swarm: Any, *, mode: str = "adpsgd",
+    def __init__(self, optimizer: torch.optim.Optimizer, swarm: Swarm, *, mode: str = "adpsgd",
                  average_every: int = 1, group: str = "model", join: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from peertrain.optimizer import WrappingOptimizer, named
+from peertrain.swarm import AVERAGE_MODES, Swarm
 
-MODES = ("one", "all")
+MODES = AVERAGE_MODES  # how each round averages the outer weights: the Swarm's own modes
 MOMENTUM_BOUND = 10.0  # a joiner's downloaded momentum may be at most this times the weights' norm: at momentum
 #                        0.9 it sums ~1/(1-0.9) = 10 rounds of pseudo-gradients, each far below the weights' norm
 
@@ -37,7 +38,7 @@ MOMENTUM_BOUND = 10.0  # a joiner's downloaded momentum may be at most this time
 class LocalStepsOptimizer(WrappingOptimizer):
     """Wraps `optimizer` (the inner one); every `inner_steps` of its steps, an outer step and gossip."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, swarm: Any, *, inner_steps: int = 50, outer_lr: float = 0.7,
+    def __init__(self, optimizer: torch.optim.Optimizer, swarm: Swarm, *, inner_steps: int = 50, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, codec: str | None = None,
                  error_feedback: bool = True, background: bool = True, mode: str = "one", group: str = "model",
                  join: bool = True):

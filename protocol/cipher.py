@@ -15,7 +15,8 @@ so no message is needed to coordinate it.
 from __future__ import annotations
 
 import struct
-from typing import Final
+from collections.abc import Callable
+from typing import Final, Protocol
 
 from cryptography.exceptions import InvalidTag, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes
@@ -46,7 +47,15 @@ def _has_ocb() -> bool:
     return hasattr(AESOCB3, "encrypt_into") and hasattr(AESOCB3, "decrypt_into")
 
 
-_AEADS: Final = {
+class _AeadInto(Protocol):
+    """The in-place AEAD calls we use (cryptography >= 44; its stubs may predate them)."""
+
+    def encrypt_into(self, nonce: bytes | bytearray, data: memoryview, aad: bytes | memoryview, out: memoryview) -> int: ...
+
+    def decrypt_into(self, nonce: bytes | bytearray, data: memoryview, aad: bytes | memoryview, out: memoryview) -> int: ...
+
+
+_AEADS: Final[dict[str, Callable[[bytes], _AeadInto]]] = {
     **({"aes-256-ocb": AESOCB3} if _has_ocb() else {}),
     "aes-256-gcm": AESGCM,
     "chacha20-poly1305": ChaCha20Poly1305,
@@ -136,7 +145,7 @@ class CipherState:
             self._key = _rekeyed(self._key)
             self._aead = self._factory(self._key)
 
-    def seal_into(self, plaintext: object, aad: bytes, out: object) -> int:
+    def seal_into(self, plaintext: object, aad: bytes | memoryview, out: object) -> int:
         """Encrypt `plaintext` into the start of `out` (needs len + 16 bytes); returns bytes written."""
         data = byte_view(plaintext)
         need = data.nbytes + TAG_SIZE
@@ -157,7 +166,7 @@ class CipherState:
         self.seal_into(plaintext, aad, out)
         return bytes(out)
 
-    def open_into(self, ciphertext: object, aad: bytes, out: object) -> int:
+    def open_into(self, ciphertext: object, aad: bytes | memoryview, out: object) -> int:
         """Decrypt and authenticate into the start of `out`; returns plaintext bytes written.
 
         Raises AuthenticationError on any tampering. The decrypted bytes are only
@@ -213,7 +222,7 @@ class NullCipher:
     def counter(self) -> int:
         return self._counter
 
-    def seal_into(self, plaintext: object, aad: bytes, out: object) -> int:
+    def seal_into(self, plaintext: object, aad: bytes | memoryview, out: object) -> int:
         data = byte_view(plaintext)
         dest = byte_view(out)
         if dest.nbytes < data.nbytes:
@@ -226,7 +235,7 @@ class NullCipher:
         self._counter += 1
         return bytes(byte_view(plaintext))
 
-    def open_into(self, ciphertext: object, aad: bytes, out: object) -> int:
+    def open_into(self, ciphertext: object, aad: bytes | memoryview, out: object) -> int:
         data = byte_view(ciphertext)
         dest = byte_view(out)
         if dest.nbytes < data.nbytes:

@@ -63,9 +63,9 @@ class FrameCipher(Protocol):
 
     overhead: int
 
-    def seal_into(self, plaintext: object, aad: bytes, out: object) -> int: ...
+    def seal_into(self, plaintext: object, aad: bytes | memoryview, out: object) -> int: ...
 
-    def open_into(self, ciphertext: object, aad: bytes, out: object) -> int: ...
+    def open_into(self, ciphertext: object, aad: bytes | memoryview, out: object) -> int: ...
 
 
 def _check_kind_stream(kind: int, stream: int) -> None:
@@ -408,7 +408,8 @@ class FrameReader:
 
 
 def encode_length_prefixed(data: bytes) -> bytes:
-    """u32 big-endian length + data: the framing of handshake messages (no cipher yet)."""
+    """u32 big-endian length + data: the framing of handshake messages (no cipher yet) and of the local
+    control socket (peer/control.py) and attach sessions (peer/attach/)."""
     if len(data) > _MAX_U32:
         raise ValueError("message too long for a 32-bit length prefix")
     return _U32.pack(len(data)) + bytes(data)
@@ -418,14 +419,18 @@ class LengthPrefixedReader:
     """Splits a byte stream into u32-length-prefixed messages, refusing oversized ones.
 
     It holds only bytes not yet returned: after draining `next_message()`, at most one incomplete
-    message (under 4 + max_len bytes) plus whatever the last `feed()` brought beyond it.
+    message (under 4 + max_len bytes) plus whatever the last `feed()` brought beyond it. The limit is
+    checked on the length prefix alone, before a byte of the body is waited for or held.
+
+    The I/O layer feeds it what it receives; one that must not read past a message (its socket's later
+    bytes belong to someone else, or carry descriptors) reads exactly `needed()` bytes at a time.
     """
 
     def __init__(self, max_len: int) -> None:
         self.max_len: Final = max_len
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         self._buf += data
 
     def next_message(self) -> bytes | None:
@@ -434,11 +439,9 @@ class LengthPrefixedReader:
         Raises LimitExceeded as soon as a too-large length prefix is seen.
         """
         buf = self._buf
-        if len(buf) < 4:
+        size = self._size()
+        if size is None:
             return None
-        size = _U32.unpack_from(buf, 0)[0]
-        if size > self.max_len:
-            raise LimitExceeded(f"message of {size} bytes exceeds the limit of {self.max_len} bytes")
         end = 4 + size
         if len(buf) < end:
             return None
@@ -447,6 +450,23 @@ class LengthPrefixedReader:
         # buffer happened to end on a message boundary grew with every message of a stream.
         del buf[:end]
         return message
+
+    def needed(self) -> int:
+        """How many more bytes complete the next message (call it once `next_message()` returned None):
+        the rest of the length prefix, else the rest of the body. Raises LimitExceeded like `next_message()`."""
+        size = self._size()
+        if size is None:
+            return 4 - len(self._buf)
+        return max(1, 4 + size - len(self._buf))
+
+    def _size(self) -> int | None:
+        """The body length of the next message, once its prefix is here; LimitExceeded if over `max_len`."""
+        if len(self._buf) < 4:
+            return None
+        size = _U32.unpack_from(self._buf, 0)[0]
+        if size > self.max_len:
+            raise LimitExceeded(f"message of {size} bytes exceeds the limit of {self.max_len} bytes")
+        return size
 
     def buffered(self) -> int:
         """How many received bytes are not yet returned as messages."""

@@ -38,7 +38,7 @@ from . import PROTOCOL_VERSION
 from .cipher import CIPHERS, DEFAULT_REKEY_INTERVAL, CipherState
 from .errors import HandshakeError, ProtocolError
 from .frames import LengthPrefixedReader, encode_length_prefixed
-from .identity import peer_id_from_public_bytes, public_key_bytes, sign, verify
+from .identity import KEY_SIZE, SIGNATURE_SIZE, peer_id_from_public_bytes, public_key_bytes, sign, verify
 from .noise import AUTHENTICATION_FAILED, TAG_LEN, NoiseXXState
 
 __all__ = [
@@ -295,9 +295,9 @@ class Handshake:
         if not isinstance(body, dict):
             raise HandshakeError("malformed handshake identity payload (not a map)")
         public, signature = body.get("id"), body.get("sig")
-        if not isinstance(public, bytes) or len(public) != 32:
+        if not isinstance(public, bytes) or len(public) != KEY_SIZE:
             raise HandshakeError("remote identity payload has no valid Ed25519 public key")
-        if not isinstance(signature, bytes) or len(signature) != 64:
+        if not isinstance(signature, bytes) or len(signature) != SIGNATURE_SIZE:
             raise HandshakeError("remote identity payload has no valid Ed25519 signature")
         static = self._noise.remote_static
         assert static is not None  # read_message authenticated it before this payload

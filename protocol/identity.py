@@ -40,8 +40,8 @@ __all__ = [
     "is_weak_public_key",
 ]
 
-KEY_SIZE = 32
-SIGNATURE_SIZE = 64
+KEY_SIZE = 32  # Ed25519: raw private and public keys alike; every module checks key lengths against this one
+SIGNATURE_SIZE = 64  # Ed25519
 PEER_ID_LENGTH = 20
 """20 base32 characters = 100 bits of the hash: ample against accidental collisions,
 short enough to read aloud. Peers are authenticated by their full key in the

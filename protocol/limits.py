@@ -21,8 +21,8 @@ GiB = 1024 * MiB
 
 DEFAULT_CHUNK_SIZE = 1 * MiB
 """Body bytes per tensor chunk frame unless the sender says otherwise (the encoder's, the transport's and
-`[gossip] chunk_kib`'s default). 1 MiB: 2 and 4 MiB chunks made an averaging exchange no faster (README,
-performance), and a smaller frame lets messages queued behind a bulk transfer go sooner (a session's send
+`[gossip] chunk_kib`'s default). 1 MiB: 2 and 4 MiB chunks made an averaging exchange no faster (docs/benchmarks.md,
+the 2026-11-22 average entry), and a smaller frame lets messages queued behind a bulk transfer go sooner (a session's send
 lock is taken per frame)."""
 
 

@@ -171,7 +171,7 @@ class NoiseXXState:
 
     def _mix_dh(self, token: str) -> None:
         # Letters name (initiator's key, responder's key); each side uses its own private half.
-        first, second = token
+        first, second = token[0], token[1]
         mine, theirs = (first, second) if self.initiator else (second, first)
         private = self._e if mine == "e" else self._s
         public = self._re if theirs == "e" else self.remote_static

@@ -162,7 +162,7 @@ def quantize(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
         scales[bad] = np.nan
     divisor = np.where(bad | (scales == 0), np.float32(1), scales).astype(calc)
     y = x.astype(calc, copy=True)
-    y /= np.repeat(divisor, block)[:n]
+    np.divide(y, np.repeat(divisor, block)[:n], out=y)
     if bad.any():
         y[np.repeat(bad, block)[:n]] = 0
     np.rint(y, out=y)

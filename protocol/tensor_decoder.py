@@ -131,7 +131,7 @@ class TensorDecoder:
         self._regions: list[tuple[int, memoryview]] = []
         offset = 0
         for region in regions:
-            self._regions.append((offset, memoryview(region)))
+            self._regions.append((offset, region.data))
             offset += region.shape[0]
         self.memory_bytes: int = allocated
         self._received = 0
@@ -282,8 +282,8 @@ class TensorDecoder:
             near_max = limit is not None and float(np.fmax.reduce(np.abs(scales))) * 127 > limit * 0.999
             calc = np.float64 if self.dtype == "float64" or near_max else np.float32
             x = values[i:j].astype(calc)  # copied before it is overwritten, as above
-            x *= np.repeat(scales.astype(calc), block)[: j - i]
-            if near_max:
+            np.multiply(x, np.repeat(scales.astype(calc), block)[: j - i], out=x)
+            if near_max and limit is not None:
                 np.clip(x, -limit, limit, out=x)
             self._store(i, x)
 

@@ -102,12 +102,12 @@ class TensorEncoder:
     def chunks(self) -> Iterator[memoryview]:
         """The body, in pieces of at most `chunk_size` bytes."""
         if self.codec == "raw" or (self.codec == "float16" and self.dtype == "float16"):
-            yield from _split(memoryview(self._flat.view(np.uint8)), self.chunk_size)
+            yield from _split(self._flat.view(np.uint8).data, self.chunk_size)
         elif self.codec == "float16":
             step = min(CONVERT_STEP, max(1, self.chunk_size // 2))
             for i in range(0, self._flat.shape[0], step):
                 half = to_float16(self._as_float(i, i + step))
-                yield from _split(memoryview(half.view(np.uint8)), self.chunk_size)
+                yield from _split(half.view(np.uint8).data, self.chunk_size)
         else:
             yield from self._q8_chunks()
 
@@ -122,6 +122,6 @@ class TensorEncoder:
         for i in range(0, self._flat.shape[0], step):
             q, s = quantize(self._as_float(i, i + step), block)
             scales.append(s)
-            yield from _split(memoryview(q.view(np.uint8)), self.chunk_size)
+            yield from _split(q.view(np.uint8).data, self.chunk_size)
         if scales:
-            yield from _split(memoryview(np.concatenate(scales).view(np.uint8)), self.chunk_size)
+            yield from _split(np.concatenate(scales).view(np.uint8).data, self.chunk_size)

@@ -1,6 +1,219 @@
+"""The suite's tiers, their guard, hypothesis profiles, and the `cluster` fixture.
+
+Three tiers, so the everyday loop runs in well under a minute and the whole suite in parallel:
+
+- **unit** (`./dev test --fast`, `pytest -m unit`): the modules in `UNIT_MODULES`, less their tests marked
+  `slow` or `process`. A unit test starts no process and opens no socket other than a `socket.socketpair`
+  (trio memory streams and `trio.testing.MockClock(autojump_threshold=0)` stand in for the network and the
+  clock). This is enforced, not promised: while a unit test runs (setup, call, teardown) starting a
+  process or opening a socket fails it, so a test that starts a daemon cannot sneak into the tier.
+- **serial** (`-m serial`): tests whose timings do not survive a second test on the same cores, or that
+  build network namespaces (every `netns` test): `./dev test` runs them alone, after the rest.
+- everything else: process tests (real daemons, sockets, subprocesses), run two at a time by `./dev test`.
+
+Hypothesis has two profiles: `ci` (loaded unless another is asked for) and `fast` (`./dev test --fast`).
+"""
+
+from __future__ import annotations
+
+import _posixsubprocess
+import os
+import socket
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import pytest
+from hypothesis import HealthCheck, settings
 
 from peer.testing.swarm import LocalSwarm
+
+TESTS = Path(__file__).resolve().parent
+
+# The unit tier, by module: each is pure (the protocol, codecs, config, topology maths, exchange state
+# machine, bounds, pipeline rules, NAT message rules, attach wire...). A test in one of these that needs a
+# process, a real socket or real seconds carries `@pytest.mark.process` or `@pytest.mark.slow` and leaves
+# the tier; a new pure module is added here.
+UNIT_MODULES = frozenset({
+    "test_attach_units.py",
+    "test_averaging_bounds.py",
+    "test_bench_gossip.py",
+    "test_bench_nat.py",
+    "test_bench_pipeline.py",
+    "test_bench_train.py",
+    "test_checkpoints.py",
+    "test_config.py",
+    "test_docs.py",
+    "test_doctor.py",
+    "test_exchange_state.py",
+    "test_fuzz_records.py",
+    "test_fuzz_wire.py",
+    "test_mdns.py",
+    "test_metrics_prometheus.py",
+    "test_nat_units.py",
+    "test_peer_store.py",
+    "test_pipeline_demo.py",
+    "test_pipeline_partition.py",
+    "test_pipeline_rebalance.py",
+    "test_pipeline_reference.py",
+    "test_pipeline_stage.py",
+    "test_pipeline_state_units.py",
+    "test_pipeline_units.py",
+    "test_protocol_cipher_frames.py",
+    "test_protocol_handshake.py",
+    "test_protocol_identity.py",
+    "test_protocol_limits.py",
+    "test_protocol_messages.py",
+    "test_protocol_noise.py",
+    "test_protocol_tensor_codec.py",
+    "test_router.py",
+    "test_topology_math.py",
+    "test_topology_records.py",
+    "test_topology_rewire.py",
+    "test_topology_spectral.py",
+    "test_topology_yardsticks.py",
+    "test_torch_data.py",
+    "test_trainer_failure.py",
+    "test_tiers_units.py",
+    "test_trainers_models.py",
+    "test_local_steps.py",
+    "test_seams.py",
+    "test_control_units.py",
+    "test_topology_edges.py",
+    "test_topology_record_book.py",
+})
+
+# Whole modules in the serial tier: their tests measure rates or race timers that a second test on the same
+# two cores would skew. A single test joins with `@pytest.mark.serial`; `netns` tests join by themselves.
+SERIAL_MODULES = frozenset({
+    "test_attack_liveness.py",  # an honest peer admitted within 2 s, a mute one dropped within dead_after + 5 s
+    "test_attack_membership.py",  # a poisoned record refused within 1 s; dials counted over a 6 s window
+    "test_attack_topology.py",  # a broadcast's median time under 1 s
+})
+
+# The fast profile's examples per property test, and a ceiling on the counts tests set themselves
+# (`@settings(max_examples=400)` would otherwise beat any profile): enough to run every strategy's edge
+# cases on each run, few enough that the unit tier stays under a minute. `ci` keeps each test's own count.
+FAST_EXAMPLES = 10
+
+# Deadlines are off in both: a 2-core machine running tests two at a time stalls any example past 200 ms
+# now and then, which says nothing about the code. too_slow is suppressed for the same reason.
+settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+settings.register_profile("fast", settings.get_profile("ci"), max_examples=FAST_EXAMPLES)
+settings.load_profile("ci")  # `--hypothesis-profile fast` (./dev test --fast) loads the other one later
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    missing = sorted(m for m in UNIT_MODULES | SERIAL_MODULES if not (TESTS / m).is_file())
+    if missing:  # a renamed file would otherwise leave its tier without a word
+        raise pytest.UsageError(f"tests/conftest.py names test modules that do not exist: {', '.join(missing)}")
+
+
+def in_unit_tier(item: pytest.Item) -> bool:
+    if item.get_closest_marker("unit"):
+        return True
+    return (item.path.name in UNIT_MODULES
+            and not any(item.get_closest_marker(m) for m in ("slow", "process", "netns", "serial")))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the markers set here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    fast = settings.get_current_profile_name() == "fast"
+    for item in items:
+        if in_unit_tier(item):
+            item.add_marker("unit")
+        if item.get_closest_marker("netns") or item.path.name in SERIAL_MODULES:
+            item.add_marker("serial")
+        if fast:
+            cap_examples(item)
+
+
+def cap_examples(item: pytest.Item) -> None:
+    """Hold a property test's own `max_examples` to the fast profile's: hypothesis lets a test's
+    `@settings` beat the loaded profile, and keeps the merged settings on the test function."""
+    test = getattr(item, "function", None)
+    own = getattr(test, "_hypothesis_internal_use_settings", None)
+    if own is not None and own.max_examples > FAST_EXAMPLES:
+        test._hypothesis_internal_use_settings = settings(own, max_examples=FAST_EXAMPLES)
+
+
+class UnitTierViolation:
+    """Refuses processes and sockets while a unit test runs; remembers each refusal, so that one made in a
+    thread, or caught by the code under test, still fails the test."""
+
+    HINT = ("a unit test starts no process and opens no socket but a socket.socketpair (use trio memory "
+            "streams and trio.testing.MockClock): move it out of the unit tier with @pytest.mark.process, "
+            "or out of UNIT_MODULES in tests/conftest.py")
+
+    def __init__(self) -> None:
+        self.refused: list[str] = []
+
+    def refuse(self, what: str) -> None:
+        message = f"unit tier: {what} refused; {self.HINT}"
+        self.refused.append(message)
+        pytest.fail(message, pytrace=False)
+
+    @contextmanager
+    def active(self) -> Iterator[UnitTierViolation]:
+        def blocked(owner: object, name: str, what: str):
+            def refused(*args, **kwargs):
+                self.refuse(what)
+            # named as what it replaces, so a pickle that names os.system (a malicious checkpoint's test data)
+            # still finds it where pickle looks
+            refused.__module__, refused.__name__, refused.__qualname__ = owner.__name__, name, name
+            return refused
+
+        real_socket_init = socket.socket.__init__
+
+        def socket_init(sock, family=-1, type=-1, proto=-1, fileno=None):
+            if fileno is None:  # a new socket; socketpair() and fromfd() wrap descriptors they already hold
+                self.refuse(f"opening a socket (family {socket.AddressFamily(family).name if family != -1 else 'AF_INET'})")
+            real_socket_init(sock, family, type, proto, fileno)
+
+        patches = [(subprocess.Popen, "_execute_child", lambda *a, **k: self.refuse("starting a process (subprocess)")),
+                   (_posixsubprocess, "fork_exec", blocked(_posixsubprocess, "fork_exec", "starting a process")),
+                   (socket.socket, "__init__", socket_init)]
+        patches += [(os, name, blocked(os, name, f"os.{name}")) for name in
+                    ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp") if hasattr(os, name)]
+        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+        for owner, name, replacement in patches:
+            setattr(owner, name, replacement)
+        try:
+            yield self
+        finally:
+            for owner, name, original in saved:
+                setattr(owner, name, original)
+
+    def check(self) -> None:
+        if self.refused:
+            pytest.fail("\n".join(self.refused), pytrace=False)
+
+
+def guarded(item: pytest.Item):
+    """One phase of a test (setup, call, teardown), under the guard when the test is in the unit tier."""
+    if not item.get_closest_marker("unit"):
+        return (yield)
+    guard = UnitTierViolation()
+    with guard.active():
+        result = yield
+    guard.check()
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    return (yield from guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    return (yield from guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    return (yield from guarded(item))
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)

@@ -34,7 +34,7 @@ def test_every_request_round_trips():
             wire.Average("model", "one", False, 7), wire.Download("model", 1), wire.Publish({"loss": 0.5, "x": None}),
             wire.Poll(), wire.Detach()]
     for r in reqs:
-        assert wire.decode(wire.unpack(wire.pack(wire.encode(r))[4:])) == r
+        assert wire.decode(wire.unpack(pack(wire.encode(r))[4:])) == r
 
 
 @pytest.mark.parametrize("obj, says", [
@@ -89,6 +89,7 @@ def test_adopted_segment_is_the_same_memory_and_is_checked():
             Segment.adopt(os.dup(f.fileno()), slots, size)
 
 
+@pytest.mark.process
 def test_lock_excludes_another_process_and_is_released_when_it_dies():
     slots, size = layout([("w", "float32", (4,))])
     seg = Segment.create("lock", slots, size)

@@ -110,6 +110,7 @@ def test_the_ban_list_keeps_a_bounded_number_of_peers(monkeypatch):
 
 # ---- two engines in one process over a real session ----------------------------------------------
 
+@pytest.mark.process
 def test_an_engine_pair_clips_a_poisoned_neighbour_alike_on_both_sides_and_keeps_the_sum():
     async def body(a, b):
         b.groups["params"].tensors["w"][:] = -1000.0  # a's values are 1.0: 1001 times a's norm apart
@@ -123,6 +124,7 @@ def test_an_engine_pair_clips_a_poisoned_neighbour_alike_on_both_sides_and_keeps
     trio.run(run_pair, body)
 
 
+@pytest.mark.process
 def test_an_engine_pair_applies_nothing_of_values_whose_norm_overflows():
     async def body(a, b):
         b.groups["params"].tensors["w"][:] = 3e38
@@ -133,6 +135,7 @@ def test_an_engine_pair_applies_nothing_of_values_whose_norm_overflows():
     trio.run(run_pair, body)
 
 
+@pytest.mark.process
 def test_a_peer_whose_updates_keep_being_clipped_is_banned_and_refused():
     async def body(a, b):
         for _ in range(bans_mod.BAN_AFTER):
@@ -146,6 +149,7 @@ def test_a_peer_whose_updates_keep_being_clipped_is_banned_and_refused():
     trio.run(run_pair, body)
 
 
+@pytest.mark.process
 def test_parameters_are_served_to_neighbours_only_and_a_download_is_checked():
     async def body(a, b):
         got = await a.downloads.fetch_params("params", b.me)

@@ -17,6 +17,7 @@ from peer.bench.gossip import median_run
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.serial
 def test_bench_gossip_small_swarm_reports_every_topology(tmp_path):
     argv = [sys.executable, "-m", "peer", "bench", "gossip", "--n", "4", "--size", "256KiB", "--target", "1e-2",
             "--topologies", "rewired,ring", "--settle", "2", "--timeout", "30", "--logs", str(tmp_path), "--json"]

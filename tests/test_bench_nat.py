@@ -25,6 +25,7 @@ def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**{**base, **kw})
 
 
+@pytest.mark.process
 def test_help_lists_the_options() -> None:
     proc = subprocess.run([sys.executable, "-m", "peer", "bench", "nat", "--help"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from peer.home import Home, atomic_write
-from peer.trainer_host import CheckpointRefused, Swarm, read_checkpoint
+from peer.trainer_host import TrainerSwarm
+from peertrain.checkpoints import CheckpointRefused, read_checkpoint
 from tests.daemons import REPO
 from trainers.baseline import make_optimizer, seeded_model
 from trainers.gossip_sgd import GossipSGDOptions
@@ -44,8 +45,8 @@ def _trainer_state(optimizer: str) -> dict:
             "model_name": o.model_factory or o.model, "options": asdict(o)}
 
 
-def _host(home: Path) -> Swarm:
-    return Swarm(SimpleNamespace(daemon=SimpleNamespace(home=Home(home), peer_id="p" * 20)))
+def _host(home: Path) -> TrainerSwarm:
+    return TrainerSwarm(SimpleNamespace(daemon=SimpleNamespace(home=Home(home), peer_id="p" * 20)))
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -71,6 +72,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_by_the_trainer_host(tmp_pat
     assert not marker.exists()
 
 
+@pytest.mark.process
 def test_peer_export_refuses_a_checkpoint_that_would_run_code_and_writes_nothing(tmp_path) -> None:
     home, marker, out = Home(tmp_path / "home"), tmp_path / "pwned", tmp_path / "model.pt"
     buf = io.BytesIO()
@@ -82,6 +84,7 @@ def test_peer_export_refuses_a_checkpoint_that_would_run_code_and_writes_nothing
     assert not marker.exists() and not out.exists()
 
 
+@pytest.mark.process
 def test_peer_export_writes_a_file_that_loads_as_data(tmp_path) -> None:
     home, out = Home(tmp_path / "home"), tmp_path / "model.pt"
     _host(home.root).save_checkpoint(_trainer_state("sgd"))
@@ -92,6 +95,7 @@ def test_peer_export_writes_a_file_that_loads_as_data(tmp_path) -> None:
     assert saved["step"] == 7 and saved["model_name"] == "digits_mlp"
 
 
+@pytest.mark.process
 def test_a_daemon_whose_home_holds_a_planted_checkpoint_refuses_it_and_trains_afresh(cluster, tmp_path) -> None:
     """A real daemon hosting the gossip trainer, started on a home where someone planted a checkpoint that
     runs a command when unpickled: the daemon logs the refusal, runs nothing, and trains from scratch."""

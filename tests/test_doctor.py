@@ -253,6 +253,7 @@ def doctor(capsys, *args: str) -> tuple[int, dict]:
     return rc, json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.process
 def test_nothing_listening_at_the_bootstrap_address(tmp_path):
     port = free_port()
     r = subprocess.run([sys.executable, "-m", "peer", "doctor", "--home", str(tmp_path / "home"), "--listen",

@@ -1,10 +1,11 @@
 """Local steps with an outer optimizer, gossiped (peertrain/outer.py, gossip_sgd mode = "local"): the outer
 step's arithmetic, error feedback keeping the swarm's sum, download-only state, and real daemons training a
-small char transformer: as well as one process with the same samples, 8-bit as well as float32, and a peer
-killed mid-round or joining late never holding the others up."""
+small char transformer: pulled together and no worse than the same peers training alone, 8-bit as well as
+float32, and a peer killed mid-round or joining late never holding the others up."""
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import threading
 import time
@@ -126,20 +127,43 @@ def _run_four(tmp_path, name: str, **extra) -> list[dict]:
         return [s["trainer"] | {"bytes_out": sum(p["bytes_out"] for p in s["peers"])} for s in swarm.statuses()]
 
 
+def _alone() -> tuple[list[dict], list[dict[str, np.ndarray]]]:
+    """The same four peers (shards, steps, options) each training alone, in this process: no averaging.
+    Each one's final trainer figures and outer weights."""
+    peers = [Recorder(rank, 4) for rank in range(4)]
+    figures = [gossip_sgd.run(p, {**_swarm_options(), "join_wait": 0.0}) for p in peers]
+    return figures, [{k: np.asarray(t, dtype=np.float64) for k, t in p.groups["model"].tensors.items()} for p in peers]
+
+
+def _relative_distance(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    """||b - a|| / ||a|| over all tensors: what a peer's `consensus_distance` reports at an exchange."""
+    diff = sum(float(((b[k] - a[k]) ** 2).sum()) for k in a)
+    return (diff / sum(float((a[k] ** 2).sum()) for k in a)) ** 0.5
+
+
 @pytest.mark.slow
-def test_four_peers_in_local_mode_train_with_one_process_and_8_bit_matches_float32(tmp_path):
-    one = gossip_sgd.run(LoneSwarm(0, 1), {**TINY, "batch_size": 4 * TINY["batch_size"], "max_steps": STEPS,
-                                           "eval_every": STEPS, "join_wait": 0.0})
+def test_four_peers_in_local_mode_train_together_no_worse_than_alone_and_8_bit_matches_float32(tmp_path):
+    alone, alone_weights = _alone()
     raw = _run_four(tmp_path, "raw", outer_codec="raw")
     q8 = _run_four(tmp_path, "q8", outer_codec="q8", outer_error_feedback=True)
     for run in (raw, q8):
         assert all(t["rounds"] == STEPS // 20 for t in run), run
+    mean_alone = statistics.mean(t["test_loss"] for t in alone)
     mean_raw = statistics.mean(t["test_loss"] for t in raw)
     mean_q8 = statistics.mean(t["test_loss"] for t in q8)
-    # The issue's goal is 5% of one process with the same samples; measured here 6-9% (docs/benchmarks.md,
-    # 2026-11-26: DiLoCo's outer step at 10 rounds, early in training), so this checks they train together
-    # (alone, a peer's 200 steps give ~2.39 against one process's ~2.24) within a margin that does not flake.
-    assert mean_raw <= 1.12 * one["test_loss"], (mean_raw, one["test_loss"])
+    # Averaging pulls the replicas together: alone, the four drift to 0.40-0.41 of their norm apart by step
+    # 200; averaged, each peer's last exchange measured 0.065-0.075 (4 runs). Half the closest alone pair
+    # leaves that 3x room and fails at once if no exchange lands (a peer with none reports None).
+    apart = min(_relative_distance(a, b) for a, b in itertools.permutations(alone_weights, 2))
+    for run in (raw, q8):
+        assert all(t["consensus_distance"] is not None and t["consensus_distance"] < 0.5 * apart for t in run), \
+            ([t["consensus_distance"] for t in run], apart)
+    # ... and costs no quality against the same peers alone. It does not beat them yet at 200 steps: measured
+    # 0.996-1.008 of alone's loss (5 runs; alone ~2.415). Exchanges land one round stale (background) and
+    # without a barrier, which takes the gain a synchronous mean would give (four in-process peers, an exact
+    # mean each round: 0.963 of alone; pairwise: 0.973; pairwise one round stale: 0.996-1.012). 2% is 2.5x the
+    # worst of the daemons' runs; an averaging that hurts fails.
+    assert mean_raw <= 1.02 * mean_alone, (mean_raw, mean_alone)
     assert abs(mean_q8 - mean_raw) <= 0.03 * mean_raw, (mean_q8, mean_raw)  # measured within 0.3%
     assert sum(t["bytes_out"] for t in q8) < 0.5 * sum(t["bytes_out"] for t in raw)
 

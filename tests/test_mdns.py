@@ -72,6 +72,7 @@ def _garbage_infos(tag: str, swarm: str, impersonated: str) -> dict[str, tuple[S
     return out
 
 
+@pytest.mark.process
 def test_three_peers_discover_each_other_and_ignore_strangers(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     tag = _tag()
@@ -144,6 +145,7 @@ def test_three_peers_discover_each_other_and_ignore_strangers(caplog: pytest.Log
     assert not set(_zeroconf_threads()) - threads_before
 
 
+@pytest.mark.process
 def test_cross_process_discovery_on_loopback() -> None:
     """Two probe processes and this process find each other: multicast on lo crosses processes."""
     tag = _tag()
@@ -191,6 +193,7 @@ def test_cross_process_discovery_on_loopback() -> None:
                 p.proc.wait(timeout=5)
 
 
+@pytest.mark.process
 def test_cancel_during_registration_is_prompt_and_clean() -> None:
     """Cancelling before task_status.started() still unregisters/closes within a bound."""
     threads_before = set(_zeroconf_threads())
@@ -209,6 +212,7 @@ def test_cancel_during_registration_is_prompt_and_clean() -> None:
     assert not set(_zeroconf_threads()) - threads_before
 
 
+@pytest.mark.process
 def test_updates_are_delivered_and_repeats_suppressed() -> None:
     """A peer that changes its port is announced again; an unchanged refresh is not."""
     tag = _tag()

@@ -20,8 +20,10 @@ from peer.session.router import Router
 from protocol import circuit
 from protocol.errors import ProtocolError
 from protocol.limits import MiB, WireLimits
-from protocol.schema import (DEFAULT_REGISTRY, DialBackRequest, PunchOffer, RelayConnectReply,
-                             RelayReservation)
+from protocol.refusal import Code, Refusal
+from protocol.schema import (DEFAULT_REGISTRY, DialBackReply, DialBackRequest, DialBackResult, PunchOffer, RelayAck,
+                             RelayConnectReply, RelayReservation)
+from protocol.schema.nat import NOT_TRIED
 
 
 # ---- the wire ---------------------------------------------------------------------------------------------
@@ -51,6 +53,10 @@ BAD = [
     ("punch_offer", {"address": ""}, "address"),
     ("relay_reservation", {"ok": True, "reason": "", "max_circuit_bytes": -1, "max_circuit_seconds": 1.0}, "limits"),
     ("relay_reservation", {"ok": True, "reason": "r" * 600, "max_circuit_bytes": 1, "max_circuit_seconds": 1.0}, "reason"),
+    ("relay_reservation", {"ok": False, "code": "c" * 33}, "code"),
+    ("relay_ack", {"ok": True, "code": "busy"}, "code"),
+    ("relay_connect_reply", {"ok": False, "code": "x" * 100}, "code"),
+    ("dialback_reply", {"results": [{"address": "1.2.3.4:5", "ok": True, "reason": "", "code": "busy"}]}, "code"),
 ]
 
 
@@ -65,9 +71,24 @@ def test_nat_messages_out_of_range_are_refused_at_decode(kind, body, what):
 
 def test_nat_messages_round_trip():
     for msg in (DialBackRequest(addresses=["10.0.0.1:7100"]), PunchOffer(address="[::1]:5"),
-                RelayConnectReply(ok=True, token=b"t" * 16), RelayReservation(ok=False, reason="full")):
+                RelayConnectReply(ok=True, token=b"t" * 16), RelayReservation(ok=False, reason="full"),
+                RelayReservation.refused(Refusal(Code.BUSY, "full")), RelayAck.refused(Refusal(Code.NO_RESERVATION, "no")),
+                DialBackReply(results=[DialBackResult("1.2.3.4:5", True, ""),
+                                       DialBackResult.not_tried("1.2.3.4:6", Refusal(Code.TOO_SOON, "wait"))])):
         env = DEFAULT_REGISTRY.decode(DEFAULT_REGISTRY.encode(msg, rid=3), WireLimits())
         assert env.message == msg
+
+
+def test_a_nat_refusal_reads_back_as_its_code_and_an_older_peers_as_unknown():
+    assert RelayReservation.refused(Refusal(Code.BUSY, "full")).refusal() == Refusal(Code.BUSY, "full")
+    assert RelayReservation(ok=True).refusal() is None
+    assert RelayConnectReply(ok=False, reason="full").refusal() == Refusal(Code.UNKNOWN, "full")  # no code: older
+    assert RelayAck(ok=False, code="a_newer_code", reason="why").refusal().code is Code.UNKNOWN
+    tried, failed = DialBackResult("1.2.3.4:5", True, ""), DialBackResult("1.2.3.4:5", False, "timed out")
+    assert tried.refusal() is None and failed.refusal() is None  # tried: evidence either way
+    skipped = DialBackResult.not_tried("1.2.3.4:5", Refusal(Code.BUSY, "busy"))
+    assert skipped.refusal() == Refusal(Code.BUSY, NOT_TRIED + "busy") and skipped.reason.startswith(NOT_TRIED)
+    assert DialBackResult("1.2.3.4:5", False, NOT_TRIED + "busy").refusal().code is Code.UNKNOWN  # an older peer's
 
 
 def test_relayed_addresses_parse_and_are_not_direct_ones():
@@ -165,14 +186,17 @@ async def _relay_refuses_what_its_caps_and_role_do_not_allow():
     await relay._on_reserve(c, env)
     assert [r.ok for r in (a.replies[0], b.replies[0], c.replies[0])] == [True, False, False]
     assert "full" in b.replies[0].reason and "direct" in c.replies[0].reason
-    assert relay._connect_refusal(b, "z" * 20) == "no reservation for that peer here"
-    assert relay._connect_refusal(a, a.peer_id) == "a circuit to yourself"
-    assert "direct" in relay._connect_refusal(c, a.peer_id)
+    assert b.replies[0].refusal().code is Code.BUSY and c.replies[0].refusal().code is Code.WRONG_PATH
+    assert relay._connect_refusal(b, "z" * 20) == Refusal(Code.NO_RESERVATION, "no reservation for that peer here")
+    assert relay._connect_refusal(a, a.peer_id) == Refusal(Code.BAD_INPUT, "a circuit to yourself")
+    assert relay._connect_refusal(c, a.peer_id).code is Code.WRONG_PATH
     assert relay._connect_refusal(b, a.peer_id) is None
     relay._per_peer[a.peer_id] = 1
-    assert "already has 1" in relay._connect_refusal(b, a.peer_id)
-    offering[0] = "not publicly reachable (nat)"
-    assert relay._connect_refusal(b, a.peer_id) == "not publicly reachable (nat)"
+    refused = relay._connect_refusal(b, a.peer_id)
+    assert refused.code is Code.BUSY and "already has 1" in refused.reason
+    offering[0] = Refusal(Code.DISABLED, "not publicly reachable (nat)")
+    assert relay._connect_refusal(b, a.peer_id) == offering[0]
+    assert relay.status()["why_not"] == "not publicly reachable (nat)" and relay.stats.refused == 2
     a.closed.set()
     relay.forget(a.peer_id)
     assert not relay.reservations
@@ -196,20 +220,57 @@ def test_reachability_needs_two_distinct_ips_to_agree_unless_only_one_can_be_ask
 async def _reachability_needs_two_distinct_ips_to_agree_unless_only_one_can_be_asked():
     r = _reach()
     now = trio.current_time()
-    r.evidence["1.1.1.1"] = Evidence("p1", "1.1.1.1", "9.9.9.9:7100", False, "timeout", now)
+    r.evidence["1.1.1.1"] = [Evidence("p1", "1.1.1.1", "9.9.9.9:7100", False, "timeout", now)]
     r._decide(needed=2)
     assert r.verdict == "unknown"
     r._decide(needed=1)
     assert r.verdict == "nat" and r.weak
-    r.evidence["2.2.2.2"] = Evidence("p2", "2.2.2.2", "9.9.9.9:7100", True, "", now)
+    r.evidence["2.2.2.2"] = [Evidence("p2", "2.2.2.2", "9.9.9.9:7100", True, "", now)]
     r._decide(needed=2)
     assert r.verdict == "unknown"  # answers disagree: no verdict is kept against evidence
-    r.evidence["3.3.3.3"] = Evidence("p3", "3.3.3.3", "9.9.9.9:7100", True, "", now)
+    r.evidence["3.3.3.3"] = [Evidence("p3", "3.3.3.3", "9.9.9.9:7100", True, "", now)]
     r._decide(needed=2)
     assert r.verdict == "public" and not r.weak and r.verified_hosts() == ["9.9.9.9"]
     del r.evidence["1.1.1.1"], r.evidence["2.2.2.2"]
     r._decide(needed=2)
     assert r.verdict == "public"  # one answer left, none against: the verdict is kept
+
+
+class AskedSession:
+    """A connected peer at `ip` that answers a dial-back request with `results`."""
+
+    def __init__(self, peer_id: str, ip: str, results: list[DialBackResult]):
+        self.peer_id, self.remote_addr, self.results = peer_id, (ip, 7100), results
+
+    async def request(self, msg, timeout):
+        return SimpleNamespace(message=DialBackReply(results=self.results))
+
+
+def test_a_failed_address_listed_last_does_not_hide_a_success_at_another():
+    """Regression: the evidence of an IP was overwritten by each result of its answer, so an advertised address
+    that failed, listed after the observed one that worked, made that peer a vote against us."""
+    trio.run(_a_failed_address_listed_last_does_not_hide_a_success_at_another)
+
+
+async def _a_failed_address_listed_last_does_not_hide_a_success_at_another():
+    r = _reach()
+    r.transport = SimpleNamespace(handshake_timeout=1.0)
+    observed, advertised = "9.9.9.9:7100", "8.8.8.8:7100"
+    for peer, ip in (("p1", "1.1.1.1"), ("p2", "2.2.2.2")):
+        await r._ask(AskedSession(peer, ip, [DialBackResult(observed, True, ""),
+                                             DialBackResult(advertised, False, "timed out")]), [observed, advertised])
+    r._decide(needed=2)
+    assert r.verdict == "public" and r.verified_hosts() == ["9.9.9.9"]
+    assert [(e["address"], e["ok"]) for e in r.status()["evidence"]] == [(observed, True), (advertised, False)] * 2
+    # a refused (not tried) answer is no evidence: the IP's last real answer stands
+    await r._ask(AskedSession("p1", "1.1.1.1", [DialBackResult.not_tried(observed, Refusal(Code.BUSY, "busy"))]),
+                 [observed])
+    assert len(r.evidence["1.1.1.1"]) == 2
+    # a later answer replaces the IP's vote: both addresses failing there now is a vote against
+    await r._ask(AskedSession("p1", "1.1.1.1", [DialBackResult(observed, False, "timed out")]), [observed])
+    await r._ask(AskedSession("p2", "2.2.2.2", [DialBackResult(observed, False, "refused")]), [observed])
+    r._decide(needed=2)
+    assert r.verdict == "nat" and r.verified_hosts() == []
 
 
 # ---- which session both ends keep ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 
 from peer.testing.process import wait_for
 from peer.testing.swarm import rank_env, swarm_config, unique_swarm
-from peer.trainer_host import read_checkpoint
+from peertrain.checkpoints import read_checkpoint
 from tests.pipeline_status import driver, pipe, trainer
 
 pytestmark = pytest.mark.slow
@@ -61,6 +61,7 @@ def assert_one_leaver_per_stage(all_moves: list[dict]) -> None:
             assert b0 >= a1, f"{p[:8]} and {q[:8]} left stage {stage} at once: {a0:.1f}-{a1:.1f} and {b0:.1f}-{b1:.1f}"
 
 
+@pytest.mark.serial
 def test_a_slowed_peer_draws_a_move_that_raises_throughput(cluster):
     """Five daemons on stages 0, 0, 1, 2, 3; the lone peer of stage 2 (a transformer block: the head of stage 3
     is too cheap to bound anything even slowed) computes 8x slower, so stage 2 bounds the pipeline. A peer must

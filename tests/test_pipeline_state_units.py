@@ -16,6 +16,7 @@ from peer.pipeline.state import KeptCopy, StageStates
 from protocol import identity as ident
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS
+from protocol.refusal import Code
 from protocol.schema import DEFAULT_REGISTRY
 from protocol.schema.gossip import TensorSpec
 from protocol.schema.pipeline import (MAX_COPIES, MAX_STAGES, MAX_STATE_TENSORS, MAX_STEP, StageAnnouncement,
@@ -161,39 +162,39 @@ def kept(key: PipelineKey, stage: int, at: float, step: int = 7) -> KeptCopy:
 
 def test_the_served_stage_and_a_kept_copy_go_to_a_member(states):
     assert states.refusal(state_request(1), "member") is None  # the stage we serve, live
-    assert states.refusal(state_request(3), "member")[0] == "no_state"
+    assert states.refusal(state_request(3), "member").code is Code.NO_STATE
     states.keep(kept(KEY, 3, 1.0))
     assert states.refusal(state_request(3), "member2") is None  # a copy we keep
 
 
 @pytest.mark.parametrize("peer_id", ["nobody", "recut", "stranger"])
 def test_only_a_peer_announcing_a_stage_of_the_same_pipeline_and_cut_may_fetch(states, peer_id):
-    code, reason = states.refusal(state_request(1), peer_id)
-    assert code == "not_a_member" and "same cut" in reason
+    refused = states.refusal(state_request(1), peer_id)
+    assert refused.code is Code.NOT_A_MEMBER and "same cut" in refused.reason
 
 
 def test_a_member_asking_for_a_state_we_do_not_hold_gets_no_state(states):
     states.keep(kept(OTHER_CUT, 2, 1.0))  # a copy of stage 2, of another cut
-    code, reason = states.refusal(state_request(2), "member")
-    assert code == "no_state" and "stage 2" in reason
+    refused = states.refusal(state_request(2), "member")
+    assert refused.code is Code.NO_STATE and "stage 2" in refused.reason
     # a recut peer asking for the other cut's stage 1: we serve stage 1, but of KEY's cut
     recut = StageStates(FakeService({"recut": ann(0, cuts=(3, 5, 8))}, ServedStage(KEY, 1, 16, Handler())),
                         PipelineSection())
-    assert recut.refusal(state_request(1, OTHER_CUT), "recut")[0] == "no_state"
+    assert recut.refusal(state_request(1, OTHER_CUT), "recut").code is Code.NO_STATE
     assert StageStates(FakeService({"member": ann(0)}, None), PipelineSection()).refusal(
-        state_request(1), "member")[0] == "no_state"  # serving nothing, keeping nothing
+        state_request(1), "member").code is Code.NO_STATE  # serving nothing, keeping nothing
 
 
 def test_uploads_are_capped_per_daemon_and_one_per_peer(states):
     states.uploads, states.per_peer["member"] = 1, 1
-    code, reason = states.refusal(state_request(1), "member")
-    assert code == "busy" and "one stage state per peer" in reason
+    refused = states.refusal(state_request(1), "member")
+    assert refused.code is Code.BUSY and "one stage state per peer" in refused.reason
     assert states.refusal(state_request(1), "member2") is None  # one each
     states.uploads, states.per_peer["member2"] = 2, 1
-    code, reason = states.refusal(state_request(1), "member2")
-    assert code == "busy" and "the most this peer sends at once" in reason
+    refused = states.refusal(state_request(1), "member2")
+    assert refused.code is Code.BUSY and "the most this peer sends at once" in refused.reason
     del states.per_peer["member"], states.per_peer["member2"]
-    assert states.refusal(state_request(1), "member")[0] == "busy"  # the daemon's cap, whoever asks
+    assert states.refusal(state_request(1), "member").code is Code.BUSY  # the daemon's cap, whoever asks
     states.uploads = 1
     assert states.refusal(state_request(1), "member") is None
 
@@ -215,7 +216,7 @@ def test_a_refused_request_is_answered_with_its_code_and_counted(states):
 
     trio.run(main)
     [err] = replies
-    assert isinstance(err, ErrorReply) and err.code == "not_a_member"
+    assert isinstance(err, ErrorReply) and err.refusal().code is Code.NOT_A_MEMBER
     assert states.stats.refused == {"not_a_member": 1} and states.uploads == 0 and not states.per_peer
     assert states.status()["refused"] == {"not_a_member": 1}
 

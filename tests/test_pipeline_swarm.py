@@ -21,7 +21,7 @@ import torch
 
 from peer.testing.process import wait_for
 from peer.testing.swarm import rank_env, swarm_config, unique_swarm
-from peer.trainer_host import read_checkpoint
+from peertrain.checkpoints import read_checkpoint
 from tests.pipeline_status import driver, pipe, trainer
 from trainers.datasets import load_char_corpus, partition
 from trainers.pipeline.blocks import char_transformer_pipeline
@@ -194,6 +194,7 @@ def test_kill_of_a_stage_peer_loses_no_microbatch(cluster):
 
 # ---- 4. a slow peer gets a smaller share ----------------------------------------------------------------
 
+@pytest.mark.serial
 def test_a_peer_slowed_four_times_gets_a_proportionally_smaller_share(cluster):
     """Two stages: node1 serves stage 0 and drives; nodes 2 and 3 serve stage 1, node3 four times slower.
     The model is wider than TINY so computing, not the wire, is most of a call; enough microbatches are in

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -16,6 +17,7 @@ from peer.pipeline.directory import PipelineKey, StagePeer, bottleneck, capacity
 from peer.pipeline.server import ServedStage, StageServer
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS
+from protocol.refusal import ASKERS_FAULT, Code, Refusal, Refused
 from protocol.schema import DEFAULT_REGISTRY
 from protocol.schema.gossip import TensorSpec
 from protocol.schema.pipeline import (MAX_QUEUE, MAX_SAMPLES_PER_S, MAX_STAGE_TENSORS, MAX_STAGES, StageAnnouncement,
@@ -214,37 +216,88 @@ def test_a_well_formed_call_is_taken(server):
 
 
 @pytest.mark.parametrize("bad, code", [
-    (dict(pipeline="other"), "wrong_pipeline"),
-    (dict(cuts=[2, 5, 9]), "wrong_cut"),
-    (dict(cuts=[]), "wrong_cut"),
-    (dict(stage=2), "wrong_stage"),
-    (dict(kind="loss"), "wrong_kind"),
-    (dict(batch=17, shapes=[[17, 4]]), "too_big"),
-    (dict(codec="zstd"), "bad_codec"),
-    (dict(shapes=[[BATCH, 5]]), "wrong_specs"),
-    (dict(shapes=[[BATCH - 1, 4]]), "wrong_specs"),  # shapes that contradict the batch
-    (dict(dtype="float16"), "wrong_specs"),
-    (dict(kind="backward"), "wrong_specs"),  # backward without its output gradient
+    (dict(pipeline="other"), Code.WRONG_PIPELINE),
+    (dict(cuts=[2, 5, 9]), Code.WRONG_CUT),
+    (dict(cuts=[]), Code.WRONG_CUT),
+    (dict(stage=2), Code.WRONG_STAGE),
+    (dict(kind="loss"), Code.WRONG_KIND),
+    (dict(batch=17, shapes=[[17, 4]]), Code.TOO_BIG),
+    (dict(codec="zstd"), Code.BAD_CODEC),
+    (dict(shapes=[[BATCH, 5]]), Code.WRONG_SPECS),
+    (dict(shapes=[[BATCH - 1, 4]]), Code.WRONG_SPECS),  # shapes that contradict the batch
+    (dict(dtype="float16"), Code.WRONG_SPECS),
+    (dict(kind="backward"), Code.WRONG_SPECS),  # backward without its output gradient
 ])
 def test_a_call_the_stage_cannot_take_is_refused_with_its_code(server, bad, code):
     refused = server.refusal(call(**bad), "p")
-    assert refused is not None and refused[0] == code, refused
-    assert refused[1]  # a reason for the driver's log
+    assert refused is not None and refused.code is code, refused
+    assert refused.reason  # a reason for the driver's log
 
 
 def test_a_full_server_and_a_driver_over_its_share_are_busy(server):
     server.per_peer["greedy"] = 2
-    code, reason = server.refusal(call(), "greedy")
-    assert code == "busy" and "max_queue_per_peer" in reason
+    refused = server.refusal(call(), "greedy")
+    assert refused.code is Code.BUSY and "max_queue_per_peer" in refused.reason
     assert server.refusal(call(), "modest") is None  # the bound is per driver
     server.stats.queue = 4
-    code, reason = server.refusal(call(), "modest")
-    assert code == "busy" and "max_queue" in reason
+    refused = server.refusal(call(), "modest")
+    assert refused.code is Code.BUSY and "max_queue" in refused.reason
 
 
 def test_a_peer_serving_nothing_refuses_everything():
     s = StageServer(PipelineSection())
-    assert s.refusal(call(), "p")[0] == "not_serving"
+    assert s.refusal(call(), "p").code is Code.NOT_SERVING
+
+
+# ---- driver: a refusal is handled by its code ---------------------------------------------------------------
+
+def drive(script: list, *, max_retries: int = 1) -> tuple:
+    """One microbatch through a one-stage pipeline of five peers whose calls end as `script` says, in turn
+    (an exception to raise, or None: the call succeeds); its outcome and the driver's stats."""
+    import trio
+    import trio.testing
+
+    from peer.pipeline.driver import Driver, Microbatch
+
+    key = PipelineKey("one", ())
+    peers = [StagePeer(f"peer{i}", 0, 10.0, 0) for i in range(5)]
+    service = SimpleNamespace(cfg=PipelineSection(max_retries=max_retries), me="me",
+                              stage_map=lambda k: {0: peers})
+    driver = Driver(service, key, reply_shapes=lambda *a: [])
+    calls = list(script)
+
+    async def call_once(pid, peer, mb, stage, kind, tensors):
+        step = calls.pop(0)
+        if step is not None:
+            raise step
+        return 0.5, []
+
+    driver._call_once = call_once
+    mb = Microbatch(1, SimpleNamespace(shape=(4,)), None, seed=1)
+    outcome = trio.run(driver.run, mb, clock=trio.testing.MockClock(autojump_threshold=0))
+    return outcome, driver.stats, calls
+
+
+def refused(code: Code) -> Refused:
+    return Refused(Refusal(code, f"said {code.value}"))
+
+
+def test_busy_and_stale_refusals_use_no_attempt_and_other_failures_do():
+    from peer.pipeline.driver import _CallFailed
+
+    outcome, stats, left = drive([refused(Code.BUSY), refused(Code.MOVED), refused(Code.WRONG_STAGE),
+                                  _CallFailed("no answer within its deadline"), None])
+    assert outcome.ok and outcome.loss == 0.5 and not left
+    assert stats.busy == 1 and outcome.resent == 3  # busy is re-sent as a new try, not a re-send
+    outcome, stats, left = drive([_CallFailed("session ended"), refused(Code.UNKNOWN), None])
+    assert not outcome.ok and "2 calls failed" in outcome.reason and left == [None]
+
+
+@pytest.mark.parametrize("code", sorted(ASKERS_FAULT))
+def test_a_refusal_any_peer_would_give_fails_the_microbatch_at_once(code):
+    outcome, stats, left = drive([refused(code), None])
+    assert not outcome.ok and f"refused ({code.value})" in outcome.reason and left == [None]
+    assert outcome.resent == 0 and stats.failed == 1
 
 
 # ---- wire: range checks on decode -------------------------------------------------------------------------

@@ -463,3 +463,16 @@ def test_length_prefixed_limit_checked_on_the_prefix_alone() -> None:
     reader.feed(struct.pack(">I", 4097))
     with pytest.raises(LimitExceeded):
         reader.next_message()
+    with pytest.raises(LimitExceeded):
+        reader.needed()
+
+
+def test_length_prefixed_needed_is_exactly_the_rest_of_one_message() -> None:
+    reader = LengthPrefixedReader(100)
+    assert reader.needed() == 4
+    reader.feed(b"\x00\x00")
+    assert reader.needed() == 2
+    reader.feed(b"\x00\x05ab")
+    assert reader.next_message() is None and reader.needed() == 3
+    reader.feed(b"cde")
+    assert reader.next_message() == b"abcde" and reader.needed() == 4

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from protocol import identity
 from protocol.errors import LimitExceeded, ProtocolError
 from protocol.limits import DEFAULT_LIMITS, WireLimits
 from protocol.messages import Envelope, Message, Registry
@@ -465,7 +466,6 @@ def test_peer_record_signing_bytes_survive_the_wire(rec):
 
 
 def test_peer_record_signature_verifies_with_identity_helpers():
-    identity = pytest.importorskip("protocol.identity")
     key = identity.generate_identity()
     unsigned = record(public_key=identity.public_key_bytes(key))
     signed = replace(unsigned, signature=identity.sign(key, peer_record_signing_bytes(unsigned)))
@@ -475,6 +475,7 @@ def test_peer_record_signature_verifies_with_identity_helpers():
     assert not identity.verify(forged.public_key, forged.signature, peer_record_signing_bytes(forged))
 
 
+@pytest.mark.process
 def test_importing_the_protocol_stays_small():
     """An idle daemon must not pay for torch; the control plane not even for numpy."""
     code = (

@@ -91,6 +91,7 @@ def test_map_style_shards_are_a_seeded_disjoint_cover():
     assert items(torch_data.shard(ds, 2, 4, seed=8)) != got[2]
 
 
+@pytest.mark.process
 def test_iterable_shards_take_every_world_th_item_and_reiterate():
     stream = user_data.Stream(torch.arange(10), torch.arange(10))
     parts = [torch_data.shard(stream, r, 3) for r in range(3)]
@@ -218,6 +219,7 @@ class Broken(torch.utils.data.Dataset):
         raise KeyError(i)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_a_loader_failure_names_the_option(num_workers):
     """In the trainer's thread or in a DataLoader worker (which wraps the traceback), the cause is one line."""
@@ -230,6 +232,7 @@ def test_a_loader_failure_names_the_option(num_workers):
         list(torch_data.batches(loader, "my option"))
 
 
+@pytest.mark.process
 def test_workers_give_the_same_batches():
     train, _ = user_data.digits_tensors()
     part = torch_data.shard(train, 0, 4, seed=1)

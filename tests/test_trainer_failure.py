@@ -8,7 +8,7 @@ from rich.console import Console
 
 from peer.cli.local import demo_end
 from peer.cli.status_view import render_local_summary, render_status, trainer_failure
-from peer.trainer_host import FAILURE_CHARS, failure_state
+from peer.training_report import FAILURE_CHARS, failure_state
 
 
 def row(node: str, trainer: dict | None, *, running: bool = True, answered: bool = True) -> dict:

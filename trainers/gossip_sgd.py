@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -33,51 +33,65 @@ from trainers import torch_data
 from trainers.baseline import RECOMMENDED, make_optimizer, seeded_model
 from trainers.datasets import head, load_factory, load_sized_model
 from trainers.models import count_parameters, pick_device
-from trainers.options import parse_options
+from trainers.options import option, parse_options
 
 
 @dataclass(frozen=True)
 class GossipSGDOptions:
-    model: str = "digits_mlp"
-    model_factory: str = ""  # "pkg.module:fn" returning an nn.Module (overrides `model`)
-    dataset_factory: str = ""  # "pkg.module:fn" returning (train, test) torch datasets (test may be None)
-    loss: str = ""  # "pkg.module:fn" or a torch.nn loss class (default: cross-entropy, torch_data.DEFAULT_LOSS)
-    num_workers: int = 0  # DataLoader worker processes (0: load in the trainer's thread, enough for in-memory data)
-    model_options: dict = field(default_factory=dict)  # a built-in model's size, e.g. {d_model = 64, block = 32}
-    mode: str = "adpsgd"  # adpsgd | dpsgd | local (inner_steps local steps, then an outer step, gossiped)
-    optimizer: str = ""  # sgd | adam (default: the model's recipe)
-    lr: float = 0.0
-    momentum: float = -1.0
-    weight_decay: float = -1.0
-    batch_size: int = 0
-    epochs: float = 0.0  # passes over this peer's own shard (default: the recipe's epochs x world, so each
-    #                      peer sees as many samples as the single-process recipe; stop early at the target)
-    max_steps: int = 0
-    warmup_steps: int = 0
-    schedule: str = "constant"  # constant | cosine
-    grad_clip: float = 0.0
-    amp: bool = False  # mixed precision (CUDA only)
-    average_every: int = 1
-    target_accuracy: float = 0.0  # stop when the local model reaches it (0: run the whole budget)
-    target_loss: float = 0.0  # stop when the held-out loss falls to it (0: no such target)
+    """`[trainer.options]` of trainers.gossip_sgd; docs/config.md's table is generated from these fields.
+
+    Hyperparameters left at 0 (or -1, or "") take the built-in model's recipe (trainers/baseline.py)."""
+
+    model: str = option("digits_mlp", "built-in model: digits_mlp, digits_cnn, digits_wide_mlp or char_transformer")
+    model_factory: str = option("", '"pkg.module:fn" returning an `nn.Module` (overrides `model`)')
+    dataset_factory: str = option("", '"pkg.module:fn" returning `(train, test)` torch datasets, map-style or '
+                                      "iterable, sharded by rank (`test` may be `None`: no accuracy)")
+    loss: str = option("", '"pkg.module:fn" or a torch.nn loss class, e.g. "torch.nn.functional:mse_loss" '
+                           "(empty: cross-entropy, torch_data.DEFAULT_LOSS)")
+    num_workers: int = option(0, "DataLoader worker processes (0: load in the trainer's thread, enough for "
+                                 "in-memory data)")
+    model_options: dict = option({}, "a built-in model's size, e.g. `{d_model = 64, block = 32}`")
+    mode: str = option("adpsgd", "adpsgd (one neighbour, in the background) | dpsgd (every neighbour, before the "
+                                 "next step) | local (`inner_steps` local steps, then an outer step, gossiped)")
+    optimizer: str = option("", "sgd | adam (empty: the model's recipe)")
+    lr: float = option(0.0, "learning rate (0: the recipe's)")
+    momentum: float = option(-1.0, "SGD momentum (-1: the recipe's)")
+    weight_decay: float = option(-1.0, "weight decay (-1: the recipe's)")
+    batch_size: int = option(0, "samples per step of this peer (0: the recipe's)")
+    # default: the recipe's epochs x world, so each peer sees as many samples as the single-process recipe
+    epochs: float = option(0.0, "passes over this peer's own shard (0: the recipe's epochs x world; stops "
+                                "early at the target)")
+    max_steps: int = option(0, "steps to run (0: from `epochs`; needed for an iterable dataset without a length)")
+    warmup_steps: int = option(0, "steps of linear learning-rate warm-up")
+    schedule: str = option("constant", "learning-rate schedule after warm-up: constant | cosine")
+    grad_clip: float = option(0.0, "clip the gradient norm to this (0: no clipping)")
+    amp: bool = option(False, "mixed precision (CUDA only)")
+    average_every: int = option(1, "steps between averagings with neighbours")
+    target_accuracy: float = option(0.0, "stop when the local model reaches this held-out accuracy (0: run the "
+                                         "whole budget)")
+    target_loss: float = option(0.0, "stop when the held-out loss falls to this (0: no such target)")
     # mode = "local" (peertrain/outer.py: DiLoCo's recipe, gossiped); defaults from DiLoCo's outer optimizer
-    inner_steps: int = 50  # local steps per round: fewer exchanges by this factor
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    outer_nesterov: bool = True
-    outer_codec: str = ""  # raw | float16 | q8 for the outer weights' exchanges ("": [gossip] codec)
-    outer_error_feedback: bool = True  # carry a lossy codec's rounding into the next exchange
-    outer_background: bool = True  # exchange while the next round's inner steps run (one round stale)
-    outer_averaging: str = "one"  # one: a random neighbour, pairwise | all: every neighbour, Metropolis weights
-    eval_every: int = 25
-    eval_samples: int = 0  # evaluate on the first N held-out samples only (0: all): cheaper, as fixed a yardstick
-    checkpoint_every: int = 100
-    seed: int = 0
-    world: int = 0  # data shards (0: number of peers seen at start)
-    threads: int = 1
-    min_peers: int = -1  # peers to wait for before the first step (-1: world - 1)
-    join_wait: float = 30.0  # most seconds to wait for them (then start anyway)
-    step_delay: float = 0.0  # benchmark only: extra seconds per step, to make a straggler
+    inner_steps: int = option(50, "mode local: local steps per round (fewer exchanges by this factor)")
+    outer_lr: float = option(0.7, "mode local: the outer step's learning rate (SGD on how far the round moved)")
+    outer_momentum: float = option(0.9, "mode local: the outer step's momentum")
+    outer_nesterov: bool = option(True, "mode local: Nesterov momentum for the outer step")
+    outer_codec: str = option("", "mode local: raw | float16 | q8 (a quarter of the bytes) for the outer "
+                                  "weights' exchanges (empty: `[gossip] codec`)")
+    outer_error_feedback: bool = option(True, "mode local: carry a lossy codec's rounding into the next exchange")
+    outer_background: bool = option(True, "mode local: exchange while the next round's inner steps run (one "
+                                          "round stale; a slow or vanished peer holds no one up)")
+    outer_averaging: str = option("one", "mode local: one (a random neighbour, pairwise) | all (every neighbour, "
+                                         "Metropolis weights)")
+    eval_every: int = option(25, "steps between held-out evaluations")
+    eval_samples: int = option(0, "evaluate on the first N held-out samples only (0: all): cheaper, as fixed a "
+                                  "yardstick")
+    checkpoint_every: int = option(100, "steps between checkpoints (0: only on request and shutdown)")
+    seed: int = option(0, "seed of the initial weights, the shards and the batch order")
+    world: int = option(0, "data shards (0: the number of peers seen at start)")
+    threads: int = option(1, "torch threads of this trainer")
+    min_peers: int = option(-1, "peers to wait for before the first step (-1: world - 1)")
+    join_wait: float = option(30.0, "most seconds to wait for them (then start anyway)")
+    step_delay: float = option(0.0, "benchmark only: extra seconds per step, to make a straggler")
 
 
 def _recipe(o: GossipSGDOptions, world: int):

@@ -35,7 +35,7 @@ import torch
 from peer.pipeline.directory import PipelineKey
 from peer.pipeline.driver import Microbatch
 from trainers.datasets import load_char_corpus, load_factory, partition
-from trainers.options import parse_options
+from trainers.options import option, parse_options
 from trainers.pipeline.blocks import char_transformer_pipeline, from_factory
 from trainers.pipeline.keeper import SeatKeeper
 from trainers.pipeline.partition import cached_profile, format_plan, plan_stages
@@ -51,46 +51,60 @@ SETTLE_S = 6.0  # seconds peers starting together take to agree on a cut and spr
 
 @dataclass(frozen=True)
 class SwarmPipelineOptions:
-    pipeline: str = "shakespeare"  # the pipeline's name: peers of one pipeline must build the same model
-    model_factory: str = ""  # "pkg.module:fn" -> (nn.Sequential | list of modules, loss_fn); default: char transformer
-    dataset_factory: str = ""  # "pkg.module:fn" -> (train, test) datasets with .subset/.batches
-    stages: int = 4
-    role: str = "auto"  # auto (serve a stage and drive) | server | driver
-    d_model: int = 256  # built-in model: width, blocks, heads, context, dropout
-    n_layers: int = 8
-    n_heads: int = 8
-    block: int = 128
-    dropout: float = 0.1
-    optimizer: str = "adam"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    batch_size: int = 64  # samples per optimizer step of a stage, swarm-wide
-    microbatch: int = 16  # samples per microbatch (the largest call a stage accepts)
-    samples: int = 20_000  # samples this peer drives (0: drive until stopped)
-    in_flight: int = 2  # microbatches a driver keeps moving at once: more fill the stages better but step them on
-    #                     staler gradients (6 drivers x 8 in flight: val loss 2.94-3.21 where 1 in flight reached 2.56
-    #                     and one process 2.58; tests/test_pipeline_swarm.py); 2 keeps 4 stages busy (peer bench pipeline)
-    forward_codec: str = "raw"  # activations on the wire: raw | float16 | q8
-    backward_codec: str = "raw"  # gradients on the wire: raw | float16 | q8
-    average_every: int = 1  # average the stage's parameters after this many optimizer steps (0: never)
-    eval_every: int = 0  # samples driven between validation passes (0: only at the end)
-    eval_batches: int = 4  # validation microbatches per pass
-    link_mbit: float = 1000.0  # link speed the cut assumes between stages
-    seed: int = 0
-    threads: int = 1
-    world: int = 0  # data shards (0: peers seen at start)
-    join_wait: float = 60.0  # most seconds to wait for every stage to have a peer before driving
-    slowdown: float = 1.0  # benchmark only: this peer computes its stage this many times slower
-    initial_stage: int = -1  # the stage this peer starts on (-1: the placement rule picks; benchmarks pin it)
-    rebalance: bool = True  # move between stages toward the bottleneck, and into a stage left empty, while running
-    rebalance_every: float = 10.0  # mean seconds between rebalancing checks: a few record intervals, so a move's
-    #                                effect is measured before the next is weighed
-    min_gain: float = 0.1  # a move must raise the predicted throughput by this fraction at least (above the ~5%
-    #                        spread of measured stage rates, so peers do not oscillate between near-equal stages)
-    copy_every: float = 30.0  # seconds between backups of the next stage's state (0: none); a stage that loses its
-    #                           last peer resumes from a copy at most this old
-    checkpoint_every: float = 60.0  # seconds between checkpoints of this peer's stage (0: only on request and shutdown)
+    """`[trainer.options]` of trainers.swarm_pipeline; docs/config.md's table is generated from these fields."""
+
+    pipeline: str = option("shakespeare", "the pipeline's name: peers of one pipeline must build the same model")
+    model_factory: str = option("", '"pkg.module:fn" returning `(nn.Sequential or list of modules, loss_fn)` '
+                                    "(empty: the built-in char transformer on Shakespeare)")
+    dataset_factory: str = option("", '"pkg.module:fn" returning `(train, test)` datasets with `.subset` and '
+                                      "`.batches`")
+    stages: int = option(4, "stages the model is cut into")
+    role: str = option("auto", "auto (serve a stage and drive) | server | driver")
+    d_model: int = option(256, "built-in model: width")
+    n_layers: int = option(8, "built-in model: blocks")
+    n_heads: int = option(8, "built-in model: attention heads")
+    block: int = option(128, "built-in model: context length")
+    dropout: float = option(0.1, "built-in model: dropout")
+    optimizer: str = option("adam", "each stage's own optimizer: adam | sgd")
+    lr: float = option(1e-3, "learning rate")
+    weight_decay: float = option(0.0, "weight decay")
+    grad_clip: float = option(1.0, "clip a stage's gradient norm to this (0: no clipping)")
+    batch_size: int = option(64, "samples per optimizer step of a stage, swarm-wide")
+    microbatch: int = option(16, "samples per microbatch (the largest call a stage accepts)")
+    samples: int = option(20_000, "samples this peer drives (0: drive until stopped)")
+    # in_flight: more fill the stages better but step them on staler gradients (6 drivers x 8 in flight: val loss
+    # 2.94-3.21 where 1 in flight reached 2.56 and one process 2.58; tests/test_pipeline_swarm.py); 2 keeps 4
+    # stages busy (peer bench pipeline)
+    in_flight: int = option(2, "microbatches a driver keeps moving at once: more fill the stages better but step "
+                               "them on staler gradients")
+    forward_codec: str = option("raw", "activations on the wire: raw | float16 (half the bytes, relative error "
+                                       "≤ 2⁻¹¹) | q8 (a quarter, error ≤ a block's max/254); cost in loss not "
+                                       "measured yet")
+    backward_codec: str = option("raw", "gradients on the wire: raw | float16 | q8")
+    average_every: int = option(1, "average the stage's parameters with another peer of the stage after this "
+                                   "many optimizer steps (0: never)")
+    eval_every: int = option(0, "samples driven between validation passes (0: only at the end)")
+    eval_batches: int = option(4, "validation microbatches per pass")
+    link_mbit: float = option(1000.0, "link speed (Mbit/s) the cut assumes between stages; the cut is planned from "
+                                      "measured block times and printed")
+    seed: int = option(0, "seed of the initial weights, the shards and the batch order")
+    threads: int = option(1, "torch threads of this trainer")
+    world: int = option(0, "data shards (0: peers seen at start)")
+    join_wait: float = option(60.0, "most seconds to wait for every stage to have a peer before driving")
+    slowdown: float = option(1.0, "benchmark only: this peer computes its stage this many times slower")
+    initial_stage: int = option(-1, "the stage this peer starts on (-1: the placement rule picks; benchmarks pin it)")
+    rebalance: bool = option(True, "move between stages toward the bottleneck (when a move beats the measured "
+                                   "noise, one leaver per stage at a time, carrying the stage's state), and into a "
+                                   "stage left empty, while running")
+    # rebalance_every: a few record intervals, so a move's effect is measured before the next is weighed
+    rebalance_every: float = option(10.0, "mean seconds between rebalancing checks")
+    # min_gain: above the ~5% spread of measured stage rates, so peers do not oscillate between near-equal stages
+    min_gain: float = option(0.1, "a move must raise the predicted throughput by this fraction at least")
+    copy_every: float = option(30.0, "seconds between backups of the next stage's state (0: none); a stage that "
+                                     "loses its last peer resumes from a copy at most this old")
+    checkpoint_every: float = option(60.0, "seconds between checkpoints of this peer's stage (0: only on request "
+                                           "and shutdown); a restarted peer resumes its stage from it if no one "
+                                           "serves it")
 
 
 def _check(o: SwarmPipelineOptions) -> None:
@@ -235,7 +249,7 @@ def _own_checkpoint(swarm, key: PipelineKey) -> dict | None:
 def _launcher_numbered() -> bool:
     import os
 
-    from peer.trainer_host import RANK_ENV
+    from peertrain.swarm import RANK_ENV
 
     return RANK_ENV in os.environ
 

@@ -22,8 +22,12 @@ from typing import Any
 
 from peer.attach import wire
 from peer.attach.shm import SEGMENT_DTYPES, Segment, layout
+from peer.control import pack, receive_message_blocking
 from peer.home import Home, default_home
-from peer.trainer_host import load_checkpoint, save_checkpoint, shard_index, wait_for_peers
+from peertrain.checkpoints import load_checkpoint, save_checkpoint
+from peertrain.swarm import LATEST_CHECKPOINT, ExchangeResult, shard_index, wait_for_peers
+from protocol.errors import LimitExceeded
+from protocol.frames import LengthPrefixedReader
 
 log = logging.getLogger("peertrain.attach")
 
@@ -105,9 +109,10 @@ class AttachedSwarm:
         self._groups: dict[str, SharedGroup] = {}
         self._closed = False
         self._sock = _connect(Home(self.home).control_socket, wait, self.home)
+        self._replies = LengthPrefixedReader(wire.MAX_REPLY)
         try:
             self._sock.settimeout(REPLY_WAIT_S)
-            self._sock.sendall(wire.pack({"cmd": "attach", "args": {
+            self._sock.sendall(pack({"cmd": "attach", "args": {
                 "protocol": wire.PROTOCOL, "pid": os.getpid(), "label": label[:wire.MAX_NAME]}}))
             hello = self._read_reply()
         except BaseException:
@@ -138,14 +143,13 @@ class AttachedSwarm:
         self._request(wire.Unshare(name))
         group.close()
 
-    def average(self, group: str, *, mode: str = "one") -> list[dict]:
-        """Average now and wait: with one random neighbour (pairwise) or with all of them (Metropolis-Hastings).
-        Each exchange's result: peer_id, ok, reason, weight, seconds, bytes_sent."""
+    def average(self, group: str, *, mode: str = "one") -> list[ExchangeResult]:
+        """Average now and wait: with one random neighbour (pairwise) or with all of them (Metropolis-Hastings)."""
         g = self._groups[group]
         g.sync()
         out = self._request(wire.Average(group, mode, True, g.step), timeout=None)["results"]
         g.sync()
-        return out
+        return [ExchangeResult(**r) for r in out]
 
     def average_in_background(self, group: str, *, mode: str = "one") -> bool:
         """Start an averaging round and return at once (AD-PSGD); False while the previous one still runs."""
@@ -207,6 +211,9 @@ class AttachedSwarm:
         """The daemon's exchange counts (all groups): initiated, served, failed, and the last failure's reason."""
         return dict(self.poll()["exchanges"])
 
+    local_rank = 0  # one process, the whole peer (a torchrun job wraps this in HostRanks)
+    local_world = 1
+
     def rank_and_world(self, world: int | None = None) -> tuple[int, int]:
         """A data-shard index and count: $PEERTRAIN_RANK/$PEERTRAIN_WORLD, else my place among the peers seen."""
         return shard_index(self.peer_id, self.peers, world, self.should_stop)
@@ -223,11 +230,11 @@ class AttachedSwarm:
             clean[str(k)] = v
         self._request(wire.Publish(clean))
 
-    def save_checkpoint(self, state: dict[str, Any], name: str = Home.LATEST_CHECKPOINT) -> Path:
+    def save_checkpoint(self, state: dict[str, Any], name: str = LATEST_CHECKPOINT) -> Path:
         """torch.save to the daemon's HOME/checkpoints/<name> atomically."""
         return save_checkpoint(self.checkpoint_dir, state, name)
 
-    def load_checkpoint(self, name: str = Home.LATEST_CHECKPOINT, map_location: Any = "cpu") -> dict[str, Any] | None:
+    def load_checkpoint(self, name: str = LATEST_CHECKPOINT, map_location: Any = "cpu") -> dict[str, Any] | None:
         return load_checkpoint(self.checkpoint_dir, name, map_location)
 
     def should_stop(self) -> bool:
@@ -269,7 +276,7 @@ class AttachedSwarm:
     def _request(self, req: wire.Request, *, fds: list[int] = (), timeout: float | None = REPLY_WAIT_S) -> Any:
         if self._closed:
             raise DaemonGone("this process has detached")
-        frame = wire.pack(wire.encode(req))
+        frame = pack(wire.encode(req))
         with self._lock:
             try:
                 self._sock.settimeout(timeout)
@@ -284,11 +291,15 @@ class AttachedSwarm:
                 raise DaemonGone(f"the daemon at {self.home} did not answer within {timeout:.0f}s") from None
 
     def _read_reply(self) -> Any:
-        head = _recv_exact(self._sock, 4, self.home)
-        n = int.from_bytes(head, "big")
-        if n > wire.MAX_REPLY:
-            raise AttachError(f"a reply of {n} bytes from the daemon (at most {wire.MAX_REPLY})")
-        reply = wire.unpack(_recv_exact(self._sock, n, self.home))
+        try:
+            body = receive_message_blocking(self._sock, self._replies)
+        except ConnectionResetError:
+            body = None
+        except LimitExceeded as exc:
+            raise AttachError(f"a reply from the daemon too large: {exc}") from None
+        if body is None:
+            raise DaemonGone(f"the daemon at {self.home} closed the connection (it stopped or crashed)")
+        reply = wire.unpack(body)
         if not isinstance(reply, dict) or not reply.get("ok"):
             raise AttachError(str(reply.get("error", "malformed reply")) if isinstance(reply, dict) else "malformed reply")
         return reply.get("result")
@@ -307,16 +318,3 @@ def _connect(path: Path, wait: float, home: Path) -> socket.socket:
                 raise DaemonGone(f"no daemon is running with home {home} (waited {wait:.0f}s); start one with "
                                  f"`peer start --home {home}`, or use peertrain.start() for one inside this process") from None
             time.sleep(0.1)
-
-
-def _recv_exact(s: socket.socket, n: int, home: Path) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        try:
-            chunk = s.recv(n - len(buf))
-        except ConnectionResetError:
-            chunk = b""
-        if not chunk:
-            raise DaemonGone(f"the daemon at {home} closed the connection (it stopped or crashed)")
-        buf += chunk
-    return bytes(buf)

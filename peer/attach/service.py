@@ -25,7 +25,10 @@ import trio
 from peer.attach import wire
 from peer.attach.shm import Segment, layout
 from peer.averaging.shared import SharedTensors
-from peer.trainer_host import TrainingReport
+from peer.control import pack
+from peer.training_report import TrainingReport
+from protocol.errors import LimitExceeded
+from protocol.frames import LengthPrefixedReader
 
 log = logging.getLogger("peertrain.attach")
 
@@ -39,27 +42,26 @@ class AttachRefused(Exception):
     """A well-formed request the daemon will not serve (a limit, a name already taken); the session goes on."""
 
 
-class _FrameReader:
-    """Length-prefixed frames from a Unix stream socket, with the descriptors that came with them.
+class _RequestReader:
+    """Length-prefixed requests (protocol/frames.py's reader, at most wire.MAX_FRAME bytes each) from a Unix
+    stream socket, with the descriptors that came with them.
 
     Every read is a recvmsg: a plain recv would drop (close) descriptors riding on the bytes it reads."""
 
     def __init__(self, sock: trio.socket.SocketType):
         self.sock = sock
-        self.buf = bytearray()
+        self.reader = LengthPrefixedReader(wire.MAX_FRAME)
         self.fds: list[int] = []
 
     async def frame(self) -> bytes | None:
-        """The next frame's body, or None when the client closed the connection."""
+        """The next request's body, or None when the client closed the connection."""
         while True:
-            if len(self.buf) >= 4:
-                n = int.from_bytes(self.buf[:4], "big")
-                if n > wire.MAX_FRAME:
-                    raise wire.WireError(f"a request of {n} bytes (at most {wire.MAX_FRAME})")
-                if len(self.buf) >= 4 + n:
-                    body = bytes(self.buf[4:4 + n])
-                    del self.buf[:4 + n]
-                    return body
+            try:
+                body = self.reader.next_message()
+            except LimitExceeded as exc:
+                raise wire.WireError(f"a request too large: {exc}") from None
+            if body is not None:
+                return body
             data, anc, flags, _ = await self.sock.recvmsg(RECV_BYTES, socket.CMSG_SPACE(MAX_FDS_PENDING * 4))
             for level, kind, cdata in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -70,7 +72,7 @@ class _FrameReader:
                 raise wire.WireError(f"more than {MAX_FDS_PENDING} descriptors sent at once")
             if not data:
                 return None
-            self.buf += data
+            self.reader.feed(data)
 
     def take_fds(self) -> list[int]:
         fds, self.fds = self.fds, []
@@ -148,7 +150,7 @@ class AttachService:
             await _send(stream, {"ok": False, "error": refusal})
             return
         client = AttachedClient(self._next_id, pid, label, time.time(),
-                                TrainingReport(self.daemon, {"trainer": f"attached pid {pid}", "state": "attached"}))
+                                TrainingReport(self.daemon.peer_id, self.daemon.home.metrics_file, {"trainer": f"attached pid {pid}", "state": "attached"}))
         self._next_id += 1
         self.clients[client.id] = client
         d = self.daemon
@@ -156,7 +158,7 @@ class AttachService:
             "peer_id": d.peer_id, "swarm": d.config.daemon.swarm, "home": str(d.home.root),
             "client": client.id, "protocol": wire.PROTOCOL}})
         log.info("process %d attached (%s)", pid, label or "no label")
-        reader = _FrameReader(stream.socket)
+        reader = _RequestReader(stream.socket)
         reason = "detached"
         try:
             while True:
@@ -290,6 +292,6 @@ class AttachService:
 
 async def _send(stream: trio.SocketStream, obj: dict) -> None:
     try:
-        await stream.send_all(wire.pack(obj))
+        await stream.send_all(pack(obj))
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
         pass

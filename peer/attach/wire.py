@@ -1,10 +1,11 @@
 """The local wire between an attached training process and its host's daemon: typed requests, checked.
 
 It rides the control socket (a Unix socket, mode 0600, in the daemon's home): a client sends the control
-command `attach` and keeps the connection, which then carries length-prefixed msgpack requests, one
-reply each, in order. A `share` request carries the segment's descriptor (SCM_RIGHTS, peer/attach/shm.py).
-Only processes of the daemon's user reach the socket, but a client is still checked like a peer: every
-field's type and range here, at decode, so the service only ever sees well-formed requests.
+command `attach` and keeps the connection, which then carries msgpack requests, one reply each, in order,
+framed like every control-socket message (peer/control.py's `pack`: protocol/frames.py's length prefix).
+A `share` request carries the segment's descriptor (SCM_RIGHTS, peer/attach/shm.py). Only processes of the
+daemon's user reach the socket, but a client is still checked like a peer: every field's type and range here,
+at decode, so the service only ever sees well-formed requests.
 """
 
 from __future__ import annotations
@@ -16,19 +17,19 @@ from typing import Any
 import msgpack
 
 from peer.attach.shm import SEGMENT_DTYPES
+from peertrain.swarm import AVERAGE_MODES
 from protocol.schema.topology import MAX_GROUP_CHARS
 from protocol.tensor_codec import CODECS
-from peer.control import pack  # noqa: F401  (re-exported) the control socket's framing: a u32 length, then msgpack
 
 PROTOCOL = 1  # bumped when a request changes meaning; a client of another version is refused at attach
 MAX_FRAME = 1 << 20  # one request (a metrics dict, a group's specs): far above honest use, small enough to hold
 MAX_REPLY = 16 << 20  # a reply (exchange results, membership news) the client accepts
+# (the `attach` command that opens a session is a control request: peer/control.py's MAX_REQUEST bounds it)
 MAX_TENSORS = 4096  # tensors in one group: a large transformer has ~1000 parameter tensors
 MAX_NAME = 200  # characters of a tensor name (or a label)
 MAX_GROUP = MAX_GROUP_CHARS  # characters of a group name: peers' records list the groups they share
 MAX_DIMS = 8
 MAX_METRICS = 64  # keys of one publish: a trainer's figures, not a log
-MODES = ("one", "all")
 
 
 class WireError(ValueError):
@@ -146,8 +147,8 @@ def decode(obj: Any) -> Request:
     if op == "unshare":
         return Unshare(_group(obj.get("group"), "unshare.group"))
     if op == "average":
-        if obj.get("mode") not in MODES:
-            raise WireError(f"average.mode: expected one of {', '.join(MODES)}")
+        if obj.get("mode") not in AVERAGE_MODES:
+            raise WireError(f"average.mode: expected one of {', '.join(AVERAGE_MODES)}")
         if not isinstance(obj.get("wait"), bool):
             raise WireError("average.wait: expected true or false")
         return Average(_group(obj.get("group"), "average.group"), obj["mode"], obj["wait"],

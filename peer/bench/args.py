@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable
 
+from peertrain.swarm import AVERAGE_MODES
 from protocol.cipher import CIPHERS
 
 Parser = argparse.ArgumentParser
@@ -93,7 +94,7 @@ def gossip_arguments(p: Parser) -> None:
                    help="start_delay of the job: seconds for the graph to form (and rewiring to settle) before "
                         "averaging (default 6; 25 with --netns, where probing slow paths and rewiring around them "
                         "takes longer: with 10 s the rewired gap was still rising)")
-    p.add_argument("--mode", choices=["one", "all"], default="one",
+    p.add_argument("--mode", choices=AVERAGE_MODES, default="one",
                    help="one neighbour per round (AD-PSGD) or all (D-PSGD); default one")
     p.add_argument("--rewire-interval", type=float, default=None, help="[topology] rewire_interval (default: the daemon's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the start vectors and of random_regular")
@@ -321,7 +322,7 @@ BENCHES = {
     "hostile": Bench("peer.bench.hostile",
                      "every attack class against one daemon beside an honest peer: pass/fail, memory, drop time",
                      hostile_arguments),
-    "pipeline": Bench("peer.bench.pipeline",
+    "pipeline": Bench("peer.bench.pipeline_main",
                       "4-stage swarm pipeline across CPU-capped daemons: samples/s vs the slowest stage, kill -9 recovery",
                       pipeline_arguments),
     "nat": Bench("peer.bench.nat",

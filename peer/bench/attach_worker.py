@@ -40,14 +40,14 @@ def main() -> None:
                 t0 = time.perf_counter()
                 results = swarm.average("vector")
                 dt = time.perf_counter() - t0
-                if not (results and results[0]["ok"]):
-                    failed.append(results[0]["reason"] if results else "no partner")
+                if not (results and results[0].ok):
+                    failed.append(results[0].reason if results else "no partner")
                     time.sleep(0.1)
                     continue
                 ok += 1
                 if ok > 1:
                     wall.append(dt)
-                    daemon.append(results[0]["seconds"])
+                    daemon.append(results[0].seconds)
         else:
             deadline = time.monotonic() + STOP_WAIT_S
             while not Path(args.stop_file).exists() and time.monotonic() < deadline:

@@ -251,10 +251,6 @@ def _r(x: float | None, nd: int = 2) -> float | None:
 
 
 def run(args) -> int:
-    if args.uneven or args.churn:
-        from peer.bench import pipeline_uneven
-
-        return pipeline_uneven.run(args)
     if args.daemons < STAGES + (0 if args.no_kill else 1):
         print(f"--daemons must be at least {STAGES} (and {STAGES + 1} to kill a peer of a stage that has two)",
               file=sys.stderr)

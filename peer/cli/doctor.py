@@ -248,10 +248,10 @@ def bootstrap_check(p: Probe, allow_peers: Iterable[str] = ()) -> Check:
 # ---- the command ----------------------------------------------------------------------------------
 
 def run_checks(args) -> list[Check]:
-    from peer.cli.main import _home, effective_config
+    from peer.cli.args import effective_config, home_of
     from peer.config import ConfigError
 
-    root = _home(args)
+    root = home_of(args)
     try:
         cfg = effective_config(args)
         checks = [Check("config", "ok", f"{args.config or 'defaults'}: valid (swarm {cfg.daemon.swarm})")]

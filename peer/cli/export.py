@@ -16,7 +16,7 @@ def cmd_export(args) -> int:
 
     from peer.control import ControlError, call
     from peer.home import Home, atomic_write
-    from peer.trainer_host import read_checkpoint
+    from peertrain.checkpoints import read_checkpoint
 
     home = Home(Path(args.home).expanduser())
     try:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from peer import __version__
+from peer.cli.args import add_config_overrides, add_home, effective_config, home_of
 
 EPILOG = """\
 examples:
@@ -28,50 +29,6 @@ config snapshot, peer cache, checkpoints, metrics and the control socket.
 """
 
 
-def _home(args) -> Path:
-    from peer.home import default_home
-
-    return Path(args.home).expanduser() if getattr(args, "home", None) else default_home()
-
-
-def _add_home(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--home", metavar="DIR", help="daemon home directory (default: $PEERTRAIN_HOME or ~/.peertrain)")
-
-
-def _add_config_overrides(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML config file (see configs/ and `peer config docs`)")
-    p.add_argument("--listen", metavar="HOST:PORT", help="address to accept peers on; port 0 picks a free one")
-    p.add_argument("--join", metavar="HOST:PORT", action="append", default=[], help="bootstrap peer to dial (repeatable)")
-    p.add_argument("--swarm", metavar="NAME", help="swarm name; only daemons of the same swarm connect")
-    p.add_argument("--no-mdns", action="store_true", help="do not announce or browse with mDNS")
-    p.add_argument("--log-format", choices=["text", "json"], help="log line format")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log verbosity")
-
-
-def effective_config(args):
-    """Defaults < config file < command-line flags."""
-    from peer import config as c
-
-    cfg = c.load(args.config)
-    daemon: dict = {}
-    if args.listen:
-        daemon["listen"] = args.listen
-    if args.join:
-        daemon["join"] = list(cfg.daemon.join) + list(args.join)
-    if args.swarm:
-        daemon["swarm"] = args.swarm
-    if args.log_format:
-        daemon["log_format"] = args.log_format
-    if args.log_level:
-        daemon["log_level"] = args.log_level
-    changes: dict = {}
-    if daemon:
-        changes["daemon"] = daemon
-    if args.no_mdns:
-        changes["discovery"] = {"mdns": False}
-    return cfg.replace(**changes) if changes else cfg
-
-
 def cmd_start(args) -> int:
     import trio
 
@@ -81,7 +38,7 @@ def cmd_start(args) -> int:
     from protocol import identity as ident
 
     cfg = effective_config(args)
-    home = Home(_home(args)).ensure()
+    home = Home(home_of(args)).ensure()
     claim = home.claim()  # before the identity key: a second daemon on this home stops here
     key = home.load_or_create_identity()
     peer_id = ident.peer_id_from_public_bytes(ident.public_key_bytes(key))
@@ -95,7 +52,7 @@ def cmd_stop(args) -> int:
     from peer.control import call
     from peer.home import Home
 
-    home = _home(args)
+    home = home_of(args)
     reply = call(home, "stop")
     pid = reply.get("pid")
     # Wait (bounded) for the socket to disappear, so scripts can rely on "stopped" meaning stopped.
@@ -113,7 +70,7 @@ def cmd_stop(args) -> int:
 def cmd_status(args) -> int:
     from peer.control import call
 
-    home = _home(args)
+    home = home_of(args)
     if args.json:
         st = call(home, "topology" if args.topology else "status")
         print(json.dumps(st, indent=2, sort_keys=True))
@@ -157,7 +114,7 @@ def cmd_id(args) -> int:
     from peer.home import Home
     from protocol import identity as ident
 
-    key = Home(_home(args)).ensure().load_or_create_identity()
+    key = Home(home_of(args)).ensure().load_or_create_identity()
     print(ident.peer_id_from_public_bytes(ident.public_key_bytes(key)))
     return 0
 
@@ -199,17 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("start", help="run a daemon in the foreground (Ctrl-C or `peer stop` stops it)",
                        description="Run a peertrain daemon in the foreground. It finds peers (mDNS and --join), "
                                    "keeps encrypted sessions to them, and hosts the trainer named in the config.")
-    _add_home(p)
-    _add_config_overrides(p)
+    add_home(p)
+    add_config_overrides(p)
     p.set_defaults(fn=cmd_start)
 
     p = sub.add_parser("stop", help="ask the daemon of a home directory to stop gracefully")
-    _add_home(p)
+    add_home(p)
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it to exit (default 30)")
     p.set_defaults(fn=cmd_stop)
 
     p = sub.add_parser("status", help="show a daemon, its peers, topology and training")
-    _add_home(p)
+    add_home(p)
     p.add_argument("--json", action="store_true", help="machine-readable output (stable keys)")
     p.add_argument("--watch", action="store_true", help="refresh continuously until Ctrl-C")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
@@ -217,12 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("id", help="print this home's peer ID (creating the identity key if needed)")
-    _add_home(p)
+    add_home(p)
     p.set_defaults(fn=cmd_id)
 
     p = sub.add_parser("config", help="show the effective config, or the reference of every key")
     p.add_argument("action", choices=["show", "docs"], help="show: effective config as TOML; docs: key reference")
-    _add_config_overrides(p)
+    add_config_overrides(p)
     p.set_defaults(fn=cmd_config)
 
     p = sub.add_parser("local", help="run N daemons on this host (each with its own home and port)",

@@ -1,7 +1,7 @@
 """Daemon configuration: typed sections loaded from TOML, validated with errors that name file, line and key.
 
 Precedence is defaults < config file < command-line flags. Every field carries a one-line doc in its
-metadata; `peer config docs` prints them, and the README's config reference is generated from them,
+metadata; `peer config docs` prints them, and docs/config.md's reference is generated from them
 so the docs cannot drift from the code.
 
 The package is the interface (`from peer.config import Config, load`). Inside it: how a key is declared

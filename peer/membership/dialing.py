@@ -8,15 +8,16 @@ is forgotten after FORGET_AFTER_FAILURES failures. A dial that succeeds hands it
 `Membership.own_session`.
 
 Its own module because it is the half of membership that makes connections rather than keeping them:
-`Dialer` is a base class of `peer.membership.service.Membership`, the same object and state (the peer
-table, the bootstrap targets, the per-host backoff) seen from the dialing side.
+`Membership` (peer/membership/service.py) owns a `Dialer` and shares its peer table with it; the dialer
+owns the bootstrap targets, the per-host backoff and when to dial next.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from typing import TYPE_CHECKING, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -35,29 +36,56 @@ if TYPE_CHECKING:  # for the annotation of `cfg` only
 log = logging.getLogger("peertrain.membership")
 
 
+DialRelayed = Callable[[PeerInfo, RelayedAddress], Awaitable[Session]]
+"""How to dial a peer through one of its relays (the NAT service's relay client, peer/nat/)."""
+
+
 class Dialer:
-    """The dial loop and its backoff, on the state `Membership.__init__` sets up (below); a session made
-    is handed to `_start_session`."""
+    """Dials the peers of `peers` (membership's table, shared: the dialer marks entries dialing, counts
+    their failures and forgets the unreachable second-hand ones) and the `bootstrap` targets, with
+    backoff; each session made is handed to `start_session`."""
 
-    cfg: MembershipSection
-    transport: TransportConfig
-    peer_id: str
-    peers: dict[str, PeerInfo]
-    bootstrap: list[BootstrapTarget]
-    host_backoff: dict[str, HostBackoff]
-    dial_relayed: Callable[[PeerInfo, RelayedAddress], Awaitable[Session]] | None
-    _wake: trio.Event
-    _leaving: bool
-    _start_session: Callable[[Session], None]
+    def __init__(self, cfg: MembershipSection, transport: TransportConfig, *, peer_id: str,
+                 peers: dict[str, PeerInfo], bootstrap: list[BootstrapTarget],
+                 start_session: Callable[[Session], None]):
+        self.cfg = cfg
+        self.transport = transport
+        self.peer_id = peer_id
+        self.peers = peers
+        self.bootstrap = bootstrap
+        self.host_backoff: dict[str, HostBackoff] = {}  # at most MAX_PEERS hosts
+        self.dial_relayed: DialRelayed | None = None  # set through Membership.dial_relayed
+        self._start_session = start_session
+        self._wake = trio.Event()
+        self._stopped = False
 
-    def stop_dialing(self) -> None:
-        """We are leaving: make no new connections. Sessions we have stay up for the goodbye; peers that
-        leave with us would otherwise be re-dialed, and each failure logged, while we shut down."""
-        self._leaving = True
+    def wake(self) -> None:
+        """Something changed (a peer learned, a session ended): look for what to dial now."""
         self._wake.set()
 
+    def stop(self) -> None:
+        """Make no new connections (dials in flight finish); `run` returns once they have."""
+        self._stopped = True
+        self._wake.set()
+
+    def bootstrap_status(self) -> list[dict]:
+        """`peer status`'s view of the `--join` addresses (and `peer doctor`'s)."""
+        out = []
+        for t in self.bootstrap:
+            info = self.peers.get(t.peer_id) if t.peer_id else None
+            state = ("connected" if info is not None and info.session is not None else
+                     "failing" if t.failures else "pending")
+            out.append({"address": f"{t.host}:{t.port}", "peer_id": t.peer_id, "state": state,
+                        "failures": t.failures, "cause": t.cause, "fix": t.fix})
+        return out
+
+    async def run(self) -> None:
+        """Dial until stopped; the dials it starts run in its own nursery."""
+        async with trio.open_nursery() as nursery:
+            await self._dial_loop(nursery)
+
     async def _dial_loop(self, nursery: trio.Nursery) -> None:
-        while not self._leaving:
+        while not self._stopped:
             now = trio.current_time()
             n_sessions = sum(1 for p in self.peers.values() if p.session is not None)
             n_dials = sum(1 for p in self.peers.values() if p.dialing) + sum(1 for t in self.bootstrap if t.dialing)
@@ -98,9 +126,10 @@ class Dialer:
                 self.host_backoff.pop(min(self.host_backoff, key=lambda h: self.host_backoff[h].next_attempt))
             hb = self.host_backoff[host] = HostBackoff()
         hb.failures += 1
-        hb.next_attempt = trio.current_time() + self._backoff(hb.failures)
+        hb.next_attempt = trio.current_time() + self.backoff(hb.failures)
 
-    def _backoff(self, failures: int) -> float:
+    def backoff(self, failures: int) -> float:
+        """Seconds to wait before the next try after `failures` failures in a row (exponential, jittered)."""
         delay = min(self.cfg.reconnect_max, self.cfg.reconnect_min * (2 ** min(failures, 16)))
         return delay * random.uniform(0.5, 1.5)
 
@@ -139,7 +168,7 @@ class Dialer:
                 self._start_session(session)
                 return
             info.failures += 1
-            info.next_attempt = trio.current_time() + self._backoff(info.failures)
+            info.next_attempt = trio.current_time() + self.backoff(info.failures)
             if info.state == "connecting" and info.session is None:
                 info.state = "discovered" if not info.last_seen else "dead"
         finally:
@@ -151,7 +180,7 @@ class Dialer:
                                  connect_timeout=self.cfg.handshake_timeout)
         except (OSError, trio.TooSlowError, ProtocolError) as exc:
             target.failures += 1
-            target.next_attempt = trio.current_time() + self._backoff(target.failures)
+            target.next_attempt = trio.current_time() + self.backoff(target.failures)
             problem = explain_dial_error(exc, target.host, target.port, timeout=self.cfg.handshake_timeout)
             changed = (problem.cause, problem.fix) != (target.cause, target.fix)
             target.cause, target.fix = problem.cause, problem.fix

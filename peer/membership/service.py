@@ -9,7 +9,7 @@ not read is dead too); a frame it does not take within `dead_after` closes its s
 
 Ownership: `run()` owns the dialer, the peer-exchange loop and (through `own_session`) every session's
 reader, heartbeat and dispatcher tasks. Cancelling `run()` closes them all. The dialer (what to dial
-when, and the backoff) is `peer.membership.dialing`, a base class of `Membership`.
+when, and the backoff) is a `peer.membership.dialing.Dialer` that `Membership` owns, sharing its peer table.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ import ipaddress
 import logging
 import random
 import time
-from typing import Awaitable, Callable
+from collections.abc import Callable
 
 import trio
 
 from peer.config import Config
-from peer.nat.addresses import RelayedAddress, format_hostport, parse_address, parse_relayed
+from peer.nat.addresses import format_hostport, parse_address, parse_relayed
 from peer.session.router import Router
 from peer.session.fanout import Fanout, send_to_each
-from peer.membership.dialing import Dialer
+from peer.membership.dialing import Dialer, DialRelayed
 from peer.membership.peers import (IDLE_ROUNDS, MAX_ADDRESSES, MAX_OBSERVED_CANDIDATES, MAX_PEERS, MAX_RELAYED,
-                                   OBSERVED_QUORUM, SECOND_HAND, BootstrapTarget, HostBackoff, PeerInfo,
+                                   OBSERVED_QUORUM, SECOND_HAND, BootstrapTarget, PeerInfo,
                                    is_public_address, pick_idle)
 from peer.session.transport import Session, SessionClosed, TransportConfig
 from protocol import identity as ident
@@ -36,7 +36,7 @@ from protocol.schema import Goodbye, PeerExchange, PeerRecord, Ping, Pong, peer_
 
 log = logging.getLogger("peertrain.membership")
 
-class Membership(Dialer):
+class Membership:
     def __init__(self, *, config: Config, transport: TransportConfig, peer_id: str, router: Router,
                  listen_port: Callable[[], int]):
         self.cfg = config.membership
@@ -46,7 +46,9 @@ class Membership(Dialer):
         self.router = router
         self._listen_port = listen_port
         self.peers: dict[str, PeerInfo] = {}
-        self.bootstrap = [BootstrapTarget(*parse_address(a)) for a in config.daemon.join]
+        self.dialer = Dialer(self.cfg, transport, peer_id=peer_id, peers=self.peers,
+                             bootstrap=[BootstrapTarget(*parse_address(a)) for a in config.daemon.join],
+                             start_session=self._start_session)
         self.advertise_hosts: list[str] = list(config.discovery.advertise)
         self.bound_hosts: list[str] = []  # the host of `[daemon] listen`, unless it is a wildcard
         self.observed_hosts: list[str] = []  # reported by OBSERVED_QUORUM peers at distinct IPs
@@ -54,21 +56,33 @@ class Membership(Dialer):
         self.private_addresses = config.discovery.private_addresses
         # set by the NAT service (peer/nat/service.py): whether the addresses peers observe for us are worth
         # advertising (not when dial-back showed they are unreachable), our relayed addresses, and how to
-        # dial a peer through a relay
+        # dial a peer through a relay (`dial_relayed`, below)
         self.advertise_observed = True
         self.verified_hosts: list[str] = []  # hosts of ours that peers dialed back (we are public at them)
         self.relayed_addresses: list[str] = []
-        self.dial_relayed: Callable[[PeerInfo, RelayedAddress], Awaitable[Session]] | None = None
-        self.host_backoff: dict[str, HostBackoff] = {}  # at most MAX_PEERS hosts
         self._nursery: trio.Nursery | None = None
         self._pex_fanout = Fanout()
-        self._wake = trio.Event()
         self._leaving = False
         self._watchers: list[Callable[[str, Session | None], None]] = []
         self.keep: Callable[[str], bool] = lambda peer_id: False  # never evicted as idle (the daemon: neighbours)
         router.register(Ping, self._on_ping)
         router.register(PeerExchange, self._on_pex)
         router.register(Goodbye, self._on_goodbye)
+
+    @property
+    def dial_relayed(self) -> DialRelayed | None:
+        """How the dialer reaches a peer through a relay (set by the NAT service); None: it does not."""
+        return self.dialer.dial_relayed
+
+    @dial_relayed.setter
+    def dial_relayed(self, dial_relayed: DialRelayed | None) -> None:
+        self.dialer.dial_relayed = dial_relayed
+
+    def stop_dialing(self) -> None:
+        """We are leaving: make no new connections. Sessions we have stay up for the goodbye; peers that
+        leave with us would otherwise be re-dialed, and each failure logged, while we shut down."""
+        self._leaving = True
+        self.dialer.stop()
 
     # ---- queries ------------------------------------------------------------------------------------
     def connected(self) -> dict[str, Session]:
@@ -92,14 +106,7 @@ class Membership(Dialer):
 
     def bootstrap_status(self) -> list[dict]:
         """`peer status`'s view of the `--join` addresses (and `peer doctor`'s)."""
-        out = []
-        for t in self.bootstrap:
-            info = self.peers.get(t.peer_id) if t.peer_id else None
-            state = ("connected" if info is not None and info.session is not None else
-                     "failing" if t.failures else "pending")
-            out.append({"address": f"{t.host}:{t.port}", "peer_id": t.peer_id, "state": state,
-                        "failures": t.failures, "cause": t.cause, "fix": t.fix})
-        return out
+        return self.dialer.bootstrap_status()
 
     # ---- learning of peers --------------------------------------------------------------------------
     def learn(self, peer_id: str, addresses, *, source: str) -> None:
@@ -119,7 +126,7 @@ class Membership(Dialer):
             info.next_attempt = 0.0
         if not second_hand:
             info.firsthand.update((str(h), int(p)) for h, p in list(addresses)[:MAX_ADDRESSES])
-        self._wake.set()
+        self.dialer.wake()
 
     def learn_addresses(self, peer_id: str, texts: list[str], *, source: str) -> None:
         """Like `learn`, from address strings: direct "host:port" and relayed ones (peer/nat/addresses.py)."""
@@ -136,7 +143,7 @@ class Membership(Dialer):
             return
         info = self._entry(peer_id, source, f"through relay {', '.join(ident.short_id(r.relay_id) for r in relayed)}")
         if info is not None and info.add_relayed(relayed):
-            self._wake.set()
+            self.dialer.wake()
 
     def _entry(self, peer_id: str, source: str, where: str) -> PeerInfo | None:
         """The peer's entry, made (and logged) on first news of it; None while the table is full."""
@@ -182,7 +189,7 @@ class Membership(Dialer):
             self._nursery = nursery
             nursery.start_soon(self._pex_loop)
             task_status.started()
-            await self._dial_loop(nursery)
+            await self.dialer.run()
 
     def _start_session(self, session: Session) -> None:
         assert self._nursery is not None
@@ -260,10 +267,10 @@ class Membership(Dialer):
                 info.session = None
                 info.state = "dead"
                 info.dead_reason = session.close_reason
-                info.next_attempt = trio.current_time() + self._backoff(0)
+                info.next_attempt = trio.current_time() + self.dialer.backoff(0)
                 log.info("peer %s is dead: %s", session.short, session.close_reason)
                 self._notify(pid, None)
-                self._wake.set()
+                self.dialer.wake()
 
     def _learn_from_handshake(self, info: PeerInfo, session: Session) -> None:
         app = session.remote_app if isinstance(session.remote_app, dict) else {}

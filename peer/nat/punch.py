@@ -33,6 +33,7 @@ import trio
 from peer.nat.addresses import format_hostport, ip_literal, parse_address
 from peer.session.connect import dial, handshake_stream
 from protocol.identity import short_id
+from protocol.refusal import Code, Refusal
 from protocol.schema import ErrorReply, PunchOffer, PunchSync
 
 log = logging.getLogger("peertrain.nat")
@@ -245,7 +246,7 @@ class HolePuncher:
             reply = (await session.request(PunchOffer(address=mine), timeout=ASK_TIMEOUT)).message
             rtt = trio.current_time() - sent
             if not isinstance(reply, PunchOffer):
-                reason = f"declined: {reply.message if isinstance(reply, ErrorReply) else type(reply).__name__}"
+                reason = f"declined: {reply.refusal().reason if isinstance(reply, ErrorReply) else type(reply).__name__}"
                 return
             theirs = self._their_address(reply.address)
             if theirs is None:
@@ -291,28 +292,29 @@ class HolePuncher:
         pid = session.peer_id
         why = None
         if not self.enabled:
-            why = "hole punching is off here"
+            why = Refusal(Code.DISABLED, "hole punching is off here")
         elif session.path != "relayed" or session.initiator:
-            why = "offer over a relayed session you dialed"
+            why = Refusal(Code.WRONG_PATH, "offer over a relayed session you dialed")
         elif pid in self._active or len(self._active) >= MAX_PUNCHES or self._nursery is None:
-            why = "busy"
+            why = Refusal(Code.BUSY, f"busy (a punch with you already runs, or {MAX_PUNCHES} punches do)")
         elif self._backoff.get(pid, (0, 0.0))[1] > trio.current_time():
-            why = "too soon after the last failed punch"  # an offer aims our SYNs: as rare as our own tries
+            # an offer aims our SYNs: as rare as our own tries
+            why = Refusal(Code.TOO_SOON, "too soon after the last failed punch")
         elif self.mapping() == "random":
-            why = "our NAT gives each destination a new port: a punch cannot work"
+            why = Refusal(Code.CANNOT_WORK, "our NAT gives each destination a new port: a punch cannot work")
         theirs = self._their_address(env.message.address)
         if why is None and theirs is None:
-            why = f"unusable address {env.message.address!r}"
+            why = Refusal(Code.BAD_INPUT, f"unusable address {env.message.address!r}")
         listener = None
         mine = None
         if why is None:
             listener = await punch_port()
             mine = self._my_address(listener)
-            why = None if mine else "our outside address is not known yet"
+            why = None if mine else Refusal(Code.TOO_SOON, "our outside address is not known yet")
         if why is not None:
             if listener is not None:
                 listener.close()
-            await session.reply(env, ErrorReply(code="punch_declined", message=why))
+            await session.reply(env, ErrorReply.of(why))
             return
         punch = self._active[pid] = Punch(session)
         self.attempts += 1

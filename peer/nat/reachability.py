@@ -2,9 +2,11 @@
 
 Asking side: every round we send our candidate addresses (configured `advertise` and the addresses
 peers observe for us, with our listen port) to up to `[nat] dialback_peers` connected peers at distinct
-IPs. Two peers at distinct IPs that got through make us "public"; two that could not, and none that
-could, "nat"; anything else stays "unknown". The last answer from each IP is the evidence `peer status`
-and `peer doctor` show.
+IPs. Each asked IP has one vote, from its last answer: it got through if it reached us at any address it
+tested (one that failed, say an advertised address we no longer hold, does not hide one that worked), else
+it could not. Two peers at distinct IPs that got through make us "public"; two that could not, and none
+that could, "nat"; anything else stays "unknown". The last answer from each IP, every address of it, is the
+evidence `peer status` and `peer doctor` show.
 
 Answering side (an attack surface: a request names addresses for us to dial): we only dial addresses at
 the IP we see the asker at (so nobody can aim our dials at a third party), one request per peer at a
@@ -28,6 +30,7 @@ from peer.nat.addresses import format_hostport, ip_literal, parse_address
 from peer.session.connect import dial
 from peer.session.transport import SessionClosed
 from protocol.identity import short_id
+from protocol.refusal import Code, Refusal
 from protocol.schema import DialBackReply, DialBackRequest, DialBackResult
 from protocol.schema.nat import MAX_DIALBACK_ADDRESSES
 
@@ -44,8 +47,7 @@ MAX_DIALBACKS = 4
 `handshake_timeout`; 4 answers a few joining peers at once while bounding what askers can make us do."""
 MIN_INTERVAL = 10.0  # seconds between two dial-back requests we serve for one peer
 UNKNOWN_RETRY = 5.0  # seconds between rounds while we do not know yet
-MAX_EVIDENCE = 16  # answers kept (one per asking IP, the oldest forgotten)
-NOT_TRIED = "not tried: "  # a result that is no evidence either way (the asked peer refused to dial)
+MAX_EVIDENCE = 16  # answers kept (one per asked IP, the oldest forgotten), each of at most MAX_DIALBACK_ADDRESSES results
 
 
 def local_ip(session) -> str | None:
@@ -69,12 +71,20 @@ def seen_by(session) -> str | None:
 
 @dataclass
 class Evidence:
+    """What one asked peer found when it dialed one address of ours."""
+
     peer_id: str
     ip: str  # where the asked peer is, as we see it (one vote per IP)
     address: str
     ok: bool
     reason: str
     at: float  # trio clock
+
+
+def vote(answer: list[Evidence]) -> Evidence:
+    """An asked IP's one vote from its answer's results: one that got through if any did (we are reachable
+    there, whatever another address of ours did), else its last failure."""
+    return next((e for e in answer if e.ok), answer[-1])
 
 
 class Reachability:
@@ -90,7 +100,7 @@ class Reachability:
         forced = {"public": "public", "private": "nat"}.get(cfg.reachability)
         self.verdict = forced or "unknown"
         self.reason = f"set by [nat] reachability = {cfg.reachability!r}" if forced else "not checked yet"
-        self.evidence: dict[str, Evidence] = {}
+        self.evidence: dict[str, list[Evidence]] = {}  # asked peer's IP -> its last answer's results (tested ones)
         self._serving: set[str] = set()
         self._served_at: dict[str, float] = {}
         self._dials = 0
@@ -107,13 +117,17 @@ class Reachability:
         """Hosts of ours that peers dialed back while we are public: proven, so worth advertising."""
         if self.verdict != "public":
             return []
-        return list(dict.fromkeys(e.address.rpartition(":")[0].strip("[]") for e in self.evidence.values() if e.ok))
+        return list(dict.fromkeys(e.address.rpartition(":")[0].strip("[]") for e in self.results() if e.ok))
+
+    def results(self) -> list[Evidence]:
+        """Every result of the answers kept, oldest answer first."""
+        return [e for answer in self.evidence.values() for e in answer]
 
     def status(self) -> dict:
         now = trio.current_time()
         return {"reachability": self.verdict, "reason": self.reason,
                 "evidence": [{"peer_id": e.peer_id, "address": e.address, "ok": e.ok, "reason": e.reason,
-                              "age_s": round(now - e.at, 1)} for e in self.evidence.values()]}
+                              "age_s": round(now - e.at, 1)} for e in self.results()]}
 
     # ---- asking -------------------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -170,18 +184,18 @@ class Reachability:
             return
         if not isinstance(reply, DialBackReply):
             return
-        for r in reply.results:
-            if r.address not in addresses or r.reason.startswith(NOT_TRIED):
-                continue
-            ip = session.remote_addr[0]
-            self.evidence.pop(ip, None)
-            self.evidence[ip] = Evidence(session.peer_id, ip, r.address, r.ok, r.reason, trio.current_time())
-            if len(self.evidence) > MAX_EVIDENCE:
-                self.evidence.pop(next(iter(self.evidence)))
+        ip, now = session.remote_addr[0], trio.current_time()
+        tested = {r.address: r for r in reply.results if r.address in addresses and r.refusal() is None}
+        if not tested:  # it dialed nothing (it refused, see `refusal`): no evidence either way
+            return
+        self.evidence.pop(ip, None)  # its last answer is its vote: it replaces the one before, moved to the end
+        self.evidence[ip] = [Evidence(session.peer_id, ip, r.address, r.ok, r.reason, now) for r in tested.values()]
+        if len(self.evidence) > MAX_EVIDENCE:
+            self.evidence.pop(next(iter(self.evidence)))
 
     def _decide(self, needed: int) -> None:
         horizon = trio.current_time() - 3 * self.cfg.recheck_interval
-        recent = [e for e in self.evidence.values() if e.at >= horizon]
+        recent = [vote(answer) for answer in self.evidence.values() if answer[-1].at >= horizon]
         good = [e for e in recent if e.ok]
         bad = [e for e in recent if not e.ok]
         before = self.verdict
@@ -208,13 +222,13 @@ class Reachability:
         now = trio.current_time()
         why = None
         if session.path != "direct":
-            why = "ask over a direct session"
+            why = Refusal(Code.WRONG_PATH, "ask over a direct session")
         elif session.peer_id in self._serving or now - self._served_at.get(session.peer_id, -1e9) < MIN_INTERVAL:
-            why = f"at most one request per {MIN_INTERVAL:g} s"
+            why = Refusal(Code.TOO_SOON, f"at most one request per {MIN_INTERVAL:g} s")
         elif self._dials >= MAX_DIALBACKS or self._nursery is None:
-            why = "busy"
+            why = Refusal(Code.BUSY, f"busy ({MAX_DIALBACKS} dial-backs at once)")
         if why is not None:
-            await session.reply(env, DialBackReply(results=[DialBackResult(a, False, NOT_TRIED + why) for a in addresses]))
+            await session.reply(env, DialBackReply(results=[DialBackResult.not_tried(a, why) for a in addresses]))
             return
         self._serving.add(session.peer_id)
         self._served_at[session.peer_id] = now
@@ -230,7 +244,8 @@ class Reachability:
             for a in env.message.addresses:
                 hp = parse_address(a)
                 if hp is None or ip_literal(hp[0]) != seen:
-                    results.append(DialBackResult(a, False, NOT_TRIED + f"not your address (we see you at {seen})"))
+                    results.append(DialBackResult.not_tried(a, Refusal(Code.BAD_INPUT,
+                                                                       f"not your address (we see you at {seen})")))
                     continue
                 results.append(await self._dial_back(session.peer_id, a, *hp))
             await session.reply(env, DialBackReply(results=results))

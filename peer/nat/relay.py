@@ -26,6 +26,7 @@ from peer.nat.splice import CircuitStats, TokenBucket, splice
 from protocol.circuit import HELLO_BYTES, MAGIC, PEEK_BYTES, READY, parse_hello
 from protocol.identity import short_id
 from protocol.limits import MiB
+from protocol.refusal import Code, Refusal
 from protocol.schema import RelayAck, RelayConnect, RelayConnectReply, RelayIncoming, RelayReservation, RelayReserve
 
 log = logging.getLogger("peertrain.relay")
@@ -65,7 +66,7 @@ class RelayStats:
 
 
 class RelayServer:
-    def __init__(self, cfg: RelaySection, router, *, offering: Callable[[], str | None]):
+    def __init__(self, cfg: RelaySection, router, *, offering: Callable[[], Refusal | None]):
         """`offering()` is None while we relay, else why not (relaying off, not publicly reachable)."""
         self.cfg = cfg
         self.offering = offering
@@ -95,26 +96,27 @@ class RelayServer:
 
     def status(self) -> dict:
         live = sum(c.stats.bytes_forwarded for c in self._circuits)
-        return {"enabled": self.cfg.enabled, "offering": self.offering() is None, "why_not": self.offering() or "",
+        why_not = self.offering()
+        return {"enabled": self.cfg.enabled, "offering": why_not is None, "why_not": why_not.reason if why_not else "",
                 "reservations": len(self.reservations), "circuits": len(self._circuits),
                 "circuits_total": self.stats.circuits_total, "bytes_relayed": self.stats.bytes_relayed + live,
                 "refused": self.stats.refused, "last_refusal": self.stats.last_refusal}
 
-    def _refuse(self, what: str, peer: str, reason: str) -> str:
+    def _refuse(self, what: str, peer: str, refusal: Refusal) -> Refusal:
         self.stats.refused += 1
-        self.stats.last_refusal = f"{what} from {short_id(peer)}: {reason}"
-        log.info("refusing %s from %s: %s", what, short_id(peer), reason)
-        return reason
+        self.stats.last_refusal = f"{what} from {short_id(peer)}: {refusal.reason}"
+        log.info("refusing %s from %s: %s", what, short_id(peer), refusal.reason)
+        return refusal
 
     # ---- reservations -------------------------------------------------------------------------------
     async def _on_reserve(self, session, env) -> None:
         why = self.offering()
         if why is None and session.path == "relayed":
-            why = "reserve over a direct session (circuits do not nest)"
+            why = Refusal(Code.WRONG_PATH, "reserve over a direct session (circuits do not nest)")
         if why is None and session.peer_id not in self.reservations and len(self.reservations) >= self.cfg.max_reservations:
-            why = f"full ({self.cfg.max_reservations} reservations)"
+            why = Refusal(Code.BUSY, f"full ({self.cfg.max_reservations} reservations)")
         if why is not None:
-            await session.reply(env, RelayReservation(ok=False, reason=self._refuse("reservation", session.peer_id, why)))
+            await session.reply(env, RelayReservation.refused(self._refuse("reservation", session.peer_id, why)))
             return
         self.reservations[session.peer_id] = Reservation(session.peer_id, session, trio.current_time())
         log.info("%s holds a relay reservation (%d in all)", session.short, len(self.reservations))
@@ -122,30 +124,30 @@ class RelayServer:
                                                   max_circuit_seconds=self.cfg.max_circuit_seconds))
 
     # ---- circuits -----------------------------------------------------------------------------------
-    def _connect_refusal(self, session, target: str) -> str | None:
+    def _connect_refusal(self, session, target: str) -> Refusal | None:
         why = self.offering()
         if why is not None:
             return why
         if session.path == "relayed":
-            return "ask over a direct session (circuits do not nest)"
+            return Refusal(Code.WRONG_PATH, "ask over a direct session (circuits do not nest)")
         r = self.reservations.get(target)
         if r is None or r.session.closed.is_set():
-            return "no reservation for that peer here"
+            return Refusal(Code.NO_RESERVATION, "no reservation for that peer here")
         if target == session.peer_id:
-            return "a circuit to yourself"
+            return Refusal(Code.BAD_INPUT, "a circuit to yourself")
         if len(self._circuits) >= self.cfg.max_circuits:
-            return f"full ({self.cfg.max_circuits} circuits)"
+            return Refusal(Code.BUSY, f"full ({self.cfg.max_circuits} circuits)")
         for peer in (session.peer_id, target):
             if self._per_peer[peer] >= self.cfg.max_circuits_per_peer:
-                return f"{short_id(peer)} already has {self.cfg.max_circuits_per_peer} circuits here"
+                return Refusal(Code.BUSY, f"{short_id(peer)} already has {self.cfg.max_circuits_per_peer} circuits here")
         return None
 
     async def _on_connect(self, session, env) -> None:
         target = env.message.target
         why = self._connect_refusal(session, target)
         if why is not None or self._nursery is None:
-            why = why or "starting"
-            await session.reply(env, RelayConnectReply(ok=False, reason=self._refuse("circuit", session.peer_id, why)))
+            why = why or Refusal(Code.TOO_SOON, "starting")
+            await session.reply(env, RelayConnectReply.refused(self._refuse("circuit", session.peer_id, why)))
             return
         circuit = Circuit(source=session.peer_id, target=target)
         self._circuits.add(circuit)
@@ -168,9 +170,13 @@ class RelayServer:
                     except Exception as exc:  # timeout, session gone: the target is not there
                         circuit.failed = f"the peer did not answer ({type(exc).__name__})"
                 if not isinstance(reply, RelayAck) or not reply.ok:
-                    circuit.failed = circuit.failed or (f"the peer declined: {reply.reason}" if isinstance(reply, RelayAck)
-                                                        else "the peer did not answer")
-                    await session.reply(env, RelayConnectReply(ok=False, reason=circuit.failed))
+                    declined = reply.refusal() if isinstance(reply, RelayAck) else None
+                    if declined is not None:  # the target's own code: busy, or it holds no reservation with us
+                        circuit.failed = circuit.failed or f"the peer declined: {declined.reason}"
+                    else:  # a reservation that does not answer is as good as none
+                        circuit.failed = circuit.failed or "the peer did not answer"
+                        declined = Refusal(Code.NO_RESERVATION, circuit.failed)
+                    await session.reply(env, RelayConnectReply.refused(Refusal(declined.code, circuit.failed)))
                     return
                 await session.reply(env, RelayConnectReply(ok=True, token=token_source))
                 await circuit.settled.wait()

@@ -22,6 +22,7 @@ from peer.session.connect import handshake_stream
 from peer.session.transport import Session, SessionClosed
 from protocol.circuit import READY, hello
 from protocol.identity import short_id
+from protocol.refusal import Code, Refusal
 from protocol.schema import RelayAck, RelayConnect, RelayConnectReply, RelayIncoming, RelayReservation, RelayReserve
 
 log = logging.getLogger("peertrain.relay")
@@ -37,7 +38,11 @@ TICK = 2.0  # seconds between looks at whether we hold enough reservations
 
 
 class RelayRefused(ConnectionError):
-    """The relay would not connect us (the reason is its own words)."""
+    """The relay would not connect us: `refusal` says why, in its own words."""
+
+    def __init__(self, refusal: Refusal):
+        super().__init__(f"relay refused: {refusal.reason}")
+        self.refusal = refusal
 
 
 @dataclass
@@ -123,7 +128,7 @@ class RelayClient:
             if not isinstance(reply, RelayReservation) or not reply.ok:
                 self._refused_until[session.peer_id] = now + REFUSED_BACKOFF
                 log.debug("%s will not relay for us: %s", session.short,
-                          reply.reason if isinstance(reply, RelayReservation) else "no answer")
+                          reply.refusal() if isinstance(reply, RelayReservation) else "no answer")
                 continue
             host, port = session.remote_addr
             self.held[session.peer_id] = Held(session.peer_id, RelayedAddress(session.peer_id, host, port), session, now)
@@ -136,10 +141,10 @@ class RelayClient:
         held = self.held.get(session.peer_id)
         msg: RelayIncoming = env.message
         if held is None or held.session is not session:
-            await session.reply(env, RelayAck(ok=False, reason="we hold no reservation with you"))
+            await session.reply(env, RelayAck.refused(Refusal(Code.NO_RESERVATION, "we hold no reservation with you")))
             return
         if self._incoming >= MAX_INCOMING or self._nursery is None:
-            await session.reply(env, RelayAck(ok=False, reason=f"busy ({MAX_INCOMING} circuits being set up)"))
+            await session.reply(env, RelayAck.refused(Refusal(Code.BUSY, f"busy ({MAX_INCOMING} circuits being set up)")))
             return
         self._incoming += 1
         await session.reply(env, RelayAck(ok=True))
@@ -176,5 +181,6 @@ class RelayClient:
         except SessionClosed as exc:
             raise ConnectionError(f"relay {short_id(relayed.relay_id)} left: {exc}") from None
         if not isinstance(reply, RelayConnectReply) or not reply.ok:
-            raise RelayRefused(f"relay refused: {reply.reason if isinstance(reply, RelayConnectReply) else 'no answer'}")
+            refused = reply.refusal() if isinstance(reply, RelayConnectReply) else None
+            raise RelayRefused(refused or Refusal(Code.UNKNOWN, "no answer"))
         return await self._through(relayed, reply.token, initiator=True, peer_id=info.peer_id)

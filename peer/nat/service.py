@@ -22,6 +22,7 @@ from peer.nat.punch import HolePuncher
 from peer.nat.reachability import Reachability
 from peer.nat.relay import RelayServer
 from peer.nat.relay_client import RelayClient
+from protocol.refusal import Code, Refusal
 
 log = logging.getLogger("peertrain.nat")
 
@@ -48,11 +49,12 @@ class NatService:
         m.dial_relayed = self.client.dial_via
         m.watch(self._on_peer)
 
-    def _offering(self) -> str | None:
+    def _offering(self) -> Refusal | None:
+        """Why we do not relay for others now, or None while we do."""
         if not self.cfg.relay.enabled:
-            return "relaying is off ([relay] enabled = false)"
+            return Refusal(Code.DISABLED, "relaying is off ([relay] enabled = false)")
         if self.reach.verdict != "public":
-            return f"not publicly reachable ({self.reach.verdict})"
+            return Refusal(Code.DISABLED, f"not publicly reachable ({self.reach.verdict})")
         return None
 
     def public_ip(self) -> str | None:

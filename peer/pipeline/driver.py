@@ -26,7 +26,9 @@ from peer.pipeline.balancer import Balancer
 from peer.pipeline.directory import PipelineKey
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
+from peertrain.swarm import TrainerStopped
 from protocol.errors import ProtocolError
+from protocol.refusal import ASKERS_FAULT, STALE_VIEW, TRY_LATER, Code, Refusal, Refused
 from protocol.schema.gossip import TensorSpec
 from protocol.schema.pipeline import StageCall, StageReply
 from protocol.schema.session import ErrorReply
@@ -37,14 +39,16 @@ log = logging.getLogger("peertrain.pipeline")
 DEADLINE_SLACK = 4.0  # a call's deadline allows this many times its expected time (plus the base timeout)
 ASSUMED_BYTES_PER_S = 10e6  # for a peer whose calls we never timed: a slow link (80 Mbit/s), so deadlines err long
 WAIT_POLL_S = 0.2  # how often a driver waiting for a stage looks again (a peer appears within a record interval)
-OUR_FAULT = {"bad_input", "wrong_specs", "too_big", "wrong_kind", "bad_codec"}
-# Refusals that say our stage map was stale: the peer moved to another stage, is (re)starting, or just left
-# (a move's handed-back calls). Not the peer failing: re-sent without using one of `max_retries`, the peer
-# avoided for that stage like a failing one, at most MAX_STALE times a call (a peer that lies this way only
-# gets itself avoided, and the bound ends the loop).
-STALE = {"wrong_stage", "not_serving", "moved"}
+# A refused call is handled by its code (protocol/refusal.py): TRY_LATER (the peer is full, not broken): re-sent,
+# the peer avoided only briefly (the balancer), no attempt used. ASKERS_FAULT (any peer of the stage would refuse
+# it again): the microbatch fails at once instead of being retried. STALE_VIEW (our stage map was stale: the peer
+# moved to another stage, is (re)starting, or just left, as a move's handed-back calls say): not the peer failing,
+# re-sent without using one of `max_retries`, the peer avoided for that stage like a failing one, at most
+# MAX_STALE times a call (a peer that lies this way only gets itself avoided, and the bound ends the loop).
+# Any other refusal, and a call that failed without one (_CallFailed), uses up an attempt.
 MAX_STALE = 16
-"""Refusals any peer of the stage would give us again: the microbatch fails at once instead of being retried."""
+NO_LOSS = Refusal(Code.BAD_INPUT, "the stage returned no loss (not finite?)")
+"""A loss or evaluate call answered without a finite loss: our inputs give any peer of the stage the same."""
 STOP_POLL_S = 0.2  # a trainer waiting for a free microbatch slot notices a stop this soon
 RECENT_FAILURES = 20  # failed microbatches kept for status, with their reasons
 
@@ -82,11 +86,8 @@ class MicrobatchFailed(Exception):
 
 
 class _CallFailed(Exception):
-    def __init__(self, reason: str, *, ours: bool = False, busy: bool = False, stale: bool = False):
-        super().__init__(reason)
-        self.ours = ours  # any peer would refuse it: do not retry
-        self.busy = busy  # the peer is full, not broken: does not use up an attempt
-        self.stale = stale  # our stage map was out of date (STALE): does not use up an attempt either
+    """A call that failed without being refused: no session, no answer by its deadline, the session ended, a
+    bad reply. Re-sent to another peer of the stage, using up an attempt (a refusal is `Refused`, by code)."""
 
 
 @dataclass
@@ -195,17 +196,19 @@ class Driver:
             t0 = trio.current_time()
             try:
                 result = await self._call_once(pid, peer, mb, stage, kind, tensors)
-            except _CallFailed as exc:
+            except (Refused, _CallFailed) as exc:
+                code = exc.code if isinstance(exc, Refused) else None
+                busy = code in TRY_LATER
                 balancer.done(pid, mb.batch, trio.current_time() - t0, trio.current_time(), failure=str(exc),
-                              busy=exc.busy)
+                              busy=busy)
                 last_error = f"{pid[:8]}: {exc}"
-                if exc.busy:  # full, not broken: avoided only briefly (the balancer), no attempt used
+                if busy:  # full, not broken: avoided only briefly (the balancer), no attempt used
                     self.stats.busy += 1
                     continue
-                if exc.ours:
+                if code in ASKERS_FAULT:
                     raise MicrobatchFailed(f"stage {stage} {kind}: {exc}") from None
                 tried.add(pid)
-                if exc.stale and stale < MAX_STALE:
+                if code in STALE_VIEW and stale < MAX_STALE:
                     stale += 1
                 else:
                     attempts += 1
@@ -234,15 +237,9 @@ class Driver:
         specs = [TensorSpec(f"in{i}", str(t.dtype).removeprefix("torch."), list(t.shape)) for i, t in enumerate(tensors)]
         call = StageCall(pipeline=self.key.name, cuts=list(self.key.cuts), stage=stage, kind=kind, batch=mb.batch,
                          seed=self._seed(mb, stage), tensors=specs, streams=[0] * len(specs), microbatch=mb.id)
-        try:
-            loss, outputs, _ = await self.service.server.compute_local(call, tensors)
-        except LookupError as exc:
-            code, reason = exc.args
-            raise _CallFailed(f"refused ({code}): {reason}", ours=code in OUR_FAULT, stale=code in STALE) from None
-        except ValueError as exc:
-            raise _CallFailed(f"refused (bad_input): {exc}", ours=True) from None
+        loss, outputs, _ = await self.service.server.compute_local(call, tensors)  # Refused as a peer would say
         if kind in ("loss", "evaluate") and loss is None:
-            raise _CallFailed("the stage returned no loss (not finite?)", ours=True)
+            raise Refused(NO_LOSS)
         return loss, outputs
 
     def deadline(self, pid: str, peer, batch: int, nbytes: int) -> float:
@@ -287,8 +284,7 @@ class Driver:
                                                       after=announced))
                 reply = replies[0]
                 if isinstance(reply, ErrorReply):
-                    raise _CallFailed(f"refused ({reply.code}): {reply.message[:300]}", ours=reply.code in OUR_FAULT,
-                                      busy=reply.code == "busy", stale=reply.code in STALE)
+                    raise Refused(reply.refusal())
                 if not isinstance(reply, StageReply):
                     raise ProtocolError(f"expected stage_reply, got {type(reply).__name__}")
                 outputs = await theirs.receive(timeout=timeout)
@@ -303,7 +299,7 @@ class Driver:
             if theirs is not None:
                 theirs.discard()
         if kind in ("loss", "evaluate") and reply.loss is None:
-            raise _CallFailed("the stage returned no loss (not finite?)", ours=True)
+            raise Refused(NO_LOSS)
         return reply.loss, outputs
 
 
@@ -324,8 +320,6 @@ class DriverHandle:
 
     def submit(self, mb: Microbatch, *, into: queue.SimpleQueue | None = None) -> None:
         """Start `mb` once fewer than `in_flight` are out; its outcome goes to `outcomes()` (or `into`)."""
-        from peer.trainer_host import TrainerStopped
-
         sink = self._outcomes if into is None else into
 
         async def go() -> None:

@@ -27,6 +27,7 @@ from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
 from protocol.schema.gossip import TensorSpec
 from protocol.schema.pipeline import StageCall, StageReply
+from protocol.refusal import Code, Refusal, Refused
 from protocol.schema.session import ErrorReply
 from protocol.tensor_codec import CODECS, FLOAT_DTYPES
 
@@ -49,15 +50,15 @@ class ServedStage:
     stage: int
     max_batch: int
     handler: StageHandler
-    ready: bool = True  # False while a joining peer loads the stage's state: calls are refused (`not_serving`)
+    ready: bool = True  # False while a joining peer loads the stage's state: calls are refused (NOT_SERVING)
 
 
 @dataclass
 class ServerStats:
     served: int = 0
-    refused: Counter = field(default_factory=Counter)  # refusal code -> count
+    refused: Counter = field(default_factory=Counter)  # refusal code (its wire value) -> count
     failed: int = 0  # accepted calls that did not complete (deadline, session lost, bad input)
-    handed_back: int = 0  # accepted calls answered `moved`: we switched stage while they waited (re-sent elsewhere)
+    handed_back: int = 0  # accepted calls answered MOVED: we switched stage while they waited (re-sent elsewhere)
     queue: int = 0  # calls held now (receiving, waiting for compute, computing or replying)
     compute_s: float = 0.0
     last_error: str = ""
@@ -71,50 +72,56 @@ class StageServer:
         self.per_peer: Counter = Counter()  # driver -> calls held for it now
         self.compute_lock = trio.Lock()  # one computation at a time (see module docstring)
 
-    def refusal(self, call: StageCall, peer_id: str) -> tuple[str, str] | None:
-        """Why we will not take `call` from `peer_id`, as an ErrorReply's (code, message), or None."""
+    def refusal(self, call: StageCall, peer_id: str) -> Refusal | None:
+        """Why we will not take `call` from `peer_id`, or None."""
         st = self.stage
         if st is None:
-            return "not_serving", "this peer serves no pipeline stage"
+            return Refusal(Code.NOT_SERVING, "this peer serves no pipeline stage")
         if call.pipeline != st.key.name:
-            return "wrong_pipeline", f"this peer serves pipeline {st.key.name!r}, not {call.pipeline[:64]!r}"
+            return Refusal(Code.WRONG_PIPELINE, f"this peer serves pipeline {st.key.name!r}, not {call.pipeline[:64]!r}")
         if tuple(call.cuts) != st.key.cuts:
-            return "wrong_cut", f"this peer cuts the model at {list(st.key.cuts)}, not {call.cuts}"
+            return Refusal(Code.WRONG_CUT, f"this peer cuts the model at {list(st.key.cuts)}, not {call.cuts}")
         if call.stage != st.stage:
-            return "wrong_stage", f"this peer serves stage {st.stage}, not {call.stage}"
+            return Refusal(Code.WRONG_STAGE, f"this peer serves stage {st.stage}, not {call.stage}")
         if not st.ready:
-            return "not_serving", f"this peer is loading stage {st.stage}'s state from its peers"
+            return Refusal(Code.NOT_SERVING, f"this peer is loading stage {st.stage}'s state from its peers")
         if call.kind not in st.handler.kinds():
-            return "wrong_kind", f"stage {st.stage} does not serve {call.kind!r} (it serves {', '.join(st.handler.kinds())})"
+            return Refusal(Code.WRONG_KIND, f"stage {st.stage} does not serve {call.kind!r} "
+                                            f"(it serves {', '.join(st.handler.kinds())})")
         if call.batch > st.max_batch:
-            return "too_big", f"batch {call.batch} is over this stage's max_batch {st.max_batch}"
+            return Refusal(Code.TOO_BIG, f"batch {call.batch} is over this stage's max_batch {st.max_batch}")
         if call.codec not in CODECS:
-            return "bad_codec", f"unknown codec {call.codec[:20]!r}"
+            return Refusal(Code.BAD_CODEC, f"unknown codec {call.codec[:20]!r}")
         want = [(d, list(s)) for _, d, s in st.handler.input_specs(call.kind, call.batch)]
         got = [(s.dtype, list(s.shape)) for s in call.tensors]  # names are the driver's to choose
         if got != want:
-            return "wrong_specs", f"{call.kind} of stage {st.stage} with batch {call.batch} takes (dtype, shape) {want}, not {got}"[:500]
+            return Refusal(Code.WRONG_SPECS, f"{call.kind} of stage {st.stage} with batch {call.batch} takes "
+                                             f"(dtype, shape) {want}, not {got}"[:500])
         if self.stats.queue >= self.cfg.max_queue:
-            return "busy", f"{self.stats.queue} calls held, the most this peer takes ([pipeline] max_queue)"
+            return Refusal(Code.BUSY, f"{self.stats.queue} calls held, the most this peer takes ([pipeline] max_queue)")
         if self.per_peer[peer_id] >= self.cfg.max_queue_per_peer:
-            return "busy", f"{self.per_peer[peer_id]} of your calls held, the most one driver may have ([pipeline] max_queue_per_peer)"
+            return Refusal(Code.BUSY, f"{self.per_peer[peer_id]} of your calls held, the most one driver may have "
+                                      "([pipeline] max_queue_per_peer)")
         return None
 
     async def compute_local(self, call: StageCall, tensors: list[Any]) -> tuple[float | None, list[Any], float]:
-        """A call from our own driver to our own stage: the same checks and compute, no wire.
-        Raises LookupError(code, reason) when refused, ValueError when the stage rejects the inputs."""
+        """A call from our own driver to our own stage: the same checks and compute, no wire. Raises Refused
+        when refused, as a peer would answer: by the checks, MOVED, or BAD_INPUT when the stage rejects the inputs."""
         refused = self.refusal(call, "")
-        if refused is not None and refused[0] != "busy":  # our own calls wait for the compute lock instead
-            raise LookupError(*refused)
+        if refused is not None and refused.code is not Code.BUSY:  # our own calls wait for the compute lock instead
+            raise Refused(refused)
         st = self.stage
         self.stats.queue += 1
         try:
             async with self.compute_lock:
                 if self.stage is not st:
                     self.stats.handed_back += 1
-                    raise LookupError("moved", "this peer moved to another stage while the call waited")
+                    raise Refused(Refusal(Code.MOVED, "this peer moved to another stage while the call waited"))
                 t0 = time.perf_counter()
-                loss, outputs = await trio.to_thread.run_sync(st.handler.compute, call.kind, tensors, call.seed)
+                try:
+                    loss, outputs = await trio.to_thread.run_sync(st.handler.compute, call.kind, tensors, call.seed)
+                except ValueError as exc:  # the stage refused the inputs (NaN, out of range)
+                    raise Refused(Refusal(Code.BAD_INPUT, str(exc))) from None
                 seconds = time.perf_counter() - t0
         finally:
             self.stats.queue -= 1
@@ -131,8 +138,8 @@ class StageServer:
         theirs = IncomingGroup(session, call.streams, specs if refused is None else [], as_torch=True)
         if refused is not None:
             theirs.discard()  # the tensors follow the call: drop them as they come
-            self.stats.refused[refused[0]] += 1
-            await session.reply(env, ErrorReply(code=refused[0], message=refused[1]))
+            self.stats.refused[refused.code.value] += 1
+            await session.reply(env, ErrorReply.of(refused))
             return
         self.stats.queue += 1
         self.per_peer[session.peer_id] += 1
@@ -148,8 +155,8 @@ class StageServer:
                 async with self.compute_lock:
                     if self.stage is not st:  # we moved (or stopped serving) while it waited: hand it back
                         self.stats.handed_back += 1
-                        await session.reply(env, ErrorReply(code="moved", message="this peer left the stage while "
-                                                                                  "the call waited; send it to another"))
+                        await session.reply(env, ErrorReply.of(Refusal(Code.MOVED, "this peer left the stage while "
+                                                                                   "the call waited; send it to another")))
                         return
                     t0 = time.perf_counter()
                     try:
@@ -158,7 +165,7 @@ class StageServer:
                         self.stats.failed += 1
                         self.stats.last_error = f"{session.short}: {call.kind} mb {call.microbatch}: {exc}"[:300]
                         log.warning("stage call from %s refused: %s", session.short, exc)
-                        await session.reply(env, ErrorReply(code="bad_input", message=str(exc)[:500]))
+                        await session.reply(env, ErrorReply.of(Refusal(Code.BAD_INPUT, str(exc)[:500])))
                         return
                     seconds = time.perf_counter() - t0
                 self.stats.compute_s += seconds

@@ -34,6 +34,7 @@ from peer.pipeline.directory import PipelineKey
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
 from protocol.errors import ProtocolError
+from protocol.refusal import Code, Refusal
 from protocol.schema.gossip import TensorSpec
 from protocol.schema.pipeline import MAX_COPIES, MAX_STEP, StageCopy, StageStateReply, StageStateRequest
 from protocol.schema.session import ErrorReply
@@ -65,13 +66,18 @@ class FetchedState:
 
 
 class StateUnavailable(Exception):
-    """The state could not be had from that peer; the message says why."""
+    """The state could not be had from that peer; the message says why, and `refusal` what the peer said
+    when it refused (None when the fetch failed otherwise: no session, a deadline, a bad reply)."""
+
+    def __init__(self, reason: str, refusal: Refusal | None = None):
+        super().__init__(reason)
+        self.refusal = refusal
 
 
 @dataclass
 class StateStats:
     served: int = 0
-    refused: Counter = field(default_factory=Counter)  # refusal code -> count
+    refused: Counter = field(default_factory=Counter)  # refusal code (its wire value) -> count
     fetched: int = 0
     fetch_failed: int = 0
     last_error: str = ""
@@ -102,27 +108,28 @@ class StageStates:
                 if k == key and s != serving]
 
     # ---- serving ---------------------------------------------------------------------------------
-    def refusal(self, req: StageStateRequest, peer_id: str) -> tuple[str, str] | None:
+    def refusal(self, req: StageStateRequest, peer_id: str) -> Refusal | None:
+        """Why we will not send `peer_id` the state it asks for, or None."""
         key = PipelineKey(req.pipeline, tuple(req.cuts))
         theirs = self.service.announcements().get(peer_id)
         if theirs is None or PipelineKey.of(theirs) != key:
-            return "not_a_member", "only a peer announcing a stage of this pipeline (same cut) may fetch its state"
+            return Refusal(Code.NOT_A_MEMBER, "only a peer announcing a stage of this pipeline (same cut) may fetch its state")
         st = self.service.server.stage
         live = st is not None and st.key == key and st.stage == req.stage
         if not live and (key, req.stage) not in self.copies:
-            return "no_state", f"this peer neither serves nor keeps stage {req.stage} of {req.pipeline[:64]!r}"
+            return Refusal(Code.NO_STATE, f"this peer neither serves nor keeps stage {req.stage} of {req.pipeline[:64]!r}")
         if self.uploads >= self.cfg.max_state_uploads:
-            return "busy", f"{self.uploads} stage states being sent, the most this peer sends at once"
+            return Refusal(Code.BUSY, f"{self.uploads} stage states being sent, the most this peer sends at once")
         if self.per_peer[peer_id]:
-            return "busy", "one stage state per peer at a time"
+            return Refusal(Code.BUSY, "one stage state per peer at a time")
         return None
 
     async def on_request(self, session, env, nursery: trio.Nursery) -> None:
         req: StageStateRequest = env.message
         refused = self.refusal(req, session.peer_id)
         if refused is not None:
-            self.stats.refused[refused[0]] += 1
-            await session.reply(env, ErrorReply(code=refused[0], message=refused[1]))
+            self.stats.refused[refused.code.value] += 1
+            await session.reply(env, ErrorReply.of(refused))
             return
         self.uploads += 1
         self.per_peer[session.peer_id] += 1
@@ -140,7 +147,7 @@ class StageStates:
                 else:
                     kept = self.copies.get((key, req.stage))
                     if kept is None:
-                        await session.reply(env, ErrorReply(code="no_state", message="the copy is gone"))
+                        await session.reply(env, ErrorReply.of(Refusal(Code.NO_STATE, "the copy is gone")))
                         return
                     tensors, step, samples, live = kept.tensors, kept.step, kept.samples, False
                 specs = [TensorSpec(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in tensors]
@@ -183,7 +190,8 @@ class StageStates:
                                             timeout=self.cfg.state_timeout)
                 reply = env.message
                 if isinstance(reply, ErrorReply):
-                    raise StateUnavailable(f"refused ({reply.code}): {reply.message[:200]}")
+                    refusal = reply.refusal()
+                    raise StateUnavailable(str(refusal), refusal)
                 if not isinstance(reply, StageStateReply):
                     raise ProtocolError(f"expected stage_state_reply, got {type(reply).__name__}")
                 specs = list(reply.tensors)

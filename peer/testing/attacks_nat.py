@@ -79,7 +79,8 @@ async def dialback_elsewhere(status: dict) -> Observed:
             n.cancel_scope.cancel()
     results = [r for reply in (first, again) if isinstance(reply, DialBackReply) for r in reply.results]
     obs.facts["reasons"] = [r.reason for r in results]
-    obs.ok = len(results) == 5 and all(not r.ok and r.reason.startswith("not tried") for r in results)
+    obs.facts["codes"] = [r.code for r in results]
+    obs.ok = len(results) == 5 and all(not r.ok and r.refusal() is not None for r in results)
     obs.reason = "; ".join(dict.fromkeys(obs.facts["reasons"]))[:300]
     return obs
 

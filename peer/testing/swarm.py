@@ -19,7 +19,7 @@ from peer.config import Config, to_toml
 from peer.home import Home, atomic_write
 from peer.testing.daemon import DaemonProcess
 from peer.testing.process import stop_all, wait_for
-from peer.trainer_host import RANK_ENV, WORLD_ENV
+from peertrain.swarm import RANK_ENV, WORLD_ENV
 
 CONNECT_TIMEOUT = 60.0  # 8 daemons on 2 loaded cores connect in ~5 s (peer bench discovery); generous
 NODE_PREFIX = "node"  # `peer local` names its daemons node1, node2, ...

@@ -1,24 +1,27 @@
 """Topology records: ours, signed and flooded to every session; others', admitted to the view only from an
 origin we know or through a neighbour that vouches for it, bounded in number, and read into the `GraphView`.
 
-A part of the topology service (TopologyService inherits it), as the averaging engine's download.py is of
-the engine: it shares the service's neighbours, links and membership (see peer/topology/service.py for the
-attributes it uses). The records' fields and sizes are bounded when they are decoded
-(protocol/schema/topology.py); this module bounds what a daemon holds of them.
+`signed_record` makes ours; a `RecordBook` holds others' and makes the view. The topology service
+(peer/topology/service.py) owns the book, floods the records on its schedule and tells the book whom we
+met; the book asks it only whether a sender is a neighbour. The records' fields and sizes are bounded
+when they are decoded (protocol/schema/topology.py); this module bounds what a daemon holds of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import time
+from collections.abc import Callable, Iterable, Mapping
 
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from peer.topology.graph import GraphView, LinkEstimate, edge_key
+from peer.topology.links import LinkStats
 from protocol import identity as ident
 from protocol.schema import DEFAULT_REGISTRY
+from protocol.schema.pipeline import StageAnnouncement
 from protocol.schema.topology import (
     MAX_BANDWIDTH_BPS, MAX_RECORD_GROUPS, MAX_RECORD_LINKS, MAX_RECORD_NEIGHBOURS, MAX_RECORDS_PER_MESSAGE, MAX_RTT_S,
     LinkReport, TopologyRecord, TopologyRecords, topology_record_signing_bytes)
@@ -38,27 +41,66 @@ MAX_MET_PEERS = MAX_VIEW_RECORDS
 view: no more than the view can hold. Each costs a peer a real handshake, so it is no way to flood the view."""
 
 
-class RecordFlooding:
-    """The records half of TopologyService (see peer/topology/service.py for the attributes it uses)."""
+def signed_record(identity: Ed25519PrivateKey, me: str, *, version: int, neighbours: Iterable[str],
+                  links: Mapping[str, LinkStats], stage: StageAnnouncement | None, groups: list[str]) -> TopologyRecord:
+    """Our signed record: neighbours, measured links (clamped to the schema's ranges), stage and groups,
+    each list cut to the schema's bound."""
+    reports = [LinkReport(peer=p, bandwidth_bps=None if s.bandwidth_bps is None else min(s.bandwidth_bps, MAX_BANDWIDTH_BPS),
+                          rtt_s=None if s.rtt_s is None else min(s.rtt_s, MAX_RTT_S))
+               for p, s in sorted(links.items()) if s.bandwidth_bps is not None or s.rtt_s is not None]
+    rec = TopologyRecord(peer_id=me, public_key=ident.public_key_bytes(identity), version=version,
+                         issued=time.time(), neighbours=sorted(neighbours)[:MAX_RECORD_NEIGHBOURS],
+                         links=reports[:MAX_RECORD_LINKS], signature=b"", stage=stage,
+                         groups=groups[:MAX_RECORD_GROUPS])
+    sig = ident.sign(identity, topology_record_signing_bytes(rec))
+    return dataclasses.replace(rec, signature=sig)
+
+
+class RecordBook:
+    """Others' records: which are admitted, the latest of each origin (at most MAX_VIEW_RECORDS), the
+    view they make with my own edges and links, and the batches a broadcast sends them in.
+
+    Its one question to its owner is `is_neighbour(peer_id)` (a neighbour vouches for what it relays)."""
+
+    def __init__(self, me: str, *, is_neighbour: Callable[[str], bool]):
+        self.me = me
+        self._is_neighbour = is_neighbour
+        self.records: dict[str, TopologyRecord] = {}  # the latest of each origin
+        self.seen: dict[str, float] = {}  # trio clock when each was last refreshed
+        self.wire_bytes: dict[str, int] = {}  # encoded size of each, to split broadcasts
+        self.met: dict[str, None] = {}  # peers we have or had a session with, oldest first (MAX_MET_PEERS)
+        self.unvouched = 0  # records refused: unknown origin from a sender that is no neighbour
+
+    def met_session(self, peer_id: str) -> None:
+        """We have a session with `peer_id`: its records are admitted (the oldest acquaintance is forgotten first)."""
+        self.met.pop(peer_id, None)  # most recent last
+        self.met[peer_id] = None
+        while len(self.met) > MAX_MET_PEERS:
+            del self.met[next(iter(self.met))]
+
+    def get(self, peer_id: str) -> TopologyRecord | None:
+        return self.records.get(peer_id)
 
     def holds(self, peer_id: str, group: str) -> bool | None:
         """Does `peer_id`'s latest record list averaging group `group`? None: no record of it yet."""
         rec = self.records.get(peer_id)
         return None if rec is None else group in rec.groups
 
-    def fresh_records(self) -> list[TopologyRecord]:
-        """Others' records refreshed within RECORD_TTL (a peer that stopped refreshing is gone)."""
+    def fresh(self) -> list[TopologyRecord]:
+        """Records refreshed within RECORD_TTL (a peer that stopped refreshing is gone)."""
         now = trio.current_time()
-        return [r for pid, r in self.records.items() if now - self.record_seen.get(pid, -1e9) < RECORD_TTL]
+        return [r for pid, r in self.records.items() if now - self.seen.get(pid, -1e9) < RECORD_TTL]
 
-    def view(self) -> GraphView:
-        """The graph as far as I know it: my edges for sure, others' from their fresh records."""
+    def view(self, connected: Iterable[str], my_neighbours: Iterable[str],
+             my_links: Mapping[str, LinkStats]) -> GraphView:
+        """The graph as far as I know it: my edges for sure, others' from their fresh records (and the
+        records of peers I have a session with, however old)."""
         now = trio.current_time()
-        live = set(self.membership.connected()) | {self.me}
+        live = set(connected) | {self.me}
         nodes = set(live)
-        claims: dict[str, set[str]] = {self.me: set(self.neighbours)}
+        claims: dict[str, set[str]] = {self.me: set(my_neighbours)}
         for pid, rec in self.records.items():
-            if now - self.record_seen.get(pid, -1e9) > RECORD_TTL and pid not in live:
+            if now - self.seen.get(pid, -1e9) > RECORD_TTL and pid not in live:
                 continue
             nodes.add(pid)
             claims[pid] = set(rec.neighbours)
@@ -75,62 +117,30 @@ class RecordFlooding:
         for pid, rec in self.records.items():
             if pid in nodes:
                 reports[pid] = {lr.peer: LinkEstimate(lr.bandwidth_bps, lr.rtt_s) for lr in rec.links if lr.peer in nodes and lr.peer != pid}
-        reports[self.me] = {p: s.estimate() for p, s in self.links.items() if p in nodes and p != self.me}
+        reports[self.me] = {p: s.estimate() for p, s in my_links.items() if p in nodes and p != self.me}
         return GraphView.from_reports(nodes, edges, reports)
 
-    def own_record(self) -> TopologyRecord:
-        links = [LinkReport(peer=p, bandwidth_bps=None if s.bandwidth_bps is None else min(s.bandwidth_bps, MAX_BANDWIDTH_BPS),
-                            rtt_s=None if s.rtt_s is None else min(s.rtt_s, MAX_RTT_S))
-                 for p, s in sorted(self.links.items()) if s.bandwidth_bps is not None or s.rtt_s is not None]
-        rec = TopologyRecord(peer_id=self.me, public_key=ident.public_key_bytes(self.identity), version=self.version,
-                             issued=time.time(), neighbours=sorted(self.neighbours)[:MAX_RECORD_NEIGHBOURS],
-                             links=links[:MAX_RECORD_LINKS], signature=b"", stage=self.announce_stage(),
-                             groups=self.announce_groups()[:MAX_RECORD_GROUPS])
-        sig = ident.sign(self.identity, topology_record_signing_bytes(rec))
-        return dataclasses.replace(rec, signature=sig)
-
-    async def _record_loop(self) -> None:
-        while True:
-            # refresh RTTs from membership's heartbeats
-            for pid, info in self.membership.peers.items():
-                if info.rtt is not None and info.state == "connected":
-                    self.link(pid).rtt_s = info.rtt
-            self._changed = trio.Event()  # changes from here on trigger the next broadcast early
-            try:
-                await self._broadcast()
-            except Exception:  # a bug here must not end the daemon: the next round tries again
-                log.exception("topology record broadcast failed; retrying next round")
-            with trio.move_on_after(self.cfg.record_interval * random.uniform(0.8, 1.2)):
-                await self._changed.wait()
-                await trio.sleep(0.05)  # coalesce bursts of changes
-
-    def broadcast_messages(self) -> list[TopologyRecords]:
+    def broadcast_messages(self, own: TopologyRecord, max_message_bytes: int) -> list[TopologyRecords]:
         """Our record and the fresh ones we hold, split into messages under the message limit.
 
         A record's size is that of a message holding it alone, an upper bound on what it adds to a
         batch, so no batch can exceed the limit whatever records we hold."""
-        own = self.own_record()
         now = trio.current_time()
-        fresh = [(own, _wire_bytes(own))] + [(r, self.record_bytes[pid]) for pid, r in self.records.items()
-                                             if now - self.record_seen.get(pid, -1e9) < RECORD_TTL]
-        budget = self.daemon.transport.limits.max_message_bytes
+        fresh = [(own, _wire_bytes(own))] + [(r, self.wire_bytes[pid]) for pid, r in self.records.items()
+                                             if now - self.seen.get(pid, -1e9) < RECORD_TTL]
         batches: list[list[TopologyRecord]] = [[]]
         size = 0
         for rec, n in fresh:
-            if n > budget:  # only a tiny configured message limit can make one record too big
+            if n > max_message_bytes:  # only a tiny configured message limit can make one record too big
                 log.warning("topology record of %s (%d bytes) exceeds max_message_bytes; not sent",
                             ident.short_id(rec.peer_id), n)
                 continue
-            if batches[-1] and (size + n > budget or len(batches[-1]) >= MAX_RECORDS_PER_MESSAGE):
+            if batches[-1] and (size + n > max_message_bytes or len(batches[-1]) >= MAX_RECORDS_PER_MESSAGE):
                 batches.append([])
                 size = 0
             batches[-1].append(rec)
             size += n
         return [TopologyRecords(records=b) for b in batches if b]
-
-    async def _broadcast(self) -> None:
-        # to every session at once, waiting on none: a peer that stops reading delays only itself (Fanout)
-        self._fanout.send(self._nursery, list(self.membership.connected().values()), *self.broadcast_messages())
 
     def admits(self, origin: str, sender: str) -> bool:
         """Whether a record of `origin` relayed by `sender` may enter the view: we have (or recently had)
@@ -138,15 +148,17 @@ class RecordFlooding:
         for it: honest records flood along neighbour edges, so every peer still hears of every other), or
         the view holds the origin already (a newer signed record of it adds nothing to hold). So a peer
         that is no neighbour of ours cannot fill the view with throwaway identities."""
-        return origin in self.met or sender in self.neighbours or origin in self.records
+        return origin in self.met or self._is_neighbour(sender) or origin in self.records
 
-    async def _on_records(self, session, env) -> None:
+    def receive(self, records: Iterable[TopologyRecord], sender: str) -> list[TopologyRecord]:
+        """Hold the admitted, newer, authentic ones of `records` relayed by `sender`; return those."""
         # the schema bounded each record's fields and size at decode time (a bad one closed the session)
+        taken: list[TopologyRecord] = []
         refused = 0
-        for rec in env.message.records:
+        for rec in records:
             if rec.peer_id == self.me:
                 continue
-            if not self.admits(rec.peer_id, session.peer_id):
+            if not self.admits(rec.peer_id, sender):
                 # not a protocol error: an honest peer floods records of peers we have not met
                 refused += 1
                 continue
@@ -155,22 +167,23 @@ class RecordFlooding:
                 continue
             if ident.peer_id_from_public_bytes(rec.public_key) != rec.peer_id or not ident.verify(
                     rec.public_key, rec.signature, topology_record_signing_bytes(rec)):
-                log.debug("dropping topology record for %s relayed by %s: bad signature", ident.short_id(rec.peer_id), session.short)
+                log.debug("dropping topology record for %s relayed by %s: bad signature", ident.short_id(rec.peer_id),
+                          ident.short_id(sender))
                 continue
             self.records[rec.peer_id] = rec
-            self.record_seen[rec.peer_id] = trio.current_time()
-            self.record_bytes[rec.peer_id] = _wire_bytes(rec)
-            if rec.peer_id in self.neighbours:
-                self.neighbours[rec.peer_id].degree = len(rec.neighbours)
+            self.seen[rec.peer_id] = trio.current_time()
+            self.wire_bytes[rec.peer_id] = _wire_bytes(rec)
+            taken.append(rec)
         if refused:
-            self.records_unvouched += refused
+            self.unvouched += refused
             log.debug("%d topology records from %s refused: origins unknown to us and it is no neighbour",
-                      refused, session.short)
+                      refused, ident.short_id(sender))
         if len(self.records) > MAX_VIEW_RECORDS:  # bound memory: forget the stalest
-            for pid in sorted(self.records, key=lambda p: self.record_seen.get(p, 0))[:len(self.records) - MAX_VIEW_RECORDS]:
+            for pid in sorted(self.records, key=lambda p: self.seen.get(p, 0))[:len(self.records) - MAX_VIEW_RECORDS]:
                 self.records.pop(pid, None)
-                self.record_seen.pop(pid, None)
-                self.record_bytes.pop(pid, None)
+                self.seen.pop(pid, None)
+                self.wire_bytes.pop(pid, None)
+        return taken
 
 
 def _wire_bytes(rec: TopologyRecord) -> int:

@@ -1,10 +1,10 @@
 """The topology service: which peers are my gossip neighbours, and how the graph improves over time.
 
-Edges are agreed by both endpoints with propose → accept → commit (edges.py). Every peer floods a
-signed `TopologyRecord` (neighbours + measured links); the latest records form the local `GraphView`
-(records.py) from which mixing weights, the spectral gap and rewiring moves are computed. Fixed kinds
-(ring, exponential, random_regular, full) derive the wanted edges from the sorted IDs of known peers;
-`rewired` asks `plan_move` for one randomized, rate-limited move at a time.
+Edges are agreed by both endpoints with propose → accept → commit (an `Edges`, edges.py). Every peer
+floods a signed `TopologyRecord` (neighbours + measured links); the latest records (a `RecordBook`,
+records.py) form the local `GraphView` from which mixing weights, the spectral gap and rewiring moves
+are computed. Fixed kinds (ring, exponential, random_regular, full) derive the wanted edges from the
+sorted IDs of known peers; `rewired` asks `plan_move` for one randomized, rate-limited move at a time.
 
 Link figures come from real averaging transfers (`record_transfer`) and, for candidates we are not yet
 neighbours with, small probes within a byte budget.
@@ -21,11 +21,12 @@ from collections.abc import Callable
 import numpy as np
 import trio
 
-from peer.topology.edges import EdgeChanges, Neighbour
+from peer.topology.edges import Edges, Neighbour
 from peer.topology.fixed import build_fixed
+from peer.topology.graph import GraphView
 from peer.topology.links import LinkStats
 from peer.topology.mixing import metropolis_weight
-from peer.topology.records import MAX_MET_PEERS, RecordFlooding
+from peer.topology.records import RecordBook, signed_record
 from peer.topology.rewire import RewireConfig, plan_move
 from peer.topology.spectral import SpectralWorker
 from peer.session.fanout import Fanout
@@ -41,7 +42,9 @@ PROBE_BYTES = 256 * 1024
 PROBE_EVERY = 10.0  # seconds between probes of one peer (neighbours too: estimates must be comparable)
 
 
-class TopologyService(EdgeChanges, RecordFlooding):
+class TopologyService:
+    """Owns my `Edges` and the `RecordBook` of others' records, and decides which edges to want."""
+
     name = "topology"
 
     def __init__(self, daemon, *, shard_bytes: int = 16 << 20):
@@ -50,15 +53,10 @@ class TopologyService(EdgeChanges, RecordFlooding):
         self.me = daemon.peer_id
         self.identity = daemon.identity
         self.membership = daemon.membership
-        self.neighbours: dict[str, Neighbour] = {}
-        self.reserved: dict[str, tuple[float, int]] = {}  # accepted, not yet committed: (deadline, proposal rid)
-        self.pending_out: set[str] = set()
-        self.records: dict[str, TopologyRecord] = {}
-        self.record_seen: dict[str, float] = {}
-        self.record_bytes: dict[str, int] = {}  # encoded size of each held record, to split broadcasts
+        self.edges = Edges(self.cfg, sessions=self.membership.connected, wanted_fixed=self._wanted_fixed,
+                           changed=self._bump, dropped_by_them=lambda: self._others_moved.set())
+        self.records = RecordBook(self.me, is_neighbour=self.is_neighbour)
         self.links: dict[str, LinkStats] = {}
-        self.met: dict[str, None] = {}  # peers we have or had a session with, oldest first (MAX_MET_PEERS)
-        self.records_unvouched = 0  # records refused: unknown origin from a sender that is no neighbour
         self.spectral = SpectralWorker()
         self._gap_stale = trio.Event()  # status saw a view whose gap is not computed yet
         # Records are ordered by version: start from the wall clock in ms, so a restarted daemon (same identity)
@@ -77,17 +75,21 @@ class TopologyService(EdgeChanges, RecordFlooding):
         # the averaging groups our record lists (set by the gossip engine)
         self.announce_groups: Callable[[], list[str]] = lambda: []
         r = daemon.router
-        r.register(EdgePropose, self._on_propose)
-        r.register(EdgeCommit, self._on_commit)
-        r.register(EdgeDrop, self._on_drop)
+        r.register(EdgePropose, self.edges.on_propose)
+        r.register(EdgeCommit, self.edges.on_commit)
+        r.register(EdgeDrop, self.edges.on_drop)
         r.register(TopologyRecords, self._on_records)
         r.register(ProbeRequest, self._on_probe)
         self.membership.watch(self._on_peer)
 
     # ---- queries used by the gossip engine and status -----------------------------------------------
     @property
+    def neighbours(self) -> dict[str, Neighbour]:
+        return self.edges.neighbours
+
+    @property
     def degree(self) -> int:
-        return len(self.neighbours)
+        return self.edges.degree
 
     def is_neighbour(self, peer_id: str) -> bool:
         return peer_id in self.neighbours
@@ -105,6 +107,18 @@ class TopologyService(EdgeChanges, RecordFlooding):
     def record_transfer(self, peer_id: str, nbytes: int, seconds: float) -> None:
         self.link(peer_id).add_transfer(nbytes, seconds, trio.current_time())
 
+    def holds(self, peer_id: str, group: str) -> bool | None:
+        """Does `peer_id`'s latest record list averaging group `group`? None: no record of it yet."""
+        return self.records.holds(peer_id, group)
+
+    def fresh_records(self) -> list[TopologyRecord]:
+        """Others' records refreshed within RECORD_TTL (a peer that stopped refreshing is gone)."""
+        return self.records.fresh()
+
+    def view(self) -> GraphView:
+        """The graph as far as I know it: my edges for sure, others' from their fresh records."""
+        return self.records.view(self.membership.connected(), self.neighbours, self.links)
+
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as n:
@@ -117,22 +131,50 @@ class TopologyService(EdgeChanges, RecordFlooding):
 
     def _on_peer(self, peer_id: str, session) -> None:
         if session is None:
-            if self.neighbours.pop(peer_id, None) is not None:
-                log.info("neighbour %s lost (session ended); degree %d", ident.short_id(peer_id), self.degree)
-                self._bump()
-            self.reserved.pop(peer_id, None)
+            self.edges.session_ended(peer_id)
         else:
-            self.met.pop(peer_id, None)  # most recent last: the oldest acquaintance is forgotten first
-            self.met[peer_id] = None
-            while len(self.met) > MAX_MET_PEERS:
-                del self.met[next(iter(self.met))]
+            self.records.met_session(peer_id)
             self.link(peer_id)
             self._changed.set()
         self._others_moved.set()
 
     def _bump(self) -> None:
+        """Our edges changed: issue a newer record, and broadcast it early."""
         self.version += 1
         self._changed.set()
+
+    # ---- records ------------------------------------------------------------------------------------
+    def own_record(self) -> TopologyRecord:
+        return signed_record(self.identity, self.me, version=self.version, neighbours=self.neighbours,
+                             links=self.links, stage=self.announce_stage(), groups=self.announce_groups())
+
+    def broadcast_messages(self) -> list[TopologyRecords]:
+        """Our record and the fresh ones we hold, in messages under the message limit."""
+        return self.records.broadcast_messages(self.own_record(), self.daemon.transport.limits.max_message_bytes)
+
+    async def _record_loop(self) -> None:
+        while True:
+            # refresh RTTs from membership's heartbeats
+            for pid, info in self.membership.peers.items():
+                if info.rtt is not None and info.state == "connected":
+                    self.link(pid).rtt_s = info.rtt
+            self._changed = trio.Event()  # changes from here on trigger the next broadcast early
+            try:
+                await self._broadcast()
+            except Exception:  # a bug here must not end the daemon: the next round tries again
+                log.exception("topology record broadcast failed; retrying next round")
+            with trio.move_on_after(self.cfg.record_interval * random.uniform(0.8, 1.2)):
+                await self._changed.wait()
+                await trio.sleep(0.05)  # coalesce bursts of changes
+
+    async def _broadcast(self) -> None:
+        # to every session at once, waiting on none: a peer that stops reading delays only itself (Fanout)
+        self._fanout.send(self._nursery, list(self.membership.connected().values()), *self.broadcast_messages())
+
+    async def _on_records(self, session, env) -> None:
+        for rec in self.records.receive(env.message.records, session.peer_id):
+            if rec.peer_id in self.neighbours:
+                self.neighbours[rec.peer_id].degree = len(rec.neighbours)
 
     # ---- keeping the graph good ---------------------------------------------------------------------
     def _wanted_fixed(self) -> set[str]:
@@ -147,10 +189,7 @@ class TopologyService(EdgeChanges, RecordFlooding):
 
     async def _maintain_loop(self) -> None:
         while True:
-            now = trio.current_time()
-            for pid, (deadline, _) in list(self.reserved.items()):
-                if deadline < now:
-                    self.reserved.pop(pid, None)
+            self.edges.expire_reservations(trio.current_time())
             try:
                 if self.cfg.kind == "rewired":
                     await self._rewire_once()
@@ -179,10 +218,10 @@ class TopologyService(EdgeChanges, RecordFlooding):
         wanted = self._wanted_fixed()
         for pid in list(self.neighbours):
             if pid not in wanted:
-                await self.drop_edge(pid, f"not in the {self.cfg.kind} topology")
+                await self.edges.drop(pid, f"not in the {self.cfg.kind} topology")
         for pid in sorted(wanted - set(self.neighbours)):
             if self.me < pid:  # one side proposes, so fixed edges are not proposed twice
-                await self.add_edge(pid, f"{self.cfg.kind} topology")
+                await self.edges.add(pid, f"{self.cfg.kind} topology")
 
     async def _rewire_once(self) -> None:
         view = self.view()
@@ -196,14 +235,14 @@ class TopologyService(EdgeChanges, RecordFlooding):
             return
         ok = True
         if move.add is not None:
-            ok = await self.add_edge(move.add, move.reason)
+            ok = await self.edges.add(move.add, move.reason)
         if ok and move.drop is not None:
             # never drop an edge that would leave the neighbour below min degree as far as we know
             # (a relink: below it by one at most, never without neighbours)
             nd = self.neighbours.get(move.drop)
             keep = max(1, self.cfg.min_degree - 1) if move.drop_below_min else self.cfg.min_degree
             if nd is None or view.degree(move.drop) > keep:
-                await self.drop_edge(move.drop, move.reason)
+                await self.edges.drop(move.drop, move.reason)
         if ok:
             self.moves += 1
             self.last_move = (f"{move.kind}: " + (f"+{ident.short_id(move.add)} " if move.add else "")
@@ -220,9 +259,7 @@ class TopologyService(EdgeChanges, RecordFlooding):
             if rec is None or rec.issued < nb.since + 2 * self.cfg.record_interval or now - nb.since < 3 * self.cfg.record_interval:
                 continue
             if self.me not in rec.neighbours:
-                self.neighbours.pop(pid, None)
-                log.info("edge to %s removed: their record does not list it", ident.short_id(pid))
-                self._bump()
+                self.edges.remove_unlisted(pid)
 
     # ---- probes -------------------------------------------------------------------------------------
     async def _probe_loop(self) -> None:
@@ -277,7 +314,7 @@ class TopologyService(EdgeChanges, RecordFlooding):
         return {"kind": self.cfg.kind, "degree": self.degree, "neighbours": nbrs,
                 "self_weight": round(1 - sum(n["weight"] for n in nbrs), 4),
                 "view_nodes": len(view.nodes), "view_edges": len(view.edges), "spectral_gap": round(gap, 4),
-                "spectral_gap_current": gap_current, "records_unvouched": self.records_unvouched,
+                "spectral_gap_current": gap_current, "records_unvouched": self.records.unvouched,
                 "connected_view": view.is_connected(), "moves": self.moves, "last_move": self.last_move,
                 "version": self.version}
 

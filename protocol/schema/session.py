@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import msgpack
 
+from protocol.identity import KEY_SIZE
 from protocol.messages import Message
 from protocol.refusal import Refusal
 
@@ -24,7 +25,6 @@ MAX_PEERS_PER_EXCHANGE = 256
 """Records in one PeerExchange message (a sender forwards at most 256)."""
 MAX_NAME_CHARS = 256
 """Characters of a peer ID or swarm name in a peer record (peer IDs have 20)."""
-PUBLIC_KEY_BYTES = 32  # Ed25519
 SIGNATURE_BYTES = 64  # Ed25519 (empty while a record is being built, before it is signed)
 
 __all__ = [
@@ -76,8 +76,8 @@ class PeerRecord(Message):
     def __post_init__(self) -> None:
         if not 0 < len(self.peer_id) <= MAX_NAME_CHARS or len(self.swarm) > MAX_NAME_CHARS:
             raise ValueError(f"peer_id and swarm must have at most {MAX_NAME_CHARS} characters")
-        if len(self.public_key) != PUBLIC_KEY_BYTES:
-            raise ValueError(f"public_key must have {PUBLIC_KEY_BYTES} bytes, got {len(self.public_key)}")
+        if len(self.public_key) != KEY_SIZE:
+            raise ValueError(f"public_key must have {KEY_SIZE} bytes, got {len(self.public_key)}")
         if len(self.signature) > SIGNATURE_BYTES:
             raise ValueError(f"signature must have at most {SIGNATURE_BYTES} bytes, got {len(self.signature)}")
         if len(self.addresses) > MAX_RECORD_ADDRESSES:

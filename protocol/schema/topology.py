@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from protocol.identity import KEY_SIZE
 from protocol.messages import Message
 from protocol.schema.pipeline import StageAnnouncement
 
@@ -33,7 +34,6 @@ MAX_GROUP_CHARS = 64
 """Characters of a group name in a record: 16 of them add at most ~1 KiB to a record."""
 MAX_RECORDS_PER_MESSAGE = 512
 """Records in one TopologyRecords message, the size of a receiver's view (`peer.topology.records`)."""
-PUBLIC_KEY_BYTES = 32  # Ed25519
 SIGNATURE_BYTES = 64  # Ed25519 (empty while a record is being built, before it is signed)
 
 
@@ -81,8 +81,8 @@ class TopologyRecord(Message):
 
     def __post_init__(self) -> None:
         _check_id("peer_id", self.peer_id)
-        if len(self.public_key) != PUBLIC_KEY_BYTES:
-            raise ValueError(f"public_key must have {PUBLIC_KEY_BYTES} bytes, got {len(self.public_key)}")
+        if len(self.public_key) != KEY_SIZE:
+            raise ValueError(f"public_key must have {KEY_SIZE} bytes, got {len(self.public_key)}")
         if len(self.signature) > SIGNATURE_BYTES:
             raise ValueError(f"signature must have at most {SIGNATURE_BYTES} bytes, got {len(self.signature)}")
         if self.version < 0:

@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 
-from peer.trainer_host import TrainerStopped
+from peertrain.swarm import TrainerStopped
 from trainers.pipeline.rebalance import (empty_stages, may_switch, plan_move, predicted_throughput, settling,
                                          takeover_order)
 from trainers.pipeline.seat import StageSeat

@@ -1,0 +1,234 @@
+"""The one interface a training job sees: `Swarm`, and the few names that go with it.
+
+A job trains beside a daemon in one of three ways, and gets a handle that implements `Swarm` with the same
+signatures and return types in each:
+
+- hosted by the daemon (`[trainer] name = ...`): `peer.trainer_host.TrainerSwarm`, which also implements
+  `HostedSwarm` (pipeline stages, on-request hooks);
+- an attached process (`peertrain.attach()` / `peertrain.start()`): `peer.attach.client.AttachedSwarm`;
+- the ranks of a torchrun job on one host, one peer: `peertrain.distributed.HostRanks`.
+
+This module is a leaf: it imports nothing of the daemon (no trio), so `import peertrain` stays light and a
+trainer module can be type-checked alone. The daemon implements these protocols; it does not define them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ContextManager, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # only for annotations: the pipeline's types live with the daemon
+    from peer.pipeline.directory import PipelineKey, StagePeer
+    from peer.pipeline.driver import DriverHandle
+    from peer.pipeline.server import StageHandler
+    from peer.pipeline.state import FetchedState, KeptCopy
+    from protocol.schema.pipeline import StageAnnouncement
+
+# How `average` pairs up: "one" random neighbour (pairwise, AD-PSGD), or "all" of them at once
+# (Metropolis-Hastings weights, D-PSGD). The wire of attached processes and the engine check against this.
+AVERAGE_MODES = ("one", "all")
+
+# A launcher that knows how it cut the data (`peer local`, tests, benches) tells each daemon its shard.
+RANK_ENV, WORLD_ENV = "PEERTRAIN_RANK", "PEERTRAIN_WORLD"
+
+LATEST_CHECKPOINT = "latest.pt"  # a job's current state; `peer export` and restarts read it
+
+SHARD_WAIT_S = 10.0  # how long `shard_index` waits to see `world` peers before it counts those it sees
+WAIT_POLL_S = 0.1  # how often a job waiting for its peers looks again
+
+
+class TrainerStopped(Exception):
+    """Raised in a job's thread when its daemon is stopping (hosted) or gone: save and return."""
+
+
+@dataclass
+class ExchangeResult:
+    """One exchange of an averaging round, as every handle reports it."""
+
+    peer_id: str
+    ok: bool
+    reason: str = ""  # why it failed ("" when ok)
+    weight: float = 0.0  # the mixing weight both sides applied
+    seconds: float = 0.0
+    bytes_sent: int = 0
+
+
+class SharedGroup(Protocol):
+    """Tensors shared for averaging under one name. Hold `lock` while changing them (an optimizer step):
+    the daemon updates them in place. `step` is told to peers (a joiner compares steps)."""
+
+    name: str
+    step: int
+
+    @property
+    def tensors(self) -> Mapping[str, Any]: ...
+
+    @property
+    def lock(self) -> ContextManager[Any]: ...
+
+    def sync(self) -> None:
+        """Fold the daemon's updates into tensors it cannot update in place (GPU, bfloat16); else nothing."""
+
+
+@runtime_checkable
+class Swarm(Protocol):
+    """What a training job may ask of its daemon. Every method is safe to call from the job's thread and
+    blocks at most for its own deadline (an averaging round, a download, `wait_for_peers`' timeout)."""
+
+    peer_id: str
+    home: Path
+    checkpoint_dir: Path
+
+    # -- averaging ------------------------------------------------------------------------------------
+    def share(self, name: str, tensors: dict[str, Any], *, codec: str | None = None, error_feedback: bool = False,
+              averaged: bool = True) -> SharedGroup:
+        """Offer `tensors` for averaging as group `name`. `codec` overrides [gossip] codec for it;
+        `error_feedback` carries a lossy codec's rounding into the next exchange; `averaged=False` only
+        serves the tensors to joining partners (an outer optimizer's state)."""
+        ...
+
+    def unshare(self, name: str) -> None:
+        """Stop sharing group `name`."""
+        ...
+
+    def average(self, group: str, *, mode: str = "one") -> list[ExchangeResult]:
+        """Average now and wait: with one random neighbour, or with all (AVERAGE_MODES)."""
+        ...
+
+    def average_in_background(self, group: str, *, mode: str = "one") -> bool:
+        """Start a round and return at once (AD-PSGD); False while the previous one runs or when stopping."""
+        ...
+
+    def download(self, group: str, *, min_step: int = 1) -> int | None:
+        """Replace `group`'s tensors with a partner's at step `min_step` or later (a late joiner): that
+        step, or None."""
+        ...
+
+    # -- who is around --------------------------------------------------------------------------------
+    def neighbours(self) -> list[str]: ...
+
+    def peers(self) -> list[str]: ...
+
+    def membership_events(self) -> list[tuple[str, str]]:
+        """(peer_id, 'joined'|'left') since the last call."""
+        ...
+
+    def wait_for_peers(self, n: int = 1, *, group: str | None = None, timeout: float = 30.0) -> int:
+        """Wait up to `timeout` s for `n` other peers (with `group`: peers sharing it) and a neighbour;
+        how many there are."""
+        ...
+
+    def rank_and_world(self, world: int | None = None) -> tuple[int, int]:
+        """This peer's data-shard index and count (see `shard_index`)."""
+        ...
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank among the processes that are one peer (0 outside torchrun)."""
+        ...
+
+    @property
+    def local_world(self) -> int:
+        """How many processes are one peer (1 outside torchrun)."""
+        ...
+
+    def exchanges(self) -> dict[str, Any]:
+        """The daemon's exchange counts (initiated, served, failed, last_error)."""
+        ...
+
+    # -- reporting and state --------------------------------------------------------------------------
+    def publish(self, metrics: dict[str, Any]) -> None:
+        """Figures for `peer status` and one JSON line in HOME/metrics.jsonl."""
+        ...
+
+    def save_checkpoint(self, state: dict[str, Any], name: str = LATEST_CHECKPOINT) -> Path:
+        """torch.save to HOME/checkpoints/<name> atomically."""
+        ...
+
+    def load_checkpoint(self, name: str = LATEST_CHECKPOINT, map_location: Any = "cpu") -> dict[str, Any] | None:
+        """The checkpoint saved as `name`, or None (none, or refused as more than data: logged)."""
+        ...
+
+    def should_stop(self) -> bool: ...
+
+    def log(self, msg: str, *args: Any) -> None: ...
+
+
+@runtime_checkable
+class ClosableSwarm(Swarm, Protocol):
+    """A Swarm this process opened (`attach`, `start`): close it, or use it as a context manager, to detach."""
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> ClosableSwarm: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+@runtime_checkable
+class HostedSwarm(Swarm, Protocol):
+    """What a job hosted by the daemon gets beyond `Swarm`: pipeline stages and the daemon's requests."""
+
+    def serve_stage(self, key: PipelineKey, stage: int, max_batch: int, handler: StageHandler, *,
+                    ready: bool = True) -> None: ...
+
+    def stage_ready(self) -> None: ...
+
+    def stop_serving(self) -> None: ...
+
+    def stage_map(self, key: PipelineKey) -> dict[int, list[StagePeer]]: ...
+
+    def stage_announcements(self) -> dict[str, StageAnnouncement]: ...
+
+    def stage_partners(self) -> set[str]: ...
+
+    def fetch_stage_state(self, key: PipelineKey, stage: int, peer_id: str,
+                          check: Callable[[list[tuple[str, str, tuple[int, ...]]]], None]) -> FetchedState: ...
+
+    def keep_stage_copy(self, key: PipelineKey, stage: int, tensors: list[Any], step: int, samples: int) -> None: ...
+
+    def stage_copy(self, key: PipelineKey, stage: int) -> KeptCopy | None: ...
+
+    def drop_stage_copy(self, key: PipelineKey, stage: int) -> None: ...
+
+    def announce_move(self, moving_to: int = -1, moved_from: int = -1) -> None: ...
+
+    def note_move(self, **move: Any) -> None: ...
+
+    def open_driver(self, key: PipelineKey, *, reply_shapes: Any, in_flight: int, forward_codec: str = "raw",
+                    backward_codec: str = "raw") -> DriverHandle: ...
+
+    def on_evaluate_request(self, fn: Callable[[], dict[str, Any]]) -> None: ...
+
+    def on_checkpoint_request(self, fn: Callable[[], Any]) -> None: ...
+
+
+def shard_index(me: str, peers: Callable[[], list[str]], world: int | None,
+                stopping: Callable[[], bool] = lambda: False) -> tuple[int, int]:
+    """A data-shard index and count: $PEERTRAIN_RANK/$PEERTRAIN_WORLD if set (peer local sets them), else my
+    position among the sorted IDs of the peers I see (waiting up to SHARD_WAIT_S to see `world` of them)."""
+    env_rank, env_world = os.environ.get(RANK_ENV), os.environ.get(WORLD_ENV)
+    if env_rank is not None and env_world is not None:
+        return int(env_rank), int(env_world)
+    deadline = time.monotonic() + SHARD_WAIT_S
+    while world and len(peers()) + 1 < world and time.monotonic() < deadline and not stopping():
+        time.sleep(WAIT_POLL_S)
+    ids = sorted(set(peers()) | {me})
+    w = world or len(ids)
+    return ids.index(me) % w, w
+
+
+def wait_for_peers(count: Callable[[], tuple[int, bool]], n: int, timeout: float,
+                   stopping: Callable[[], bool] = lambda: False) -> int:
+    """Poll `count()` -> (peers there, whether we have a neighbour) until `n` peers and a neighbour, the
+    timeout, or a stop; the last count. Every handle waits for its peers this one way."""
+    deadline = time.monotonic() + timeout
+    while True:
+        have, neighbour = count()
+        if (have >= n and neighbour) or time.monotonic() >= deadline or stopping():
+            return have
+        time.sleep(WAIT_POLL_S)
