@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ContextManager, Protocol, runtime_checkable
 
+from protocol.refusal import Code  # stdlib only: the refusal codes every handle reports
+
 if TYPE_CHECKING:  # only for annotations: the pipeline's types live with the daemon
     from peer.pipeline.directory import PipelineKey, StagePeer
     from peer.pipeline.driver import DriverHandle
@@ -55,6 +57,7 @@ class ExchangeResult:
     weight: float = 0.0  # the mixing weight both sides applied
     seconds: float = 0.0
     bytes_sent: int = 0
+    code: Code | None = None  # why it was refused, by the peer or by our own rules (None: it ran, or failed)
 
 
 class SharedGroup(Protocol):

@@ -79,6 +79,7 @@ UNIT_MODULES = frozenset({
     "test_trainers_models.py",
     "test_local_steps.py",
     "test_seams.py",
+    "test_gossip_messages.py",
     "test_control_units.py",
     "test_topology_edges.py",
     "test_topology_record_book.py",

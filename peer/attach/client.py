@@ -27,6 +27,7 @@ from peer.home import Home, default_home
 from peertrain.checkpoints import load_checkpoint, save_checkpoint
 from peertrain.swarm import LATEST_CHECKPOINT, ExchangeResult, shard_index, wait_for_peers
 from protocol.errors import LimitExceeded
+from protocol.refusal import Code
 from protocol.frames import LengthPrefixedReader
 
 log = logging.getLogger("peertrain.attach")
@@ -149,7 +150,7 @@ class AttachedSwarm:
         g.sync()
         out = self._request(wire.Average(group, mode, True, g.step), timeout=None)["results"]
         g.sync()
-        return [ExchangeResult(**r) for r in out]
+        return [ExchangeResult(**dict(r, code=Code.parse(r["code"]) if r.get("code") else None)) for r in out]
 
     def average_in_background(self, group: str, *, mode: str = "one") -> bool:
         """Start an averaging round and return at once (AD-PSGD); False while the previous one still runs."""

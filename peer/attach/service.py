@@ -219,7 +219,8 @@ class AttachService:
                 return {"started": self.gossip.start_average(req.group, req.mode)}
             results = await self.gossip.average(req.group, mode=req.mode)
             return {"results": [{"peer_id": r.peer_id, "ok": r.ok, "reason": r.reason, "weight": r.weight,
-                                 "seconds": r.seconds, "bytes_sent": r.bytes_sent} for r in results]}
+                                 "seconds": r.seconds, "bytes_sent": r.bytes_sent,
+                                 "code": r.code.value if r.code is not None else None} for r in results]}
         if isinstance(req, wire.Download):
             got = await self.gossip.fetch_from_partners(req.group)
             if got is None or got[1] < req.min_step or req.group not in self.gossip.groups:
@@ -238,11 +239,9 @@ class AttachService:
                              "distance": self.gossip.groups[name].last_distance,
                              "holders": self.gossip.peers_holding(name)}
                       for name in client.segments if name in self.gossip.groups}
-            st = self.gossip.stats
             return {"neighbours": sorted(self.gossip.topology.neighbours),
                     "peers": sorted(self.daemon.membership.connected()), "events": events, "groups": groups,
-                    "exchanges": {"initiated": st.exchanges - st.served, "served": st.served, "failed": st.failed,
-                                  "last_error": st.last_error}}
+                    "exchanges": self.gossip.exchange_counts()}
         return None  # Detach: the session ends after the reply
 
     async def _share(self, client: AttachedClient, req: wire.Share, fds: list[int]):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -33,23 +32,13 @@ from peer.averaging.weights import rule_cap
 from peer.concurrency import together
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
+from peertrain.swarm import AVERAGE_MODES, ExchangeResult
 from protocol.errors import ProtocolError
 from protocol.refusal import Code, Refusal
 from protocol.schema.gossip import (
     AverageAbort, AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsRequest)
 
 log = logging.getLogger("peertrain.gossip")
-
-
-@dataclass
-class ExchangeResult:
-    peer_id: str
-    ok: bool
-    reason: str = ""
-    weight: float = 0.0
-    seconds: float = 0.0
-    bytes_sent: int = 0
-    code: Code | None = None  # why it was refused, by the peer or by our own rules (None: it ran, or failed)
 
 
 class GossipEngine:
@@ -118,7 +107,7 @@ class GossipEngine:
     async def average(self, group: str, *, mode: str = "one") -> list[ExchangeResult]:
         """`one`: with one random neighbour, pairwise weight (AD-PSGD); `all`: with every neighbour at
         once, Metropolis-Hastings weights (D-PSGD)."""
-        if mode not in ("one", "all"):
+        if mode not in AVERAGE_MODES:
             raise ValueError(f"unknown averaging mode {mode!r} (choose 'one' or 'all')")
         nbrs = [p for p in self.holders(group) if p not in self.budget.initiating and self.ledger.banned(p) is None]
         g = self.groups.get(group)
@@ -304,6 +293,12 @@ class GossipEngine:
                 out[g.name] = await trio.to_thread.run_sync(lambda g=g: g.stats(values=want_values))
             return out
         return {"group_stats": group_stats}
+
+    def exchange_counts(self) -> dict[str, Any]:
+        """What a training job sees of its exchanges (Swarm.exchanges): initiated, served, failed, the last error."""
+        st = self.stats
+        return {"initiated": st.exchanges - st.served, "served": st.served, "failed": st.failed,
+                "last_error": st.last_error}
 
     def status(self) -> dict:
         return {"groups": {g.name: {"tensors": len(g.specs), "bytes": g.nbytes} for g in self.groups.values()},

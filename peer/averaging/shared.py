@@ -301,6 +301,10 @@ class SharedTensors:
             out["dtypes"] = [str(a.dtype) for a in arrs]
         return out
 
+    def sync(self) -> None:
+        """Nothing to fold in: the engine updates these tensors in place (SharedGroup's interface, which an
+        attached process's mirrored GPU tensors need)."""
+
     def load(self, values: list[Any]) -> None:
         """Replace every tensor's value (a joining peer adopting a neighbour's parameters; an update still
         owed is dropped with the values it was for)."""
