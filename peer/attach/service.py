@@ -19,6 +19,7 @@ import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -29,6 +30,10 @@ from peer.control import pack
 from peer.training_report import TrainingReport
 from protocol.errors import LimitExceeded
 from protocol.frames import LengthPrefixedReader
+
+if TYPE_CHECKING:
+    from peer.services import DaemonContext
+    from peer.averaging.engine import GossipEngine
 
 log = logging.getLogger("peertrain.attach")
 
@@ -109,7 +114,7 @@ class AttachedClient:
 class AttachService:
     name = "attach"
 
-    def __init__(self, daemon, gossip):
+    def __init__(self, daemon: DaemonContext, gossip: GossipEngine):
         self.daemon = daemon
         self.gossip = gossip
         self.cfg = daemon.config.attach

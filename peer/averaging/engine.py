@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -38,13 +38,17 @@ from protocol.refusal import Code, Refusal
 from protocol.schema.gossip import (
     AverageAbort, AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsRequest)
 
+if TYPE_CHECKING:
+    from peer.services import DaemonContext
+    from peer.topology.service import TopologyService
+
 log = logging.getLogger("peertrain.gossip")
 
 
 class GossipEngine:
     name = "gossip"
 
-    def __init__(self, daemon, topology):
+    def __init__(self, daemon: DaemonContext, topology: TopologyService):
         self.daemon = daemon
         self.cfg = daemon.config.gossip
         self.me = daemon.peer_id

@@ -8,6 +8,7 @@ time, so this service keeps no copy of any figure; it only owns the listening so
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -18,13 +19,16 @@ from peer.metrics.collector import DaemonCollector
 from peer.metrics.http import METRICS_PATH, MetricsServer
 from peer.nat.addresses import format_hostport
 
+if TYPE_CHECKING:
+    from peer.services import DaemonContext
+
 log = logging.getLogger("peertrain.metrics")
 
 
 class MetricsService:
     name = "metrics"
 
-    def __init__(self, daemon):
+    def __init__(self, daemon: DaemonContext):
         self.daemon = daemon
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(DaemonCollector(daemon))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -24,6 +25,9 @@ from peer.nat.relay import RelayServer
 from peer.nat.relay_client import RelayClient
 from protocol.refusal import Code, Refusal
 
+if TYPE_CHECKING:
+    from peer.services import DaemonContext
+
 log = logging.getLogger("peertrain.nat")
 
 MAPPINGS = 8  # recent observations of how our NAT maps ports, for `nat_mapping`
@@ -32,7 +36,7 @@ MAPPINGS = 8  # recent observations of how our NAT maps ports, for `nat_mapping`
 class NatService:
     name = "nat"
 
-    def __init__(self, daemon):
+    def __init__(self, daemon: DaemonContext):
         cfg = daemon.config
         m = self.membership = daemon.membership
         self.cfg = cfg

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -21,6 +21,10 @@ from peer.pipeline.server import ServedStage, StageHandler, StageServer
 from peer.pipeline.state import FetchedState, KeptCopy, SpecCheck, StageStates
 from protocol.schema.pipeline import MAX_QUEUE, MAX_SAMPLES_PER_S, MAX_STEP, StageAnnouncement, StageCall, StageStateRequest
 
+if TYPE_CHECKING:
+    from peer.services import DaemonContext
+    from peer.topology.service import TopologyService
+
 log = logging.getLogger("peertrain.pipeline")
 
 MOVES_KEPT = 10  # moves `peer status` lists: enough to see a rebalancing settle, short enough to read
@@ -29,7 +33,7 @@ MOVES_KEPT = 10  # moves `peer status` lists: enough to see a rebalancing settle
 class PipelineService:
     name = "pipeline"
 
-    def __init__(self, daemon, topology):
+    def __init__(self, daemon: DaemonContext, topology: TopologyService):
         self.daemon = daemon
         self.cfg = daemon.config.pipeline
         self.me = daemon.peer_id

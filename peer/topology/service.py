@@ -17,6 +17,7 @@ import math
 import random
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
@@ -36,6 +37,9 @@ from protocol.schema.pipeline import StageAnnouncement
 from protocol.schema.topology import (
     EdgeCommit, EdgeDrop, EdgePropose, ProbeReply, ProbeRequest, TopologyRecord, TopologyRecords)
 
+if TYPE_CHECKING:
+    from peer.services import DaemonContext
+
 log = logging.getLogger("peertrain.topology")
 
 PROBE_BYTES = 256 * 1024
@@ -47,7 +51,7 @@ class TopologyService:
 
     name = "topology"
 
-    def __init__(self, daemon, *, shard_bytes: int = 16 << 20):
+    def __init__(self, daemon: DaemonContext, *, shard_bytes: int = 16 << 20):
         self.daemon = daemon
         self.cfg = daemon.config.topology
         self.me = daemon.peer_id
