@@ -148,6 +148,20 @@ class TrainerSwarm:
                                in_flight=in_flight, token=self._host.token, stopped=self.should_stop,
                                forward_codec=forward_codec, backward_codec=backward_codec)
 
+    def stage_device(self) -> str:
+        """Where a pipeline stage computes: `[pipeline] device` with 'auto' resolved ('cpu' or 'cuda:N').
+        Raises ValueError naming the key if it asks for a GPU torch does not see."""
+        import torch
+
+        want = self._host.daemon.config.pipeline.device
+        if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+            return "cpu"
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(want.partition(":")[2] or 0) if want != "auto" else 0
+        if index >= count:
+            raise ValueError(f"[pipeline] device: {want!r} asked for, but torch sees {count} CUDA device(s)")
+        return f"cuda:{index}"
+
     def on_evaluate_request(self, fn) -> None:
         """Register a thread-safe function returning evaluation figures (the control command `evaluate`)."""
         self._host._evaluate_fn = fn

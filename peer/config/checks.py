@@ -86,6 +86,8 @@ def validate_semantics(cfg: Config) -> None:
         raise ConfigError(f"[pipeline] max_call_timeout: must be at least call_timeout ({_num(pl.call_timeout)})")
     if pl.max_ban < pl.first_ban:
         raise ConfigError(f"[pipeline] max_ban: must be at least first_ban ({_num(pl.first_ban)})")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d{1,2})?", pl.device):
+        raise ConfigError(f"[pipeline] device: expected auto, cpu, cuda or cuda:N, got {pl.device!r}")
     if cfg.gossip.chunk_kib > lim.max_frame_kib:
         raise ConfigError(f"[gossip] chunk_kib: a chunk is one frame, so at most [limits] max_frame_kib ({lim.max_frame_kib})")
     if t.kind not in ("rewired", "ring", "exponential", "random_regular", "full"):

@@ -140,6 +140,8 @@ class PipelineSection:
     state_timeout: float = _f(120.0, "Longest one stage-state transfer may take (a stage of 100 MB at ~10 MB/s, "
                               "with room); a slower one is abandoned and the mover asks another holder.",
                               lo=1.0, hi=_DAY, unit="s")
+    device: str = _f("auto", "Where this daemon's pipeline stage computes: 'auto' (the first CUDA GPU torch sees, "
+                     "else the CPU), 'cpu', 'cuda' or 'cuda:N'.")
 
 
 @dataclass(frozen=True)
