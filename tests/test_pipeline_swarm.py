@@ -23,9 +23,10 @@ from peer.testing.process import wait_for
 from peer.testing.swarm import rank_env, swarm_config, unique_swarm
 from peertrain.checkpoints import read_checkpoint
 from tests.pipeline_status import driver, pipe, trainer
-from trainers.datasets import load_char_corpus, partition
+from trainers.datasets import load_char_corpus
 from trainers.pipeline.blocks import char_transformer_pipeline
 from trainers.pipeline.reference import train_reference
+from trainers.swarm_pipeline import PipelineData, training_microbatches
 
 pytestmark = pytest.mark.slow
 
@@ -86,10 +87,9 @@ def test_one_microbatch_through_four_stages_matches_one_process(cluster):
     assert stages == {0, 1, 2, 3}
 
     # The same microbatch in one process: the driver's sampling (trainers/swarm_pipeline.py _drive), rank 0 of 4.
-    train, _, vocab = load_char_corpus(block=TINY["block"])
+    train, test, vocab = load_char_corpus(block=TINY["block"])
     seed, mb = TINY["seed"], TINY["microbatch"]
-    shard = train.subset(partition(len(train), 0, 4, seed=seed))
-    x, y = next(iter(shard.batches(mb, torch.Generator().manual_seed(seed * 7919 + 0 * 104729), drop_last=True)))
+    x, y = next(training_microbatches(PipelineData(train, test, "the corpus"), 0, 4, microbatch=mb, seed=seed))
     model = char_transformer_pipeline(len(vocab), d_model=TINY["d_model"], n_layers=TINY["n_layers"],
                                       n_heads=TINY["n_heads"], block=TINY["block"], dropout=0.0, seed=seed)
     net = model.sequential().train()

@@ -4,6 +4,7 @@ process against a stand-in for the daemon's Swarm handle; tests/test_training.py
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -241,3 +242,117 @@ def test_workers_give_the_same_batches():
     assert isinstance(workers, DataLoader)
     for (xa, ya), (xb, yb) in zip(torch_data.batches(inline, "a"), torch_data.batches(workers, "b"), strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+# --- batches of a fixed size, passes, and the pipeline's data (trainers/swarm_pipeline.py) -----------------
+
+
+def _values(batches) -> list[list[int]]:
+    return [[int(v) for v in x] for x, _ in batches]
+
+
+def test_drop_last_gives_only_full_batches_map_style_and_iterable():
+    ds = TensorDataset(torch.arange(10), torch.arange(10))
+    full = torch_data.loader(ds, 4, generator=torch.Generator().manual_seed(0), drop_last=True)
+    some = torch_data.loader(ds, 4, generator=torch.Generator().manual_seed(0))
+    assert len(full) == 2 and len(some) == 3
+    got, every = _values(torch_data.batches(full, "t")), _values(torch_data.batches(some, "t"))
+    assert [len(b) for b in got] == [4, 4] and got == every[:2]  # the same order, less the short tail
+    assert len(set(sum(got, []))) == 8
+    stream = torch_data.loader(user_data.Stream(torch.arange(10), torch.arange(10)), 4, drop_last=True)
+    assert _values(torch_data.batches(stream, "t")) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_take_and_endless_passes():
+    loader = torch_data.loader(TensorDataset(torch.arange(6), torch.arange(6)), 2, shuffle=False)
+    assert _values(torch_data.take(loader, 2, "t")) == [[0, 1], [2, 3]]
+    assert len(torch_data.take(loader, 9, "t")) == 3
+    it = torch_data.endless(loader, "t", empty="nothing")
+    assert _values(next(it) for _ in range(7)) == [[0, 1], [2, 3], [4, 5]] * 2 + [[0, 1]]
+    empty = torch_data.loader(TensorDataset(torch.arange(3), torch.arange(3)), 4, drop_last=True)
+    with pytest.raises(DataError, match="^too small$"):
+        next(torch_data.endless(empty, "t", empty="too small"))
+
+
+def _pipeline_data(train, test=None):
+    from trainers.swarm_pipeline import PipelineData
+    return PipelineData(train, test, "[trainer.options] dataset_factory 'mine:data'")
+
+
+def test_pipeline_microbatches_are_full_seeded_and_sharded():
+    from trainers.swarm_pipeline import sample_microbatch, training_microbatches
+    data = _pipeline_data(TensorDataset(torch.arange(103).float()[:, None], torch.arange(103)))
+    seen = []
+    for rank in range(3):
+        it = training_microbatches(data, rank, 3, microbatch=8, seed=1)
+        passes = [[int(v) for _, y in (next(it) for _ in range(4)) for v in y] for _ in range(2)]  # 34: 4 full
+        mine = set(items(torch_data.shard(data.train, rank, 3, seed=1)))
+        for p in passes:  # a fresh order each pass, its short tail left out
+            assert len(p) == len(set(p)) == 32 and set(p) <= mine
+        assert passes[0] != passes[1]
+        again = training_microbatches(data, rank, 3, microbatch=8, seed=1)
+        assert [int(v) for _, y in (next(again) for _ in range(4)) for v in y] == passes[0]
+        seen.append(mine)
+    assert not (seen[0] & seen[1] or seen[1] & seen[2] or seen[0] & seen[2])  # disjoint shards
+    x, y = sample_microbatch(data, 8, seed=1)
+    assert x.dtype == torch.float32 and x.shape == (8, 1) and torch.equal(sample_microbatch(data, 8, seed=1)[1], y)
+    with pytest.raises(DataError, match=r"^\[trainer.options\] microbatch: this peer's shard \(rank 2 of 3\) of "
+                                        r"\[trainer.options\] dataset_factory 'mine:data''s train set has 34 samples"):
+        training_microbatches(data, 2, 3, microbatch=40, seed=1)
+    with pytest.raises(DataError, match=r"^\[trainer.options\] microbatch: .* fewer samples than one microbatch of 200"):
+        sample_microbatch(data, 200, seed=1)
+
+
+def test_pipeline_microbatches_of_a_stream_take_every_world_th_item():
+    from trainers.swarm_pipeline import training_microbatches
+    data = _pipeline_data(user_data.Stream(torch.arange(10), torch.arange(10)))
+    it = training_microbatches(data, 1, 2, microbatch=2, seed=0)
+    assert _values(next(it) for _ in range(3)) == [[1, 3], [5, 7], [1, 3]]  # the odd items, a short tail left out
+    small = training_microbatches(data, 1, 2, microbatch=6, seed=0)  # no length to check up front
+    with pytest.raises(DataError, match=r"^\[trainer.options\] microbatch: .* yielded no microbatch of 6 samples"):
+        next(small)
+
+
+def test_pipeline_validation_microbatches_and_no_test_set():
+    from trainers.swarm_pipeline import NO_TEST, _evaluate, validation_microbatches
+    test = TensorDataset(torch.arange(20).float(), torch.arange(20))
+    got = validation_microbatches(_pipeline_data(test, test), 8, 2)
+    assert _values(got) == [list(range(8)), list(range(8, 16))]
+    assert len(validation_microbatches(_pipeline_data(test, test), 8, 5)) == 3  # all there is
+    assert validation_microbatches(_pipeline_data(test), 8, 2) is None
+    assert _evaluate(None, None) == {"val_loss": None, "val_error": NO_TEST}
+    with pytest.raises(DataError, match=r"'mine:data': the test set is empty"):
+        validation_microbatches(_pipeline_data(test, TensorDataset(torch.zeros(0), torch.zeros(0))), 8, 2)
+
+
+def test_the_built_in_corpus_keeps_its_microbatches_on_the_common_path():
+    """The demo's driver reads the same windows it read through CharDataset's own `subset`/`batches`, each
+    batch fetched in one gather (`__getitems__`)."""
+    from trainers.datasets import load_char_corpus, partition
+    from trainers.swarm_pipeline import training_microbatches
+    train, test, _ = load_char_corpus(block=16)
+    own = train.subset(partition(len(train), 1, 4, seed=3))
+    want = list(own.batches(8, torch.Generator().manual_seed(3 * 7919 + 1 * 104729), drop_last=True))[:50]
+    it = training_microbatches(_pipeline_data(train, test), 1, 4, microbatch=8, seed=3)
+    for wx, wy in want:
+        x, y = next(it)
+        assert torch.equal(x, wx) and torch.equal(y, wy)
+    assert callable(getattr(train, "__getitems__", None))
+
+
+def test_a_users_float_blocks_serve_as_stages():
+    """The stage worker learns its input specs from a float-feature sample (not token ids): stage 0 of a user's
+    Linear+ReLU blocks takes float32 features, stage 1 float targets under mse_loss."""
+    from trainers.pipeline.blocks import from_factory
+    from trainers.pipeline.stage import StageWorker
+    from trainers.swarm_pipeline import sample_microbatch
+    x, y = sample_microbatch(_pipeline_data(*user_data.regression()), 8, seed=0)
+    workers = [StageWorker(from_factory("tests.user_data:regression_blocks"), bounds, stage=s, stages=2,
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01), max_batch=8, sample_x=x, sample_y=y)
+               for s, bounds in enumerate([(0, 2), (2, 3)])]
+    assert workers[0].input_specs("forward", 8) == [("x", "float32", [8, 8])]
+    assert workers[1].input_specs("loss", 8) == [("h", "float32", [8, 32]), ("y", "float32", [8, 1])]
+    _, (h,) = workers[0].compute("forward", [x], seed=1)
+    loss, (grad,) = workers[1].compute("loss", [h, y], seed=1)
+    assert math.isfinite(loss) and grad.shape == h.shape
+    assert workers[0].compute("backward", [x, grad], seed=1) == (None, [])

@@ -52,6 +52,27 @@ def linear_regressor() -> torch.nn.Module:
     return torch.nn.Linear(8, 1)
 
 
+def digits_streams() -> tuple[Stream, Stream]:
+    """Digits with both halves streams: training and validation from IterableDatasets."""
+    (xt, yt), (xv, yv) = _digits_tensors()
+    return Stream(xt, yt), Stream(xv, yv)
+
+
+def regression_blocks() -> tuple[list[torch.nn.Module], object]:
+    """A pipeline model as a user writes one: a list of Linear+ReLU blocks and a loss (`model_factory`), for
+    `regression`'s 8 float features and float targets."""
+    blocks = [torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU()),
+              torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()),
+              torch.nn.Linear(32, 1)]
+    return blocks, torch.nn.functional.mse_loss
+
+
+def digits_blocks() -> tuple[list[torch.nn.Module], object]:
+    """Digits' 64 float pixels to 10 class logits in two blocks, with cross-entropy (`model_factory`)."""
+    return [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()), torch.nn.Linear(64, 10)], \
+        torch.nn.functional.cross_entropy
+
+
 def not_a_pair():
     return digits_tensors()[0]
 

@@ -2,7 +2,7 @@
 
 Two tasks are bundled: UCI handwritten digits (8x8 images, 10 classes) for fast classification
 runs, and a Shakespeare corpus for char-level next-token prediction. Both are torch map-style
-datasets, so the hosted trainer shards and batches them exactly as it does a user's
+datasets, so the hosted trainers shard and batch them exactly as they do a user's
 (trainers/torch_data.py); they also keep a small interface of their own (`subset`, `batches`)
 for the single-process baselines. `__getitems__` hands a whole batch over already stacked
 (`Rows`), which keeps a DataLoader over them as fast as slicing tensors. `load_factory` lets a

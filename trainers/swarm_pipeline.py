@@ -18,9 +18,14 @@ from a live peer; takes over a stage left without peers from the freshest copy; 
 state every `copy_every` seconds and checkpoints its own every `checkpoint_every`. A restarted peer resumes its
 stage from its checkpoint if nobody serves it.
 
-Driving: microbatches of `microbatch` windows from this peer's shard, at most `in_flight` at once, until it
-has driven `samples` of them; then a validation pass through the pipeline. The peer keeps serving until it is
-stopped (other drivers may still need its stage); `peer status` shows the stage map throughout.
+Data: the built-in Shakespeare corpus, or `dataset_factory` returning (train, test) torch datasets, map-style or
+iterable, `test` optional (None: no validation loss, said in the log and in status). Both go through the
+adapter gossip training uses (trainers/torch_data.py): this peer's shard by rank and world, seeded batches.
+
+Driving: microbatches of `microbatch` samples from this peer's shard (every one full, so every call has the
+stage's fixed batch), at most `in_flight` at once, until it has driven `samples` of them; then a validation
+pass through the pipeline (the test set's first `eval_batches` microbatches). The peer keeps serving until it
+is stopped (other drivers may still need its stage); `peer status` shows the stage map throughout.
 """
 
 from __future__ import annotations
@@ -28,13 +33,16 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from peer.pipeline.directory import PipelineKey
 from peer.pipeline.driver import Microbatch
-from trainers.datasets import load_char_corpus, load_factory, partition
+from trainers import torch_data
+from trainers.datasets import load_char_corpus
 from trainers.options import option, parse_options
 from trainers.pipeline.blocks import char_transformer_pipeline, from_factory
 from trainers.pipeline.keeper import SeatKeeper
@@ -47,6 +55,8 @@ EVAL_S = 600.0  # most seconds one validation pass may take
 KEEPER_STOP_S = 30.0  # most seconds to wait for the keeper's round (a move's download is bounded by state_timeout)
 PROFILE_FILE = "pipeline-profile.json"  # per-block costs measured at first start, reused by a restart (partition.py)
 SETTLE_S = 6.0  # seconds peers starting together take to agree on a cut and spread over the stages: 3 record intervals
+BUILTIN_SOURCE = "the built-in Shakespeare corpus"
+NO_TEST = "no test set: dataset_factory returned None for it"  # val_error in status, said in the log
 
 
 @dataclass(frozen=True)
@@ -56,8 +66,9 @@ class SwarmPipelineOptions:
     pipeline: str = option("shakespeare", "the pipeline's name: peers of one pipeline must build the same model")
     model_factory: str = option("", '"pkg.module:fn" returning `(nn.Sequential or list of modules, loss_fn)` '
                                     "(empty: the built-in char transformer on Shakespeare)")
-    dataset_factory: str = option("", '"pkg.module:fn" returning `(train, test)` datasets with `.subset` and '
-                                      "`.batches`")
+    dataset_factory: str = option("", '"pkg.module:fn" returning `(train, test)` torch datasets of (input, '
+                                      "target) samples, map-style or iterable, sharded by rank (`test` may be "
+                                      "`None`: no validation loss; empty: the built-in Shakespeare corpus)")
     stages: int = option(4, "stages the model is cut into")
     role: str = option("auto", "auto (serve a stage and drive) | server | driver")
     d_model: int = option(256, "built-in model: width")
@@ -142,28 +153,80 @@ def _check(o: SwarmPipelineOptions) -> None:
         raise ValueError(f"{where} batch_size ({o.batch_size}) must be at least microbatch ({o.microbatch})")
 
 
+@dataclass(frozen=True)
+class PipelineData:
+    """The trainer's (train, test) torch datasets and where they came from, which every data error names."""
+
+    train: Any
+    test: Any | None
+    source: str
+
+
 def _data_and_model(o: SwarmPipelineOptions):
+    corpus = None
     if o.dataset_factory:
-        train, test = load_factory(o.dataset_factory)()
+        data = PipelineData(*torch_data.load_datasets(o.dataset_factory),
+                            source=f"[trainer.options] dataset_factory {o.dataset_factory!r}")
     else:
-        train, test, _ = load_char_corpus(block=o.block)
+        corpus = load_char_corpus(block=o.block)
+        data = PipelineData(corpus[0], corpus[1], source=BUILTIN_SOURCE)
     if o.model_factory:
         model = from_factory(o.model_factory)
     else:
-        vocab = len(load_char_corpus(block=o.block)[2])
+        vocab = len((corpus or load_char_corpus(block=o.block))[2])
         model = char_transformer_pipeline(vocab, d_model=o.d_model, n_layers=o.n_layers, n_heads=o.n_heads,
                                           block=o.block, dropout=o.dropout, seed=o.seed)
-    return train, test, model
+    return data, model
+
+
+def sample_microbatch(data: PipelineData, microbatch: int, seed: int) -> torch_data.Batch:
+    """The microbatch every peer measures the model on (block costs, boundary shapes): the first of the whole
+    train set in the order `seed` draws, the same on every peer."""
+    loader = torch_data.loader(data.train, microbatch, generator=torch.Generator().manual_seed(seed), drop_last=True)
+    got = torch_data.take(loader, 1, f"{data.source}: the train set")
+    if not got:
+        raise torch_data.DataError(f"[trainer.options] microbatch: {data.source}'s train set has fewer samples than "
+                                   f"one microbatch of {microbatch}")
+    return got[0]
+
+
+def training_microbatches(data: PipelineData, rank: int, world: int, *, microbatch: int,
+                          seed: int) -> Iterator[torch_data.Batch]:
+    """This driver's microbatches, pass after pass over its shard (rank of world), each of exactly
+    `microbatch` samples: a stage takes calls of its fixed batch, so a pass's short tail is left out."""
+    shard = torch_data.shard(data.train, rank, world, seed=seed)
+    size = torch_data.shard_size(shard)
+    where = f"this peer's shard (rank {rank} of {world}) of {data.source}'s train set"
+    if size is not None and size < microbatch:
+        raise torch_data.DataError(f"[trainer.options] microbatch: {where} has {size} samples, fewer than one "
+                                   f"microbatch of {microbatch}")
+    gen = torch.Generator().manual_seed(seed * 7919 + rank * 104729)
+    loader = torch_data.loader(shard, microbatch, generator=gen, drop_last=True)
+    return torch_data.endless(loader, f"{data.source}: the train set",
+                              empty=f"[trainer.options] microbatch: {where} yielded no microbatch of {microbatch} "
+                                    "samples; use fewer shards (world), a smaller microbatch or more data")
+
+
+def validation_microbatches(data: PipelineData, microbatch: int, eval_batches: int) -> list[torch_data.Batch] | None:
+    """The test set's first `eval_batches` microbatches in order, the same every pass (None without a test set).
+    Read once, at start: a test set that does not load fails the run before it trains."""
+    if data.test is None:
+        return None
+    what = f"{data.source}: the test set"
+    got = torch_data.take(torch_data.loader(data.test, microbatch, shuffle=False), eval_batches, what)
+    if not got:
+        raise torch_data.DataError(f"{what} is empty: nothing to validate on (return None for no validation)")
+    return got
 
 
 def run(swarm, options: dict) -> dict:
     o = parse_options(SwarmPipelineOptions, options, trainer="trainers.swarm_pipeline")
     _check(o)
     torch.set_num_threads(o.threads)
-    train, test, model = _data_and_model(o)
+    data, model = _data_and_model(o)
     if o.stages > len(model.blocks):
         raise ValueError(f"[trainer.options] stages: {o.stages} stages for a model of {len(model.blocks)} blocks")
-    sample_x, sample_y = next(iter(train.batches(o.microbatch, torch.Generator().manual_seed(o.seed))))
+    sample_x, sample_y = sample_microbatch(data, o.microbatch, o.seed)
     costs = cached_profile(swarm.checkpoint_dir / PROFILE_FILE, _profile_key(o, model), model, sample_x, sample_y)
     plan = plan_stages(costs, o.stages, link_bytes_per_s=o.link_mbit * 1e6 / 8)
     own_cuts = tuple(hi for _, hi in plan.bounds[:-1])
@@ -209,16 +272,16 @@ def run(swarm, options: dict) -> dict:
         handle = swarm.open_driver(key, reply_shapes=_reply_shapes(key, boundary),
                                    in_flight=o.in_flight,
                                    forward_codec=o.forward_codec, backward_codec=o.backward_codec)
-        shard = train.subset(partition(len(train), rank, world, seed=o.seed))
-        if len(shard) < o.microbatch:
-            raise ValueError(f"[trainer.options] microbatch: this peer's shard has {len(shard)} samples, fewer than "
-                             f"one microbatch of {o.microbatch}")
+        microbatches = training_microbatches(data, rank, world, microbatch=o.microbatch, seed=o.seed)
+        validation = validation_microbatches(data, o.microbatch, o.eval_batches)
+        if validation is None:
+            swarm.log("%s; no validation loss", NO_TEST)
 
         def evaluate() -> dict:
-            return _evaluate(handle, test, o)
+            return _evaluate(handle, validation)
 
         swarm.on_evaluate_request(evaluate)
-        result = _drive(swarm, o, handle, shard, test, state, rank)
+        result = _drive(swarm, o, handle, microbatches, validation, state, rank)
         result.update(evaluate())
         swarm.publish(dict(result, state="serving" if o.role != "driver" else "done", driving_done=True))
     while not swarm.should_stop() and o.role != "driver":
@@ -301,32 +364,29 @@ def _wait_for_stages(swarm, key: PipelineKey, wait: float) -> bool:
     return False
 
 
-def _drive(swarm, o, handle, shard, test, state: StageSeat, rank: int) -> dict:
-    gen = torch.Generator().manual_seed(o.seed * 7919 + rank * 104729)
+def _drive(swarm, o, handle, microbatches: Iterator[torch_data.Batch], validation: list[torch_data.Batch] | None,
+           state: StageSeat, rank: int) -> dict:
     seed_base = (rank + 1) * 1_000_000
     t0 = time.monotonic()
     submitted = done = failed = resent = samples = 0
     losses: list[float] = []
     last_pub, next_eval = 0.0, o.eval_every
-    val: dict = {}
-    swarm.publish({"state": "training"})
+    val: dict = _evaluate(handle, None) if validation is None else {}  # says there is no validation loss
+    swarm.publish({"state": "training", **val})
     while (not o.samples or submitted < o.samples) and not swarm.should_stop():
-        for xb, yb in shard.batches(o.microbatch, gen, drop_last=True):
-            if (o.samples and submitted >= o.samples) or swarm.should_stop():
-                break
-            handle.submit(Microbatch(id=seed_base + submitted // o.microbatch, x=xb, y=yb,
-                                     seed=seed_base + submitted))
-            submitted += len(yb)
-            for out in handle.outcomes():
-                done, failed, resent, samples = _account(out, done, failed, resent, samples, losses)
-            state.housekeeping()
-            now = time.monotonic()
-            if o.eval_every and samples >= next_eval:
-                next_eval += o.eval_every
-                val = _evaluate(handle, test, o)
-            if now - last_pub > 1.0:
-                last_pub = now
-                swarm.publish(_progress(t0, samples, done, failed, resent, losses, state, val))
+        xb, yb = next(microbatches)
+        handle.submit(Microbatch(id=seed_base + submitted // o.microbatch, x=xb, y=yb, seed=seed_base + submitted))
+        submitted += len(yb)
+        for out in handle.outcomes():
+            done, failed, resent, samples = _account(out, done, failed, resent, samples, losses)
+        state.housekeeping()
+        now = time.monotonic()
+        if o.eval_every and validation is not None and samples >= next_eval:
+            next_eval += o.eval_every
+            val = _evaluate(handle, validation)
+        if now - last_pub > 1.0:
+            last_pub = now
+            swarm.publish(_progress(t0, samples, done, failed, resent, losses, state, val))
     for out in handle.drain(timeout=DRAIN_S):
         done, failed, resent, samples = _account(out, done, failed, resent, samples, losses)
     state.housekeeping()
@@ -356,13 +416,11 @@ def _progress(t0, samples, done, failed, resent, losses, state, val) -> dict:
             "elapsed_s": round(elapsed, 3), **state.figures(), **val}
 
 
-def _evaluate(handle, test, o) -> dict:
-    """Validation loss through the pipeline: the first `eval_batches` microbatches of the test set."""
-    mbs = []
-    for i, (xb, yb) in enumerate(test.batches(o.microbatch, shuffle=False)):
-        if i >= o.eval_batches:
-            break
-        mbs.append(Microbatch(id=-(i + 1), x=xb, y=yb, seed=0, evaluate=True))
+def _evaluate(handle, validation: list[torch_data.Batch] | None) -> dict:
+    """Validation loss through the pipeline on the validation microbatches (none without a test set)."""
+    if validation is None:
+        return {"val_loss": None, "val_error": NO_TEST}
+    mbs = [Microbatch(id=-(i + 1), x=xb, y=yb, seed=0, evaluate=True) for i, (xb, yb) in enumerate(validation)]
     outcomes = handle.run_many(mbs, timeout=EVAL_S)
     losses = [out.loss for out in outcomes if out.ok and out.loss is not None]
     if len(losses) < len(mbs):

@@ -1,9 +1,9 @@
 """Any torch dataset as a trainer's data: shard it by rank, batch it, evaluate on it, and say plainly what is
 wrong with it.
 
-The hosted `gossip_sgd` feeds both the built-in data sets (trainers/datasets.py, themselves torch map-style
-datasets) and a user's `dataset_factory` through here, so the path that trains the demo is the one users'
-data takes. A dataset is either map-style (anything with `__len__` and `__getitem__`: TensorDataset, a
+The hosted trainers (`gossip_sgd`, `swarm_pipeline`) feed both the built-in data sets (trainers/datasets.py,
+themselves torch map-style datasets) and a user's `dataset_factory` through here, so the path that trains the
+demos is the one users' data takes. A dataset is either map-style (anything with `__len__` and `__getitem__`: TensorDataset, a
 torchvision-style dataset, a list of pairs) or a `torch.utils.data.IterableDataset`; a sample is an
 (input, target) pair of tensors, numbers or arrays. Torch only, no daemon imports: `shard` is meant to be
 reused in a user's own script.
@@ -148,19 +148,25 @@ class _StackedTensorDataset(TensorDataset):
 
 class IndexBatches(Sampler[list[int]]):
     """Batches of indices into a dataset: `index` (a Subset's indices, or all) in a fresh order drawn from
-    `generator` each pass, cut into `batch_size` pieces. It stands in for Subset + RandomSampler +
-    BatchSampler with the same order, in one permutation per pass instead of Python work per sample: the
-    built-in data sets' steps are a few hundred microseconds, and per-sample sampling cost a tenth of that."""
+    `generator` each pass, cut into `batch_size` pieces (a short last piece left out with `drop_last`). It
+    stands in for Subset + RandomSampler + BatchSampler with the same order, in one permutation per pass
+    instead of Python work per sample: the built-in data sets' steps are a few hundred microseconds, and
+    per-sample sampling cost a tenth of that."""
 
-    def __init__(self, index: torch.Tensor, batch_size: int, generator: torch.Generator | None, shuffle: bool) -> None:
+    def __init__(self, index: torch.Tensor, batch_size: int, generator: torch.Generator | None, shuffle: bool,
+                 drop_last: bool = False) -> None:
         self.index, self.batch_size, self.generator, self.shuffle = index, batch_size, generator, shuffle
+        self.drop_last = drop_last
 
     def __len__(self) -> int:
-        return math.ceil(len(self.index) / self.batch_size)
+        n = len(self.index)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self.index[torch.randperm(len(self.index), generator=self.generator)] if self.shuffle else self.index
-        for chunk in order.split(self.batch_size):
+        if self.drop_last:
+            order = order[: len(order) - len(order) % self.batch_size]
+        for chunk in order.split(self.batch_size) if len(order) else ():  # no batch of nothing (split gives one)
             yield chunk.tolist()
 
 
@@ -213,10 +219,11 @@ Loader = DataLoader | InlineLoader
 
 
 def loader(data: Any, batch_size: int, *, generator: torch.Generator | None = None, shuffle: bool = True,
-           num_workers: int = 0, pin_memory: bool = False) -> Loader:
+           drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False) -> Loader:
     """Batches of a dataset or shard, pass after pass: shuffled by `generator` each pass when map-style, in
-    stream order when iterable. A DataLoader, or with no workers for a map-style dataset, an InlineLoader
-    giving the same batches. Build it once and iterate it every epoch (workers are kept between passes)."""
+    stream order when iterable; with `drop_last`, every batch has exactly `batch_size` samples (a pass's short
+    tail is left out). A DataLoader, or with no workers for a map-style dataset, an InlineLoader giving the
+    same batches. Build it once and iterate it every epoch (workers are kept between passes)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if num_workers < 0:
@@ -224,12 +231,12 @@ def loader(data: Any, batch_size: int, *, generator: torch.Generator | None = No
     # Workers' seeds come from a generator of their own: a DataLoader draws from it at every pass, which would
     # shift the order drawn from `generator` and make batches depend on num_workers.
     seeds = torch.Generator().manual_seed(generator.initial_seed() + 1) if generator is not None else None
-    common = dict(num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory, generator=seeds,
-                  persistent_workers=num_workers > 0)
+    common: dict[str, Any] = dict(num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory,
+                                  generator=seeds, persistent_workers=num_workers > 0)
     if is_iterable(data):
-        return DataLoader(data, batch_size=batch_size, **common)
+        return DataLoader(data, batch_size=batch_size, drop_last=drop_last, **common)
     base, index = _unwrap(data)
-    sampler = IndexBatches(index, batch_size, generator, shuffle)
+    sampler = IndexBatches(index, batch_size, generator, shuffle, drop_last)
     return InlineLoader(base, sampler) if num_workers == 0 else DataLoader(base, batch_sampler=sampler, **common)
 
 
@@ -247,6 +254,24 @@ def batches(data: Loader, what: str) -> Iterator[Batch]:
         if not _pair(batch):  # a dataset's own __getitems__ stacked something else
             raise DataError(f"{what}: a batch is {describe(batch)}; expected (input, target) tensors")
         yield batch[0], batch[1]
+
+
+def take(data: Loader, n: int, what: str) -> list[Batch]:
+    """The first `n` batches of one pass (fewer if the pass is shorter): a fixed validation set, or a sample
+    batch to measure a model on."""
+    return list(itertools.islice(batches(data, what), n))
+
+
+def endless(data: Loader, what: str, empty: str) -> Iterator[Batch]:
+    """Batches pass after pass, for as long as the caller reads; a pass that yields none raises DataError
+    `empty` (the same pass would yield none again: data too small for a batch, or an exhausted stream)."""
+    while True:
+        got = False
+        for batch in batches(data, what):
+            got = True
+            yield batch
+        if not got:
+            raise DataError(empty)
 
 
 class CheckedLoss:

@@ -1,8 +1,9 @@
 """Single-process training of a PipelineModel with the pipeline's semantics: the yardstick.
 
-A pipeline run and this one see the same microbatches (`train.batches(microbatch, generator)`
-seeded by `seed`), take one optimizer step per batch with the gradient of the mean loss over the
-batch, and are scored the same way, so a gap between them is the pipeline's doing.
+A pipeline run and this one read the same kind of microbatches (any torch dataset, batched by
+trainers/torch_data.py with a generator seeded by `seed`), take one optimizer step per batch with the
+gradient of the mean loss over the batch, and are scored the same way (the test set's first
+microbatches, in order), so a gap between them is the pipeline's doing.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+from trainers import torch_data
 from trainers.baseline import make_optimizer
 from trainers.pipeline.blocks import PipelineModel, seeded
 
@@ -31,10 +33,8 @@ def evaluate(model: PipelineModel, test: Any, *, microbatch: int, eval_batches: 
     net.eval()
     losses: list[float] = []
     try:
-        for x, y in test.batches(microbatch, shuffle=False):
+        for x, y in torch_data.take(torch_data.loader(test, microbatch, shuffle=False), eval_batches, "the test set"):
             losses.append(float(model.loss_fn(net(x.to(dev)), y.to(dev))))
-            if len(losses) >= eval_batches:
-                break
     finally:
         net.train(was_training)
     if not losses:
@@ -65,16 +65,9 @@ def train_reference(
     opt = make_optimizer(net.parameters(), optimizer, lr=lr)
     gen = torch.Generator().manual_seed(seed)
 
-    def microbatches():  # endless: epoch after epoch from the same generator
-        while True:
-            empty = True
-            for mb in train.batches(microbatch, gen):
-                empty = False
-                yield mb
-            if empty:
-                raise ValueError("train_reference: the training set is empty")
-
-    stream = microbatches()
+    # endless: epoch after epoch from the same generator
+    stream = torch_data.endless(torch_data.loader(train, microbatch, generator=gen), "the train set",
+                                empty="train_reference: the training set is empty")
     done, steps, train_loss = 0, 0, float("nan")
     net.train()
     with seeded(seed, dev):
