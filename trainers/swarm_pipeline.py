@@ -223,15 +223,19 @@ def run(swarm, options: dict) -> dict:
     o = parse_options(SwarmPipelineOptions, options, trainer="trainers.swarm_pipeline")
     _check(o)
     torch.set_num_threads(o.threads)
+    device = torch.device(swarm.stage_device())  # [pipeline] device: our stage's blocks live and compute there
     data, model = _data_and_model(o)
     if o.stages > len(model.blocks):
         raise ValueError(f"[trainer.options] stages: {o.stages} stages for a model of {len(model.blocks)} blocks")
+    for blk in model.blocks:
+        blk.to(device)  # in place: the stage workers made from these blocks compute on `device`
     sample_x, sample_y = sample_microbatch(data, o.microbatch, o.seed)
-    costs = cached_profile(swarm.checkpoint_dir / PROFILE_FILE, _profile_key(o, model), model, sample_x, sample_y)
+    on_device = sample_x.to(device), sample_y.to(device)
+    costs = cached_profile(swarm.checkpoint_dir / PROFILE_FILE, _profile_key(o, model, device), model, *on_device)
     plan = plan_stages(costs, o.stages, link_bytes_per_s=o.link_mbit * 1e6 / 8)
     own_cuts = tuple(hi for _, hi in plan.bounds[:-1])
     swarm.log("planned cut of %s into %d stages:\n%s", o.pipeline, o.stages, format_plan(plan, costs))
-    boundary = _boundary_shapes(model, sample_x)
+    boundary = _boundary_shapes(model, on_device[0])
     rank, world = swarm.rank_and_world(o.world or None)
     env_rank = rank if o.world or _launcher_numbered() else None
     rng = random.Random(hash((swarm.peer_id, o.seed)))
@@ -256,6 +260,7 @@ def run(swarm, options: dict) -> dict:
         key = _wait_for_cut(swarm, o, own_cuts)
     swarm.publish({"trainer": "trainers.swarm_pipeline", "pipeline": o.pipeline, "stages": o.stages,
                    "cuts": list(key.cuts), "my_stage": state.stage, "role": o.role, "state": "waiting for stages",
+                   "device": str(device),
                    "plan_ms": [round(s * 1000, 2) for s in plan.stage_seconds]})
     if not _wait_for_stages(swarm, key, o.join_wait):
         swarm.log("not every stage has a peer after %.0fs; driving anyway (microbatches wait for them)", o.join_wait)
@@ -293,11 +298,12 @@ def run(swarm, options: dict) -> dict:
     return dict(result, state="done")
 
 
-def _profile_key(o: SwarmPipelineOptions, model) -> dict:
-    """What the measured block costs depend on: the model, the microbatch, the threads (not the training options)."""
+def _profile_key(o: SwarmPipelineOptions, model, device: torch.device) -> dict:
+    """What the measured block costs depend on: the model, the microbatch, the threads and the device (not the
+    training options)."""
     fields = ("model_factory", "dataset_factory", "d_model", "n_layers", "n_heads", "block", "microbatch", "threads")
     return {**{f: getattr(o, f) for f in fields}, "blocks": [type(b).__name__ for b in model.blocks],
-            "torch": torch.__version__}
+            "torch": torch.__version__, "device": device.type}
 
 
 def _own_checkpoint(swarm, key: PipelineKey) -> dict | None:
