@@ -196,6 +196,8 @@ class Driver:
         """Tell every server that kept a gradient of `mb` to add it to its stage (`accumulate`: the backward
         completed through every stage) or to drop it (the microbatch failed); count what each confirmed. Each
         ack is bounded by `call_timeout` (a lost one leaves the gradient to expire there, unconfirmed here)."""
+        if not kept:
+            return
         by_peer: dict[str, list[KeptAt]] = defaultdict(list)
         for k in kept:
             by_peer[k.peer].append(k)

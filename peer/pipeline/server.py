@@ -235,11 +235,11 @@ class StageServer:
         """Add acknowledged gradients to the stage, if they were computed for the stage we serve now and its
         state (a worker thread: the stage's lock may be held by a computation); the ids that entered it."""
         st = self.stage
-        fresh = [k for k in taken if k.owner is st and st is not None]
+        fresh = [k for k in taken if k.owner is st] if st is not None else []
         entered = await trio.to_thread.run_sync(lambda: [k.gradient.accumulate() for k in fresh]) if fresh else []
         out = []
         for k, ok in zip(fresh, entered):
-            if ok:
+            if ok and st is not None:
                 self.stats.accumulated_samples += k.gradient.samples
                 self.stats.accumulated_by_stage[st.stage] += k.gradient.samples
                 out.append(k.id)

@@ -184,7 +184,7 @@ class PipelineService:
                        "queue": self.server.stats.queue,
                        "compute_s": round(self.server.stats.compute_s, 3), "last_error": self.server.stats.last_error,
                        "accumulated_samples": self.server.stats.accumulated_samples,
-                       "accumulated_by_stage": dict(self.server.stats.accumulated_by_stage),
+                       "accumulated_by_stage": {str(s): n for s, n in sorted(self.server.stats.accumulated_by_stage.items())},
                        **self.server.kept.status()},
             **self.loss,
         }
