@@ -44,19 +44,24 @@ def workers(model: PipelineModel, bounds=BOUNDS, max_batch: int = 4, optimizer=s
 
 
 def run_chain(ws: list[StageWorker], x: torch.Tensor, y: torch.Tensor, seeds: list[int]) -> float:
-    """What a driver does: forward stage by stage, loss on the last, backward again."""
+    """What a driver does: forward stage by stage, loss on the last, backward again; then, the backward
+    complete, every stage takes the gradient it held (the daemon does that on the driver's ack)."""
     acts = [x]
     for s in range(len(ws) - 1):
-        _, (h,) = ws[s].compute("forward", [acts[-1]], seeds[s])
+        _, (h,), held = ws[s].compute("forward", [acts[-1]], seeds[s])
+        assert held is None
         acts.append(h)
-    loss, (g,) = ws[-1].compute("loss", [acts[-1], y], seeds[-1])
+    loss, (g,), held = ws[-1].compute("loss", [acts[-1], y], seeds[-1])
+    kept = [held]
     for s in range(len(ws) - 2, -1, -1):
-        _, out = ws[s].compute("backward", [acts[s], g], seeds[s])
+        _, out, held = ws[s].compute("backward", [acts[s], g], seeds[s])
+        kept.append(held)
         if s:
             (g,) = out
         else:
             assert out == []
     assert loss is not None
+    assert all(h.accumulate() for h in kept)
     return loss
 
 
@@ -137,11 +142,38 @@ def test_chain_with_dropout_matches_per_stage_seeds() -> None:
     assert_close(all_grads(ws), grads)
 
 
+def test_a_held_gradient_enters_once_and_only_when_accumulated() -> None:
+    """A request's gradient is held, not added: one never accumulated (a lost reply, a failed microbatch) leaves
+    no trace; one accumulated twice enters once; one held across a state load is dropped; the stage steps on
+    the samples that entered."""
+    ws = workers(tiny(0.0))
+    w, ref = ws[1], workers(tiny(0.0))[1]
+    w.accumulate_samples = ref.accumulate_samples = 8
+    g = torch.Generator().manual_seed(3)
+    h, grad_out, other = (torch.randn(4, BLOCK, 32, generator=g) for _ in range(3))
+    _, _, lost = w.compute("backward", [h, other], 1)  # computed, never acknowledged
+    _, _, held = w.compute("backward", [h, grad_out], 2)
+    assert (w.samples, w.pending_samples, w.steps) == (0, 0, 0)
+    assert all(float(v.abs().max()) == 0 for v in w.accumulated_grads().values())
+    assert held.samples == 4 and held.nbytes == sum(p.numel() * 4 for p in w.params().values())
+    assert held.accumulate() and not held.accumulate()
+    _, _, r = ref.compute("backward", [h, grad_out], 2)
+    assert r.accumulate()
+    assert_close(w.accumulated_grads(), ref.accumulated_grads(), rel=0.0)
+    assert (w.samples, w.pending_samples, w.steps) == (4, 4, 0)
+    assert not ws[2].accumulate(lost)  # another worker's
+    w.load_state_dict(w.state_dict())
+    assert not lost.accumulate() and w.samples == 4  # held before the state was replaced: dropped
+    _, _, a = w.compute("backward", [h, grad_out], 2)
+    _, _, b = w.compute("backward", [h, grad_out], 2)
+    assert a.accumulate() and w.steps == 0 and b.accumulate() and w.steps == 1  # 8 samples entered: a step
+
+
 def test_backward_recompute_reproduces_the_forward_bit_exactly() -> None:
     w = workers(tiny(0.1))[1]
     h = torch.randn(4, BLOCK, 32)
-    _, (out,) = w.compute("forward", [h], 5)
-    _, (other,) = w.compute("forward", [h], 6)
+    _, (out,), _ = w.compute("forward", [h], 5)
+    _, (other,), _ = w.compute("forward", [h], 6)
     assert not torch.equal(out, other)  # dropout is on: the seed matters
     seen: list[torch.Tensor] = []
     handle = w.module.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
@@ -165,11 +197,13 @@ def test_specs_kinds_and_single_stage() -> None:
     (one,) = workers(tiny(0.1), bounds=[(0, 6)])
     x, y = data(4)
     assert one.input_specs("loss", 2)[0] == ("x", "int64", [2, BLOCK])
-    loss, out = one.compute("loss", [x, y], 0)
-    assert out == [] and loss is not None and one.samples == 4 and one.steps == 1
+    loss, out, held = one.compute("loss", [x, y], 0)
+    assert out == [] and loss is not None and one.samples == 0 and one.steps == 0  # held, not taken yet
+    assert held.accumulate() and one.samples == 4 and one.steps == 1
     assert one.samples_per_s() > 0
-    e1, _ = one.compute("evaluate", [x, y], 1)
-    e2, _ = one.compute("evaluate", [x, y], 2)
+    e1, _, none1 = one.compute("evaluate", [x, y], 1)
+    e2, _, none2 = one.compute("evaluate", [x, y], 2)
+    assert none1 is None and none2 is None
     assert e1 == e2 and one.module.training  # eval mode: no dropout; train mode restored
     assert one.samples == 4
 
@@ -271,7 +305,9 @@ def assert_same_state(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torc
 def train_stage(w: StageWorker, seed: int) -> None:
     """One backward request of max_batch (4) samples on a middle stage: one optimizer step."""
     g = torch.Generator().manual_seed(seed)
-    w.compute("backward", [torch.randn(4, BLOCK, 32, generator=g), torch.randn(4, BLOCK, 32, generator=g)], seed)
+    _, _, held = w.compute("backward", [torch.randn(4, BLOCK, 32, generator=g), torch.randn(4, BLOCK, 32, generator=g)],
+                           seed)
+    assert held.accumulate()
 
 
 class TaggedAdam(torch.optim.Adam):

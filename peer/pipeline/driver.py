@@ -8,13 +8,21 @@ deadline it is re-sent to another peer of the stage, at most `[pipeline] max_ret
 peer is avoided for a growing interval. A stage with no usable peer is waited for (at most
 `[pipeline] stage_wait`, shown in status), polling, never spinning. Every microbatch ends as an `Outcome`:
 done (with how many re-sends it took) or failed with the reason; none is dropped silently.
+
+A server keeps the parameter gradient of a "backward" or "loss" call aside and names it in its reply
+(peer/pipeline/kept.py). Once the microbatch's backward has completed through every stage, the driver tells
+each server that kept one to add it to its stage (`StageAck`), and counts, per stage, the samples the servers
+confirm; a microbatch that failed tells them to drop theirs. A reply lost after the server computed it (the
+call re-sent to another peer) is never acknowledged, so its gradient enters no stage: each stage counts a
+microbatch at most once, and one that failed in none. A microbatch is done, and counted, once its acks are
+answered: `done` x microbatch = the samples every stage confirmed, but for `ack_lost`.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,13 +32,14 @@ import trio
 from peer.concurrency import together
 from peer.pipeline.balancer import Balancer
 from peer.pipeline.directory import PipelineKey
+from peer.pipeline.server import LOCAL_DRIVER
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
 from peertrain.swarm import TrainerStopped
 from protocol.errors import ProtocolError
 from protocol.refusal import ASKERS_FAULT, STALE_VIEW, TRY_LATER, Code, Refusal, Refused
 from protocol.schema.gossip import TensorSpec
-from protocol.schema.pipeline import StageCall, StageReply
+from protocol.schema.pipeline import StageAck, StageAckReply, StageCall, StageReply
 from protocol.schema.session import ErrorReply
 from protocol.tensor_codec import FLOAT_DTYPES
 
@@ -105,6 +114,19 @@ class DriverStats:
     deadlines: deque = field(default_factory=lambda: deque(maxlen=200))  # recent call deadlines, seconds
     failures: deque = field(default_factory=lambda: deque(maxlen=RECENT_FAILURES))  # (microbatch, reason)
     last_loss: float | None = None
+    acked: int = 0  # gradients of done microbatches that their stage confirmed taking (one per stage each)
+    acked_samples: Counter = field(default_factory=Counter)  # stage -> samples it confirmed taking from us
+    ack_lost: int = 0  # gradients of done microbatches a stage did not confirm: missing there (or unconfirmed)
+    dropped: int = 0  # gradients of failed microbatches we told their server to drop
+
+
+@dataclass(frozen=True)
+class KeptAt:
+    """A gradient a server of `stage` keeps for one of our microbatches until we acknowledge it."""
+
+    stage: int
+    peer: str
+    id: int
 
 
 class Driver:
@@ -125,14 +147,18 @@ class Driver:
         t0 = trio.current_time()
         self.stats.in_flight += 1
         resent = [0]
+        kept: list[KeptAt] = []
         try:
-            loss = await (self._evaluate(mb, resent) if mb.evaluate else self._train(mb, resent))
-        except MicrobatchFailed as exc:
-            self.stats.failed += 1
-            self.stats.failures.append((mb.id, str(exc)))
-            log.warning("microbatch %d failed after %d re-sent calls: %s", mb.id, resent[0], exc)
-            return Outcome(mb.id, False, mb.batch, resent=resent[0], seconds=trio.current_time() - t0,
-                           reason=str(exc), evaluate=mb.evaluate)
+            try:
+                loss = await (self._evaluate(mb, resent) if mb.evaluate else self._train(mb, resent, kept))
+            except MicrobatchFailed as exc:
+                await self._settle(mb, kept, accumulate=False)
+                self.stats.failed += 1
+                self.stats.failures.append((mb.id, str(exc)))
+                log.warning("microbatch %d failed after %d re-sent calls: %s", mb.id, resent[0], exc)
+                return Outcome(mb.id, False, mb.batch, resent=resent[0], seconds=trio.current_time() - t0,
+                               reason=str(exc), evaluate=mb.evaluate)
+            await self._settle(mb, kept, accumulate=True)
         finally:
             self.stats.in_flight -= 1
         if mb.evaluate:
@@ -145,30 +171,76 @@ class Driver:
         return Outcome(mb.id, True, mb.batch, loss=loss, resent=resent[0], seconds=trio.current_time() - t0,
                        evaluate=mb.evaluate)
 
-    async def _train(self, mb: Microbatch, resent: list[int]) -> float | None:
+    async def _train(self, mb: Microbatch, resent: list[int], kept: list[KeptAt]) -> float | None:
+        """Forward, loss, backward; `kept` gets each gradient a server keeps for us as its call returns."""
         last = self.stages - 1
         inputs = [mb.x]  # inputs[s]: what stage s got forward (kept for its backward)
         for s in range(last):
-            _, (out,) = await self._call(mb, s, "forward", [inputs[s]], resent)
+            _, (out,), _ = await self._call(mb, s, "forward", [inputs[s]], resent)
             inputs.append(out)
-        loss, grads = await self._call(mb, last, "loss", [inputs[last], mb.y], resent)
+        loss, grads, at = await self._call(mb, last, "loss", [inputs[last], mb.y], resent)
+        kept += [at] if at else []
         for s in range(last - 1, -1, -1):
-            _, grads = await self._call(mb, s, "backward", [inputs[s], grads[0]], resent)
+            _, grads, at = await self._call(mb, s, "backward", [inputs[s], grads[0]], resent)
+            kept += [at] if at else []
         return loss
 
     async def _evaluate(self, mb: Microbatch, resent: list[int]) -> float | None:
         h = mb.x
         for s in range(self.stages - 1):
-            _, (h,) = await self._call(mb, s, "forward", [h], resent)
-        loss, _ = await self._call(mb, self.stages - 1, "evaluate", [h, mb.y], resent)
+            _, (h,), _ = await self._call(mb, s, "forward", [h], resent)
+        loss, _, _ = await self._call(mb, self.stages - 1, "evaluate", [h, mb.y], resent)
         return loss
+
+    async def _settle(self, mb: Microbatch, kept: list[KeptAt], *, accumulate: bool) -> None:
+        """Tell every server that kept a gradient of `mb` to add it to its stage (`accumulate`: the backward
+        completed through every stage) or to drop it (the microbatch failed); count what each confirmed. Each
+        ack is bounded by `call_timeout` (a lost one leaves the gradient to expire there, unconfirmed here)."""
+        if not kept:
+            return
+        by_peer: dict[str, list[KeptAt]] = defaultdict(list)
+        for k in kept:
+            by_peer[k.peer].append(k)
+
+        async def settle(pid: str, ks: list[KeptAt]) -> None:
+            entered = await self._ack(pid, [k.id for k in ks], accumulate)
+            if not accumulate:
+                self.stats.dropped += len(ks)
+                return
+            for k in ks:
+                if k.id in entered:
+                    self.stats.acked += 1
+                    self.stats.acked_samples[k.stage] += mb.batch
+                else:
+                    self.stats.ack_lost += 1
+                    log.warning("microbatch %d: stage %d at %s did not confirm taking its gradient", mb.id, k.stage,
+                                pid[:8])
+
+        async with trio.open_nursery() as n:
+            for pid, ks in by_peer.items():
+                n.start_soon(settle, pid, ks)
+
+    async def _ack(self, pid: str, ids: list[int], accumulate: bool) -> set[int]:
+        """One StageAck to `pid` (in-process for our own stage); the ids whose gradient entered its stage."""
+        if pid == self.service.me:
+            return set(await self.service.server.acknowledge(LOCAL_DRIVER, ids, accumulate=accumulate))
+        session = self.service.session_of(pid)
+        if session is None:
+            return set()
+        try:
+            env = await session.request(StageAck(kept=ids, accumulate=accumulate), timeout=self.cfg.call_timeout)
+        except (trio.TooSlowError, SessionClosed):
+            return set()
+        reply = env.message
+        return set(reply.accumulated) & set(ids) if isinstance(reply, StageAckReply) else set()
 
     def _seed(self, mb: Microbatch, stage: int) -> int:
         return (mb.seed * 1_000_003 + stage * 7919) & 0x7FFF_FFFF
 
     async def _call(self, mb: Microbatch, stage: int, kind: str, tensors: list[Any],
-                    resent: list[int]) -> tuple[float | None, list[Any]]:
-        """One stage call, re-sent to other peers of the stage until it succeeds or the attempts run out."""
+                    resent: list[int]) -> tuple[float | None, list[Any], KeptAt | None]:
+        """One stage call, re-sent to other peers of the stage until it succeeds or the attempts run out: (loss,
+        outputs, the gradient its server keeps for us, if any)."""
         balancer = self.balancers[stage]
         attempts, stale, tried, last_error = 0, 0, set(), ""
         wait_started: float | None = None
@@ -221,7 +293,8 @@ class Driver:
                 continue
             balancer.done(pid, mb.batch, trio.current_time() - t0, trio.current_time())
             self.stats.calls[pid] += 1
-            return result
+            loss, outputs, kept = result
+            return loss, outputs, (KeptAt(stage, pid, kept) if kept else None)
 
     def _waiting(self, stage: int, delta: int, now: float) -> None:
         """Count the calls waiting for a usable peer of `stage`; status shows since when any has waited."""
@@ -232,22 +305,24 @@ class Driver:
             self._waiting_calls.pop(stage, None)
             self.stats.waiting.pop(stage, None)
 
-    async def _call_self(self, mb: Microbatch, stage: int, kind: str, tensors: list[Any]) -> tuple[float | None, list[Any]]:
+    async def _call_self(self, mb: Microbatch, stage: int, kind: str,
+                         tensors: list[Any]) -> tuple[float | None, list[Any], int]:
         """Our own stage serves our own microbatch in-process: same checks and compute, nothing on the wire."""
         specs = [TensorSpec(f"in{i}", str(t.dtype).removeprefix("torch."), list(t.shape)) for i, t in enumerate(tensors)]
         call = StageCall(pipeline=self.key.name, cuts=list(self.key.cuts), stage=stage, kind=kind, batch=mb.batch,
                          seed=self._seed(mb, stage), tensors=specs, streams=[0] * len(specs), microbatch=mb.id)
-        loss, outputs, _ = await self.service.server.compute_local(call, tensors)  # Refused as a peer would say
+        loss, outputs, kept = await self.service.server.compute_local(call, tensors)  # Refused as a peer would say
         if kind in ("loss", "evaluate") and loss is None:
             raise Refused(NO_LOSS)
-        return loss, outputs
+        return loss, outputs, kept
 
     def deadline(self, pid: str, peer, batch: int, nbytes: int) -> float:
         expected = self.balancers[peer.stage].expected_seconds(pid, peer, batch) + nbytes / ASSUMED_BYTES_PER_S
         return min(self.cfg.max_call_timeout, self.cfg.call_timeout + DEADLINE_SLACK * expected)
 
     async def _call_once(self, pid: str, peer, mb: Microbatch, stage: int, kind: str,
-                         tensors: list[Any]) -> tuple[float | None, list[Any]]:
+                         tensors: list[Any]) -> tuple[float | None, list[Any], int]:
+        """One call to `pid`: (loss, outputs, the id its gradient is kept under there, 0 for none)."""
         if pid == self.service.me:
             return await self._call_self(mb, stage, kind, tensors)
         session = self.service.session_of(pid)
@@ -300,7 +375,7 @@ class Driver:
                 theirs.discard()
         if kind in ("loss", "evaluate") and reply.loss is None:
             raise Refused(NO_LOSS)
-        return reply.loss, outputs
+        return reply.loss, outputs, reply.kept
 
 
 class DriverHandle:

@@ -9,6 +9,11 @@ held call is bounded in time by the driver's deadline for it, at most `[pipeline
 thread (the model is CPU/GPU bound; more threads would only share the same cores). A call whose inputs the
 stage rejects (NaN, wrong values) is answered with an error naming why; a malformed call closes the session
 (the router does that for a ProtocolError).
+
+A "backward" or "loss" call's parameter gradient is kept aside (peer/pipeline/kept.py) under an id the reply
+names, and enters the stage only when the driver that made the call acknowledges it (`StageAck`): at most
+once per stage, and never for a microbatch whose backward did not complete. Calls from our own driver
+(`compute_local`) follow the same rule.
 """
 
 from __future__ import annotations
@@ -23,15 +28,19 @@ from typing import Any, Protocol
 import trio
 
 from peer.pipeline.directory import PipelineKey
+from peer.pipeline.kept import HOLD_CALL_TIMEOUTS, HeldGradient, Kept, KeptGradients
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
 from protocol.schema.gossip import TensorSpec
-from protocol.schema.pipeline import StageCall, StageReply
+from protocol.schema.pipeline import StageAck, StageAckReply, StageCall, StageReply
 from protocol.refusal import Code, Refusal, Refused
 from protocol.schema.session import ErrorReply
 from protocol.tensor_codec import CODECS, FLOAT_DTYPES
 
 log = logging.getLogger("peertrain.pipeline")
+
+LOCAL_DRIVER = ""
+"""Who our own driver's calls are kept for (no peer ID is empty)."""
 
 
 class StageHandler(Protocol):
@@ -39,7 +48,8 @@ class StageHandler(Protocol):
 
     def kinds(self) -> tuple[str, ...]: ...
     def input_specs(self, kind: str, batch: int) -> list[tuple[str, str, list[int]]]: ...
-    def compute(self, kind: str, tensors: list[Any], seed: int) -> tuple[float | None, list[Any]]: ...
+    def compute(self, kind: str, tensors: list[Any], seed: int) -> tuple[float | None, list[Any], HeldGradient | None]:
+        """(loss, output tensors, the call's parameter gradient: kept until acknowledged; None for no gradient)."""
     def samples_per_s(self) -> float: ...
     def export_state(self) -> tuple[list[tuple[str, Any]], int, int]: ...  # (named tensors, steps, samples)
 
@@ -62,6 +72,8 @@ class ServerStats:
     queue: int = 0  # calls held now (receiving, waiting for compute, computing or replying)
     compute_s: float = 0.0
     last_error: str = ""
+    accumulated_samples: int = 0  # samples whose (acknowledged) gradients entered the stages we served
+    accumulated_by_stage: Counter = field(default_factory=Counter)  # stage -> those samples
 
 
 class StageServer:
@@ -71,6 +83,12 @@ class StageServer:
         self.stats = ServerStats()
         self.per_peer: Counter = Counter()  # driver -> calls held for it now
         self.compute_lock = trio.Lock()  # one computation at a time (see module docstring)
+        self.kept = KeptGradients(hold_s=HOLD_CALL_TIMEOUTS * cfg.max_call_timeout)
+
+    def switch(self, stage: ServedStage | None) -> None:
+        """Serve `stage` from now on (None: nothing); gradients kept for another stage are dropped."""
+        self.stage = stage
+        self.kept.drop_all_but(stage, "stale")
 
     def refusal(self, call: StageCall, peer_id: str) -> Refusal | None:
         """Why we will not take `call` from `peer_id`, or None."""
@@ -104,9 +122,11 @@ class StageServer:
                                       "([pipeline] max_queue_per_peer)")
         return None
 
-    async def compute_local(self, call: StageCall, tensors: list[Any]) -> tuple[float | None, list[Any], float]:
-        """A call from our own driver to our own stage: the same checks and compute, no wire. Raises Refused
-        when refused, as a peer would answer: by the checks, MOVED, or BAD_INPUT when the stage rejects the inputs."""
+    async def compute_local(self, call: StageCall, tensors: list[Any]) -> tuple[float | None, list[Any], int]:
+        """A call from our own driver to our own stage: the same checks and compute, no wire; (loss, outputs, the
+        id its gradient is kept under, 0 for none: acknowledge it with `acknowledge(LOCAL_DRIVER, ...)`). Raises
+        Refused when refused, as a peer would answer: by the checks, MOVED, or BAD_INPUT when the stage rejects
+        the inputs."""
         refused = self.refusal(call, "")
         if refused is not None and refused.code is not Code.BUSY:  # our own calls wait for the compute lock instead
             raise Refused(refused)
@@ -119,7 +139,8 @@ class StageServer:
                     raise Refused(Refusal(Code.MOVED, "this peer moved to another stage while the call waited"))
                 t0 = time.perf_counter()
                 try:
-                    loss, outputs = await trio.to_thread.run_sync(st.handler.compute, call.kind, tensors, call.seed)
+                    loss, outputs, held = await trio.to_thread.run_sync(st.handler.compute, call.kind, tensors,
+                                                                        call.seed)
                 except ValueError as exc:  # the stage refused the inputs (NaN, out of range)
                     raise Refused(Refusal(Code.BAD_INPUT, str(exc))) from None
                 seconds = time.perf_counter() - t0
@@ -127,7 +148,8 @@ class StageServer:
             self.stats.queue -= 1
         self.stats.compute_s += seconds
         self.stats.served += 1
-        return (loss if loss is None or math.isfinite(loss) else None), outputs, seconds
+        kept = 0 if held is None else self.kept.keep(LOCAL_DRIVER, st, held, trio.current_time())
+        return (loss if loss is None or math.isfinite(loss) else None), outputs, kept
 
     async def on_call(self, session, env, nursery: trio.Nursery) -> None:
         """The router's handler (in the session's dispatch task): check, then serve in `nursery`."""
@@ -147,7 +169,7 @@ class StageServer:
 
     async def _serve(self, session, env, st: ServedStage, theirs: IncomingGroup) -> None:
         call: StageCall = env.message
-        done = False
+        done, kept = False, 0
         try:
             hold = min(self.cfg.max_call_timeout, call.deadline_s or self.cfg.max_call_timeout)
             with trio.fail_after(hold):  # past the driver's deadline nobody waits for the answer
@@ -160,7 +182,8 @@ class StageServer:
                         return
                     t0 = time.perf_counter()
                     try:
-                        loss, outputs = await trio.to_thread.run_sync(st.handler.compute, call.kind, inputs, call.seed)
+                        loss, outputs, held = await trio.to_thread.run_sync(st.handler.compute, call.kind, inputs,
+                                                                            call.seed)
                     except ValueError as exc:  # the stage refused the inputs (NaN, out of range): say why
                         self.stats.failed += 1
                         self.stats.last_error = f"{session.short}: {call.kind} mb {call.microbatch}: {exc}"[:300]
@@ -168,13 +191,15 @@ class StageServer:
                         await session.reply(env, ErrorReply.of(Refusal(Code.BAD_INPUT, str(exc)[:500])))
                         return
                     seconds = time.perf_counter() - t0
+                    if held is not None:
+                        kept = self.kept.keep(session.peer_id, st, held, trio.current_time())
                 self.stats.compute_s += seconds
                 if loss is not None and not math.isfinite(loss):
                     loss = None  # the driver sees a missing loss, not a NaN on the wire (which decoding refuses)
                 out_specs = [TensorSpec(f"out{i}", _dtype_name(t), list(t.shape)) for i, t in enumerate(outputs)]
                 ours = OutgoingGroup(session, out_specs)
                 await session.reply(env, StageReply(tensors=out_specs, streams=ours.streams, loss=loss,
-                                                    compute_s=seconds))
+                                                    compute_s=seconds, kept=kept))
                 codecs = [call.codec if s.dtype in FLOAT_DTYPES else "raw" for s in out_specs]
                 await ours.send([t.detach().contiguous() for t in outputs], codec=codecs)
                 done = True
@@ -194,6 +219,57 @@ class StageServer:
                 del self.per_peer[session.peer_id]
             if done:
                 self.stats.served += 1
+            elif kept:  # the driver cannot have its reply: nobody will acknowledge the gradient
+                self.kept.discard(kept, "unsent")
+
+    # ---- acknowledgements ----------------------------------------------------------------------------
+    def _claim(self, driver: str, ids: list[int], accumulate: bool) -> list[Kept]:
+        """Take the gradients of `ids` kept for `driver` (to add them), or drop them (`accumulate` False)."""
+        now = trio.current_time()
+        if accumulate:
+            return self.kept.take(driver, ids, now)
+        self.kept.drop(driver, ids, now)
+        return []
+
+    async def _accumulate(self, taken: list[Kept]) -> list[int]:
+        """Add acknowledged gradients to the stage, if they were computed for the stage we serve now and its
+        state (a worker thread: the stage's lock may be held by a computation); the ids that entered it."""
+        st = self.stage
+        fresh = [k for k in taken if k.owner is st] if st is not None else []
+        entered = await trio.to_thread.run_sync(lambda: [k.gradient.accumulate() for k in fresh]) if fresh else []
+        out = []
+        for k, ok in zip(fresh, entered):
+            if ok and st is not None:
+                self.stats.accumulated_samples += k.gradient.samples
+                self.stats.accumulated_by_stage[st.stage] += k.gradient.samples
+                out.append(k.id)
+        if len(out) < len(taken):
+            self.kept.stats.dropped["stale"] += len(taken) - len(out)
+        return out
+
+    async def acknowledge(self, driver: str, ids: list[int], *, accumulate: bool = True) -> list[int]:
+        """Our own driver's ack (`LOCAL_DRIVER`): as a peer's, in-process; the ids whose gradient entered the stage."""
+        return await self._accumulate(self._claim(driver, ids, accumulate))
+
+    async def on_ack(self, session, env, nursery: trio.Nursery) -> None:
+        """The router's handler for StageAck: claim in the dispatch task (so a repeated ack finds nothing), add in
+        `nursery` (the stage's lock may be held by a computation), then reply which ids entered the stage."""
+        ack: StageAck = env.message
+        taken = self._claim(session.peer_id, ack.kept, ack.accumulate)
+        if not taken:
+            await session.reply(env, StageAckReply())
+            return
+        nursery.start_soon(self._answer_ack, session, env, taken)
+
+    async def _answer_ack(self, session, env, taken: list[Kept]) -> None:
+        try:
+            entered = await self._accumulate(taken)
+            await session.reply(env, StageAckReply(accumulated=entered))
+        except SessionClosed as exc:  # the driver sees its ack unanswered and counts it as lost
+            log.info("stage ack from %s not answered: %s", session.short, exc)
+        except Exception as exc:  # a bug here must not take the daemon down
+            self.stats.last_error = f"{session.short}: ack: {type(exc).__name__}: {exc}"[:300]
+            log.exception("adding acknowledged gradients from %s failed", session.short)
 
 
 def _dtype_name(t: Any) -> str:

@@ -17,9 +17,11 @@ import trio
 
 from peer.pipeline.directory import PipelineKey, StagePeer, bottleneck, capacity, stage_map
 from peer.pipeline.driver import Driver, DriverHandle
+from peer.pipeline.kept import SWEEP_S
 from peer.pipeline.server import ServedStage, StageHandler, StageServer
 from peer.pipeline.state import FetchedState, KeptCopy, SpecCheck, StageStates
-from protocol.schema.pipeline import MAX_QUEUE, MAX_SAMPLES_PER_S, MAX_STEP, StageAnnouncement, StageCall, StageStateRequest
+from protocol.schema.pipeline import (MAX_QUEUE, MAX_SAMPLES_PER_S, MAX_STEP, StageAck, StageAnnouncement, StageCall,
+                                      StageStateRequest)
 
 if TYPE_CHECKING:
     from peer.services import DaemonContext
@@ -47,6 +49,7 @@ class PipelineService:
         self.moves: deque[dict] = deque(maxlen=MOVES_KEPT)
         self._nursery: trio.Nursery | None = None
         daemon.router.register(StageCall, self._on_call)
+        daemon.router.register(StageAck, self._on_ack)
         daemon.router.register(StageStateRequest, self._on_state_request)
         topology.announce_stage = self.announcement
 
@@ -54,10 +57,15 @@ class PipelineService:
         async with trio.open_nursery() as n:
             self._nursery = n  # owns the calls we serve and the microbatches our drivers move
             task_status.started()
-            await trio.sleep_forever()
+            while True:  # gradients nobody acknowledged go even when no call comes (they hold memory)
+                await trio.sleep(SWEEP_S)
+                self.server.kept.expire(trio.current_time())
 
     async def _on_call(self, session, env) -> None:
         await self.server.on_call(session, env, self._nursery)
+
+    async def _on_ack(self, session, env) -> None:
+        await self.server.on_ack(session, env, self._nursery)
 
     async def _on_state_request(self, session, env) -> None:
         await self.states.on_request(session, env, self._nursery)
@@ -68,7 +76,7 @@ class PipelineService:
         Calls held for the stage we served before are handed back (server.py, `moved`). Not `ready`: we are a
         member of the stage (we may fetch its state) but refuse calls until `set_ready`."""
         StageAnnouncement(key.name, stage, key.stages, cuts=list(key.cuts))  # a receiver's checks: a clear error here
-        self.server.stage = ServedStage(key, stage, max_batch, handler, ready)
+        self.server.switch(ServedStage(key, stage, max_batch, handler, ready))
         self.moving_to = -1
         log.info("serving stage %d of %d of pipeline %r (cut at blocks %s)", stage, key.stages, key.name, list(key.cuts))
         self.topology.announce_soon()
@@ -104,7 +112,7 @@ class PipelineService:
     def stop_serving(self) -> None:
         if self.server.stage is not None:
             log.info("no longer serving stage %d of pipeline %r", self.server.stage.stage, self.server.stage.key.name)
-        self.server.stage = None
+        self.server.switch(None)
         self.topology.announce_soon()
 
     def announcement(self) -> StageAnnouncement | None:
@@ -178,7 +186,10 @@ class PipelineService:
             "server": {"served": self.server.stats.served, "refused": dict(self.server.stats.refused),
                        "failed": self.server.stats.failed, "handed_back": self.server.stats.handed_back,
                        "queue": self.server.stats.queue,
-                       "compute_s": round(self.server.stats.compute_s, 3), "last_error": self.server.stats.last_error},
+                       "compute_s": round(self.server.stats.compute_s, 3), "last_error": self.server.stats.last_error,
+                       "accumulated_samples": self.server.stats.accumulated_samples,
+                       "accumulated_by_stage": {str(s): n for s, n in sorted(self.server.stats.accumulated_by_stage.items())},
+                       **self.server.kept.status()},
             **self.loss,
         }
         if driver is not None:
@@ -190,5 +201,7 @@ class PipelineService:
                 "waiting": [{"stage": s, "for_s": round(now - since, 1)} for s, since in sorted(d.waiting.items())],
                 "calls": dict(d.calls), "failures": [{"microbatch": m, "reason": r} for m, r in d.failures],
                 "deadline_s": round(sorted(d.deadlines)[len(d.deadlines) // 2], 3) if d.deadlines else None,
+                "acked": d.acked, "acked_samples": [d.acked_samples.get(s, 0) for s in range(driver.key.stages)],
+                "ack_lost": d.ack_lost, "dropped": d.dropped,
             }
         return out

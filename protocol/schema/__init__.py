@@ -40,7 +40,8 @@ from protocol.schema.nat import (
     RelayReservation,
     RelayReserve,
 )
-from protocol.schema.pipeline import StageAnnouncement, StageCall, StageCopy, StageReply, StageStateReply, StageStateRequest
+from protocol.schema.pipeline import (StageAck, StageAckReply, StageAnnouncement, StageCall, StageCopy, StageReply,
+                                      StageStateReply, StageStateRequest)
 from protocol.schema.tensor import TensorCancel, TensorHeader
 from protocol.schema.topology import (
     EdgeAccept,
@@ -73,7 +74,8 @@ __all__ = [
     "TopologyRecord", "TopologyRecords", "topology_record_signing_bytes",
     "DialBackReply", "DialBackRequest", "DialBackResult", "PunchOffer", "PunchSync", "RelayAck", "RelayConnect",
     "RelayConnectReply", "RelayIncoming", "RelayReservation", "RelayReserve",
-    "StageAnnouncement", "StageCall", "StageCopy", "StageReply", "StageStateReply", "StageStateRequest",
+    "StageAck", "StageAckReply", "StageAnnouncement", "StageCall", "StageCopy", "StageReply", "StageStateReply",
+    "StageStateRequest",
 ]
 
 MESSAGES: tuple[type[Message], ...] = (
@@ -110,6 +112,8 @@ MESSAGES: tuple[type[Message], ...] = (
     StageReply,
     StageStateRequest,
     StageStateReply,
+    StageAck,
+    StageAckReply,
     # reachability plane (dial-back, relays, hole punching)
     DialBackRequest,
     DialBackReply,

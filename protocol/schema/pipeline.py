@@ -7,6 +7,14 @@ view it holds anyway. A driver moves one microbatch with `StageCall` requests, o
   driver → server  StageCall(kind="forward" | "backward" | "loss" | "evaluate"); its input tensors follow
   server → driver  StageReply (the output tensors follow) | ErrorReply (refused, with a code and reason)
 
+A "backward" or "loss" call's parameter gradient does not enter the stage's accumulated gradient when it is
+computed: the server keeps it aside and names it in its reply (`kept`). Once the microbatch's backward has
+completed through every stage, the driver tells each server that kept one to add it; a microbatch that
+failed tells them to drop it (a gradient nobody acknowledges is dropped after a while):
+
+  driver → server  StageAck(kept ids, accumulate=True | False)
+  server → driver  StageAckReply(the ids whose gradient entered the stage)
+
 A peer moving to another stage, or taking over a stage nobody serves, downloads that stage's state (weights,
 optimizer state, step) from a peer serving it or holding a copy of it (records say which, `copies`):
 
@@ -25,10 +33,12 @@ from dataclasses import dataclass, field
 
 from protocol.schema.gossip import TensorSpec
 
+from protocol.message_fields import U64
 from protocol.messages import Message
 
-__all__ = ["CALL_KINDS", "MAX_COPIES", "MAX_STAGES", "MAX_STAGE_TENSORS", "MAX_STATE_TENSORS", "StageAnnouncement",
-           "StageCall", "StageCopy", "StageReply", "StageStateReply", "StageStateRequest"]
+__all__ = ["CALL_KINDS", "MAX_ACK_IDS", "MAX_COPIES", "MAX_STAGES", "MAX_STAGE_TENSORS", "MAX_STATE_TENSORS",
+           "StageAck", "StageAckReply", "StageAnnouncement", "StageCall", "StageCopy", "StageReply", "StageStateReply",
+           "StageStateRequest"]
 
 MAX_STAGES = 64
 """Stages one pipeline may have: more than any model cut across peers needs (SWARM ran 12 - 32 layers in a
@@ -51,6 +61,9 @@ MAX_COPIES = 4
 MAX_STATE_TENSORS = 1 << 14
 """Tensors of one stage's state: every weight and buffer plus up to 8 optimizer values each (the receiver
 checks the exact list against its own copy of the stage's blocks before allocating; this bounds the message)."""
+MAX_ACK_IDS = MAX_STAGES
+"""Kept gradients one StageAck names: a driver acknowledges a microbatch's gradients at each server at once, and a
+server holds at most one of them per stage (one, unless it changed stage within the microbatch)."""
 CALL_KINDS = ("forward", "backward", "loss", "evaluate")
 
 
@@ -70,6 +83,11 @@ def _check_cut_count(cuts: list[int]) -> None:
     """A call's or request's cuts: the receiver compares them with its own, so only their number is bounded here."""
     if len(cuts) >= MAX_STAGES:
         raise ValueError(f"{len(cuts)} cuts (at most {MAX_STAGES - 1})")
+
+
+def _check_kept_ids(ids: list[int], least: int) -> None:
+    if not least <= len(ids) <= MAX_ACK_IDS or any(not 0 < i < U64 for i in ids):
+        raise ValueError(f"{least}..{MAX_ACK_IDS} kept ids in (0, 2**64), got {len(ids)}: {ids[:4]}")
 
 
 def _check_group(tensors: list, streams: list[int], most: int) -> None:
@@ -168,11 +186,39 @@ class StageReply(Message):
     streams: list[int]
     loss: float | None = None
     compute_s: float = 0.0  # seconds the server computed (the rest of the call's time is wire and queue)
+    kept: int = 0  # the id of this call's gradient, kept aside until the driver acknowledges it (0: none kept)
 
     def __post_init__(self) -> None:
         _check_group(self.tensors, self.streams, MAX_STAGE_TENSORS)
         if self.compute_s < 0:
             raise ValueError(f"compute_s must be >= 0, got {self.compute_s}")
+        if not 0 <= self.kept < U64:
+            raise ValueError(f"kept must be in [0, 2**64), got {self.kept}")
+
+
+@dataclass(frozen=True, slots=True)
+class StageAck(Message):
+    """The driver's word on gradients a server kept for it (`StageReply.kept`): add them to the stage (their
+    microbatch's backward completed through every stage), or drop them (it failed)."""
+
+    TYPE = "stage_ack"
+    kept: list[int]
+    accumulate: bool = True
+
+    def __post_init__(self) -> None:
+        _check_kept_ids(self.kept, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class StageAckReply(Message):
+    """Which of an ack's ids entered the stage's accumulated gradient (the others: not held for the asker any more,
+    or dropped as asked)."""
+
+    TYPE = "stage_ack_reply"
+    accumulated: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_kept_ids(self.accumulated, 0)
 
 
 @dataclass(frozen=True, slots=True)

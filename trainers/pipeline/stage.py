@@ -9,6 +9,13 @@ Gradients accumulate as the gradient of the *summed* loss ("loss" backpropagates
 "backward" passes on what the next stage returned), and a step divides by the samples accumulated,
 so a step uses the gradient of the mean loss over exactly those samples: the same as one
 single-process batch of them.
+
+A request's parameter gradient does not enter the accumulated gradient when it is computed: `compute`
+returns it as a `HeldGradient`, and it enters when its `accumulate()` is called, which the daemon does
+once the driver acknowledged the request's microbatch (peer/pipeline/kept.py): a reply lost and the
+request re-sent elsewhere, or a microbatch failed at an earlier stage, leaves nothing here. `samples`
+and the step count follow what entered. Nothing more is copied than before: autograd returns fresh
+tensors, kept as they are until they are added.
 """
 
 from __future__ import annotations
@@ -40,6 +47,22 @@ MAX_SEED = 2**64 - 1
 
 FIRST_KINDS = ("forward", "backward")
 LAST_KINDS = ("loss", "evaluate")
+
+
+@dataclass(eq=False)
+class HeldGradient:
+    """One request's parameter gradient, kept out of the stage until `accumulate()` (at most once)."""
+
+    worker: "StageWorker"
+    grads: list[Tensor | None]  # per parameter of the worker, in its order
+    samples: int
+    generation: int  # the worker's state generation it was computed against
+    nbytes: int
+
+    def accumulate(self) -> bool:
+        """Add it to the stage's accumulated gradient (and step if the stage's share is reached); False if it was
+        added already or the stage's state was replaced since it was computed (then it is dropped)."""
+        return self.worker.accumulate(self)
 
 
 @dataclass(frozen=True)
@@ -109,6 +132,7 @@ class StageWorker:
         self.lock = threading.Lock()
         self._accumulate = max_batch
         self._pending = 0  # samples whose gradients are accumulated since the last step
+        self._generation = 0  # bumped when the state is replaced: gradients held from before are dropped
         self.steps = 0
         self.samples = 0
         self._sec_per_sample: dict[str, float] = {}
@@ -189,15 +213,18 @@ class StageWorker:
                 raise ValueError(f"stage {self.stage} {kind}: input {i} ({name}) contains NaN or Inf")
         return specs[0][2][0]
 
-    def compute(self, kind: str, tensors: list[Tensor], seed: int) -> tuple[float | None, list[Tensor]]:
-        """Serve one request: (mean loss or None, output tensors on the CPU, ready for the wire).
+    def compute(self, kind: str, tensors: list[Tensor], seed: int) -> tuple[float | None, list[Tensor], HeldGradient | None]:
+        """Serve one request: (mean loss or None, output tensors on the CPU, ready for the wire, and for
+        "backward" and "loss" the parameter gradient, held until its `accumulate()`; None otherwise).
 
         forward: [in] -> [out]. backward: [in, grad_out] -> [grad_in] ([] on the first stage).
         loss: [in, y] -> (loss, [grad_in]) ([] with one stage). evaluate: [in, y] -> (loss, []),
-        eval mode, no gradients. A bad request raises ValueError and changes no state.
+        eval mode, no gradients. A bad request raises ValueError and changes no state; no request changes
+        the stage's state (weights, accumulated gradient, counters) until its gradient is accumulated.
         """
         batch = self._validate(kind, tensors, seed)
         xs = [t.to(self.device) for t in tensors]
+        held = None
         with self.lock:
             start = time.perf_counter()
             if kind == "forward":
@@ -206,11 +233,11 @@ class StageWorker:
             elif kind == "evaluate":
                 loss, outs = self._evaluate(xs, seed), []
             else:
-                loss, outs = self._train(kind, xs, seed, batch)
+                loss, outs, held = self._train(kind, xs, seed, batch)
             result = [o.detach().cpu().contiguous() for o in outs]  # .cpu() also waits for the device
             if kind != "evaluate":
                 self._observe(kind, batch, time.perf_counter() - start)
-        return loss, result
+        return loss, result, held
 
     def _evaluate(self, xs: list[Tensor], seed: int) -> float:
         was_training = self.module.training
@@ -221,8 +248,9 @@ class StageWorker:
         finally:
             self.module.train(was_training)
 
-    def _train(self, kind: str, xs: list[Tensor], seed: int, batch: int) -> tuple[float | None, list[Tensor]]:
-        """Recompute the forward under `seed`, backpropagate, and accumulate only if all is finite."""
+    def _train(self, kind: str, xs: list[Tensor], seed: int,
+               batch: int) -> tuple[float | None, list[Tensor], HeldGradient]:
+        """Recompute the forward under `seed`, backpropagate; the parameter gradient held, if all is finite."""
         inp = xs[0] if self.first else xs[0].detach().requires_grad_(True)
         wrt = self._params + ([] if self.first else [inp])
         loss: float | None = None
@@ -240,20 +268,33 @@ class StageWorker:
         present = [g for g in grads if g is not None]
         if present and not bool(torch.stack([g.isfinite().all() for g in present]).all()):
             raise ValueError(f"stage {self.stage} {kind}: the gradients are not finite (inputs too large?)")
-        for p, g in zip(self._params, grads):
-            if g is not None:
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.add_(g)
-        self.samples += batch
-        self._pending += batch
-        if self._pending >= self._accumulate:
-            self._step()
+        own = grads[:len(self._params)]
+        held = HeldGradient(self, own, batch, self._generation,
+                            sum(g.numel() * g.element_size() for g in own if g is not None))
         if self.first:
-            return loss, []
+            return loss, [], held
         grad_in = grads[-1]
-        return loss, [grad_in if grad_in is not None else torch.zeros_like(inp)]
+        return loss, [grad_in if grad_in is not None else torch.zeros_like(inp)], held
+
+    def accumulate(self, held: HeldGradient) -> bool:
+        """Add a gradient `compute` held to the accumulated gradient, and step once this stage's share of
+        samples has entered (`accumulate_samples`). False, changing nothing, if `held` entered already, is
+        another worker's, or was computed before the state was replaced (`load_state_dict`, `import_state`)."""
+        with self.lock:
+            if held.worker is not self or held.generation != self._generation or not held.grads:
+                return False
+            grads, held.grads = held.grads, []  # at most once: the tensors are ours now
+            for p, g in zip(self._params, grads):
+                if g is not None:
+                    if p.grad is None:
+                        p.grad = g.clone()  # as before: autograd may hand out a view (an expanded scalar)
+                    else:
+                        p.grad.add_(g)
+            self.samples += held.samples
+            self._pending += held.samples
+            if self._pending >= self._accumulate:
+                self._step()
+            return True
 
     def _step(self) -> None:
         """Average the accumulated gradients over their samples, clip (this stage's norm), step."""
@@ -282,7 +323,7 @@ class StageWorker:
 
     @property
     def pending_samples(self) -> int:
-        """Samples whose gradients are accumulated toward the next step (a move drops them: counted there)."""
+        """Samples whose gradients entered toward the next step (a move drops them: counted there)."""
         return self._pending
 
     def accumulated_grads(self) -> dict[str, Tensor]:
@@ -367,6 +408,7 @@ class StageWorker:
                 raise ValueError(f"stage {self.stage}: cannot load state dict: {e}") from e
             self._optimizer.zero_grad(set_to_none=True)
             self._pending = 0
+            self._generation += 1
             self.steps = int(d["steps"])
             self.samples = int(d.get("samples", self.samples))
 
@@ -425,4 +467,5 @@ class StageWorker:
             self.module.load_state_dict({self._local(k): v for k, v in module.items()})
             self._optimizer.zero_grad(set_to_none=True)
             self._pending = 0
+            self._generation += 1
             self.steps, self.samples = steps, samples
