@@ -352,7 +352,8 @@ def test_a_users_float_blocks_serve_as_stages():
                for s, bounds in enumerate([(0, 2), (2, 3)])]
     assert workers[0].input_specs("forward", 8) == [("x", "float32", [8, 8])]
     assert workers[1].input_specs("loss", 8) == [("h", "float32", [8, 32]), ("y", "float32", [8, 1])]
-    _, (h,) = workers[0].compute("forward", [x], seed=1)
-    loss, (grad,) = workers[1].compute("loss", [h, y], seed=1)
-    assert math.isfinite(loss) and grad.shape == h.shape
-    assert workers[0].compute("backward", [x, grad], seed=1) == (None, [])
+    _, (h,), _ = workers[0].compute("forward", [x], seed=1)
+    loss, (grad,), held = workers[1].compute("loss", [h, y], seed=1)
+    assert math.isfinite(loss) and grad.shape == h.shape and held is not None and held.accumulate()
+    loss, outs, held = workers[0].compute("backward", [x, grad], seed=1)
+    assert (loss, outs) == (None, []) and held is not None and held.accumulate()
