@@ -4,12 +4,13 @@ and any peer holding data drives microbatches through whichever peers of each st
 Start-up: build the model's blocks (the built-in char transformer on the shipped Shakespeare corpus, or the
 user's `model_factory`), profile every block's forward+backward time and activation size, cut the model with
 PipeDream's dynamic program (printed), agree on one cut with the peers already serving it, pick a stage
-(trainers/pipeline/placement.py), keep only that stage's blocks, download the stage's current state from a
+(trainers/pipeline/placement.py), keep only that stage's blocks on `[pipeline] device` (a GPU when there is one), download the stage's current state from a
 peer of the stage if it is already training, and serve it.
 
-Learning: a server accumulates gradients for its stage until it has seen its share of `batch_size` samples
-(`batch_size` / peers of the stage, so the stage as a whole steps once per `batch_size` samples, as one process
-would), steps its own optimizer (its state stays local), then averages the stage's parameters with another peer
+Learning: a server keeps each backward's gradient aside until the microbatch's driver acknowledges it (the
+microbatch went back through every stage; peer/pipeline/kept.py), so a gradient enters a stage at most once;
+it accumulates acknowledged gradients until it has seen its share of `batch_size` samples (`batch_size` /
+peers of the stage, so the stage as a whole steps once per `batch_size` samples, as one process would), steps its own optimizer (its state stays local), then averages the stage's parameters with another peer
 of the same stage through the gossip engine (partners: the peers of that stage only).
 
 Moving (trainers/pipeline/seat.py, keeper.py, rebalance.py): a background thread moves this peer to the

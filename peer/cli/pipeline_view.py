@@ -95,6 +95,9 @@ def _driver_facts(d: dict, tr: dict) -> Table:
     if tr.get("samples_per_s") is not None:
         t.add_row("throughput", f"{tr['samples_per_s']:.1f} samples/s driven   {tr.get('samples', d.get('samples', 0))} "
                                 f"samples   call deadline ~{_num(d.get('deadline_s'), '{:.1f}')}s")
+    if d.get("acked_samples"):
+        t.add_row("gradients", f"samples taken by stage {d['acked_samples']}   {d.get('dropped', 0)} dropped (failed "
+                               f"microbatches)   {d.get('ack_lost', 0)} acks lost")
     for f in (d.get("failures") or [])[-SHOWN_FAILURES:]:
         t.add_row("failed", Text(f"microbatch {f['microbatch']}: {f['reason']}", style="red"))
     return t
@@ -107,6 +110,10 @@ def _server_facts(sv: dict, pl: dict, tr: dict) -> Table:
     back = f"handed back {sv['handed_back']}   " if sv.get("handed_back") is not None else ""
     t.add_row("served", f"{sv.get('served', 0)} calls   refused {ref}   failed {sv.get('failed', 0)}   {back}"
                         f"queue {sv.get('queue', 0)}   compute {sv.get('compute_s', 0):.1f}s")
+    if sv.get("accumulated_samples") is not None:
+        dropped = ", ".join(f"{why} {n}" for why, n in sorted((sv.get("dropped") or {}).items())) or "0"
+        t.add_row("gradients", f"{sv['accumulated_samples']} samples taken once acknowledged   {sv.get('kept', 0)} "
+                               f"kept ({_num(sv.get('kept_mb'), '{:.1f}')} MB) awaiting an ack   dropped {dropped}")
     if tr.get("stage_steps") is not None:
         t.add_row("stage", f"{pl.get('my_stage')}: {tr['stage_steps']} optimizer steps, {tr.get('stage_samples', 0)} "
                            f"samples, {tr.get('stage_samples_per_s', 0):.0f} samples/s of compute")
