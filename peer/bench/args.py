@@ -238,8 +238,8 @@ def pipeline_arguments(p: Parser) -> None:
         "--samples samples; then every driver's validation loss through the pipeline is asked for. Reported per "
         "codec: the validation loss and its gap to raw's, session bytes out per microbatch and their ratio to "
         "raw's, samples/s, microbatches done and failed; and `recommended`: the codec with the fewest bytes whose "
-        "loss is within --tolerance of raw's. With one driver and one microbatch in flight (the defaults) nothing depends "
-        "on timing, so a gap is the codec's alone. ~1 minute per codec on 2 CPUs. --daemons, --duration, "
+        "loss is within --tolerance of raw's. With one driver and one microbatch in flight (the defaults) nothing "
+        "depends on timing, so a gap is the codec's alone. ~1 minute per codec on 2 CPUs. --daemons, --duration, "
         "--window, --no-kill, --forward-codec and --backward-codec do not apply.")
     c.add_argument("--codec", default=None, metavar="C,C,...",
                    help="compare these codecs (raw, float16, q8; one or a comma list), e.g. --codec raw,float16,q8")

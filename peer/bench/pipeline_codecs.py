@@ -161,8 +161,8 @@ def figures(runs: list[CodecRun], tolerance: float) -> dict:
     out: dict[str, dict] = {}
     for r in runs:
         gap = None if r.val_loss is None or raw.val_loss is None else r.val_loss - raw.val_loss
-        out[r.codec] = {**asdict(r), "loss_gap": _r(gap, 5),
-                        "loss_gap_relative": None if gap is None or not raw.val_loss else _r(gap / raw.val_loss, 5),
+        out[r.codec] = {**asdict(r), "loss_gap": _sig(gap),
+                        "loss_gap_relative": None if gap is None or not raw.val_loss else _sig(gap / raw.val_loss),
                         "bytes_ratio": (_r(r.bytes_per_microbatch / raw.bytes_per_microbatch, 3)
                                         if r.bytes_per_microbatch and raw.bytes_per_microbatch else None)}
         del out[r.codec]["codec"]
@@ -178,6 +178,11 @@ def figures(runs: list[CodecRun], tolerance: float) -> dict:
 
 def _r(x: float | None, nd: int = 2) -> float | None:
     return None if x is None else round(x, nd)
+
+
+def _sig(x: float | None, digits: int = 3) -> float | None:
+    """`x` to `digits` significant digits: a codec's gap may be a millionth of the loss."""
+    return None if x is None else float(f"{x:.{digits}g}")
 
 
 def run(a) -> int:
