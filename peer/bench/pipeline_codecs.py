@@ -1,9 +1,9 @@
 """`peer bench pipeline --codec raw,float16,q8`: what each wire codec costs in validation loss and saves in bytes.
 
-For each codec (activations and gradients alike) a fresh swarm of 4 daemons, one per stage (rank r serves stage
-r), trains the same model from the same seed on the same data: the first `--drivers` daemons each drive
-`--samples` samples, then every driver's `evaluate` gives the validation loss through the pipeline (the
-codec applies there too). The model has as many blocks as stages (embedding, STAGES - 2 transformer blocks,
+For each codec (activations and gradients alike) a fresh swarm of 4 daemons, one per stage (rank r serves
+stage r; rebalancing off), trains the same model from the same seed on the same data: the first `--drivers`
+daemons each drive `--samples` samples, then every driver's `evaluate` gives the validation loss through the
+pipeline (the codec applies there too). The model has as many blocks as stages (embedding, STAGES - 2 transformer blocks,
 head), so every run has the one possible cut. With one driver and one microbatch in flight (the defaults)
 nothing depends on timing: the microbatches reach each stage in one order and every optimizer step sums the
 same gradients, so two raw runs give the same loss and a codec's gap to raw is the codec's alone. More
