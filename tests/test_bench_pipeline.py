@@ -6,11 +6,13 @@ Speed is not asserted (the bench reports it); the run guards the plumbing: every
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 
+from peer.bench.pipeline_codecs import CodecRun, codecs_of, figures
 from peer.bench.pipeline_figures import Poll, bytes_per_microbatch, rate, recovery, stage_capacities
 from peer.bench.pipeline_rebalance import (best_assignment, cpu_caps_from_shares, cumulative, fraction, moved, predicted,
                                            reported_moves, round_robin, series_rate, shares, speed_factors,
@@ -80,6 +82,57 @@ def test_bench_pipeline_tiny_loopback_run_reports_every_figure() -> None:
     assert sorted(out["bytes_per_microbatch"]["per_cut"]) == ["float16", "q8", "raw"]
     assert out["daemons"] == 5 and out["stages"] == 4 and sum(out["peers_per_stage"]) == 5
     assert out["cpu_cap"]["note"]  # capped, or a clear reason why not
+
+
+# ---- --codec (issue 28): pipeline_codecs.py ------------------------------------------------------------------
+def _run(codec: str, val_loss: float | None, nbytes: int | None) -> CodecRun:
+    return CodecRun(codec=codec, val_loss=val_loss, val_loss_by_driver=[val_loss], train_loss=None,
+                    bytes_per_microbatch=nbytes, samples_per_s=1.0, done=10, failed=0, samples=80, cuts=[1, 2, 3],
+                    startup_s=1.0, drive_s=1.0)
+
+
+def test_raw_is_always_the_reference_and_named_once() -> None:
+    assert codecs_of("q8") == ["raw", "q8"]
+    assert codecs_of("q8, raw,float16,q8") == ["raw", "q8", "float16"]
+    for bad in ("", "raw,bf16", ","):
+        with pytest.raises(ValueError):
+            codecs_of(bad)
+
+
+def test_the_fewest_bytes_within_the_tolerance_is_recommended() -> None:
+    runs = [_run("raw", 2.0, 1000), _run("float16", 2.01, 520), _run("q8", 2.06, 280)]
+    out = figures(runs, tolerance=0.01)
+    assert out["loss_gap_float16"] == pytest.approx(0.005) and out["loss_gap_q8"] == pytest.approx(0.03)
+    assert out["bytes_ratio_float16"] == pytest.approx(0.52) and out["bytes_ratio_q8"] == pytest.approx(0.28)
+    assert out["codecs"]["q8"]["loss_gap"] == pytest.approx(0.06) and out["same_cut"]
+    assert out["recommended"] == "float16" and out["tolerance_relative"] == 0.01
+    assert figures(runs, tolerance=0.05)["recommended"] == "q8"
+    assert figures(runs, tolerance=0.001)["recommended"] == "raw"
+    lower = [_run("raw", 2.0, 1000), _run("q8", 1.99, 280)]  # a lower loss is within any tolerance
+    assert figures(lower, tolerance=0.0)["recommended"] == "q8"
+    unmeasured = [_run("raw", 2.0, 1000), _run("q8", None, 280)]  # no loss: never recommended
+    assert figures(unmeasured, tolerance=0.5)["recommended"] == "raw"
+    assert figures(unmeasured, tolerance=0.5)["loss_gap_float16"] is None
+
+
+@pytest.mark.slow
+def test_bench_pipeline_tiny_codec_comparison_reports_every_figure() -> None:
+    proc = subprocess.run([sys.executable, "-m", "peer", "bench", "pipeline", "--codec", "raw,q8", "--tiny",
+                           "--samples", "480", "--no-netns", "--no-caps", "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # ~40 s; minutes on a loaded host
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(proc.stdout)
+    for key in ("codecs", "loss_gap_float16", "loss_gap_q8", "bytes_ratio_float16", "bytes_ratio_q8", "recommended",
+                "tolerance_relative", "same_cut", "config"):
+        assert key in out, key
+    assert sorted(out["codecs"]) == ["q8", "raw"] and out["loss_gap_float16"] is None
+    for codec, r in out["codecs"].items():
+        assert r["val_loss"] is not None and math.isfinite(r["val_loss"]), (codec, r)
+        assert r["done"] == 60 and r["failed"] == 0 and r["samples"] == 480 and r["samples_per_s"] > 0, (codec, r)
+        assert r["bytes_per_microbatch"] > 0 and r["cuts"] == [1, 2, 3], (codec, r)
+    assert math.isfinite(out["loss_gap_q8"]) and 0 < out["bytes_ratio_q8"] < 1
+    assert out["same_cut"] and out["recommended"] in ("raw", "q8")
+    assert out["config"]["drivers"] == 1 and out["config"]["in_flight_per_driver"] == 1
 
 
 # ---- --uneven / --churn (issue 17): pipeline_rebalance.py ------------------------------------------------------

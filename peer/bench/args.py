@@ -217,9 +217,10 @@ def pipeline_arguments(p: Parser) -> None:
     p.add_argument("--no-netns", action="store_true",
                    help="daemons on 127.0.0.1 instead of one network namespace each (no root needed)")
     p.add_argument("--no-kill", action="store_true", help="skip the kill -9 phase (throughput and bound only)")
-    p.add_argument("--in-flight", type=int, default=2,
+    p.add_argument("--in-flight", type=int, default=None,
                    help="microbatches each driver keeps moving (default 2: with 6 drivers, 12 in all, fewer than a "
-                        "server's [pipeline] max_queue, so no call is refused as busy; 0: the trainer's 2 x stages)")
+                        "server's [pipeline] max_queue, so no call is refused as busy; 0: the trainer's 2 x stages; "
+                        "with --codec, default 1)")
     p.add_argument("--forward-codec", choices=["raw", "float16", "q8"], default="raw",
                    help="activations on the wire (default raw)")
     p.add_argument("--backward-codec", choices=["raw", "float16", "q8"], default="raw",
@@ -229,6 +230,29 @@ def pipeline_arguments(p: Parser) -> None:
                    help="model and data seed; with --churn also which peers are killed (default 0)")
     p.add_argument("--logs", default=None, metavar="DIR",
                    help="keep daemon homes and logs under DIR (default: a temp dir, removed)")
+    c = p.add_argument_group(
+        "codecs compared (issue 28)",
+        "--codec runs, for each codec named (raw always, as the reference), a fresh swarm of 4 daemons, one per "
+        "stage, training the same model (one block per stage: the same cut every run; no dropout) from the same "
+        "seed on the same data, the codec used for activations and gradients alike. Each driver drives "
+        "--samples samples; then every driver's validation loss through the pipeline is asked for. Reported per "
+        "codec: the validation loss and its gap to raw's, session bytes out per microbatch and their ratio to "
+        "raw's, samples/s, microbatches done and failed; and `recommended`: the codec with the fewest bytes whose "
+        "loss is within --tolerance of raw's. With one driver and one microbatch in flight (the defaults) nothing "
+        "depends on timing, so a gap is the codec's alone. ~1 minute per codec on 2 CPUs. --daemons, --duration, "
+        "--window, --no-kill, --forward-codec and --backward-codec do not apply.")
+    c.add_argument("--codec", default=None, metavar="C,C,...",
+                   help="compare these codecs (raw, float16, q8; one or a comma list), e.g. --codec raw,float16,q8")
+    c.add_argument("--samples", type=int, default=1600,
+                   help="samples each driver drives (default 1600: 200 microbatches of 8, 50 optimizer steps of "
+                        "32, ~40 s; the loss is still falling, so a codec that slows learning shows)")
+    c.add_argument("--drivers", type=int, default=1,
+                   help="daemons that drive, from rank 0 (default 1: deterministic; up to 4, each on its own data "
+                        "shard, the loss the drivers' mean, the steps then timing-dependent)")
+    c.add_argument("--tolerance", type=float, default=0.01,
+                   help="largest relative loss gap to raw's a recommended codec may have (default 0.01: 1%%, "
+                        "within what the same training varies by when only its timing changes; below it the "
+                        "bytes decide)")
     g = p.add_argument_group(
         "peers of different speeds and churn (issue 17)",
         "--uneven runs three fresh swarms in turn, each daemon always under its own CPU cap: 'static' (peer i "
