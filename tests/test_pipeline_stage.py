@@ -169,6 +169,21 @@ def test_a_held_gradient_enters_once_and_only_when_accumulated() -> None:
     assert a.accumulate() and w.steps == 0 and b.accumulate() and w.steps == 1  # 8 samples entered: a step
 
 
+def test_adding_an_acknowledged_gradient_counts_in_the_stage_speed() -> None:
+    """The add and the optimizer step happen on the ack, outside the call's timing: they still count in the
+    samples/s the stage announces (routing, placement and rebalancing read it), as when the call did them."""
+    from trainers.pipeline.stage import ACCUMULATE
+
+    w = workers(tiny(0.0))[1]
+    w.accumulate_samples = 4  # every acknowledged microbatch steps
+    h, grad_out = torch.randn(4, BLOCK, 32), torch.randn(4, BLOCK, 32)
+    w.compute("forward", [h], 1)
+    _, _, held = w.compute("backward", [h, grad_out], 1)
+    calls_only = w.samples_per_s()
+    assert calls_only > 0 and held.accumulate() and w.steps == 1
+    assert ACCUMULATE in w._sec_per_sample and 0 < w.samples_per_s() < calls_only
+
+
 def test_backward_recompute_reproduces_the_forward_bit_exactly() -> None:
     w = workers(tiny(0.1))[1]
     h = torch.randn(4, BLOCK, 32)

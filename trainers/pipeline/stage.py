@@ -42,6 +42,8 @@ EWMA_ALPHA = 0.2
 # A backward request recomputes the forward (1x) and backpropagates (~2x a forward); used to
 # estimate one from the other before both have been measured.
 BACKWARD_OVER_FORWARD = 3.0
+# The throughput EWMA's key for adding an acknowledged gradient (and the optimizer step it triggers), per sample.
+ACCUMULATE = "accumulate"
 # Largest seed torch.manual_seed accepts, so a bad seed from a peer is a ValueError, not a RuntimeError.
 MAX_SEED = 2**64 - 1
 
@@ -283,6 +285,7 @@ class StageWorker:
         with self.lock:
             if held.worker is not self or held.generation != self._generation or not held.grads:
                 return False
+            start = time.perf_counter()
             grads, held.grads = held.grads, []  # at most once: the tensors are ours now
             for p, g in zip(self._params, grads):
                 if g is not None:
@@ -294,6 +297,9 @@ class StageWorker:
             self._pending += held.samples
             if self._pending >= self._accumulate:
                 self._step()
+            # Adding and stepping are the stage's work too, done on the ack rather than in the call: they count
+            # in its measured speed (what routing, placement and rebalancing read), as when the call did them.
+            self._observe(ACCUMULATE, held.samples, time.perf_counter() - start)
             return True
 
     def _step(self) -> None:
@@ -347,6 +353,7 @@ class StageWorker:
         s = self._sec_per_sample
         if self.last:
             t = s.get("loss")
+            t = t + s.get(ACCUMULATE, 0.0) if t is not None else None
         else:
             f, b = s.get("forward"), s.get("backward")
             if f is None and b is None:
@@ -354,7 +361,7 @@ class StageWorker:
             else:
                 f = f if f is not None else b / BACKWARD_OVER_FORWARD  # type: ignore[operator]
                 b = b if b is not None else f * BACKWARD_OVER_FORWARD
-                t = f + b
+                t = f + b + s.get(ACCUMULATE, 0.0)
         return 1.0 / t if t else 0.0
 
     # --- parameters and checkpoints --------------------------------------------------------------
