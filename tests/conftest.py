@@ -9,7 +9,7 @@ Three tiers, so the everyday loop runs in well under a minute and the whole suit
   process or opening a socket fails it, so a test that starts a daemon cannot sneak into the tier.
 - **serial** (`-m serial`): tests whose timings do not survive a second test on the same cores, or that
   build network namespaces (every `netns` test): `./dev test` runs them alone, after the rest.
-- everything else: process tests (real daemons, sockets, subprocesses), run two at a time by `./dev test`.
+- everything else: process tests (real daemons, sockets, subprocesses), run three at a time by `./dev test`.
 
 Hypothesis has two profiles: `ci` (loaded unless another is asked for) and `fast` (`./dev test --fast`).
 """
