@@ -354,7 +354,7 @@ def test_every_benchmark_row_is_dated():
     assert rows
     for row in rows:
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]]
-        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", cells[1]) or "TODO(lead)" in cells[2], (
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", cells[1]), (
             f"benchmark row without a date: {row[:80]}")
 
 
