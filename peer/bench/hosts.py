@@ -8,6 +8,7 @@ runs of one invocation are only comparable while other work on it stays about th
 from __future__ import annotations
 
 import socket
+import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -17,6 +18,19 @@ from typing import Any
 
 DAEMON_PORT = 7100  # inside a LAN every daemon listens on it, so each knows the others' addresses up front
 ALLREDUCE_PORT = 29500  # torch.distributed's customary rendezvous port; inside a LAN nothing else uses it
+
+
+NO_NETNS = "network namespaces need root and iproute2; run with --no-netns for daemons on 127.0.0.1"
+
+
+def netns_refused(wanted: bool) -> bool:
+    """True (having said why on stderr) if a bench wants network namespaces this machine cannot make."""
+    from peer.testing.netns import netns_available
+
+    if wanted and not netns_available():
+        print(NO_NETNS, file=sys.stderr)
+        return True
+    return False
 
 
 def run_root(stack: ExitStack, logs: str | None, prefix: str) -> Path:

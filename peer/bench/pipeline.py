@@ -24,10 +24,10 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 
 from peer.bench.cpu_caps import CpuCaps
-from peer.bench.hosts import DAEMON_PORT, run_root
+from peer.bench.hosts import DAEMON_PORT, netns_refused, run_root
 from peer.bench.pipeline_figures import (Poll, bytes_per_microbatch, capacities_over, driver_of, median_deadline,
                                          rate, recovery, session_bytes_out, total)
-from peer.testing.netns import netns_available, virtual_lan
+from peer.testing.netns import virtual_lan
 from peer.testing.swarm import LocalSwarm, rank_env, swarm_config, unique_swarm
 
 STAGES = 4  # the benchmark: 4 stages
@@ -259,9 +259,7 @@ def run(args) -> int:
         print("--duration, --window and --cpus must be positive, --in-flight at least 0", file=sys.stderr)
         return 2
     netns = not args.no_netns
-    if netns and not netns_available():
-        print("network namespaces need root and iproute2; run with --no-netns for daemons on 127.0.0.1",
-              file=sys.stderr)
+    if netns_refused(netns):
         return 2
     model = TINY if args.tiny else Model()
     options = _options(model, args)

@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from peer.bench.cpu_caps import CapSupport, CpuCaps
-from peer.bench.hosts import run_root
+from peer.bench.hosts import netns_refused, run_root
 from peer.bench.pipeline import POLL_S, START_TIMEOUT_S, STAGES, TINY, Model, Poller, daemon_config
 from peer.bench.pipeline_figures import CODECS, Poll, bytes_per_microbatch, driver_of, session_bytes_out
-from peer.testing.netns import netns_available, virtual_lan
+from peer.testing.netns import virtual_lan
 from peer.testing.swarm import LocalSwarm, rank_env, unique_swarm
 
 # One block per stage, so the cut is the same in every run; no dropout, so a run depends only on its codec.
@@ -197,9 +197,7 @@ def run(a) -> int:
               file=sys.stderr)
         return 2
     netns = not a.no_netns
-    if netns and not netns_available():
-        print("network namespaces need root and iproute2; run with --no-netns for daemons on 127.0.0.1",
-              file=sys.stderr)
+    if netns_refused(netns):
         return 2
     model = TINY_CODEC if a.tiny else CODEC_MODEL
     support = CpuCaps.probe()

@@ -46,13 +46,13 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict
 
-from peer.bench.hosts import run_root
+from peer.bench.hosts import netns_refused, run_root
 from peer.bench import pipeline as base
 from peer.bench import pipeline_rebalance as pr
 from peer.bench.cpu_caps import CpuCaps
 from peer.bench.pipeline_figures import driver_of
 from peer.bench.pipeline_runs import Swarm, lost, window
-from peer.testing.netns import netns_available, virtual_lan
+from peer.testing.netns import virtual_lan
 
 STAGES = base.STAGES
 DEFAULT_SHARES = (2.0, 2.0, 1.5, 1.0, 1.0, 0.5)
@@ -209,9 +209,7 @@ def run(a) -> int:
         print(str(exc), file=sys.stderr)
         return 2
     netns = not a.no_netns
-    if netns and not netns_available():
-        print("network namespaces need root and iproute2; run with --no-netns for daemons on 127.0.0.1",
-              file=sys.stderr)
+    if netns_refused(netns):
         return 2
     model = base.TINY if a.tiny else base.Model()
     options = base._options(model, a)
