@@ -132,11 +132,14 @@ def test_a_stage_emptied_by_kill_is_taken_over_and_training_resumes(cluster):
     assert victim.kill() == -9
     survivors = [d for d in ds if d is not victim]
 
+    def took_stage_2(s) -> bool:  # serving it and its move recorded (a status may show the one before the other)
+        return stage_of(s) == 2 and any(m["to"] == 2 for m in pipe(s).get("moves", []))
+
     def taken_over():
         got = [d.try_status() for d in survivors]
-        return got if any(stage_of(s) == 2 for s in got) else None
+        return got if any(took_stage_2(s) for s in got) else None
     got = wait_for(taken_over, timeout=60, what="a peer to take stage 2 over", interval=0.3)
-    taker = next(s for s in got if stage_of(s) == 2)
+    taker = next(s for s in got if took_stage_2(s))
     move = next(m for m in pipe(taker)["moves"] if m["to"] == 2)
     assert move["from"] == 0 and "no peer" in move["reason"] and move["step"] > 0, move
     steps_at_takeover = trainer(taker).get("stage_steps", 0)
