@@ -206,9 +206,10 @@ def test_a_restarted_peer_resumes_its_stage_from_its_checkpoint_when_still_neede
     d1.wait_until(lambda st: driver(st).get("waiting"), timeout=30, what="node1's microbatches to wait for stage 1")
     d2 = cluster.start("node2", config=cfg2, env=rank_env(1, 2))  # the same home: its identity and checkpoint
     d2.wait_until(lambda st: stage_of(st) == 1, timeout=START_S, what="node2 to serve stage 1 again")
-    log = d2.log_path.read_text()
-    resumed = re.search(r"resumed stage 1 from our checkpoint at step (\d+)", log)
-    assert resumed and int(resumed.group(1)) >= saved["worker"]["steps"], log[-2000:]
+    # it serves the stage (status) a moment before it has loaded the checkpoint and said so (log): wait for both
+    resumed = wait_for(lambda: re.search(r"resumed stage 1 from our checkpoint at step (\d+)", d2.log_path.read_text()),
+                       timeout=30, what="node2 to say it resumed stage 1 from its checkpoint")
+    assert int(resumed.group(1)) >= saved["worker"]["steps"], d2.log_path.read_text()[-2000:]
     st = d1.wait_until(lambda st: trainer(st).get("driving_done") and st, timeout=START_S + 60,
                        what="node1 to finish driving")
     t, dr = trainer(st), driver(st)
