@@ -32,6 +32,7 @@ is stopped (other drivers may still need its stage); `peer status` shows the sta
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ import torch
 
 from peer.pipeline.directory import PipelineKey
 from peer.pipeline.driver import Microbatch
+from peertrain.swarm import RANK_ENV
 from trainers import torch_data
 from trainers.datasets import load_char_corpus
 from trainers.options import option, parse_options
@@ -318,10 +320,6 @@ def _own_checkpoint(swarm, key: PipelineKey) -> dict | None:
 
 
 def _launcher_numbered() -> bool:
-    import os
-
-    from peertrain.swarm import RANK_ENV
-
     return RANK_ENV in os.environ
 
 

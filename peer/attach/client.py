@@ -101,7 +101,7 @@ class SharedGroup:
 
 
 class AttachedSwarm:
-    """The Swarm handle of a process attached to the daemon of `home` (see peer/trainer_host.py's Swarm)."""
+    """The Swarm (peertrain/swarm.py) of a process attached to the daemon of `home`."""
 
     def __init__(self, home: str | Path | None = None, *, label: str = "", wait: float = CONNECT_WAIT_S):
         self.home = Path(home).expanduser() if home else default_home()
@@ -129,7 +129,7 @@ class AttachedSwarm:
               averaged: bool = True) -> SharedGroup:
         """Share `tensors` (pass parameters themselves, e.g. dict(model.named_parameters()): a CPU tensor is
         re-homed into shared memory, so a copy such as `p.data` would leave the model out) as group `name`.
-        `codec`, `error_feedback`, `averaged`: as the hosted Swarm's `share` (peer/trainer_host.py)."""
+        `codec`, `error_feedback`, `averaged`: as `Swarm.share` (peertrain/swarm.py)."""
         group = SharedGroup(self, name, tensors)
         try:
             self._request(wire.Share(name, group.specs, codec or "", error_feedback, averaged), fds=[group.segment.fd])
