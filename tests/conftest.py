@@ -50,6 +50,7 @@ UNIT_MODULES = frozenset({
     "test_fuzz_records.py",
     "test_fuzz_wire.py",
     "test_mdns.py",
+    "test_memory_caps.py",
     "test_metrics_prometheus.py",
     "test_nat_units.py",
     "test_peer_store.py",
