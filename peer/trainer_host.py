@@ -148,6 +148,18 @@ class TrainerSwarm:
                                in_flight=in_flight, token=self._host.token, stopped=self.should_stop,
                                forward_codec=forward_codec, backward_codec=backward_codec)
 
+    def stage_memory(self) -> tuple[int, str]:
+        """This daemon's memory budget for a stage, in bytes (0: unknown), and where the figure came from
+        (peer/pipeline/memory.py): `[pipeline] memory_mib`, the cgroup's limit or the memory free at start."""
+        b = self._host.pipeline.budget
+        return b.bytes, b.source
+
+    def announce_stage_profile(self, profiles: list, memory_bytes: int, stage_room_bytes: int,
+                               kept_bytes: int) -> None:
+        """Announce the costs we measured of our stage's blocks and our memory budget (what a stage may use of
+        it), and bound the gradients kept for acks to `kept_bytes` (peer/pipeline/service.py)."""
+        self._call_sync(self._host.pipeline.announce_profile, profiles, memory_bytes, stage_room_bytes, kept_bytes)
+
     def stage_device(self) -> str:
         """Where a pipeline stage computes: `[pipeline] device` with 'auto' resolved ('cpu' or 'cuda:N').
         Raises ValueError naming the key if it asks for a GPU torch does not see."""

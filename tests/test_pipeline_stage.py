@@ -5,6 +5,7 @@ A tiny char transformer (6 blocks: embedding, 4 x Block, head) is cut [0,1) [1,3
 
 from __future__ import annotations
 
+import copy
 import re
 import threading
 import time
@@ -16,6 +17,7 @@ from torch import nn
 
 from trainers.baseline import make_optimizer, seeded_model
 from trainers.pipeline.blocks import PipelineModel, char_transformer_pipeline, from_factory, seeded
+from trainers.pipeline import shapes
 from trainers.pipeline.stage import StageWorker
 
 VOCAB, BLOCK = 20, 16
@@ -88,13 +90,46 @@ def all_grads(ws: list[StageWorker]) -> dict[str, torch.Tensor]:
     return {k: v for w in ws for k, v in w.accumulated_grads().items()}
 
 
-def test_blocks_match_char_transformer() -> None:
+def test_blocks_have_char_transformers_parameters() -> None:
+    """The built-in pipeline model is CharTransformer cut into blocks: the same parameter shapes, in order."""
     model = tiny(0.0, seed=3)
     ref = seeded_model("char_transformer", 3, vocab=VOCAB, d_model=32, n_layers=4, n_heads=4, block=BLOCK)
-    x, _ = data(2)
-    assert torch.equal(model.sequential()(x), ref(x))
+    assert [p.shape for p in model.sequential().parameters()] == [p.shape for p in ref.parameters()]
     names = [n for n, _ in model.sequential().named_parameters()]
     assert len(names) == len(set(names)) and names[0] == "0.tok.weight"
+
+
+def test_block_built_alone_equals_the_whole_models_block() -> None:
+    """Block i materialised alone (a peer serving only its stage) is bit-exact block i of a whole-model build,
+    built in any order, for the built-in model, a user's builders and a user's meta-device modules."""
+    for model in (tiny(0.1, seed=5), from_factory(f"{__name__}:builder_blocks"), from_factory(f"{__name__}:meta_blocks")):
+        whole = copy.deepcopy(model.sequential().state_dict())
+        for i in reversed(range(len(model))):
+            alone = model.build(i).state_dict()
+            assert all(torch.equal(v, whole[f"{i}.{k}"]) for k, v in alone.items()), (model.name, i)
+            assert alone.keys() == {k.partition(".")[2] for k in whole if k.startswith(f"{i}.")}
+    a, b = tiny(0.0, seed=5).build(2).state_dict(), tiny(0.0, seed=6).build(2).state_dict()
+    assert not all(torch.equal(a[k], b[k]) for k in a)  # the model's seed matters
+    first, second = tiny(0.0, seed=5), tiny(0.0, seed=5)
+    assert not torch.equal(first.build(1).mlp[0].weight, second.build(2).mlp[0].weight)  # each block its own seed
+
+
+def test_shapes_are_traced_without_building_blocks() -> None:
+    """Boundary shapes and block sizes come from the meta device: no builder runs for real."""
+    built: list[int] = []
+    model = from_factory(f"{__name__}:builder_blocks")
+    real_build = model.build
+    model.build = lambda i, device=None: built.append(i) or real_build(i, device)  # type: ignore[method-assign]
+    traced = shapes.trace(model, torch.randn(4, 8), torch.randint(0, 3, (4,)))
+    assert built == [] and traced.meta_only
+    assert [b.shape for b in traced.boundary] == [(8,), (16,), (16,), (3,)]
+    assert traced.param_bytes == [(8 * 16 + 16) * 4, 0, (16 * 3 + 3) * 4]
+
+
+def test_meta_blocks_without_reset_parameters_are_refused() -> None:
+    model = from_factory(f"{__name__}:meta_without_reset")
+    with pytest.raises(ValueError, match="no reset_parameters"):
+        model.build(0)
 
 
 def test_chain_equals_single_process_without_dropout() -> None:
@@ -525,6 +560,29 @@ def test_export_state_while_another_thread_trains() -> None:
     assert not errors and len(seen) == 4
 
 
+def builder_blocks():
+    return [lambda: nn.Linear(8, 16), nn.ReLU, lambda: nn.Linear(16, 3)], F.cross_entropy
+
+
+def meta_blocks():
+    with torch.device("meta"):
+        return [nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)], F.cross_entropy
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def meta_without_reset():
+    with torch.device("meta"):
+        return [_Scale()], F.cross_entropy
+
+
 # --- from_factory ----------------------------------------------------------------------------------
 
 
@@ -551,8 +609,8 @@ def bad_loss():
 def test_from_factory() -> None:
     spec = f"{__name__}:good_factory"
     m1, m2 = from_factory(spec), from_factory(spec)
-    assert m1.name == spec and len(m1.blocks) == 3 and m1.loss_fn is F.cross_entropy
-    assert torch.equal(m1.blocks[0].weight, m2.blocks[0].weight)  # every peer builds the same weights
+    assert m1.name == spec and len(m1) == 3 and m1.loss_fn is F.cross_entropy
+    assert torch.equal(m1.build(0).weight, m2.build(0).weight)  # every peer builds the same weights
     for fn, msg in [("not_a_pair", "pair"), ("empty_blocks", "no blocks"), ("bad_element", "block 1 is a str"),
                     ("bad_loss", "not callable")]:
         with pytest.raises(ValueError, match=f"{__name__}:{fn}.*{msg}"):

@@ -12,6 +12,7 @@ from peer.config import PipelineSection
 from peer.pipeline.directory import PipelineKey
 from peer.pipeline.server import ServedStage, StageServer
 from peer.pipeline.service import PipelineService
+from protocol.schema.pipeline import BlockProfile
 from peer.pipeline.state import KeptCopy, StageStates
 from protocol import identity as ident
 from protocol.errors import ProtocolError
@@ -261,7 +262,9 @@ def test_our_announcement_carries_step_move_and_copies_and_drops_a_stale_move():
     svc.states.keep(kept(KEY, 0, 1.0, step=100))
     svc.states.keep(kept(KEY, 1, 2.0, step=50))  # the stage we serve again: not announced as a copy
     svc.moving_to, svc.moved_from = 2, 0
+    svc.profiles, svc.memory_mib, svc.stage_room_mib = [BlockProfile(3, 0.01, 1024, 4096)], 900, 500
     a = svc.announcement()
+    assert (a.profiles, a.memory_mib, a.stage_room_mib) == (svc.profiles, 900, 500) and a.memory_used_mib > 0
     assert (a.stage, a.step, a.moving_to, a.moved_from, a.samples_per_s) == (1, 120, 2, 0, 4.0)
     assert a.copies == [StageCopy(0, 100)]
     svc.moving_to, svc.moved_from = 1, 7  # stale: we serve stage 1 now; no stage 7 in this pipeline

@@ -47,16 +47,18 @@ from peertrain.swarm import RANK_ENV
 from trainers import torch_data
 from trainers.datasets import load_char_corpus
 from trainers.options import option, parse_options
+from peer.pipeline.memory import rss_bytes
+from trainers.pipeline import memory, profiles, shapes
 from trainers.pipeline.blocks import char_transformer_pipeline, from_factory
 from trainers.pipeline.keeper import SeatKeeper
-from trainers.pipeline.partition import cached_profile, format_plan, plan_stages
+from trainers.pipeline.memory import MiB
+from trainers.pipeline.partition import format_plan, plan_stages
 from trainers.pipeline.placement import adopted_cut, initial_stage
-from trainers.pipeline.seat import StageSeat
+from trainers.pipeline.seat import Memory, StageSeat
 
 DRAIN_S = 600.0  # most seconds to wait for the microbatches still in flight when driving ends (each is bounded anyway)
 EVAL_S = 600.0  # most seconds one validation pass may take
 KEEPER_STOP_S = 30.0  # most seconds to wait for the keeper's round (a move's download is bounded by state_timeout)
-PROFILE_FILE = "pipeline-profile.json"  # per-block costs measured at first start, reused by a restart (partition.py)
 SETTLE_S = 6.0  # seconds peers starting together take to agree on a cut and spread over the stages: 3 record intervals
 BUILTIN_SOURCE = "the built-in Shakespeare corpus"
 NO_TEST = "no test set: dataset_factory returned None for it"  # val_error in status, said in the log
@@ -229,22 +231,26 @@ def run(swarm, options: dict) -> dict:
     torch.set_num_threads(o.threads)
     device = torch.device(swarm.stage_device())  # [pipeline] device: our stage's blocks live and compute there
     data, model = _data_and_model(o)
-    if o.stages > len(model.blocks):
-        raise ValueError(f"[trainer.options] stages: {o.stages} stages for a model of {len(model.blocks)} blocks")
-    for blk in model.blocks:
-        blk.to(device)  # in place: the stage workers made from these blocks compute on `device`
+    if o.stages > len(model):
+        raise ValueError(f"[trainer.options] stages: {o.stages} stages for a model of {len(model)} blocks")
     sample_x, sample_y = sample_microbatch(data, o.microbatch, o.seed)
-    on_device = sample_x.to(device), sample_y.to(device)
-    costs = cached_profile(swarm.checkpoint_dir / PROFILE_FILE, _profile_key(o, model, device), model, *on_device)
-    plan = plan_stages(costs, o.stages, link_bytes_per_s=o.link_mbit * 1e6 / 8)
+    traced = shapes.trace(model, sample_x, sample_y)  # boundaries and block sizes, no block built
+    mem = _memory(swarm, o, traced, device)
+    costs, how = profiles.swarm_costs(model, traced, o.microbatch, _measured(swarm, o.pipeline), device=device)
+    plan = plan_stages(costs, o.stages, link_bytes_per_s=o.link_mbit * 1e6 / 8, memory=mem.need,
+                       memory_cap=memory.cap_for_stages(
+                           [mem.room] + [a.stage_room_mib * MiB for a in swarm.stage_announcements().values()
+                                         if a.pipeline == o.pipeline], o.stages))
     own_cuts = tuple(hi for _, hi in plan.bounds[:-1])
-    swarm.log("planned cut of %s into %d stages:\n%s", o.pipeline, o.stages, format_plan(plan, costs))
-    boundary = _boundary_shapes(model, on_device[0])
+    swarm.log("planned cut of %s into %d stages (block costs: %d measured by the pipeline's peers, %d from blocks of "
+              "the same kind, %d estimated from their size):\n%s", o.pipeline, o.stages, how["measured"],
+              how["same_kind"], how["estimated"], format_plan(plan, costs))
+    boundary = [(str(b.dtype).removeprefix("torch."), list(b.shape)) for b in traced.boundary[1:]]
     rank, world = swarm.rank_and_world(o.world or None)
     env_rank = rank if o.world or _launcher_numbered() else None
     rng = random.Random(hash((swarm.peer_id, o.seed)))
 
-    state = StageSeat(swarm, o, model, sample_x, sample_y, costs)
+    state = StageSeat(swarm, o, model, sample_x, sample_y, costs, device=device, mem=mem)
     keeper = None
     if o.role != "driver":
         key = PipelineKey(o.pipeline, adopted_cut(o.pipeline, own_cuts, swarm.stage_announcements(), swarm.peer_id))
@@ -255,7 +261,8 @@ def run(swarm, options: dict) -> dict:
             # Joining a pipeline that already trains: the stage that needs us most, whatever our rank says.
             running = any(p.step > 0 for peers in smap.values() for p in peers)
             first = o.initial_stage if o.initial_stage >= 0 else \
-                initial_stage(key, smap, None if running else env_rank, rng, state.stage_seconds(key))
+                initial_stage(key, smap, None if running else env_rank, rng, state.stage_seconds(key),
+                              state.fits(key))
             state.take(key, first, ready=not running)  # a joiner takes calls once it holds the stage's state
             if not running:  # peers starting together agree on a cut and spread out; a joiner need not wait
                 state.settle(own_cuts, env_rank, rng, deadline=time.monotonic() + SETTLE_S)
@@ -264,7 +271,8 @@ def run(swarm, options: dict) -> dict:
         key = _wait_for_cut(swarm, o, own_cuts)
     swarm.publish({"trainer": "trainers.swarm_pipeline", "pipeline": o.pipeline, "stages": o.stages,
                    "cuts": list(key.cuts), "my_stage": state.stage, "role": o.role, "state": "waiting for stages",
-                   "device": str(device),
+                   "device": str(device), "model_mib": memory.mib(sum(memory.state_bytes(b, o.optimizer)
+                                                                       for b in traced.param_bytes)),
                    "plan_ms": [round(s * 1000, 2) for s in plan.stage_seconds]})
     if not _wait_for_stages(swarm, key, o.join_wait):
         swarm.log("not every stage has a peer after %.0fs; driving anyway (microbatches wait for them)", o.join_wait)
@@ -302,12 +310,39 @@ def run(swarm, options: dict) -> dict:
     return dict(result, state="done")
 
 
-def _profile_key(o: SwarmPipelineOptions, model, device: torch.device) -> dict:
-    """What the measured block costs depend on: the model, the microbatch, the threads and the device (not the
-    training options)."""
-    fields = ("model_factory", "dataset_factory", "d_model", "n_layers", "n_heads", "block", "microbatch", "threads")
-    return {**{f: getattr(o, f) for f in fields}, "blocks": [type(b).__name__ for b in model.blocks],
-            "torch": torch.__version__, "device": device.type}
+def _memory(swarm, o: SwarmPipelineOptions, traced: shapes.ModelShapes, device: torch.device) -> Memory:
+    """This peer's memory for a stage (trainers/pipeline/memory.py): the daemon's budget, or the GPU's free
+    memory less the same margin; a stage may use it less what the process holds now (before any block)."""
+    budget, source = swarm.stage_memory()
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        gpu = int(free * (1 - memory.AUTO_MARGIN))
+        if not (source.startswith("[pipeline]") and budget < gpu):  # a configured budget below the GPU's holds
+            budget, source = gpu, f"the free memory of {device}, less {memory.AUTO_MARGIN:.0%}"
+        baseline = torch.cuda.memory_allocated(device)
+    else:
+        baseline = rss_bytes()
+    room = max(1, budget - baseline) if budget > 0 else 0
+    out = [traced.out_bytes(i, o.microbatch) for i in range(len(traced.param_bytes))]
+
+    def need(lo: int, hi: int) -> int:
+        return memory.stage_bytes(traced.param_bytes, out, lo, hi, o.optimizer)
+
+    def kept_bytes(lo: int, hi: int) -> int:  # what the room leaves gradients kept for acks (at least HELD_GRADIENTS)
+        params = sum(traced.param_bytes[lo:hi])
+        return max(memory.HELD_GRADIENTS * params, room - need(lo, hi) + memory.HELD_GRADIENTS * params) if room else 0
+
+    whole = sum(memory.state_bytes(b, o.optimizer) for b in traced.param_bytes)
+    swarm.log("memory: the model holds %d MiB (weights, gradients, %s state); this peer's budget is %s (%s), "
+              "of which %s for a stage (the process holds %d MiB before any block)", memory.mib(whole), o.optimizer,
+              f"{memory.mib(budget)} MiB" if budget else "unknown", source,
+              f"{memory.mib(room)} MiB" if room else "all", memory.mib(baseline))
+    return Memory(budget, room, need, kept_bytes)
+
+
+def _measured(swarm, pipeline: str) -> list:
+    """Every block cost the pipeline's peers announce (trainers/pipeline/profiles.py takes the median)."""
+    return [p for a in swarm.stage_announcements().values() if a.pipeline == pipeline for p in a.profiles]
 
 
 def _own_checkpoint(swarm, key: PipelineKey) -> dict | None:
@@ -321,17 +356,6 @@ def _own_checkpoint(swarm, key: PipelineKey) -> dict | None:
 
 def _launcher_numbered() -> bool:
     return RANK_ENV in os.environ
-
-
-def _boundary_shapes(model, x) -> list[tuple[str, list[int]]]:
-    """(dtype, per-sample shape) of every block's output, from one forward of a sample microbatch."""
-    out = []
-    with torch.no_grad():
-        h = x
-        for blk in model.blocks:
-            h = blk(h)
-            out.append((str(h.dtype).removeprefix("torch."), list(h.shape[1:])))
-    return out
 
 
 def _reply_shapes(key: PipelineKey, boundary):

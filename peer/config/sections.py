@@ -140,6 +140,9 @@ class PipelineSection:
     state_timeout: float = _f(120.0, "Longest one stage-state transfer may take (a stage of 100 MB at ~10 MB/s, "
                               "with room); a slower one is abandoned and the mover asks another holder.",
                               lo=1.0, hi=_DAY, unit="s")
+    memory_mib: int = _f(0, "Memory (MiB) this daemon's pipeline stage may use, process included; the cut, placement "
+                         "and moves keep every stage within it. 0: the memory cgroup's limit, else the available "
+                         "memory at start, less 10% (on a GPU: its free memory, less 10%).", lo=0, hi=1 << 30)
     device: str = _f("auto", "Where this daemon's pipeline stage computes: 'auto' (the first CUDA GPU torch sees, "
                      "else the CPU), 'cpu', 'cuda' or 'cuda:N'.")
 

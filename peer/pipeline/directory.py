@@ -23,6 +23,9 @@ class StagePeer:
     step: int = 0  # optimizer steps of its stage's state
     moving_to: int = -1  # the stage it is moving to (rebalancing), or -1
     moved_from: int = -1  # the stage it left lately, or -1
+    memory_mib: int = 0  # its memory budget (0: not said)
+    stage_room_mib: int = 0  # of which a stage may use (0: not said: any stage fits, as far as we know)
+    memory_used_mib: int = 0  # what it holds now
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,9 @@ def stage_map(key: PipelineKey, announcements: dict[str, StageAnnouncement], liv
         if PipelineKey.of(ann) != key or (pid != me and pid not in live):
             continue
         out[ann.stage].append(StagePeer(pid, ann.stage, ann.samples_per_s, ann.queue, me=pid == me, step=ann.step,
-                                        moving_to=ann.moving_to, moved_from=ann.moved_from))
+                                        moving_to=ann.moving_to, moved_from=ann.moved_from,
+                                        memory_mib=ann.memory_mib, stage_room_mib=ann.stage_room_mib,
+                                        memory_used_mib=ann.memory_used_mib))
     for peers in out.values():
         peers.sort(key=lambda p: p.peer_id)
     return out

@@ -17,10 +17,12 @@ import trio
 
 from peer.pipeline.directory import PipelineKey, StagePeer, bottleneck, capacity, stage_map
 from peer.pipeline.driver import Driver, DriverHandle
-from peer.pipeline.kept import SWEEP_S
+from peer.pipeline import memory
+from peer.pipeline.kept import MAX_KEPT_BYTES, SWEEP_S
 from peer.pipeline.server import ServedStage, StageHandler, StageServer
 from peer.pipeline.state import FetchedState, KeptCopy, SpecCheck, StageStates
-from protocol.schema.pipeline import (MAX_QUEUE, MAX_SAMPLES_PER_S, MAX_STEP, StageAck, StageAnnouncement, StageCall,
+from protocol.schema.pipeline import (MAX_BLOCKS, MAX_MEMORY_MIB, MAX_PROFILED_BLOCKS, MAX_QUEUE, MAX_SAMPLES_PER_S,
+                                      MAX_STEP, BlockProfile, StageAck, StageAnnouncement, StageCall,
                                       StageStateRequest)
 
 if TYPE_CHECKING:
@@ -47,6 +49,10 @@ class PipelineService:
         self.moving_to = -1  # the stage we are moving to (downloading its state), announced while it lasts
         self.moved_from = -1  # the stage we left lately, announced while the trainer's cool-down lasts
         self.moves: deque[dict] = deque(maxlen=MOVES_KEPT)
+        self.budget = memory.budget(self.cfg.memory_mib)  # read once, at start (memory.py says why)
+        self.profiles: list[BlockProfile] = []  # our measured blocks, announced (trainers/pipeline/profiles.py)
+        self.memory_mib = memory.mib(self.budget.bytes)  # the budget we announce (the trainer's, on a GPU)
+        self.stage_room_mib = 0  # of which a stage may use
         self._nursery: trio.Nursery | None = None
         daemon.router.register(StageCall, self._on_call)
         daemon.router.register(StageAck, self._on_ack)
@@ -90,6 +96,15 @@ class PipelineService:
         self.moving_to, self.moved_from = moving_to, moved_from
         self.topology.announce_soon()
 
+    def announce_profile(self, profiles: list[BlockProfile], memory_bytes: int, stage_room_bytes: int,
+                         kept_bytes: int) -> None:
+        """Announce our measured blocks and our memory (budget, and what a stage may use of it), and bound the
+        gradients kept for acks to `kept_bytes` (what the budget leaves them: trainers/pipeline/memory.py)."""
+        self.profiles = list(profiles)[:MAX_PROFILED_BLOCKS]
+        self.memory_mib, self.stage_room_mib = memory.mib(max(0, memory_bytes)), memory.mib(max(0, stage_room_bytes))
+        self.server.kept.most_bytes = max(0, int(kept_bytes)) or MAX_KEPT_BYTES
+        self.topology.announce_soon()
+
     def note_move(self, move: dict) -> None:
         """Remember one of our moves for `peer status` (what, when, why, how long the state took)."""
         self.moves.append({"at": time.time(), **move})
@@ -128,7 +143,11 @@ class PipelineService:
                                  queue=min(MAX_QUEUE, self.server.stats.queue), cuts=list(st.key.cuts),
                                  step=min(MAX_STEP, max(0, int(getattr(st.handler, "steps", 0)))),
                                  moving_to=other(self.moving_to), moved_from=other(self.moved_from),
-                                 copies=self.states.announced(st.key, st.stage))
+                                 copies=self.states.announced(st.key, st.stage),
+                                 profiles=[p for p in self.profiles if p.block < MAX_BLOCKS],
+                                 memory_mib=min(MAX_MEMORY_MIB, self.memory_mib),
+                                 stage_room_mib=min(MAX_MEMORY_MIB, self.stage_room_mib),
+                                 memory_used_mib=min(MAX_MEMORY_MIB, memory.mib(memory.rss_bytes())))
 
     # ---- who serves what ------------------------------------------------------------------------------
     def announcements(self) -> dict[str, StageAnnouncement]:
@@ -178,8 +197,11 @@ class PipelineService:
             "stage_map": [{"stage": s, "capacity": round(capacity(peers), 2),
                            "peers": [{"peer_id": p.peer_id, "samples_per_s": round(p.samples_per_s, 2),
                                       "queue": p.queue, "me": p.me, "step": p.step, "moving_to": p.moving_to,
+                                      "memory_mib": p.memory_mib, "memory_used_mib": p.memory_used_mib,
                                       "avoided": driver.balancers[s].avoided(p.peer_id, now) if driver else None}
                                      for p in peers]} for s, peers in smap.items()],
+            "memory": {"budget_mib": self.memory_mib, "stage_room_mib": self.stage_room_mib,
+                       "used_mib": memory.mib(memory.rss_bytes()), "source": self.budget.source},
             "moving_to": self.moving_to if self.moving_to >= 0 else None,
             "moves": list(self.moves),
             "state_transfers": self.states.status(),

@@ -40,7 +40,7 @@ from protocol.schema.nat import (
     RelayReservation,
     RelayReserve,
 )
-from protocol.schema.pipeline import (StageAck, StageAckReply, StageAnnouncement, StageCall, StageCopy, StageReply,
+from protocol.schema.pipeline import (BlockProfile, StageAck, StageAckReply, StageAnnouncement, StageCall, StageCopy, StageReply,
                                       StageStateReply, StageStateRequest)
 from protocol.schema.tensor import TensorCancel, TensorHeader
 from protocol.schema.topology import (
@@ -74,7 +74,7 @@ __all__ = [
     "TopologyRecord", "TopologyRecords", "topology_record_signing_bytes",
     "DialBackReply", "DialBackRequest", "DialBackResult", "PunchOffer", "PunchSync", "RelayAck", "RelayConnect",
     "RelayConnectReply", "RelayIncoming", "RelayReservation", "RelayReserve",
-    "StageAck", "StageAckReply", "StageAnnouncement", "StageCall", "StageCopy", "StageReply", "StageStateReply",
+    "BlockProfile", "StageAck", "StageAckReply", "StageAnnouncement", "StageCall", "StageCopy", "StageReply", "StageStateReply",
     "StageStateRequest",
 ]
 

@@ -36,7 +36,7 @@ from protocol.schema.gossip import TensorSpec
 from protocol.message_fields import U64
 from protocol.messages import Message
 
-__all__ = ["CALL_KINDS", "MAX_ACK_IDS", "MAX_COPIES", "MAX_STAGES", "MAX_STAGE_TENSORS", "MAX_STATE_TENSORS",
+__all__ = ["BlockProfile", "CALL_KINDS", "MAX_ACK_IDS", "MAX_COPIES", "MAX_STAGES", "MAX_STAGE_TENSORS", "MAX_STATE_TENSORS",
            "StageAck", "StageAckReply", "StageAnnouncement", "StageCall", "StageCopy", "StageReply", "StageStateReply",
            "StageStateRequest"]
 
@@ -61,6 +61,15 @@ MAX_COPIES = 4
 MAX_STATE_TENSORS = 1 << 14
 """Tensors of one stage's state: every weight and buffer plus up to 8 optimizer values each (the receiver
 checks the exact list against its own copy of the stage's blocks before allocating; this bounds the message)."""
+MAX_PROFILED_BLOCKS = 256
+"""Blocks one record may give costs for (those of the stage its peer serves): more than a stage of any model
+cut across a handful of peers has; a stage of more blocks announces its first 256."""
+MAX_BLOCK_SECONDS = 3600.0
+"""Seconds one block may claim per microbatch: a larger claim is a lie (or a peer too slow to serve anyway)."""
+MAX_BLOCK_BYTES = 1 << 40
+"""Bytes a block's state or activation may claim (1 TiB): beyond any host, so only a lie reaches it."""
+MAX_MEMORY_MIB = 1 << 30
+"""A memory budget no host has (1 PiB): it only bounds the figure."""
 MAX_ACK_IDS = MAX_STAGES
 """Kept gradients one StageAck names: a driver acknowledges a microbatch's gradients at each server at once, and a
 server holds at most one of them per stage (one, unless it changed stage within the microbatch)."""
@@ -110,6 +119,27 @@ class StageCopy:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockProfile:
+    """One block's cost as its peer measured it on its device, for one microbatch: the cut's input
+    (trainers/pipeline/profiles.py). Bounded, not trusted: a median over peers decides, and the planner
+    sees only the pipeline's own peers."""
+
+    block: int  # the model-wide block index
+    seconds: float  # forward + backward (the last block: with the loss)
+    out_bytes: int  # its output activation
+    param_bytes: int  # its parameters and buffers
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.block < MAX_BLOCKS:
+            raise ValueError(f"profiled block must be in [0, {MAX_BLOCKS}), got {self.block}")
+        if not 0.0 < self.seconds <= MAX_BLOCK_SECONDS:
+            raise ValueError(f"block {self.block}: seconds must be in (0, {MAX_BLOCK_SECONDS:g}], got {self.seconds}")
+        for name in ("out_bytes", "param_bytes"):
+            if not 0 <= getattr(self, name) <= MAX_BLOCK_BYTES:
+                raise ValueError(f"block {self.block}: {name} must be in [0, 2**40], got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
 class StageAnnouncement:
     """What a server says of itself in its record: the stage it serves, how fast and busy it is, how far its
     stage has trained, a move it is making (rebalancing), and the stage copies it could hand out."""
@@ -124,9 +154,18 @@ class StageAnnouncement:
     moving_to: int = -1  # the stage this peer is moving to (downloading its state), or -1
     moved_from: int = -1  # the stage this peer left lately (for a while after a move: its old stage cools down), or -1
     copies: list[StageCopy] = field(default_factory=list)
+    profiles: list[BlockProfile] = field(default_factory=list)  # costs of the blocks it holds, measured
+    memory_mib: int = 0  # its memory budget ([pipeline] memory_mib or what was free at start; 0: not said)
+    stage_room_mib: int = 0  # of which a stage may use (the budget less what the process held before any block)
+    memory_used_mib: int = 0  # what it holds now
 
     def __post_init__(self) -> None:
         _check_name(self.pipeline)
+        if len(self.profiles) > MAX_PROFILED_BLOCKS:
+            raise ValueError(f"{len(self.profiles)} block profiles (at most {MAX_PROFILED_BLOCKS})")
+        for name in ("memory_mib", "stage_room_mib", "memory_used_mib"):
+            if not 0 <= getattr(self, name) <= MAX_MEMORY_MIB:
+                raise ValueError(f"{name} must be in [0, {MAX_MEMORY_MIB}], got {getattr(self, name)}")
         _check_stage(self.stage, self.stages)
         for name in ("moving_to", "moved_from"):
             v = getattr(self, name)

@@ -115,8 +115,13 @@ def topology_record_signing_bytes(r: TopologyRecord) -> bytes:
 
 
 def _stage_signing_list(a: StageAnnouncement) -> list:
+    # appended only when present, so an announcement without them signs as before
     return [a.pipeline, a.stage, a.stages, float(a.samples_per_s), a.queue, list(a.cuts), a.step, a.moving_to,
-            a.moved_from, [[c.stage, c.step] for c in a.copies]]
+            a.moved_from, [[c.stage, c.step] for c in a.copies]] \
+        + ([] if not a.profiles else [["profiles", [[b.block, float(b.seconds), b.out_bytes, b.param_bytes]
+                                                    for b in a.profiles]]]) \
+        + ([] if not (a.memory_mib or a.stage_room_mib or a.memory_used_mib)
+           else [["memory", a.memory_mib, a.stage_room_mib, a.memory_used_mib]])
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,7 +106,7 @@ class SeatKeeper:
             own = self.swarm.stage_copy(seat.key, e)
             if own is not None:
                 copies[self.swarm.peer_id] = own.step
-            order = takeover_order(smap, seat.stage_seconds(seat.key), e, copies)
+            order = takeover_order(smap, seat.stage_seconds(seat.key), e, copies, fits=seat.peer_fits)
             mine = next((i for i, m in enumerate(order) if m.peer_id == self.swarm.peer_id), None)
             if mine is None or now - since < mine * TAKEOVER_GRACE_S:
                 continue
@@ -131,7 +131,8 @@ class SeatKeeper:
         if measured_for < self.o.rebalance_every / 2 or now - seat.moved_at < MIN_STAY_EVALS * self.o.rebalance_every:
             return
         threshold = max(self.o.min_gain, self.noise())
-        plan = plan_move(self.swarm.stage_map(seat.key), seat.stage_seconds(seat.key), min_gain=threshold)
+        plan = plan_move(self.swarm.stage_map(seat.key), seat.stage_seconds(seat.key), min_gain=threshold,
+                         fits=seat.peer_fits)
         if plan is None or plan.peer_id != self.swarm.peer_id:
             return
         seat.move(plan.to_stage, plan.reason + f" (noise {threshold:.0%})",

@@ -13,10 +13,11 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from peer.home import atomic_write
 from trainers.pipeline.blocks import PipelineModel, seeded
@@ -63,21 +64,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def cached_profile(path: Path, key: dict, model: PipelineModel, x: Tensor, y: Tensor) -> list[BlockCost]:
-    """`profile_blocks`, measured once per home and model: a restarted peer reads its earlier profile from
-    `path` when `key` (what shapes the model and the microbatch) is the same, because profiling the whole model
+def cached_profile(path: Path, key: dict, measure: Callable[[], list[BlockCost]], blocks: int) -> list[BlockCost]:
+    """`measure()`'s costs of `blocks` blocks, measured once per home and stage: a restarted peer reads its earlier
+    profile from `path` when `key` (what shapes the blocks and the microbatch) is the same, because profiling
     under a small CPU share took the seconds a pipeline waits for a returning peer. A file that does not parse
     or does not fit is measured afresh and replaced (atomically)."""
     try:
         saved = json.loads(path.read_text())
-        if saved.get("key") == key and isinstance(saved.get("costs"), list) and len(saved["costs"]) == len(model.blocks):
+        if saved.get("key") == key and isinstance(saved.get("costs"), list) and len(saved["costs"]) == blocks:
             costs = [BlockCost(str(c["name"]), float(c["seconds"]), int(c["out_bytes"]), int(c["param_bytes"]))
                      for c in saved["costs"]]
             if all(math.isfinite(c.seconds) and c.seconds > 0 and c.out_bytes >= 0 for c in costs):
                 return costs
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
-    costs = profile_blocks(model, x, y)
+    costs = measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps({"key": key, "costs": [asdict(c) for c in costs]}).encode())
@@ -87,49 +88,65 @@ def cached_profile(path: Path, key: dict, model: PipelineModel, x: Tensor, y: Te
 
 
 def profile_blocks(model: PipelineModel, x: Tensor, y: Tensor, *, repeats: int = 3) -> list[BlockCost]:
-    """Per block: median forward+backward seconds of `repeats` runs after one warm-up, on microbatch (x, y).
-
-    Runs in train mode (dropout on, as in training) under a forked RNG, and takes gradients with
-    `torch.autograd.grad`, so the model's `.grad`s, mode and the caller's RNG are left as they were.
-    A block's input is the previous block's output, detached, so each block is timed on its own.
-    """
-    if repeats < 1:
-        raise ValueError(f"profile_blocks: repeats must be >= 1, got {repeats}")
+    """Every block's cost (`profile_stage`), each built alone and dropped before the next: the peak is one block.
+    For single-process tools and tests; a pipeline peer profiles only the stage it serves."""
     costs: list[BlockCost] = []
     h = x
-    device = x.device
-    with seeded(0, device):
-        for i, blk in enumerate(model.blocks):
-            last = i == len(model.blocks) - 1
-            was_training = blk.training
-            blk.train()
-            params = [p for p in blk.parameters() if p.requires_grad]
-            try:
-                inp = h.detach().requires_grad_(h.is_floating_point())
-                times: list[float] = []
-                out = inp
-                for r in range(repeats + 1):
-                    _sync(device)
-                    start = time.perf_counter()
-                    out = blk(inp)
-                    target = model.loss_fn(out, y) if last else out
-                    wrt = params + ([inp] if inp.requires_grad else [])
-                    if wrt and target.requires_grad:
-                        grad_out = None if last else torch.ones_like(target)
-                        torch.autograd.grad(target, wrt, grad_outputs=grad_out, allow_unused=True)
-                    _sync(device)
-                    if r:  # r == 0 is the warm-up
-                        times.append(time.perf_counter() - start)
-            finally:
-                blk.train(was_training)
-            costs.append(BlockCost(
-                name=f"{i}:{type(blk).__name__}",
-                seconds=statistics.median(times),
-                out_bytes=_nbytes(out),
-                param_bytes=sum(_nbytes(p) for p in blk.parameters()),
-            ))
-            h = out.detach()
+    for i in range(len(model)):
+        blk = model.build(i, x.device)
+        cost, h = _profile_one(blk, i, h, y, model.loss_fn, last=i == len(model) - 1, repeats=repeats)
+        costs.append(cost)
+        del blk
     return costs
+
+
+def profile_stage(blocks: list[nn.Module], lo: int, x: Tensor, y: Tensor, loss_fn, *, last: bool,
+                  repeats: int = 3) -> list[BlockCost]:
+    """Per block of a stage (blocks lo, lo+1, ...): median forward+backward seconds of `repeats` runs after one
+    warm-up, on the stage's input `x` (targets `y` for the last block of the last stage).
+
+    Runs in train mode (dropout on, as in training) under a forked RNG, and takes gradients with
+    `torch.autograd.grad`, so the blocks' `.grad`s, mode and the caller's RNG are left as they were.
+    A block's input is the previous block's output, detached, so each block is timed on its own.
+    """
+    costs: list[BlockCost] = []
+    h = x
+    for j, blk in enumerate(blocks):
+        cost, h = _profile_one(blk, lo + j, h, y, loss_fn, last=last and j == len(blocks) - 1, repeats=repeats)
+        costs.append(cost)
+    return costs
+
+
+def _profile_one(blk: nn.Module, i: int, h: Tensor, y: Tensor, loss_fn, *, last: bool,
+                 repeats: int) -> tuple[BlockCost, Tensor]:
+    if repeats < 1:
+        raise ValueError(f"profile_blocks: repeats must be >= 1, got {repeats}")
+    device = h.device
+    with seeded(0, device):
+        was_training = blk.training
+        blk.train()
+        params = [p for p in blk.parameters() if p.requires_grad]
+        try:
+            inp = h.detach().requires_grad_(h.is_floating_point())
+            times: list[float] = []
+            out = inp
+            for r in range(repeats + 1):
+                _sync(device)
+                start = time.perf_counter()
+                out = blk(inp)
+                target = loss_fn(out, y) if last else out
+                wrt = params + ([inp] if inp.requires_grad else [])
+                if wrt and target.requires_grad:
+                    grad_out = None if last else torch.ones_like(target)
+                    torch.autograd.grad(target, wrt, grad_outputs=grad_out, allow_unused=True)
+                _sync(device)
+                if r:  # r == 0 is the warm-up
+                    times.append(time.perf_counter() - start)
+        finally:
+            blk.train(was_training)
+    cost = BlockCost(name=f"{i}:{type(blk).__name__}", seconds=statistics.median(times), out_bytes=_nbytes(out),
+                     param_bytes=sum(_nbytes(t) for t in (*blk.parameters(), *blk.buffers())))
+    return cost, out.detach()
 
 
 def _check_costs(costs: list[BlockCost], stages: int, link_bytes_per_s: float) -> None:
@@ -147,9 +164,18 @@ def _check_costs(costs: list[BlockCost], stages: int, link_bytes_per_s: float) -
                              f"(out_bytes {c.out_bytes}, param_bytes {c.param_bytes})")
 
 
+class DoesNotFit(ValueError):
+    """No cut into that many stages gives every stage a size some peer can hold: the message says by how much."""
+
+
 def plan_stages(costs: list[BlockCost], stages: int, *,
-                link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S) -> StagePlan:
+                link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S,
+                memory: Callable[[int, int], int] | None = None, memory_cap: int | None = None) -> StagePlan:
     """PipeDream's O(S*N^2) dynamic program over contiguous blocks (no replication).
+
+    With a memory model (`memory(lo, hi)`: bytes serving blocks [lo, hi) takes, trainers/pipeline/memory.py) and
+    a `memory_cap`, a stage that would need more than the cap is not a choice: the plan is the fastest among
+    those where every stage fits, or DoesNotFit saying the smallest cap that would do.
 
     Two passes, because "slowest stage, then fewest bytes" does not decompose over prefixes (a
     prefix with a faster bottleneck but more bytes can lose once a slower stage follows): the
@@ -158,6 +184,7 @@ def plan_stages(costs: list[BlockCost], stages: int, *,
     """
     _check_costs(costs, stages, link_bytes_per_s)
     n = len(costs)
+    inf = math.inf
     secs = [c.seconds for c in costs]
     # compute[lo][hi]: fsum is correctly rounded, so the same set of blocks always sums the same.
     compute = [[math.fsum(secs[lo:hi]) if hi > lo else 0.0 for hi in range(n + 1)] for lo in range(n + 1)]
@@ -166,9 +193,10 @@ def plan_stages(costs: list[BlockCost], stages: int, *,
         return CUT_TRAFFIC_FACTOR * costs[lo - 1].out_bytes / link_bytes_per_s if lo else 0.0
 
     def stage_time(lo: int, hi: int) -> float:
+        if memory_cap is not None and memory is not None and memory(lo, hi) > memory_cap:
+            return inf
         return max(compute[lo][hi], transfer_in(lo))
 
-    inf = math.inf
     # best[k][j]: smallest bottleneck covering blocks [0, j) with k stages.
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
@@ -176,6 +204,11 @@ def plan_stages(costs: list[BlockCost], stages: int, *,
         for j in range(k, n + 1):
             best[k][j] = min((max(best[k - 1][i], stage_time(i, j)) for i in range(k - 1, j)), default=inf)
     limit = best[stages][n]
+    if limit == inf:
+        need = _smallest_cap(n, stages, memory) if memory is not None else 0
+        raise DoesNotFit(f"the model's {n} blocks do not fit {stages} stages of at most {_mib(memory_cap or 0)} MiB "
+                         f"each: the best cut needs {_mib(need)} MiB for its largest stage; use more stages, "
+                         "a larger [pipeline] memory_mib, or peers with more memory")
 
     # fewest[k][j]: fewest cut bytes covering [0, j) with k stages, each taking <= limit.
     fewest: list[list[float]] = [[inf] * (n + 1) for _ in range(stages + 1)]
@@ -203,6 +236,20 @@ def plan_stages(costs: list[BlockCost], stages: int, *,
         cut_bytes=[costs[lo - 1].out_bytes for lo, _ in bounds[1:]],
         bottleneck=times.index(max(times)),
     )
+
+
+def _smallest_cap(n: int, stages: int, memory: Callable[[int, int], int]) -> int:
+    """The least largest-stage memory over cuts of n blocks into `stages` (a DP like the plan's)."""
+    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for j in range(k, n + 1):
+            best[k][j] = min((max(best[k - 1][i], memory(i, j)) for i in range(k - 1, j)), default=math.inf)
+    return int(best[stages][n])
+
+
+def _mib(n: int) -> int:
+    return -(-n // (1 << 20))
 
 
 def format_plan(plan: StagePlan, costs: list[BlockCost]) -> str:

@@ -29,21 +29,31 @@ def adopted_cut(name: str, own: tuple[int, ...], announcements: dict, me: str) -
 
 
 def initial_stage(key: PipelineKey, smap: dict[int, list[StagePeer]], rank: int | None, rng: random.Random,
-                  stage_seconds: list[float] | None = None) -> int:
-    if rank is not None and rank < key.stages:
+                  stage_seconds: list[float] | None = None, fits: list[bool] | None = None) -> int:
+    """The stage to start on (module docstring), among those this peer can hold (`fits`, per stage: its memory
+    budget, trainers/pipeline/memory.py); ValueError if it can hold none."""
+    ok = fits if fits is not None else [True] * key.stages
+    if not any(ok):
+        raise ValueError("this peer's memory budget holds no stage of the cut: it can only drive")
+    if rank is not None and rank < key.stages and ok[rank]:
         return rank
     if rank is not None and stage_seconds:
-        return numbered_stage(rank, stage_seconds)
-    empty = [s for s, peers in smap.items() if not [p for p in peers if not p.me]]
+        numbered = numbered_stage(rank, stage_seconds)
+        if ok[numbered]:
+            return numbered
+    others = {s: [p for p in peers if not p.me] for s, peers in smap.items() if ok[s]}
+    empty = [s for s, peers in others.items() if not peers]
     if empty:
         return rng.choice(empty)
-    return bottleneck({s: [p for p in peers if not p.me] for s, peers in smap.items()})
+    best = bottleneck(others)
+    assert best is not None
+    return best
 
 
-def better_stage(smap: dict[int, list[StagePeer]], mine: int, me: str) -> int | None:
-    """A stage nobody serves, if we may leave ours for it: ours keeps another peer, and of the peers of ours
-    we have the largest ID (so two peers of one stage never both leave it). None: stay."""
-    empty = sorted(s for s, peers in smap.items() if not peers)
+def better_stage(smap: dict[int, list[StagePeer]], mine: int, me: str, fits: list[bool] | None = None) -> int | None:
+    """A stage nobody serves and we can hold (`fits`), if we may leave ours for it: ours keeps another peer, and
+    of the peers of ours we have the largest ID (so two peers of one stage never both leave it). None: stay."""
+    empty = sorted(s for s, peers in smap.items() if not peers and (fits is None or fits[s]))
     if not empty:
         return None
     ours = smap.get(mine, [])

@@ -32,12 +32,14 @@ ID goes).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from peer.pipeline.directory import StagePeer
 from protocol.schema.pipeline import StageAnnouncement
 
 StageMap = dict[int, list[StagePeer]]
+Fits = Callable[[str, int], bool]  # (peer, stage) -> whether that peer can hold that stage
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ def settling(smap: StageMap) -> bool:
     return any(p.moving_to >= 0 or p.moved_from >= 0 for peers in smap.values() for p in peers)
 
 
-def _moves_to_bottleneck(where: dict[str, int], speeds, cost, skip: set[str]):
+def _moves_to_bottleneck(where: dict[str, int], speeds, cost, skip: set[str], fits: Fits | None = None):
     """(peer, from, to, throughput after, capacities after) for each move of one peer to today's bottleneck
     from a stage that keeps a peer, that does not lower the throughput."""
     before, caps = throughput(where, speeds, cost)
@@ -109,21 +111,22 @@ def _moves_to_bottleneck(where: dict[str, int], speeds, cost, skip: set[str]):
         counts[s] += 1
     for pid in sorted(where):
         src = where[pid]
-        if src == target or counts[src] < 2 or pid in skip:
+        if src == target or counts[src] < 2 or pid in skip or (fits is not None and not fits(pid, target)):
             continue
         after, new = throughput({**where, pid: target}, speeds, cost)
         if after >= before:
             yield pid, src, target, after, new
 
 
-def plan_move(smap: StageMap, cost: list[float], *, min_gain: float) -> Move | None:
+def plan_move(smap: StageMap, cost: list[float], *, min_gain: float, fits: Fits | None = None) -> Move | None:
     """The move to the bottleneck stage worth making now, if any (module docstring).
 
     A move qualifies when it does not lower the predicted throughput and, on its own or followed by one
     more such move, raises it by `min_gain` at least: with two stages about as slow, filling one lifts the
     pipeline only to the other, and the next move fills that; a move that only shuffles which stage is
     slowest is not made. Among qualifying moves: the best throughput reachable, then the best right after
-    this move, then the smallest peer ID."""
+    this move, then the smallest peer ID. `fits(peer, stage)`: whether that peer can hold that stage (its
+    announced memory, trainers/pipeline/memory.py); a move to a stage it cannot hold is never planned."""
     if len(cost) != len(smap) or any(c <= 0 for c in cost):
         raise ValueError(f"stage costs must be {len(smap)} positive numbers, got {cost}")
     speeds = _speeds(smap, cost)
@@ -133,9 +136,9 @@ def plan_move(smap: StageMap, cost: list[float], *, min_gain: float) -> Move | N
         return None  # a stage is empty or moving-to: takeover_order's case
     skip = {p.peer_id for peers in smap.values() for p in peers if p.stage in _cooling(smap)} | _movers(smap)
     best: tuple | None = None
-    for pid, src, target, after, new in _moves_to_bottleneck(where, speeds, cost, skip):
+    for pid, src, target, after, new in _moves_to_bottleneck(where, speeds, cost, skip, fits):
         moved = {**where, pid: target}
-        then = max((a for *_, a, _ in _moves_to_bottleneck(moved, speeds, cost, set())), default=after)
+        then = max((a for *_, a, _ in _moves_to_bottleneck(moved, speeds, cost, set(), fits)), default=after)
         reach = max(after, then)
         if reach < before * (1.0 + min_gain):
             continue
@@ -154,8 +157,10 @@ def empty_stages(smap: StageMap) -> list[int]:
     return [s for s in range(len(smap)) if s not in where.values()]
 
 
-def takeover_order(smap: StageMap, cost: list[float], empty: int, copies: dict[str, int]) -> list[Move]:
-    """Who should take over `empty` stage, best first: peers whose stage keeps another peer (not leaving).
+def takeover_order(smap: StageMap, cost: list[float], empty: int, copies: dict[str, int],
+                   fits: Fits | None = None) -> list[Move]:
+    """Who should take over `empty` stage, best first: peers whose stage keeps another peer (not leaving) and
+    that can hold it (`fits`, as in plan_move).
     `copies`: peer -> the step of the copy of `empty` it holds (absent: none); only peers on `smap` count."""
     speeds = _speeds(smap, cost)
     where = _placement(smap)
@@ -167,7 +172,7 @@ def takeover_order(smap: StageMap, cost: list[float], empty: int, copies: dict[s
     freshest = max(copies.values(), default=None)
     ranked = []
     for pid, src in where.items():
-        if src == empty or counts[src] < 2 or pid in movers:
+        if src == empty or counts[src] < 2 or pid in movers or (fits is not None and not fits(pid, empty)):
             continue
         moved = {**where, pid: empty}
         _, caps = throughput(moved, speeds, cost)

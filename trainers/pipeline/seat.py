@@ -21,15 +21,24 @@ and announces them in our record.
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
 
 from peer.pipeline.directory import PipelineKey
 from peer.pipeline.state import StateUnavailable
 from trainers.baseline import make_optimizer
+from trainers.pipeline import memory, shapes
+from trainers.pipeline.memory import MiB
+from trainers.pipeline.partition import cached_profile, profile_stage
 from trainers.pipeline.placement import adopted_cut, better_stage, initial_stage
+from trainers.pipeline.profiles import announced_profiles
+from trainers.pipeline.shapes import ModelShapes
 from trainers.pipeline.rebalance import state_sources
 from trainers.pipeline.slowed import Slowed
 from trainers.pipeline.stage import StageWorker
@@ -40,10 +49,35 @@ JOIN_RETRY_S = 1.0  # between asks while holders do not know us yet
 MAX_SOURCES_TRIED = 3  # holders asked for one stage's state before a move is given up (each bounded by state_timeout)
 
 
+def _stage_input(worker: StageWorker, device: torch.device) -> torch.Tensor:
+    """A microbatch-sized input for profiling a stage after the first: random activations of its input shape."""
+    (_, dtype, shape), *_ = worker.input_specs(worker.kinds()[0], worker.max_batch)
+    gen = torch.Generator().manual_seed(0)
+    dt = getattr(torch, dtype)
+    if dt.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dt).to(device)
+    return torch.zeros(shape, dtype=dt, device=device)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What this peer may hold (trainers/pipeline/memory.py): `room` bytes for a stage (0: unknown, anything
+    fits), `need(lo, hi)` the bytes serving blocks [lo, hi) takes, `budget` the whole budget announced."""
+
+    budget: int
+    room: int
+    need: Callable[[int, int], int]
+    kept_bytes: Callable[[int, int], int]  # what the budget leaves a stage's kept gradients
+
+
 class StageSeat:
-    def __init__(self, swarm, o, model, sample_x, sample_y, costs):
+    def __init__(self, swarm, o, model, sample_x, sample_y, costs, *, device: torch.device | None = None,
+                 mem: Memory | None = None):
         self.swarm, self.o, self.model, self.costs = swarm, o, model, costs
         self.sample_x, self.sample_y = sample_x, sample_y
+        self.device = device if device is not None else torch.device("cpu")
+        self.mem = mem if mem is not None else Memory(0, 0, lambda lo, hi: 0, lambda lo, hi: 0)
+        self.backups_skipped = ""  # why the next stage is not backed up here (memory), said once
         self.key: PipelineKey | None = None
         self.stage: int | None = None
         self.worker: StageWorker | None = None
@@ -61,24 +95,79 @@ class StageSeat:
         """Our measured compute seconds per microbatch of each stage of `key`'s cut."""
         return [sum(c.seconds for c in self.costs[lo:hi]) for lo, hi in zip((0, *key.cuts), (*key.cuts, len(self.costs)))]
 
-    def _worker(self, key: PipelineKey, stage: int) -> StageWorker:
+    def bounds(self, key: PipelineKey, stage: int) -> tuple[int, int]:
+        return list(zip((0, *key.cuts), (*key.cuts, len(self.model))))[stage]
+
+    def need(self, key: PipelineKey, stage: int) -> int:
+        """Bytes serving `stage` of `key` takes (memory.py's estimate)."""
+        return self.mem.need(*self.bounds(key, stage))
+
+    def fits(self, key: PipelineKey) -> list[bool]:
+        """Per stage of `key`: whether this peer can hold it."""
+        return [self.mem.room <= 0 or self.need(key, s) <= self.mem.room for s in range(key.stages)]
+
+    def peer_fits(self, peer_id: str, stage: int) -> bool:
+        """Whether `peer_id` can hold `stage` of our cut, by the room it announced (none announced: it can)."""
+        if peer_id == self.swarm.peer_id:
+            return self.fits(self.key)[stage]
+        for peers in self.swarm.stage_map(self.key).values():
+            for p in peers:
+                if p.peer_id == peer_id:
+                    return p.stage_room_mib <= 0 or self.need(self.key, stage) <= p.stage_room_mib * MiB
+        return True
+
+    def _worker(self, key: PipelineKey, stage: int, device: torch.device | None = None) -> StageWorker:
         o = self.o
-        bounds = list(zip((0, *key.cuts), (*key.cuts, len(self.model.blocks))))
         return StageWorker(
-            self.model, bounds[stage], stage=stage, stages=key.stages,
+            self.model, self.bounds(key, stage), stage=stage, stages=key.stages,
             optimizer=lambda ps: make_optimizer(ps, o.optimizer, lr=o.lr, weight_decay=o.weight_decay),
-            max_batch=o.microbatch, sample_x=self.sample_x, sample_y=self.sample_y, grad_clip=o.grad_clip)
+            max_batch=o.microbatch, sample_x=self.sample_x, sample_y=self.sample_y, grad_clip=o.grad_clip,
+            device=device if device is not None else self.device)
 
     def _serve(self, *, ready: bool = True) -> None:
         self.set_accumulation()  # before serving: calls may come at once, and must not step at max_batch
         handler = Slowed(self.worker, self.o.slowdown) if self.o.slowdown > 1 else self.worker
         self.swarm.serve_stage(self.key, self.stage, self.o.microbatch, handler, ready=ready)
 
+    def _announce_profile(self) -> None:
+        """Measure our stage's blocks (once per stage and home: a restart reads them) and announce them with our
+        memory, so planners elsewhere use measurements, not estimates (trainers/pipeline/profiles.py)."""
+        w, key, stage = self.worker, self.key, self.stage
+        lo, hi = self.bounds(key, stage)
+        x = self.sample_x.to(self.device) if lo == 0 else _stage_input(w, self.device)
+        path = self.swarm.checkpoint_dir / f"pipeline-profile-{lo}-{hi}.json"
+        with w.lock:
+            costs = cached_profile(path, {"model": self.model.name, "blocks": [lo, hi], "microbatch": self.o.microbatch,
+                                          "device": self.device.type, "threads": self.o.threads,
+                                          "torch": torch.__version__},
+                                   lambda: profile_stage(list(w.module), lo, x, self.sample_y.to(self.device),
+                                                         self.model.loss_fn, last=hi == len(self.model)), hi - lo)
+        self.swarm.announce_stage_profile(announced_profiles(costs, lo), self.mem.budget, self.mem.room,
+                                          self.mem.kept_bytes(lo, hi))
+
+    def _free(self) -> None:
+        """Stop serving and drop our worker, so its memory is free before another stage is built (a move or a
+        new cut on a peer that cannot hold both)."""
+        if self.worker is None:
+            return
+        with self.lock:
+            self.swarm.stop_serving()
+            if self.group is not None:
+                self.swarm.unshare(self.group_name())
+                self.group = None
+            self.worker = None
+        gc.collect()
+
     def take(self, key: PipelineKey, stage: int, *, ready: bool = True) -> None:
         """Serve `stage` with a fresh worker. Not `ready` (joining a pipeline that trains): the stage is
-        announced, so its peers hand us its state, but calls are refused until `join_stage` loaded it."""
+        announced, so its peers hand us its state, but calls are refused until `join_stage` loaded it. A peer
+        that cannot hold both frees the stage it served first."""
+        if self.worker is not None and self.mem.room > 0 and \
+                self.need(self.key, self.stage) + self.need(key, stage) > self.mem.room:
+            self._free()
         self.worker, self.key, self.stage = self._worker(key, stage), key, stage
         self._serve(ready=ready)
+        self._announce_profile()
 
     def settle(self, own_cuts, rank: int | None, rng: random.Random, *, deadline: float) -> None:
         """Agree on the cut and spread over the stages with the peers starting with us
@@ -91,11 +180,12 @@ class StageSeat:
                 self.swarm.log("adopting the cut %s announced by the pipeline's smallest peer ID", list(cut))
                 pinned = self.o.initial_stage
                 self.take(key, pinned if pinned >= 0 else
-                          initial_stage(key, self.swarm.stage_map(key), rank, rng, self.stage_seconds(key)))
+                          initial_stage(key, self.swarm.stage_map(key), rank, rng, self.stage_seconds(key),
+                                        self.fits(key)))
                 continue
             if self.o.initial_stage >= 0:
                 continue
-            move = better_stage(self.swarm.stage_map(self.key), self.stage, self.swarm.peer_id)
+            move = better_stage(self.swarm.stage_map(self.key), self.stage, self.swarm.peer_id, self.fits(self.key))
             if move is not None:
                 self.swarm.log("stage %d has no peer: moving there from stage %d", move, self.stage)
                 self.take(self.key, move)
@@ -109,6 +199,7 @@ class StageSeat:
         step = int(ckpt["worker"].get("steps", 0))
         self.worker, self.stage = self._worker(self.key, stage), stage
         self._serve(ready=False)
+        self._announce_profile()
         if self._adopt_as_member(stage, fresher_than=step) is None:  # nobody holds a fresher copy, or none came
             self.worker.load_state_dict(ckpt["worker"])
             self.swarm.log("resumed stage %d from our checkpoint at step %d (no peer serves it)", stage, step)
@@ -186,8 +277,17 @@ class StageSeat:
         live = [s for s in self.sources(target) if s.live]
         if not live:
             return
+        lo, hi = self.bounds(self.key, target)
+        state = memory.state_bytes(sum(self.model_shapes.param_bytes[lo:hi]), self.o.optimizer)
+        if self.mem.room > 0 and self.need(self.key, self.stage) + state > self.mem.room:
+            why = (f"no backup of stage {target}: its state ({memory.mib(state)} MiB) does not fit beside ours in "
+                   f"this peer's budget (a stage may use {memory.mib(self.mem.room)} MiB)")
+            if why != self.backups_skipped:
+                self.backups_skipped = why
+                self.swarm.log("%s", why)
+            return
         if self._shadow is None or self._shadow.stage != target:  # the cut is fixed by now; our stage changes by moves
-            self._shadow = self._worker(self.key, target)
+            self._shadow = self._worker(self.key, target, device=torch.device("meta"))  # for its specs: no storage
         shadow = self._shadow
         for src in live[:MAX_SOURCES_TRIED]:
             try:
@@ -202,6 +302,12 @@ class StageSeat:
         """Move to stage `to` (module docstring). `may_switch(from_stage)` is asked last (None: go). Returns
         the move's record, or None if it was given up (logged)."""
         key, old_stage, t0 = self.key, self.stage, time.monotonic()
+        if self.mem.room > 0 and self.need(key, to) > self.mem.room:
+            self.swarm.log("move to stage %d not made: it needs %d MiB, this peer's budget leaves a stage %d MiB",
+                           to, memory.mib(self.need(key, to)), memory.mib(self.mem.room))
+            return None
+        if self.mem.room > 0 and self.need(key, old_stage) + self.need(key, to) > self.mem.room:
+            return self._move_freeing_first(to, reason, may_switch=may_switch, settle_s=settle_s)
         self.swarm.log("moving from stage %d to stage %d: %s", old_stage, to, reason)
         self.swarm.announce_move(moving_to=to, moved_from=self.cooling_from)
         switched = False
@@ -227,6 +333,7 @@ class StageSeat:
                 switched = True
                 self.swarm.unshare(old_group)
                 self._share()
+            self._announce_profile()
             self.dropped_samples += dropped
             tensors, step, samples = old.export_state()
             del old  # its optimizer state and gradients go; the copy below is what we keep of that stage
@@ -243,6 +350,69 @@ class StageSeat:
         finally:
             self.swarm.announce_move(moving_to=-1, moved_from=self.cooling_from if switched or
                                      time.monotonic() < self.cool_until else -1)
+
+    def _move_freeing_first(self, to: int, reason: str, *, may_switch, settle_s: float) -> dict | None:
+        """`move` for a peer that cannot hold both stages: once the swarm has seen our claim and our old stage
+        may lose us, keep a copy of its state (on disk: peer/pipeline/state.py), drop it, then build the new
+        stage and fetch its state. Calls held for the old stage are handed back (their drivers re-send them).
+        If the new stage's state cannot be had, the old stage is rebuilt from that copy and served again."""
+        key, old_stage, t0 = self.key, self.stage, time.monotonic()
+        self.swarm.log("moving from stage %d to stage %d, freeing the old one first (both do not fit this peer's "
+                       "budget): %s", old_stage, to, reason)
+        self.swarm.announce_move(moving_to=to, moved_from=self.cooling_from)
+        switched = False
+        try:
+            time.sleep(max(0.0, t0 + settle_s - time.monotonic()))  # let every peer see our claim first
+            why = may_switch(old_stage)
+            if why is not None:
+                self.swarm.log("move to stage %d given up: %s", to, why)
+                return None
+            old = self.worker
+            dropped = old.pending_samples
+            tensors, step, samples = old.export_state()
+            self.swarm.keep_stage_copy(key, old_stage, tensors, step, samples)
+            del old, tensors
+            self._free()
+            worker = self._worker(key, to)
+            got = self._adopt(worker, to)
+            if got is None and self.swarm.stage_map(key)[to]:
+                self.swarm.log("move to stage %d given up: no peer could hand out its state; back to stage %d "
+                               "from our copy", to, old_stage)
+                del worker
+                gc.collect()
+                back = self._worker(key, old_stage)
+                self._adopt(back, old_stage)
+                with self.lock:
+                    self.worker, self.stage = back, old_stage
+                    self._serve()
+                    self._share()
+                self._announce_profile()
+                return None
+            if got is None:
+                got = {"source": "none (restarted)", "step": 0, "live": False, "mb": 0.0, "download_s": 0.0}
+            with self.lock:
+                self.worker, self.stage = worker, to
+                self._serve()
+                switched = True
+                self._share()
+            self._announce_profile()
+            self.dropped_samples += dropped
+            self.swarm.drop_stage_copy(key, to)
+            self._shadow = None
+            self.moved_at = time.monotonic()
+            self.cooling_from, self.cool_until = old_stage, self.moved_at + max(self.o.rebalance_every, settle_s)
+            record = {"from": old_stage, "to": to, "reason": reason, "took_s": round(self.moved_at - t0, 3),
+                      "dropped_samples": dropped, "freed_first": True, **got}
+            self.swarm.note_move(**record)
+            self.swarm.log("now serving stage %d (was %d) after %.2fs", to, old_stage, self.moved_at - t0)
+            return record
+        finally:
+            self.swarm.announce_move(moving_to=-1, moved_from=self.cooling_from if switched or
+                                     time.monotonic() < self.cool_until else -1)
+
+    @property
+    def model_shapes(self) -> ModelShapes:
+        return shapes.trace(self.model, self.sample_x, self.sample_y)
 
     def cool_down(self) -> None:
         """Stop announcing the stage we left once its cool-down is over."""

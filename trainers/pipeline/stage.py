@@ -33,8 +33,9 @@ import torch
 from torch import Tensor, nn
 
 from protocol.tensor_codec import DTYPES
-from trainers.pipeline import stage_state
+from trainers.pipeline import shapes, stage_state
 from trainers.pipeline.blocks import LossFn, PipelineModel, seeded
+from trainers.pipeline.shapes import Boundary
 
 # Weight of the newest measurement in the throughput EWMA: remembers ~10 requests, enough to
 # smooth scheduling jitter while still following a change of load within seconds.
@@ -67,17 +68,6 @@ class HeldGradient:
         return self.worker.accumulate(self)
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """Per-sample shape and dtype of a tensor crossing a block boundary (dim 0, the batch, left out)."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    def spec(self, name: str, batch: int) -> tuple[str, str, list[int]]:
-        return name, _dtype_name(self.dtype, name), [batch, *self.shape]
-
-
 def _dtype_name(dtype: torch.dtype, where: str) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPES:
@@ -85,15 +75,16 @@ def _dtype_name(dtype: torch.dtype, where: str) -> str:
     return name
 
 
-def _param_device(module: nn.Module) -> torch.device | None:
-    return next((p.device for p in module.parameters()), None)
+def _spec(b: Boundary, name: str, batch: int) -> tuple[str, str, list[int]]:
+    return name, _dtype_name(b.dtype, name), [batch, *b.shape]
 
 
 class StageWorker:
     """Blocks [lo, hi) of `model` as pipeline stage `stage` of `stages`.
 
-    The worker takes over those block objects (no copy): build a PipelineModel per worker if one
-    process hosts the same stage twice. `lock` is held around every compute and optimizer step;
+    The worker builds its blocks itself (`PipelineModel.build`, one at a time, on `device`), and only
+    those: the rest of the model is never materialised here. On the `meta` device it holds no storage
+    (shapes and state specs only: the stage this peer backs up, see seat.py). `lock` is held around every compute and optimizer step;
     the daemon takes it to average `params()` in place. `accumulated_grads`, `state_dict`,
     `load_state_dict`, `export_state` and `import_state` take it themselves (it is not reentrant:
     do not call them while holding it).
@@ -105,7 +96,7 @@ class StageWorker:
         max_batch: int, sample_x: Tensor, sample_y: Tensor, grad_clip: float = 0.0,
         device: torch.device | None = None,
     ) -> None:
-        n = len(model.blocks)
+        n = len(model)
         lo, hi = bounds
         where = f"StageWorker(stage {stage} of {stages}, blocks [{lo}, {hi}))"
         if stages < 1 or not 0 <= stage < stages:
@@ -125,10 +116,13 @@ class StageWorker:
         self.max_batch = max_batch
         self.grad_clip = grad_clip
         self.loss_fn: LossFn = model.loss_fn
-        self.module = nn.Sequential(*model.blocks[lo:hi])
-        self.device = torch.device(device) if device is not None else (_param_device(self.module) or torch.device("cpu"))
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._in, self._out, self._y = self._record_shapes(model, sample_x, sample_y, where)
-        self.module.to(self.device).train()
+        if self.device.type == "meta":
+            self.module = nn.Sequential(*(model.on_meta(i) for i in range(lo, hi)))
+        else:
+            self.module = nn.Sequential(*(model.build(i, self.device) for i in range(lo, hi)))
+        self.module.train()
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._optimizer = optimizer(self._params)
         self.lock = threading.Lock()
@@ -141,33 +135,16 @@ class StageWorker:
 
     # --- shapes ----------------------------------------------------------------------------------
 
-    def _record_shapes(self, model: PipelineModel, x: Tensor, y: Tensor, where: str) -> tuple[_Shape, _Shape, _Shape]:
-        """Run the sample microbatch through blocks [0, hi) (no grad) to learn this stage's shapes.
-
-        Blocks before lo run wherever their parameters are; it is a one-time cost at start-up.
-        """
-        if x.dim() < 1 or y.dim() < 1 or x.shape[0] != y.shape[0] or x.shape[0] < 1:
-            raise ValueError(f"{where}: sample_x and sample_y must share a batch dim 0 >= 1, "
-                             f"got {list(x.shape)} and {list(y.shape)}")
-        b = x.shape[0]
-        shapes = [_Shape(x.dtype, tuple(x.shape[1:]))]
-        h = x
-        with torch.no_grad(), seeded(0, self.device):
-            for j, blk in enumerate(model.blocks[: self.hi]):
-                dev = _param_device(blk)
-                h = blk(h.to(dev) if dev is not None else h)
-                if not isinstance(h, Tensor) or h.dim() < 1 or h.shape[0] != b:
-                    got = list(h.shape) if isinstance(h, Tensor) else type(h).__name__
-                    raise ValueError(f"{where}: block {j} must return a tensor with the batch ({b}) in dim 0, got {got}")
-                shapes.append(_Shape(h.dtype, tuple(h.shape[1:])))
-            if self.last:
-                loss = self.loss_fn(h, y.to(h.device))
-                if not isinstance(loss, Tensor) or loss.dim() != 0:
-                    raise ValueError(f"{where}: loss_fn must return a scalar tensor, got "
-                                     f"{list(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__}")
-        for name, s in (("input", shapes[self.lo]), ("output", shapes[self.hi]), ("targets", _Shape(y.dtype, ()))):
+    def _record_shapes(self, model: PipelineModel, x: Tensor, y: Tensor, where: str) -> tuple[Boundary, Boundary, Boundary]:
+        """This stage's input, output and target shapes, traced without building the model (shapes.py)."""
+        try:
+            traced = shapes.trace(model, x, y)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
+        ins, outs = traced.boundary[self.lo], traced.boundary[self.hi]
+        for name, s in (("input", ins), ("output", outs), ("targets", traced.targets)):
             _dtype_name(s.dtype, f"{where} {name}")
-        return shapes[self.lo], shapes[self.hi], _Shape(y.dtype, tuple(y.shape[1:]))
+        return ins, outs, traced.targets
 
     def kinds(self) -> tuple[str, ...]:
         """Request kinds served here: the last stage computes the loss, the others forward/backward."""
@@ -179,12 +156,12 @@ class StageWorker:
             raise ValueError(f"stage {self.stage}: kind {kind!r} is not served here; it serves {', '.join(self.kinds())}")
         if not 1 <= batch <= self.max_batch:
             raise ValueError(f"stage {self.stage} {kind}: batch must be in [1, {self.max_batch}], got {batch}")
-        inp = self._in.spec("x" if self.first else "h", batch)
+        inp = _spec(self._in, "x" if self.first else "h", batch)
         if kind == "forward":
             return [inp]
         if kind == "backward":
-            return [inp, self._out.spec("grad_out", batch)]
-        return [inp, self._y.spec("y", batch)]
+            return [inp, _spec(self._out, "grad_out", batch)]
+        return [inp, _spec(self._y, "y", batch)]
 
     # --- compute ---------------------------------------------------------------------------------
 

@@ -1,0 +1,62 @@
+"""How much memory a stage of a pipeline needs, and whether a peer can hold it: the cut's and placement's
+memory constraint (docs/design.md, "Memory is a budget").
+
+A peer announces its budget (`[pipeline] memory_mib`, or what its host, cgroup or GPU had free at start) in its
+stage record. A stage of blocks [lo, hi) needs, on the peer serving it:
+
+  parameters + their gradient + the optimizer's per-parameter state (Adam: 2 moments; SGD: 1 momentum)
+  + HELD_GRADIENTS copies of the parameter gradient (kept aside until their microbatch's driver acknowledges
+    them: peer/pipeline/kept.py; the server's kept book is bounded to what the budget leaves, see below)
+  + ACTIVATION_FACTOR x the stage's block outputs for one microbatch (autograd keeps each block's
+    intermediates while it recomputes the forward for a backward; a transformer block keeps ~8 outputs' worth)
+
+on top of what the process holds before any block (the interpreter, torch, the daemon: `baseline`, measured at
+start). The model is an estimate from shapes alone (trainers/pipeline/shapes.py), so it is applied with the
+budget's margin, and a peer's real use is shown in `peer status` next to it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+MiB = 1 << 20
+AUTO_MARGIN = 0.10  # of a GPU's free memory, left unplanned (peer/pipeline/memory.py says why, for the host)
+OPTIMIZER_SLOTS = {"adam": 2, "sgd": 1}  # per-parameter state tensors each optimizer keeps (trainers/baseline.py)
+HELD_GRADIENTS = 2
+"""Parameter-gradient copies a stage is planned to keep aside at once: a microbatch's gradient waits only for the
+backward through the earlier stages, so about the microbatches in flight past this stage, per driver (a trainer
+keeps 2 in flight by default). More are bounded by the kept book's byte limit (what the budget leaves)."""
+ACTIVATION_FACTOR = 8
+"""Block outputs' worth of memory autograd keeps per block during one backward (a pre-norm transformer block keeps
+its LayerNorm, attention and MLP intermediates: about 8 outputs at 4x MLP width, measured at d 256)."""
+
+
+def state_bytes(param_bytes: int, optimizer: str) -> int:
+    """A block's parameters, gradient and optimizer state."""
+    return param_bytes * (2 + OPTIMIZER_SLOTS.get(optimizer, 2))
+
+
+def stage_bytes(param_bytes: Sequence[int], out_bytes: Sequence[int], lo: int, hi: int, optimizer: str) -> int:
+    """What serving blocks [lo, hi) holds beyond the process's baseline (module docstring)."""
+    params = sum(param_bytes[lo:hi])
+    return state_bytes(params, optimizer) + HELD_GRADIENTS * params + ACTIVATION_FACTOR * sum(out_bytes[lo:hi])
+
+
+def cap_for_stages(budgets_bytes: Sequence[int], stages: int) -> int | None:
+    """The memory every stage of the cut must fit: the `stages`-th largest budget among the peers known (ours
+    included), so at least `stages` peers can each hold any stage; with fewer peers known, the smallest of theirs.
+    None when nobody announced a budget (no constraint)."""
+    known = sorted((b for b in budgets_bytes if b > 0), reverse=True)
+    if not known:
+        return None
+    return known[min(stages, len(known)) - 1]
+
+
+def fits(need_bytes: int, budget_bytes: int, baseline_bytes: int) -> bool:
+    """Whether a stage needing `need_bytes` fits a peer with this budget and baseline (0 budget: unknown, fits)."""
+    return budget_bytes <= 0 or baseline_bytes + need_bytes <= budget_bytes
+
+
+def mib(n: float) -> int:
+    return int(math.ceil(n / MiB))
