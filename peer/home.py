@@ -16,8 +16,10 @@ import fcntl
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from peertrain.swarm import LATEST_CHECKPOINT
 from protocol import identity as ident
@@ -27,8 +29,10 @@ class HomeError(Exception):
     """The home directory is unusable; the message says what to do."""
 
 
-def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Replace `path` with `data` so that readers see the old or the new content, never a mix."""
+def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], Any], *, mode: int = 0o644) -> None:
+    """Replace `path` with `data` so that readers see the old or the new content, never a mix. `data` may be a
+    function that writes into the open temp file (`torch.save(state, f)`): a large state then goes to disk
+    without a second copy of it in memory."""
     path = Path(path)
     tmp = _write_temp(path, data, mode)
     try:
@@ -40,14 +44,17 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     _fsync_dir(path.parent)
 
 
-def _write_temp(path: Path, data: bytes, mode: int) -> str:
+def _write_temp(path: Path, data: bytes | Callable[[BinaryIO], Any], mode: int) -> str:
     """A fsynced temp file beside `path` holding `data` (its name)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
     except BaseException:

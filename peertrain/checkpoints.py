@@ -6,7 +6,6 @@ three functions, so a torn file or a planted pickle is handled one way. Trio-fre
 
 from __future__ import annotations
 
-import io
 import logging
 from pathlib import Path
 from typing import Any
@@ -44,10 +43,8 @@ def save_checkpoint(directory: Path, state: dict[str, Any], name: str = LATEST_C
     """torch.save to directory/<name> atomically (a crash never leaves a torn file)."""
     import torch
 
-    buf = io.BytesIO()
-    torch.save(state, buf)
     path = Path(directory) / name
-    atomic_write(path, buf.getvalue(), mode=0o600)
+    atomic_write(path, lambda f: torch.save(state, f), mode=0o600)  # streamed: no copy of the state in memory
     return path
 
 

@@ -82,8 +82,9 @@ def test_one_microbatch_through_four_stages_matches_one_process(cluster):
         assert ck["samples"] == TINY["microbatch"], (d.name, ck["samples"])
         assert ck["worker"]["steps"] == 0, f"{d.name} (stage {ck['stage']}) stepped: its gradient is gone"
         stages.add(ck["stage"])
-        assert not grads.keys() & ck["accumulated_grads"].keys()
-        grads.update(ck["accumulated_grads"])
+        sums, pending = ck["worker"]["grad_sums"], ck["worker"]["pending_samples"]
+        assert not grads.keys() & sums.keys() and pending == TINY["microbatch"]
+        grads.update({k: v / pending for k, v in sums.items()})
     assert stages == {0, 1, 2, 3}
 
     # The same microbatch in one process: the driver's sampling (trainers/swarm_pipeline.py _drive), rank 0 of 4.

@@ -326,11 +326,11 @@ def _memory(swarm, o: SwarmPipelineOptions, traced: shapes.ModelShapes, device: 
     out = [traced.out_bytes(i, o.microbatch) for i in range(len(traced.param_bytes))]
 
     def need(lo: int, hi: int) -> int:
-        return memory.stage_bytes(traced.param_bytes, out, lo, hi, o.optimizer)
+        return memory.stage_bytes(traced.param_bytes, out, lo, hi, o.optimizer, held=o.in_flight)
 
-    def kept_bytes(lo: int, hi: int) -> int:  # what the room leaves gradients kept for acks (at least HELD_GRADIENTS)
-        params = sum(traced.param_bytes[lo:hi])
-        return max(memory.HELD_GRADIENTS * params, room - need(lo, hi) + memory.HELD_GRADIENTS * params) if room else 0
+    def kept_bytes(lo: int, hi: int) -> int:  # what the room leaves gradients kept for acks (at least in_flight)
+        held = o.in_flight * sum(traced.param_bytes[lo:hi])
+        return max(held, room - need(lo, hi) + held) if room else 0
 
     whole = sum(memory.state_bytes(b, o.optimizer) for b in traced.param_bytes)
     swarm.log("memory: the model holds %d MiB (weights, gradients, %s state); this peer's budget is %s (%s), "

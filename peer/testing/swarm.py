@@ -45,7 +45,7 @@ def rank_env(rank: int, world: int) -> dict[str, str]:
 def swarm_config(*, swarm: str, listen: str = "127.0.0.1:0", mdns: bool = True,
                  interfaces: list[str] | None = None, join: list[str] | None = None,
                  topology: dict | None = None, gossip: dict | None = None, trainer: str = "",
-                 options: dict | None = None, membership: dict | None = None,
+                 options: dict | None = None, membership: dict | None = None, pipeline: dict | None = None,
                  log_level: str = "info") -> Config:
     """A validated config for daemons on one host (mDNS on loopback) or in namespaces (`interfaces=[]`)."""
     return Config().replace(
@@ -55,6 +55,7 @@ def swarm_config(*, swarm: str, listen: str = "127.0.0.1:0", mdns: bool = True,
         membership={**FAST_MEMBERSHIP, **(membership or {})},
         topology=dict(topology or {}),
         gossip=dict(gossip or {}),
+        pipeline=dict(pipeline or {}),
         trainer={"name": trainer, "options": dict(options or {})},
     )
 

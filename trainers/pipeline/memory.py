@@ -5,8 +5,10 @@ A peer announces its budget (`[pipeline] memory_mib`, or what its host, cgroup o
 stage record. A stage of blocks [lo, hi) needs, on the peer serving it:
 
   parameters + their gradient + the optimizer's per-parameter state (Adam: 2 moments; SGD: 1 momentum)
-  + HELD_GRADIENTS copies of the parameter gradient (kept aside until their microbatch's driver acknowledges
-    them: peer/pipeline/kept.py; the server's kept book is bounded to what the budget leaves, see below)
+  + `held` copies of the parameter gradient (kept aside until their microbatch's driver acknowledges them:
+    peer/pipeline/kept.py): the trainer's `in_flight`, the microbatches one driver has past a stage at most.
+    The server's kept book is bounded by what the room leaves (at least `held` gradients); gradients of more
+    drivers than that are dropped oldest first and counted (`dropped: full` in `peer status`)
   + ACTIVATION_FACTOR x the stage's block outputs for one microbatch (autograd keeps each block's
     intermediates while it recomputes the forward for a backward; a transformer block keeps ~8 outputs' worth)
 
@@ -24,9 +26,8 @@ MiB = 1 << 20
 AUTO_MARGIN = 0.10  # of a GPU's free memory, left unplanned (peer/pipeline/memory.py says why, for the host)
 OPTIMIZER_SLOTS = {"adam": 2, "sgd": 1}  # per-parameter state tensors each optimizer keeps (trainers/baseline.py)
 HELD_GRADIENTS = 2
-"""Parameter-gradient copies a stage is planned to keep aside at once: a microbatch's gradient waits only for the
-backward through the earlier stages, so about the microbatches in flight past this stage, per driver (a trainer
-keeps 2 in flight by default). More are bounded by the kept book's byte limit (what the budget leaves)."""
+"""Parameter-gradient copies a stage is planned to keep aside at once when the caller does not say: a trainer
+keeps 2 microbatches in flight by default (module docstring)."""
 ACTIVATION_FACTOR = 8
 """Block outputs' worth of memory autograd keeps per block during one backward (a pre-norm transformer block keeps
 its LayerNorm, attention and MLP intermediates: about 8 outputs at 4x MLP width, measured at d 256)."""
@@ -37,10 +38,11 @@ def state_bytes(param_bytes: int, optimizer: str) -> int:
     return param_bytes * (2 + OPTIMIZER_SLOTS.get(optimizer, 2))
 
 
-def stage_bytes(param_bytes: Sequence[int], out_bytes: Sequence[int], lo: int, hi: int, optimizer: str) -> int:
+def stage_bytes(param_bytes: Sequence[int], out_bytes: Sequence[int], lo: int, hi: int, optimizer: str,
+                held: int = HELD_GRADIENTS) -> int:
     """What serving blocks [lo, hi) holds beyond the process's baseline (module docstring)."""
     params = sum(param_bytes[lo:hi])
-    return state_bytes(params, optimizer) + HELD_GRADIENTS * params + ACTIVATION_FACTOR * sum(out_bytes[lo:hi])
+    return state_bytes(params, optimizer) + held * params + ACTIVATION_FACTOR * sum(out_bytes[lo:hi])
 
 
 def cap_for_stages(budgets_bytes: Sequence[int], stages: int) -> int | None:

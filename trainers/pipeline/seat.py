@@ -442,17 +442,16 @@ class StageSeat:
 
     def save(self) -> None:
         """Checkpoint this peer's stage: where the model is cut, the stage's blocks and optimizer, and the
-        gradient the next step would use (written atomically; `peer checkpoint`, shutdown and every
-        `checkpoint_every` seconds)."""
+        gradient accumulated toward the next step (written atomically, streamed from the live tensors while the
+        stage waits: no copy, StageWorker.checkpoint; `peer checkpoint`, shutdown and every `checkpoint_every`
+        seconds)."""
         with self.lock:
             w, key, stage = self.worker, self.key, self.stage
         if w is None:
             return
-        grads = w.accumulated_grads()
-        state = w.state_dict()
-        self.swarm.save_checkpoint({"pipeline": key.name, "cuts": list(key.cuts), "stage": stage,
-                                    "worker": state, "accumulated_grads": grads, "samples": w.samples,
-                                    "options": asdict(self.o)})
+        w.checkpoint(lambda state: self.swarm.save_checkpoint(
+            {"pipeline": key.name, "cuts": list(key.cuts), "stage": stage, "worker": state,
+             "samples": state["samples"], "options": asdict(self.o)}))
 
     def figures(self) -> dict:
         w = self.worker

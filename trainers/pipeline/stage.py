@@ -369,6 +369,17 @@ class StageWorker:
                 "samples": self.samples,
             }
 
+    def checkpoint(self, write: Callable[[dict[str, Any]], Any]) -> None:
+        """`write` a `state_dict()` plus the gradient accumulated toward the next step ("grad_sums", summed over
+        "pending_samples" samples), holding `lock` meanwhile: the tensors are the live ones, not copies, so a
+        stage that fills its memory budget can still be checkpointed (nothing computes until it is written)."""
+        with self.lock:
+            write({"module": {self._global(k): v.detach() for k, v in self.module.state_dict().items()},
+                   "optimizer": self._optimizer.state_dict(), "steps": self.steps, "samples": self.samples,
+                   "grad_sums": {name: p.grad.detach() for name, p in self._named_params()
+                                 if p.grad is not None and self._pending},
+                   "pending_samples": self._pending})
+
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore a `state_dict()` of the same stage; drops gradients accumulated against the old weights."""
         if not isinstance(d, dict) or not {"module", "optimizer", "steps"} <= d.keys():

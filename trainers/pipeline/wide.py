@@ -1,0 +1,59 @@
+"""A model bigger than one host, for the big-model test and `peer bench pipeline --big`: wide residual linear
+blocks on the digits (real 8x8 handwritten digits, trainers/datasets.py), as a user would write one.
+
+It is written the way the README asks a user to write a model too big for one host: a list of *builders*
+(functions that build one block), so a peer builds only the blocks of the stage it serves
+(trainers/pipeline/blocks.py). Each block is `x + relu(linear(layernorm(x)))`: the residual keeps a deep
+stack of wide layers trainable at the default initialisation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+
+from trainers.datasets import load_digits
+
+DIGITS_FEATURES, DIGITS_CLASSES = 64, 10
+
+
+class WideBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + F.relu(self.linear(self.norm(x)))
+
+
+def _head(width: int) -> nn.Module:
+    return nn.Sequential(nn.LayerNorm(width), nn.Linear(width, DIGITS_CLASSES))
+
+
+def wide(width: int, depth: int):
+    """(builders, loss) for `model_factory`."""
+    return ([functools.partial(nn.Linear, DIGITS_FEATURES, width)]
+            + [functools.partial(WideBlock, width) for _ in range(depth)]
+            + [functools.partial(_head, width)]), F.cross_entropy
+
+
+def big_test():
+    """The big-model test's model: 16 blocks of 3072² (151 M parameters, 604 MB of weights; 2.4 GB with
+    gradients and Adam's moments)."""
+    return wide(3072, 16)
+
+
+def big_bench():
+    """`peer bench pipeline --big`'s model: 18 blocks of 4096² (302 M parameters, 1.2 GB of weights; 4.8 GB
+    with gradients and Adam's moments)."""
+    return wide(4096, 18)
+
+
+def digits():
+    """(train, test) torch datasets of the digits: (64,) float features, int64 labels."""
+    train, test = load_digits()
+    return TensorDataset(train.x.clone(), train.y.clone()), TensorDataset(test.x.clone(), test.y.clone())
