@@ -55,6 +55,7 @@ UNIT_MODULES = frozenset({
     "test_nat_units.py",
     "test_peer_store.py",
     "test_pipeline_demo.py",
+    "test_pipeline_memory.py",
     "test_pipeline_once_units.py",
     "test_pipeline_partition.py",
     "test_pipeline_rebalance.py",

@@ -35,10 +35,12 @@ def rss_bytes(pid: int | str = "self") -> int:
     return 0
 
 
-def _cgroup_limit() -> tuple[int, str] | None:
-    """The memory limit of this process's cgroup (v2 memory.max, or v1 memory.limit_in_bytes), if any."""
+def _cgroup_limit(proc_cgroup: Path = Path("/proc/self/cgroup"),
+                  root: Path = Path("/sys/fs/cgroup")) -> tuple[int, str] | None:
+    """The memory limit of this process's cgroup (v2 memory.max, or v1 memory.limit_in_bytes), if any.
+    `proc_cgroup` and `root` are where the kernel shows them (parameters so tests can point at a fake tree)."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = proc_cgroup.read_text().splitlines()
     except OSError:
         return None
     for line in lines:
@@ -48,9 +50,9 @@ def _cgroup_limit() -> tuple[int, str] | None:
         _, controllers, path = parts
         rel = path.lstrip("/")
         if controllers == "":
-            candidates = [Path("/sys/fs/cgroup") / rel / "memory.max", Path("/sys/fs/cgroup/unified") / rel / "memory.max"]
+            candidates = [root / rel / "memory.max", root / "unified" / rel / "memory.max"]
         elif "memory" in controllers.split(","):
-            candidates = [Path("/sys/fs/cgroup/memory") / rel / "memory.limit_in_bytes"]
+            candidates = [root / "memory" / rel / "memory.limit_in_bytes"]
         else:
             continue
         for f in candidates:
