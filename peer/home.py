@@ -16,8 +16,10 @@ import fcntl
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from peertrain.swarm import LATEST_CHECKPOINT
 from protocol import identity as ident
@@ -27,8 +29,10 @@ class HomeError(Exception):
     """The home directory is unusable; the message says what to do."""
 
 
-def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Replace `path` with `data` so that readers see the old or the new content, never a mix."""
+def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None], *, mode: int = 0o644) -> None:
+    """Replace `path` with `data` so that readers see the old or the new content, never a mix. `data` may be
+    a function that writes the content into the file it is given (torch.save of a stage's state streams to
+    disk that way instead of first holding a second copy of it in memory)."""
     path = Path(path)
     tmp = _write_temp(path, data, mode)
     try:
@@ -40,14 +44,17 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     _fsync_dir(path.parent)
 
 
-def _write_temp(path: Path, data: bytes, mode: int) -> str:
-    """A fsynced temp file beside `path` holding `data` (its name)."""
+def _write_temp(path: Path, data: bytes | Callable[[BinaryIO], None], mode: int) -> str:
+    """A fsynced temp file beside `path` holding `data` (or what `data(file)` wrote), its name."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -130,6 +137,11 @@ class Home:
     @property
     def latest_checkpoint(self) -> Path:
         return self.checkpoints / self.LATEST_CHECKPOINT
+
+    @property
+    def stage_copies(self) -> Path:
+        """Copies of pipeline stages this daemon keeps on disk (peer/pipeline/state.py); emptied at start."""
+        return self.root / "stage-copies"
 
     @property
     def metrics_file(self) -> Path:
