@@ -14,6 +14,7 @@ import torch
 import trio
 
 from peer.config import PipelineSection
+from peer.home import Home
 from peer.pipeline.directory import PipelineKey
 from peer.pipeline.server import ServedStage, StageServer
 from peer.pipeline.service import PipelineService
@@ -331,7 +332,7 @@ def test_a_copy_is_kept_on_disk_by_default_and_loads_back_bit_exact(states, copi
     assert_bit_exact(tensors, want)
     assert all(a is not b for (_, a), (_, b) in zip(tensors, want))  # fresh tensors, not the caller's
     [row] = states.status()["copies"]
-    assert row["where"] == "disk" and row["mb"] == round(copy.nbytes / 1e6, 1) and row["stage"] == 3
+    assert row["where"] == "disk" and row["mb"] == round(copy.nbytes / 1e6, 2) and row["stage"] == 3
 
 
 def test_a_copy_in_memory_holds_the_tensors_given_and_writes_nothing(states, copies_dir):
@@ -473,3 +474,21 @@ def test_a_copy_whose_file_is_bad_is_refused_with_a_reason_not_a_crash(states, c
     assert any(str(copy.path) in r.getMessage() for r in caplog.records)  # the path is in our log, not the reply
     assert states.stats.served == 0 and states.get(KEY, 3) is None
     assert states.refusal(state_request(3), "member2").code is Code.NO_STATE  # asked again: we keep none now
+
+
+def test_the_pipeline_service_keeps_copies_in_its_homes_folder_and_empties_it_at_start(tmp_path):
+    home = Home(tmp_path / "home")
+    home.stage_copies.mkdir(parents=True)
+    (home.stage_copies / f"left-by-an-earlier-run{COPY_SUFFIX}").write_bytes(b"old")
+    daemon = SimpleNamespace(config=SimpleNamespace(pipeline=PipelineSection()), peer_id="me", home=home,
+                             router=SimpleNamespace(register=lambda *a: None))
+    svc = PipelineService(daemon, SimpleNamespace(announce_soon=lambda: None))
+    assert files(home.stage_copies) == []
+    trio.run(partial(svc.keep_copy, KEY, 2, named(3), 3, 24))
+    copy = svc.copy_of(KEY, 2)
+    assert copy.on_disk and copy.path.parent == home.stage_copies and copy.step == 3
+    assert_bit_exact(copy.load()[0], named(3))
+    trio.run(partial(svc.keep_copy, KEY, 1, named(4), 4, 32, in_memory=True))
+    assert not svc.copy_of(KEY, 1).on_disk and files(home.stage_copies) == [copy.path.name]
+    trio.run(svc.drop_copy, KEY, 2)
+    assert svc.copy_of(KEY, 2) is None and files(home.stage_copies) == []

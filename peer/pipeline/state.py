@@ -272,7 +272,7 @@ class StageStates:
     def status(self) -> dict:
         s = self.stats
         return {"copies": [{"stage": c.stage, "step": c.step, "age_s": round(time.monotonic() - c.kept_at, 1),
-                            "where": "disk" if c.on_disk else "memory", "mb": round(c.nbytes / 1e6, 1)}
+                            "where": "disk" if c.on_disk else "memory", "mb": round(c.nbytes / 1e6, 2)}
                            for c in self.copies.values()],
                 "served": s.served, "refused": dict(s.refused), "fetched": s.fetched, "fetch_failed": s.fetch_failed,
                 "uploads": self.uploads, "last_error": s.last_error, "copies_unreadable": s.copies_unreadable}
