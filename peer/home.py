@@ -139,6 +139,11 @@ class Home:
         return self.checkpoints / self.LATEST_CHECKPOINT
 
     @property
+    def stage_copies(self) -> Path:
+        """Copies of pipeline stages this daemon keeps on disk (peer/pipeline/state.py); emptied at start."""
+        return self.root / "stage-copies"
+
+    @property
     def metrics_file(self) -> Path:
         return self.root / "metrics.jsonl"
 

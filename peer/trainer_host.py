@@ -122,16 +122,21 @@ class TrainerSwarm:
         before anything is allocated. Raises StateUnavailable with the reason (peer/pipeline/state.py)."""
         return self._call(self._host.pipeline.fetch_state, key, stage, peer_id, check)
 
-    def keep_stage_copy(self, key: PipelineKey, stage: int, tensors: list, step: int, samples: int) -> None:
-        """Keep a copy of a stage's state (one we left, or back up) to hand to whoever takes the stage over."""
-        self._call_sync(self._host.pipeline.keep_copy, key, stage, tensors, step, samples)
+    def keep_stage_copy(self, key: PipelineKey, stage: int, tensors: list, step: int, samples: int, *,
+                        in_memory: bool = False) -> None:
+        """Keep a copy of a stage's state (one we left, or back up) to hand to whoever takes the stage over: in
+        a file in the daemon's home, or in memory if `in_memory` (memory allows it). Waits until it is kept
+        (the daemon writes the file in a worker thread: peer/pipeline/state.py); the caller may then let go of
+        `tensors`."""
+        self._call(self._host.pipeline.keep_copy, key, stage, tensors, step, samples, in_memory=in_memory)
 
     def stage_copy(self, key: PipelineKey, stage: int) -> KeptCopy | None:
-        """The copy of `stage` this daemon keeps (tensors, step, samples), or None."""
+        """The copy of `stage` this daemon keeps (step, samples, specs; `load()` reads its tensors, on this
+        thread, and raises CopyUnreadable if its file is gone or bad), or None."""
         return self._call_sync(self._host.pipeline.copy_of, key, stage)
 
     def drop_stage_copy(self, key: PipelineKey, stage: int) -> None:
-        self._call_sync(self._host.pipeline.drop_copy, key, stage)
+        self._call(self._host.pipeline.drop_copy, key, stage)
 
     def announce_move(self, moving_to: int = -1, moved_from: int = -1) -> None:
         """Tell the swarm (our record) that we are moving to a stage, or lately left one (-1: neither)."""

@@ -45,7 +45,7 @@ class PipelineService:
         self.server = StageServer(self.cfg)
         self.drivers: dict[str, Driver] = {}
         self.loss: dict[str, Any] = {}  # the trainer's latest figures for the stage map (publish_pipeline)
-        self.states = StageStates(self, self.cfg)
+        self.states = StageStates(self, self.cfg, daemon.home.stage_copies)
         self.moving_to = -1  # the stage we are moving to (downloading its state), announced while it lasts
         self.moved_from = -1  # the stage we left lately, announced while the trainer's cool-down lasts
         self.moves: deque[dict] = deque(maxlen=MOVES_KEPT)
@@ -112,16 +112,18 @@ class PipelineService:
     async def fetch_state(self, key: PipelineKey, stage: int, peer_id: str, check: SpecCheck) -> FetchedState:
         return await self.states.fetch(key, stage, peer_id, check)
 
-    def keep_copy(self, key: PipelineKey, stage: int, tensors: list, step: int, samples: int) -> None:
-        self.states.keep(KeptCopy(key, stage, tensors, step, samples))
+    async def keep_copy(self, key: PipelineKey, stage: int, tensors: list, step: int, samples: int, *,
+                        in_memory: bool = False) -> None:
+        """Keep a copy of `stage`'s state: on disk (written in a worker thread), or in memory if `in_memory`."""
+        await self.states.keep(key, stage, tensors, step, samples, in_memory=in_memory)
         self.topology.announce_soon()
 
     def copy_of(self, key: PipelineKey, stage: int) -> KeptCopy | None:
-        """Our copy of `stage`, or None."""
-        return self.states.copies.get((key, stage))
+        """Our copy of `stage` (its tensors come with `load()`, off the trio thread), or None."""
+        return self.states.get(key, stage)
 
-    def drop_copy(self, key: PipelineKey, stage: int) -> None:
-        self.states.drop(key, stage)
+    async def drop_copy(self, key: PipelineKey, stage: int) -> None:
+        await self.states.drop(key, stage)
         self.topology.announce_soon()
 
     def stop_serving(self) -> None:

@@ -17,7 +17,13 @@ an infinity is refused too. What a hostile holder can still do is send finite no
 hostile server computing wrong activations, that is Byzantine compute, out of scope (docs/design.md).
 
 The daemon keeps the copies itself (`keep` / `drop`), at most MAX_COPIES, because they are served from here
-and announced in our record (protocol/schema/pipeline.py, StageCopy).
+and announced in our record (protocol/schema/pipeline.py, StageCopy). A copy lives in a file in the daemon's
+home unless its keeper asks for it in memory (peer/pipeline/copies.py says why). The file is written in a trio
+worker thread, not on the thread that asks (a trainer's, through `trio.from_thread`): the daemon owns the folder,
+and writes, drops and evictions take one lock in turn, so a drop never removes a file a newer copy of the same
+stage just replaced, and the trio thread only files the copy's metadata. The asking thread still waits until the
+copy is on disk. Serving a copy reads its file in a worker thread too; a trainer adopting its own copy reads it
+on its own thread (`KeptCopy.load`). Files from an earlier run are removed when the daemon starts.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import trio
 
+from peer.pipeline.copies import CopyUnreadable, KeptCopy, remove_files, remove_stale
 from peer.pipeline.directory import PipelineKey
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
@@ -42,16 +50,6 @@ from protocol.schema.session import ErrorReply
 log = logging.getLogger("peertrain.pipeline")
 
 SpecCheck = Callable[[list[tuple[str, str, list[int]]]], "str | None"]
-
-
-@dataclass
-class KeptCopy:
-    key: PipelineKey
-    stage: int
-    tensors: list[tuple[str, Any]]  # (name, tensor) as the stage's export_state gave them
-    step: int
-    samples: int
-    kept_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -81,31 +79,75 @@ class StateStats:
     fetched: int = 0
     fetch_failed: int = 0
     last_error: str = ""
+    copies_unreadable: int = 0  # copies whose file was gone or did not load when asked for (each then forgotten)
 
 
 class StageStates:
-    def __init__(self, service, cfg):
+    def __init__(self, service, cfg, directory: Path):
         self.service = service  # the pipeline service: what we serve, who announces what, sessions
         self.cfg = cfg  # [pipeline]
+        self.directory = Path(directory)  # where copies on disk go (HOME/stage-copies)
         self.copies: dict[tuple[PipelineKey, int], KeptCopy] = {}
         self.uploads = 0
         self.per_peer: Counter = Counter()
         self.stats = StateStats()
+        self._files = trio.Lock()  # held while a copy is filed and while files go (module docstring)
+        self._orphans: list[Path] = []  # files of copies no longer kept, removed under `_files`
+        remove_stale(self.directory)  # at start, before anything is kept: nobody can ask for those
 
     # ---- the copies we keep ---------------------------------------------------------------------
-    def keep(self, copy: KeptCopy) -> None:
-        """Keep `copy` (replacing an older one of that stage); the oldest goes past MAX_COPIES."""
-        self.copies[(copy.key, copy.stage)] = copy
-        while len(self.copies) > MAX_COPIES:
-            del self.copies[min(self.copies, key=lambda k: self.copies[k].kept_at)]
+    async def keep(self, key: PipelineKey, stage: int, tensors: list[tuple[str, Any]], step: int, samples: int, *,
+                   in_memory: bool = False) -> KeptCopy:
+        """Keep a copy of `stage`'s state (replacing an older one of that stage; the oldest goes past
+        MAX_COPIES): written to its file in a worker thread, or held in memory if `in_memory` (the caller
+        knows memory allows it). Returns once it is kept; an error writing it (a full disk) is raised, and
+        what we kept before stays."""
+        async with self._files:
+            if in_memory:
+                copy = KeptCopy.in_memory(key, stage, tensors, step, samples)
+            else:
+                copy = await trio.to_thread.run_sync(KeptCopy.write, self.directory, key, stage, tensors, step, samples)
+            old = self.copies.pop((key, stage), None)
+            self.copies[(key, stage)] = copy
+            gone = [old] if old is not None else []
+            while len(self.copies) > MAX_COPIES:
+                gone.append(self.copies.pop(min(self.copies, key=lambda k: self.copies[k].kept_at)))
+            self._orphans += [c.path for c in gone if c.path is not None]
+            await self._sweep()
+        return copy
 
-    def drop(self, key: PipelineKey, stage: int) -> None:
-        self.copies.pop((key, stage), None)
+    async def drop(self, key: PipelineKey, stage: int) -> None:
+        """Forget our copy of `stage` (if any) and remove its file."""
+        async with self._files:
+            gone = self.copies.pop((key, stage), None)
+            if gone is not None and gone.path is not None:
+                self._orphans.append(gone.path)
+            await self._sweep()
+
+    async def _sweep(self) -> None:
+        """Remove the orphans' files (under `_files`), but a file a kept copy uses: a newer copy of the stage
+        replaced it in place."""
+        used = {c.path for c in self.copies.values()}
+        doomed, self._orphans = [p for p in dict.fromkeys(self._orphans) if p not in used], []
+        if doomed:
+            await trio.to_thread.run_sync(remove_files, doomed)
+
+    def get(self, key: PipelineKey, stage: int) -> KeptCopy | None:
+        """Our copy of `stage`, or None; a copy whose file did not load is forgotten here (its file goes with
+        the next keep or drop) so that it is neither announced nor tried again."""
+        copy = self.copies.get((key, stage))
+        if copy is None or not copy.unreadable:
+            return copy
+        del self.copies[(key, stage)]
+        if copy.path is not None:
+            self._orphans.append(copy.path)
+        self.stats.copies_unreadable += 1
+        return None
 
     def announced(self, key: PipelineKey, serving: int) -> list[StageCopy]:
         """Our copies of `key`'s stages (not the one we serve), for our record."""
         return [StageCopy(c.stage, min(c.step, MAX_STEP)) for (k, s), c in sorted(self.copies.items(), key=lambda kv: kv[0][1])
-                if k == key and s != serving]
+                if k == key and s != serving and not c.unreadable]
 
     # ---- serving ---------------------------------------------------------------------------------
     def refusal(self, req: StageStateRequest, peer_id: str) -> Refusal | None:
@@ -116,7 +158,7 @@ class StageStates:
             return Refusal(Code.NOT_A_MEMBER, "only a peer announcing a stage of this pipeline (same cut) may fetch its state")
         st = self.service.server.stage
         live = st is not None and st.key == key and st.stage == req.stage
-        if not live and (key, req.stage) not in self.copies:
+        if not live and self.get(key, req.stage) is None:
             return Refusal(Code.NO_STATE, f"this peer neither serves nor keeps stage {req.stage} of {req.pipeline[:64]!r}")
         if self.uploads >= self.cfg.max_state_uploads:
             return Refusal(Code.BUSY, f"{self.uploads} stage states being sent, the most this peer sends at once")
@@ -145,11 +187,19 @@ class StageStates:
                     tensors, step, samples = await trio.to_thread.run_sync(st.handler.export_state)
                     live = True
                 else:
-                    kept = self.copies.get((key, req.stage))
+                    kept = self.get(key, req.stage)
                     if kept is None:
                         await session.reply(env, ErrorReply.of(Refusal(Code.NO_STATE, "the copy is gone")))
                         return
-                    tensors, step, samples, live = kept.tensors, kept.step, kept.samples, False
+                    try:
+                        tensors, step, samples = await trio.to_thread.run_sync(kept.load)
+                    except CopyUnreadable as exc:
+                        log.warning("stage %d's state for %s not sent: %s", req.stage, session.short, exc)
+                        self.get(key, req.stage)  # forgets it, if it is still the copy we keep
+                        await session.reply(env, ErrorReply.of(Refusal(
+                            Code.NO_STATE, f"this peer's copy of stage {req.stage} cannot be read")))
+                        return
+                    live = False
                 specs = [TensorSpec(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in tensors]
                 ours = OutgoingGroup(session, specs)
                 await session.reply(env, StageStateReply(tensors=specs, streams=ours.streams, step=step,
@@ -221,10 +271,11 @@ class StageStates:
 
     def status(self) -> dict:
         s = self.stats
-        return {"copies": [{"stage": c.stage, "step": c.step, "age_s": round(time.monotonic() - c.kept_at, 1)}
+        return {"copies": [{"stage": c.stage, "step": c.step, "age_s": round(time.monotonic() - c.kept_at, 1),
+                            "where": "disk" if c.on_disk else "memory", "mb": round(c.nbytes / 1e6, 2)}
                            for c in self.copies.values()],
                 "served": s.served, "refused": dict(s.refused), "fetched": s.fetched, "fetch_failed": s.fetch_failed,
-                "uploads": self.uploads, "last_error": s.last_error}
+                "uploads": self.uploads, "last_error": s.last_error, "copies_unreadable": s.copies_unreadable}
 
 
 def _first_not_finite(specs: list[TensorSpec], values: list[Any]) -> str | None:

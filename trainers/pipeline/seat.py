@@ -265,7 +265,7 @@ class StageSeat:
             return {"source": src.peer_id[:8], "step": got.step, "live": got.live, "mb": round(got.nbytes / 1e6, 2),
                     "download_s": round(got.seconds, 3)}
         if own is not None:
-            worker.import_state(own.tensors, own.step, own.samples)
+            worker.import_state(*own.load())  # read from disk here, on our thread
             return {"source": "own copy", "step": own.step, "live": False, "mb": 0.0, "download_s": 0.0}
         return None
 
