@@ -48,13 +48,19 @@ def test_state_bytes_counts_parameters_gradient_and_the_optimizers_slots():
     assert memory.state_bytes(0, "adam") == 0
 
 
+def overhead(params: list[int]) -> int:
+    """The step's temporaries, the allocator's slack and the process's growth of a stage of these blocks."""
+    return memory.STEP_TEMPORARIES * max(params) + int(memory.ALLOCATOR_SLACK * sum(params)) + memory.PROCESS_GROWTH
+
+
 def test_stage_bytes_sums_only_the_stages_blocks():
     params, outs = [10, 20, 30, 40], [1, 2, 3, 4]
     # blocks [1, 3): 50 parameter bytes, 5 output bytes
-    want = 50 * (2 + 1) + memory.HELD_GRADIENTS * 50 + memory.ACTIVATION_FACTOR * 5
+    want = 50 * (2 + 1) + memory.HELD_GRADIENTS * 50 + memory.ACTIVATION_FACTOR * 5 + overhead([20, 30])
     assert memory.stage_bytes(params, outs, 1, 3, "sgd") == want
     whole = memory.stage_bytes(params, outs, 0, 4, "adam")
-    assert whole == 100 * 4 + memory.HELD_GRADIENTS * 100 + memory.ACTIVATION_FACTOR * 10
+    assert whole == 100 * 4 + memory.HELD_GRADIENTS * 100 + memory.ACTIVATION_FACTOR * 10 + overhead(params)
+    assert memory.stage_bytes(params, outs, 0, 4, "adam", held=0) == whole - memory.HELD_GRADIENTS * 100
     assert memory.stage_bytes(params, outs, 2, 2, "adam") == 0  # no block, no bytes
 
 
@@ -167,7 +173,8 @@ def test_the_memory_model_of_trainers_pipeline_memory_drives_the_cut():
     mem = functools.partial(memory.stage_bytes, params, outs, optimizer="adam")
     # 2 + 2 blocks: the second stage holds 50 MiB of parameters, 6x in state and held gradients, 16 MiB of outputs
     need = mem(2, 4)
-    assert need == 50 * MiB * (4 + memory.HELD_GRADIENTS) + memory.ACTIVATION_FACTOR * 2 * MiB
+    assert need == 50 * MiB * (4 + memory.HELD_GRADIENTS) + memory.ACTIVATION_FACTOR * 2 * MiB \
+        + overhead(params[2:4])
     plan = plan_stages(costs, 2, memory=lambda lo, hi: mem(lo, hi), memory_cap=need - 1)
     assert plan.bounds == [(0, 3), (3, 4)]
 

@@ -11,6 +11,9 @@ stage record. A stage of blocks [lo, hi) needs, on the peer serving it:
     drivers than that are dropped oldest first and counted (`dropped: full` in `peer status`)
   + ACTIVATION_FACTOR x the stage's block outputs for one microbatch (autograd keeps each block's
     intermediates while it recomputes the forward for a backward; a transformer block keeps ~8 outputs' worth)
+  + STEP_TEMPORARIES x its largest block's parameters (the optimizer steps one parameter at a time, and Adam's
+    step holds two temporaries of a parameter's size) + ALLOCATOR_SLACK x its parameters (what the allocator
+    and the step's bookkeeping hold beyond those tensors) + PROCESS_GROWTH (sessions, buffers, the heap grow)
 
 on top of what the process holds before any block (the interpreter, torch, the daemon: `baseline`, measured at
 start). The model is an estimate from shapes alone (trainers/pipeline/shapes.py), so it is applied with the
@@ -33,6 +36,17 @@ ACTIVATION_FACTOR = 8
 its LayerNorm, attention and MLP intermediates: about 8 outputs at 4x MLP width, measured at d 256)."""
 
 
+STEP_TEMPORARIES = 2
+"""Parameter-sized temporaries of one optimizer step (torch's single-tensor Adam on the CPU: sqrt, then divide)."""
+ALLOCATOR_SLACK = 0.75
+"""Parameter bytes' worth a stage holds beyond its tensors: a 227 M-parameter stage of wide linear blocks with Adam
+and one held gradient peaked at 5.98 x its parameter bytes above the process's baseline (/tmp probe, 2026-11-26:
+build, then compute, accumulate and step in a loop), where its tensors and the step's temporaries make 5.33 x."""
+PROCESS_GROWTH = 64 * MiB
+"""What a serving daemon's heap grows by after its stage is built (sessions, tensor buffers, the allocator):
+measured 50 MiB for 4 daemons training a 151 M-parameter model (tests/test_pipeline_big.py)."""
+
+
 def state_bytes(param_bytes: int, optimizer: str) -> int:
     """A block's parameters, gradient and optimizer state."""
     return param_bytes * (2 + OPTIMIZER_SLOTS.get(optimizer, 2))
@@ -40,9 +54,13 @@ def state_bytes(param_bytes: int, optimizer: str) -> int:
 
 def stage_bytes(param_bytes: Sequence[int], out_bytes: Sequence[int], lo: int, hi: int, optimizer: str,
                 held: int = HELD_GRADIENTS) -> int:
-    """What serving blocks [lo, hi) holds beyond the process's baseline (module docstring)."""
+    """What serving blocks [lo, hi) holds beyond the process's baseline (module docstring); no block, nothing."""
+    if hi <= lo:
+        return 0
     params = sum(param_bytes[lo:hi])
-    return state_bytes(params, optimizer) + held * params + ACTIVATION_FACTOR * sum(out_bytes[lo:hi])
+    return (state_bytes(params, optimizer) + held * params + ACTIVATION_FACTOR * sum(out_bytes[lo:hi])
+            + STEP_TEMPORARIES * max(param_bytes[lo:hi], default=0) + int(ALLOCATOR_SLACK * params)
+            + PROCESS_GROWTH)
 
 
 def cap_for_stages(budgets_bytes: Sequence[int], stages: int) -> int | None:

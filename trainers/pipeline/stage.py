@@ -266,8 +266,8 @@ class StageWorker:
             grads, held.grads = held.grads, []  # at most once: the tensors are ours now
             for p, g in zip(self._params, grads):
                 if g is not None:
-                    if p.grad is None:
-                        p.grad = g.clone()  # as before: autograd may hand out a view (an expanded scalar)
+                    if p.grad is None:  # adopted, not copied (a copy is a stage's worth of memory), unless
+                        p.grad = g if g.is_contiguous() else g.clone()  # autograd handed out a view (expanded)
                     else:
                         p.grad.add_(g)
             self.samples += held.samples
