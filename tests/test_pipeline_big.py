@@ -20,7 +20,7 @@ DAEMONS = 4
 CAP_MIB = 2200  # each daemon's cgroup and [pipeline] memory_mib; the model (trainers/pipeline/wide.py) is 4.5 GiB
 MB, SAMPLES = 8, 160
 OPTIONS = dict(model_factory="trainers.pipeline.wide:big_test", dataset_factory="trainers.pipeline.wide:digits",
-               stages=DAEMONS, microbatch=MB, batch_size=32, samples=SAMPLES, in_flight=1, lr=1e-3,
+               stages=DAEMONS, microbatch=MB, batch_size=32, samples=SAMPLES, in_flight=1, lr=3e-5,
                eval_batches=8, join_wait=120.0, rebalance=False, copy_every=0.0, checkpoint_every=0.0, threads=1)
 TRAINED_S = 600.0  # start, agree on a cut, build one stage each, drive 20 microbatches of a 302 M-parameter model
 

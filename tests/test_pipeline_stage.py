@@ -617,3 +617,17 @@ def test_from_factory() -> None:
             from_factory(f"{__name__}:{fn}")
     with pytest.raises(ValueError, match="no attribute"):
         from_factory(f"{__name__}:missing")
+
+
+def test_deferred_gradients_equal_held_ones() -> None:
+    """A stage that keeps its calls' inputs and computes the parameter gradient on the ack (memory too short for
+    in_flight gradients) accumulates the gradient a held one would have, with dropout, and holds inputs' bytes."""
+    x, y = data(4)
+    held_ws, deferred_ws = workers(tiny(0.1)), workers(tiny(0.1))
+    for w in deferred_ws:
+        w.defer_gradients = True
+    assert run_chain(held_ws, x, y, [11, 12, 13]) == run_chain(deferred_ws, x, y, [11, 12, 13])
+    assert_close(all_grads(deferred_ws), all_grads(held_ws), rel=1e-6)
+    _, _, kept = deferred_ws[1].compute("backward", [torch.randn(4, BLOCK, 32), torch.randn(4, BLOCK, 32)], 5)
+    assert kept is not None and kept.replay is not None and kept.nbytes == 2 * 4 * BLOCK * 32 * 4
+    assert kept.accumulate() and not kept.accumulate()  # at most once

@@ -325,19 +325,24 @@ def _memory(swarm, o: SwarmPipelineOptions, traced: shapes.ModelShapes, device: 
     room = max(1, budget - baseline) if budget > 0 else 0
     out = [traced.out_bytes(i, o.microbatch) for i in range(len(traced.param_bytes))]
 
+    def defer(lo: int, hi: int) -> bool:  # in_flight gradients do not fit: hold the calls' inputs instead
+        return room > 0 and memory.stage_bytes(traced.param_bytes, out, lo, hi, o.optimizer, held=o.in_flight) > room
+
     def need(lo: int, hi: int) -> int:
-        return memory.stage_bytes(traced.param_bytes, out, lo, hi, o.optimizer, held=o.in_flight)
+        return memory.stage_bytes(traced.param_bytes, out, lo, hi, o.optimizer, held=0 if defer(lo, hi) else o.in_flight)
 
     def kept_bytes(lo: int, hi: int) -> int:  # what the room leaves gradients kept for acks (at least in_flight)
+        if not room or defer(lo, hi):
+            return 0  # the default bound: deferred calls keep their inputs, activations' worth each
         held = o.in_flight * sum(traced.param_bytes[lo:hi])
-        return max(held, room - need(lo, hi) + held) if room else 0
+        return max(held, room - need(lo, hi) + held)
 
     whole = sum(memory.state_bytes(b, o.optimizer) for b in traced.param_bytes)
     swarm.log("memory: the model holds %d MiB (weights, gradients, %s state); this peer's budget is %s (%s), "
               "of which %s for a stage (the process holds %d MiB before any block)", memory.mib(whole), o.optimizer,
               f"{memory.mib(budget)} MiB" if budget else "unknown", source,
               f"{memory.mib(room)} MiB" if room else "all", memory.mib(baseline))
-    return Memory(budget, room, need, kept_bytes)
+    return Memory(budget, room, need, kept_bytes, defer)
 
 
 def _measured(swarm, pipeline: str) -> list:

@@ -68,6 +68,7 @@ class Memory:
     room: int
     need: Callable[[int, int], int]
     kept_bytes: Callable[[int, int], int]  # what the budget leaves a stage's kept gradients
+    defer: Callable[[int, int], bool] = lambda lo, hi: False  # hold calls' inputs, not gradients (stage.py)
 
 
 class StageSeat:
@@ -118,11 +119,17 @@ class StageSeat:
 
     def _worker(self, key: PipelineKey, stage: int, device: torch.device | None = None) -> StageWorker:
         o = self.o
-        return StageWorker(
+        worker = StageWorker(
             self.model, self.bounds(key, stage), stage=stage, stages=key.stages,
             optimizer=lambda ps: make_optimizer(ps, o.optimizer, lr=o.lr, weight_decay=o.weight_decay),
             max_batch=o.microbatch, sample_x=self.sample_x, sample_y=self.sample_y, grad_clip=o.grad_clip,
             device=device if device is not None else self.device)
+        worker.defer_gradients = self.mem.defer(*self.bounds(key, stage))
+        if worker.defer_gradients and worker.device.type != "meta":
+            self.swarm.log("stage %d: %d microbatches' gradients in flight do not fit this peer's budget; its calls "
+                           "keep their inputs and compute the gradient when acknowledged (a forward and a backward "
+                           "more per microbatch)", stage, o.in_flight)
+        return worker
 
     def _serve(self, *, ready: bool = True) -> None:
         self.set_accumulation()  # before serving: calls may come at once, and must not step at max_batch

@@ -61,6 +61,7 @@ class HeldGradient:
     samples: int
     generation: int  # the worker's state generation it was computed against
     nbytes: int
+    replay: tuple[str, list[Tensor], int] | None = None  # deferred: (kind, the call's inputs, seed) instead of grads
 
     def accumulate(self) -> bool:
         """Add it to the stage's accumulated gradient (and step if the stage's share is reached); False if it was
@@ -127,6 +128,11 @@ class StageWorker:
         self._optimizer = optimizer(self._params)
         self.lock = threading.Lock()
         self._accumulate = max_batch
+        # Keep a call's inputs, not its parameter gradient, until it is acknowledged, and compute the gradient
+        # then: a stage whose memory cannot hold `in_flight` gradients sets it (trainers/pipeline/memory.py),
+        # paying a forward and a backward more per microbatch (counted in its measured speed) for activations'
+        # worth of memory per held call instead of parameters' worth.
+        self.defer_gradients = False
         self._pending = 0  # samples whose gradients are accumulated since the last step
         self._generation = 0  # bumped when the state is replaced: gradients held from before are dropped
         self.steps = 0
@@ -229,9 +235,12 @@ class StageWorker:
 
     def _train(self, kind: str, xs: list[Tensor], seed: int,
                batch: int) -> tuple[float | None, list[Tensor], HeldGradient]:
-        """Recompute the forward under `seed`, backpropagate; the parameter gradient held, if all is finite."""
+        """Recompute the forward under `seed`, backpropagate; the parameter gradient held, if all is finite.
+        With `defer_gradients`, only the input's gradient is computed now and the call's inputs are held instead:
+        the parameter gradient is computed when it is acknowledged (`accumulate`)."""
         inp = xs[0] if self.first else xs[0].detach().requires_grad_(True)
-        wrt = self._params + ([] if self.first else [inp])
+        params = [] if self.defer_gradients else self._params
+        wrt = params + ([] if self.first else [inp])
         loss: float | None = None
         with seeded(seed, self.device), torch.enable_grad():
             out = self.module(inp)
@@ -247,9 +256,14 @@ class StageWorker:
         present = [g for g in grads if g is not None]
         if present and not bool(torch.stack([g.isfinite().all() for g in present]).all()):
             raise ValueError(f"stage {self.stage} {kind}: the gradients are not finite (inputs too large?)")
-        own = grads[:len(self._params)]
-        held = HeldGradient(self, own, batch, self._generation,
-                            sum(g.numel() * g.element_size() for g in own if g is not None))
+        if self.defer_gradients:
+            kept = [t.detach() for t in xs]
+            held = HeldGradient(self, [], batch, self._generation, sum(t.numel() * t.element_size() for t in kept),
+                                replay=(kind, kept, seed))
+        else:
+            own = grads[:len(self._params)]
+            held = HeldGradient(self, own, batch, self._generation,
+                                sum(g.numel() * g.element_size() for g in own if g is not None))
         if self.first:
             return loss, [], held
         grad_in = grads[-1]
@@ -260,10 +274,14 @@ class StageWorker:
         samples has entered (`accumulate_samples`). False, changing nothing, if `held` entered already, is
         another worker's, or was computed before the state was replaced (`load_state_dict`, `import_state`)."""
         with self.lock:
-            if held.worker is not self or held.generation != self._generation or not held.grads:
+            if held.worker is not self or held.generation != self._generation or not (held.grads or held.replay):
                 return False
             start = time.perf_counter()
-            grads, held.grads = held.grads, []  # at most once: the tensors are ours now
+            if held.replay is not None:  # deferred: the parameter gradient of the call, computed now
+                (kind, xs, seed), held.replay = held.replay, None  # at most once
+                grads = self._param_grads(kind, xs, seed, held.samples)
+            else:
+                grads, held.grads = held.grads, []  # at most once: the tensors are ours now
             for p, g in zip(self._params, grads):
                 if g is not None:
                     if p.grad is None:  # adopted, not copied (a copy is a stage's worth of memory), unless
@@ -278,6 +296,21 @@ class StageWorker:
             # in its measured speed (what routing, placement and rebalancing read), as when the call did them.
             self._observe(ACCUMULATE, held.samples, time.perf_counter() - start)
             return True
+
+    def _param_grads(self, kind: str, xs: list[Tensor], seed: int, batch: int) -> list[Tensor | None]:
+        """A deferred call's parameter gradient: its forward again under its seed, backpropagated into the
+        parameters only (against the weights as they are now: a step may have come since the call)."""
+        with seeded(seed, self.device), torch.enable_grad():
+            out = self.module(xs[0])
+            if kind == "loss":
+                target, grad_out = self.loss_fn(out, xs[1]) * batch, None
+            else:
+                target, grad_out = out, xs[1]
+            grads = list(torch.autograd.grad(target, self._params, grad_outputs=grad_out, allow_unused=True))
+        present = [g for g in grads if g is not None]
+        if present and not bool(torch.stack([g.isfinite().all() for g in present]).all()):
+            return [None] * len(grads)  # not finite now (the weights moved): this call's gradient is left out
+        return grads
 
     def _step(self) -> None:
         """Average the accumulated gradients over their samples, clip (this stage's norm), step."""

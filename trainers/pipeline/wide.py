@@ -4,7 +4,8 @@ blocks on the digits (real 8x8 handwritten digits, trainers/datasets.py), as a u
 It is written the way the README asks a user to write a model too big for one host: a list of *builders*
 (functions that build one block), so a peer builds only the blocks of the stage it serves
 (trainers/pipeline/blocks.py). Each block is `x + relu(linear(layernorm(x)))`: the residual keeps a deep
-stack of wide layers trainable at the default initialisation.
+stack of wide layers trainable at the default initialisation (at a small learning rate: 3e-5 for 32 blocks of
+3072, which reaches a validation loss of 0.88 in 160 samples in one process; 1e-4 gives 3.5, 1e-3 diverges).
 """
 
 from __future__ import annotations
