@@ -159,11 +159,10 @@ class TrainerSwarm:
         b = self._host.pipeline.budget
         return b.bytes, b.source
 
-    def announce_stage_profile(self, profiles: list, memory_bytes: int, stage_room_bytes: int,
-                               kept_bytes: int) -> None:
+    def announce_stage_profile(self, profiles: list, memory_bytes: int, stage_room_bytes: int) -> None:
         """Announce the costs we measured of our stage's blocks and our memory budget (what a stage may use of
-        it), and bound the gradients kept for acks to `kept_bytes` (peer/pipeline/service.py)."""
-        self._call_sync(self._host.pipeline.announce_profile, profiles, memory_bytes, stage_room_bytes, kept_bytes)
+        it) in our record (peer/pipeline/service.py)."""
+        self._call_sync(self._host.pipeline.announce_profile, profiles, memory_bytes, stage_room_bytes)
 
     def stage_device(self) -> str:
         """Where a pipeline stage computes: `[pipeline] device` with 'auto' resolved ('cpu' or 'cuda:N').

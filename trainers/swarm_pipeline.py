@@ -230,6 +230,7 @@ def run(swarm, options: dict) -> dict:
     _check(o)
     torch.set_num_threads(o.threads)
     device = torch.device(swarm.stage_device())  # [pipeline] device: our stage's blocks live and compute there
+    swarm.log("memory: %s", memory.fix_allocator())  # before any block: freed tensors go back (memory.py says why)
     data, model = _data_and_model(o)
     if o.stages > len(model):
         raise ValueError(f"[trainer.options] stages: {o.stages} stages for a model of {len(model)} blocks")
@@ -325,24 +326,19 @@ def _memory(swarm, o: SwarmPipelineOptions, traced: shapes.ModelShapes, device: 
     room = max(1, budget - baseline) if budget > 0 else 0
     out = [traced.out_bytes(i, o.microbatch) for i in range(len(traced.param_bytes))]
 
-    def defer(lo: int, hi: int) -> bool:  # in_flight gradients do not fit: hold the calls' inputs instead
-        return room > 0 and memory.stage_bytes(traced.param_bytes, out, lo, hi, o.optimizer, held=o.in_flight) > room
+    def need(lo: int, hi: int) -> int:  # the stage with one gradient: the one a call or an ack computes
+        return memory.stage_bytes(traced.param_bytes, out, lo, hi, o.optimizer, held=1)
 
-    def need(lo: int, hi: int) -> int:
-        return memory.stage_bytes(traced.param_bytes, out, lo, hi, o.optimizer, held=0 if defer(lo, hi) else o.in_flight)
-
-    def kept_bytes(lo: int, hi: int) -> int:  # what the room leaves gradients kept for acks (at least in_flight)
-        if not room or defer(lo, hi):
-            return 0  # the default bound: deferred calls keep their inputs, activations' worth each
-        held = o.in_flight * sum(traced.param_bytes[lo:hi])
-        return max(held, room - need(lo, hi) + held)
+    def max_held(lo: int, hi: int) -> int | None:  # more gradients held than the room allows are deferred
+        params = sum(traced.param_bytes[lo:hi])
+        return max(0, (room - need(lo, hi)) // params) if room and params else None
 
     whole = sum(memory.state_bytes(b, o.optimizer) for b in traced.param_bytes)
     swarm.log("memory: the model holds %d MiB (weights, gradients, %s state); this peer's budget is %s (%s), "
               "of which %s for a stage (the process holds %d MiB before any block)", memory.mib(whole), o.optimizer,
               f"{memory.mib(budget)} MiB" if budget else "unknown", source,
               f"{memory.mib(room)} MiB" if room else "all", memory.mib(baseline))
-    return Memory(budget, room, need, kept_bytes, defer)
+    return Memory(budget, room, need, max_held)
 
 
 def _measured(swarm, pipeline: str) -> list:

@@ -230,6 +230,17 @@ def pipeline_arguments(p: Parser) -> None:
                    help="model and data seed; with --churn also which peers are killed (default 0)")
     p.add_argument("--logs", default=None, metavar="DIR",
                    help="keep daemon homes and logs under DIR (default: a temp dir, removed)")
+    b = p.add_argument_group(
+        "a model bigger than one host (issue 28)",
+        "--big starts --daemons daemons (6 by default), one stage each, each in a memory cgroup of --memory-mib "
+        "MiB with [pipeline] memory_mib the same, training 42 residual blocks of 3072² (397 M parameters: 5.9 "
+        "GiB with gradients and Adam's moments) on the digits; every daemon drives --samples samples, "
+        "--in-flight (default 1) at once. Reports "
+        "model_mib, memory_cap_mib, max_daemon_rss_mib, samples_per_s, efficiency against the slowest stage's "
+        "bound, lost and duplicate_gradients. Needs root and memory cgroups (v1 or v2); ~12 GB of RAM in all, ~5 minutes on 2 CPUs.")
+    b.add_argument("--big", action="store_true", help="train a model bigger than any one daemon's memory cap")
+    b.add_argument("--memory-mib", type=int, default=1960,
+                   help="each daemon's memory cap and [pipeline] memory_mib (default 1960: the model is 3.1x it)")
     c = p.add_argument_group(
         "codecs compared (issue 28)",
         "--codec runs, for each codec named (raw always, as the reference), a fresh swarm of 4 daemons, one per "
@@ -243,9 +254,10 @@ def pipeline_arguments(p: Parser) -> None:
         "--window, --no-kill, --forward-codec and --backward-codec do not apply.")
     c.add_argument("--codec", default=None, metavar="C,C,...",
                    help="compare these codecs (raw, float16, q8; one or a comma list), e.g. --codec raw,float16,q8")
-    c.add_argument("--samples", type=int, default=1600,
-                   help="samples each driver drives (default 1600: 200 microbatches of 8, 50 optimizer steps of "
-                        "32, ~40 s; the loss is still falling, so a codec that slows learning shows)")
+    c.add_argument("--samples", type=int, default=None,
+                   help="samples each driver drives (--big: default 96; --codec: default 1600: 200 microbatches of "
+                        "8, 50 optimizer steps of 32, ~40 s; the loss is still falling, so a codec that slows "
+                        "learning shows)")
     c.add_argument("--drivers", type=int, default=1,
                    help="daemons that drive, from rank 0 (default 1: deterministic; up to 4, each on its own data "
                         "shard, the loss the drivers' mean, the steps then timing-dependent)")

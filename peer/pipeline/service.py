@@ -18,7 +18,7 @@ import trio
 from peer.pipeline.directory import PipelineKey, StagePeer, bottleneck, capacity, stage_map
 from peer.pipeline.driver import Driver, DriverHandle
 from peer.pipeline import memory
-from peer.pipeline.kept import MAX_KEPT_BYTES, SWEEP_S
+from peer.pipeline.kept import SWEEP_S
 from peer.pipeline.server import ServedStage, StageHandler, StageServer
 from peer.pipeline.state import FetchedState, KeptCopy, SpecCheck, StageStates
 from protocol.schema.pipeline import (MAX_BLOCKS, MAX_MEMORY_MIB, MAX_PROFILED_BLOCKS, MAX_QUEUE, MAX_SAMPLES_PER_S,
@@ -96,13 +96,11 @@ class PipelineService:
         self.moving_to, self.moved_from = moving_to, moved_from
         self.topology.announce_soon()
 
-    def announce_profile(self, profiles: list[BlockProfile], memory_bytes: int, stage_room_bytes: int,
-                         kept_bytes: int) -> None:
-        """Announce our measured blocks and our memory (budget, and what a stage may use of it), and bound the
-        gradients kept for acks to `kept_bytes` (what the budget leaves them: trainers/pipeline/memory.py)."""
+    def announce_profile(self, profiles: list[BlockProfile], memory_bytes: int, stage_room_bytes: int) -> None:
+        """Announce our measured blocks and our memory (budget, and what a stage may use of it): planners and
+        movers elsewhere read them (trainers/pipeline/profiles.py, memory.py)."""
         self.profiles = list(profiles)[:MAX_PROFILED_BLOCKS]
         self.memory_mib, self.stage_room_mib = memory.mib(max(0, memory_bytes)), memory.mib(max(0, stage_room_bytes))
-        self.server.kept.most_bytes = max(0, int(kept_bytes)) or MAX_KEPT_BYTES
         self.topology.announce_soon()
 
     def note_move(self, move: dict) -> None:

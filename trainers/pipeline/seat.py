@@ -67,8 +67,7 @@ class Memory:
     budget: int
     room: int
     need: Callable[[int, int], int]
-    kept_bytes: Callable[[int, int], int]  # what the budget leaves a stage's kept gradients
-    defer: Callable[[int, int], bool] = lambda lo, hi: False  # hold calls' inputs, not gradients (stage.py)
+    max_held: Callable[[int, int], int | None] = lambda lo, hi: None  # gradients a stage may hold (stage.py)
 
 
 class StageSeat:
@@ -77,7 +76,7 @@ class StageSeat:
         self.swarm, self.o, self.model, self.costs = swarm, o, model, costs
         self.sample_x, self.sample_y = sample_x, sample_y
         self.device = device if device is not None else torch.device("cpu")
-        self.mem = mem if mem is not None else Memory(0, 0, lambda lo, hi: 0, lambda lo, hi: 0)
+        self.mem = mem if mem is not None else Memory(0, 0, lambda lo, hi: 0)
         self.backups_skipped = ""  # why the next stage is not backed up here (memory), said once
         self.key: PipelineKey | None = None
         self.stage: int | None = None
@@ -124,11 +123,11 @@ class StageSeat:
             optimizer=lambda ps: make_optimizer(ps, o.optimizer, lr=o.lr, weight_decay=o.weight_decay),
             max_batch=o.microbatch, sample_x=self.sample_x, sample_y=self.sample_y, grad_clip=o.grad_clip,
             device=device if device is not None else self.device)
-        worker.defer_gradients = self.mem.defer(*self.bounds(key, stage))
-        if worker.defer_gradients and worker.device.type != "meta":
-            self.swarm.log("stage %d: %d microbatches' gradients in flight do not fit this peer's budget; its calls "
-                           "keep their inputs and compute the gradient when acknowledged (a forward and a backward "
-                           "more per microbatch)", stage, o.in_flight)
+        worker.max_held = self.mem.max_held(*self.bounds(key, stage))
+        if worker.max_held is not None and worker.device.type != "meta":
+            self.swarm.log("stage %d: this peer's budget holds %d microbatches' gradients beside the stage; calls "
+                           "past them keep their inputs and compute the gradient when acknowledged (a forward and "
+                           "a backward more per microbatch)", stage, worker.max_held)
         return worker
 
     def _serve(self, *, ready: bool = True) -> None:
@@ -149,8 +148,7 @@ class StageSeat:
                                           "torch": torch.__version__},
                                    lambda: profile_stage(list(w.module), lo, x, self.sample_y.to(self.device),
                                                          self.model.loss_fn, last=hi == len(self.model)), hi - lo)
-        self.swarm.announce_stage_profile(announced_profiles(costs, lo), self.mem.budget, self.mem.room,
-                                          self.mem.kept_bytes(lo, hi))
+        self.swarm.announce_stage_profile(announced_profiles(costs, lo), self.mem.budget, self.mem.room)
 
     def _free(self) -> None:
         """Stop serving and drop our worker, so its memory is free before another stage is built (a move or a

@@ -25,6 +25,7 @@ import functools
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -129,10 +130,14 @@ class StageWorker:
         self.lock = threading.Lock()
         self._accumulate = max_batch
         # Keep a call's inputs, not its parameter gradient, until it is acknowledged, and compute the gradient
-        # then: a stage whose memory cannot hold `in_flight` gradients sets it (trainers/pipeline/memory.py),
-        # paying a forward and a backward more per microbatch (counted in its measured speed) for activations'
-        # worth of memory per held call instead of parameters' worth.
+        # then: activations' worth of memory per held call instead of parameters' worth, for a forward and a
+        # backward more per microbatch (counted in the stage's measured speed). Always (tests), or past max_held.
         self.defer_gradients = False
+        # The gradients this stage may hold at once (None: no bound): past it, calls are deferred as above. The
+        # seat sets it from the memory budget; held gradients are tracked weakly, so one the kept book drops
+        # (never acknowledged) stops counting once it is collected.
+        self.max_held: int | None = None
+        self._outstanding: weakref.WeakSet[HeldGradient] = weakref.WeakSet()
         self._pending = 0  # samples whose gradients are accumulated since the last step
         self._generation = 0  # bumped when the state is replaced: gradients held from before are dropped
         self.steps = 0
@@ -239,7 +244,8 @@ class StageWorker:
         With `defer_gradients`, only the input's gradient is computed now and the call's inputs are held instead:
         the parameter gradient is computed when it is acknowledged (`accumulate`)."""
         inp = xs[0] if self.first else xs[0].detach().requires_grad_(True)
-        params = [] if self.defer_gradients else self._params
+        defer = self.defer_gradients or (self.max_held is not None and len(self._outstanding) >= self.max_held)
+        params = [] if defer else self._params
         wrt = params + ([] if self.first else [inp])
         loss: float | None = None
         with seeded(seed, self.device), torch.enable_grad():
@@ -256,7 +262,7 @@ class StageWorker:
         present = [g for g in grads if g is not None]
         if present and not bool(torch.stack([g.isfinite().all() for g in present]).all()):
             raise ValueError(f"stage {self.stage} {kind}: the gradients are not finite (inputs too large?)")
-        if self.defer_gradients:
+        if defer:
             kept = [t.detach() for t in xs]
             held = HeldGradient(self, [], batch, self._generation, sum(t.numel() * t.element_size() for t in kept),
                                 replay=(kind, kept, seed))
@@ -264,6 +270,7 @@ class StageWorker:
             own = grads[:len(self._params)]
             held = HeldGradient(self, own, batch, self._generation,
                                 sum(g.numel() * g.element_size() for g in own if g is not None))
+            self._outstanding.add(held)  # until it is added, or dropped by the kept book (then collected)
         if self.first:
             return loss, [], held
         grad_in = grads[-1]
@@ -282,12 +289,15 @@ class StageWorker:
                 grads = self._param_grads(kind, xs, seed, held.samples)
             else:
                 grads, held.grads = held.grads, []  # at most once: the tensors are ours now
-            for p, g in zip(self._params, grads):
+                self._outstanding.discard(held)
+            for i, (p, g) in enumerate(zip(self._params, grads)):
                 if g is not None:
                     if p.grad is None:  # adopted, not copied (a copy is a stage's worth of memory), unless
                         p.grad = g if g.is_contiguous() else g.clone()  # autograd handed out a view (expanded)
                     else:
                         p.grad.add_(g)
+                    grads[i] = g = None  # freed as it is added: the step below must not hold a second gradient
+            del grads
             self.samples += held.samples
             self._pending += held.samples
             if self._pending >= self._accumulate:

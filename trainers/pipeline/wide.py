@@ -49,9 +49,9 @@ def big_test():
 
 
 def big_bench():
-    """`peer bench pipeline --big`'s model: 18 blocks of 4096² (302 M parameters, 1.2 GB of weights; 4.8 GB
+    """`peer bench pipeline --big`'s model: 42 blocks of 3072² (397 M parameters, 1.6 GB of weights; 6.3 GB
     with gradients and Adam's moments)."""
-    return wide(4096, 18)
+    return wide(3072, 42)
 
 
 def digits():
