@@ -86,6 +86,19 @@ def test_peer_status_shows_the_stage_map_and_the_accounting():
     assert "served  816 calls" in out and "refused busy 3" in out
 
 
+def test_peer_status_shows_each_peers_memory_and_ours():
+    """Memory is a budget (issue 28): each peer's use and budget in the stage map, ours with its source."""
+    me = {**_peer("a", 4535.0, me=True), "memory_mib": 1960, "memory_used_mib": 1130}
+    st = _status([[me], [_peer("b", 1393.0)]], bottleneck=1, waiting=[], avoided=None)
+    st["pipeline"]["memory"] = {"budget_mib": 1960, "stage_room_mib": 1626, "used_mib": 1130,
+                                "source": "[pipeline] memory_mib"}
+    st["trainer"]["model_mib"] = 6058
+    out = _text(render_status(st))
+    assert "1130/1960" in next(line for line in out.splitlines() if "aaaaaaaa (me)" in line)
+    assert "1130 MiB used of a 1960 MiB budget ([pipeline] memory_mib)" in out and "a stage may use 1626 MiB" in out
+    assert "model 6058 MiB in all" in out
+
+
 def test_peer_status_shows_moves_steps_copies_and_handed_back_calls():
     now = 1_000_000.0
     st = _status([[_peer("a", 4535.0, me=True)], [_peer("b", 1393.0, 4), _peer("c", 700.0)], [_peer("e", 0.0)],

@@ -55,7 +55,7 @@ def stage_map_table(pl: dict) -> Table:
     bottleneck = pl.get("bottleneck")
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col, right in (("stage", False), ("capacity/s", True), ("peer", False), ("samples/s", True),
-                       ("step", True), ("queue", True), ("", False)):
+                       ("step", True), ("queue", True), ("memory MiB", True), ("", False)):
         t.add_column(col, justify="right" if right else "left", no_wrap=col != "")
     for entry in pl.get("stage_map", []):
         s = entry["stage"]
@@ -64,7 +64,7 @@ def stage_map_table(pl: dict) -> Table:
         cap = f"{entry['capacity']:.0f}"
         peers = entry.get("peers", [])
         if not peers:
-            t.add_row(label, cap, Text("no live peer", style="red"), "-", "-", "-", "")
+            t.add_row(label, cap, Text("no live peer", style="red"), "-", "-", "-", "-", "")
             continue
         for i, p in enumerate(peers):
             name = Text(p["peer_id"][:8] + (" (me)" if p.get("me") else ""), style="bold" if p.get("me") else "")
@@ -76,8 +76,9 @@ def stage_map_table(pl: dict) -> Table:
             avoided = p.get("avoided") or ""
             if avoided:
                 note.append(("   " if note else "") + _cut(avoided, NOTE_CHARS), style="yellow")
+            mem = f"{p['memory_used_mib']}/{p['memory_mib']}" if p.get("memory_mib") else "-"  # used / budget
             t.add_row(label if i == 0 else "", cap if i == 0 else "", name, speed, _num(p.get("step"), "{}"),
-                      str(p.get("queue", 0)), note)
+                      str(p.get("queue", 0)), mem, note)
     return t
 
 
@@ -117,6 +118,11 @@ def _server_facts(sv: dict, pl: dict, tr: dict) -> Table:
     if tr.get("stage_steps") is not None:
         t.add_row("stage", f"{pl.get('my_stage')}: {tr['stage_steps']} optimizer steps, {tr.get('stage_samples', 0)} "
                            f"samples, {tr.get('stage_samples_per_s', 0):.0f} samples/s of compute")
+    mem = pl.get("memory") or {}
+    if mem.get("budget_mib"):
+        t.add_row("memory", Text(f"{mem.get('used_mib', 0)} MiB used of a {mem['budget_mib']} MiB budget "
+                                 f"({mem.get('source')}); a stage may use {mem.get('stage_room_mib', 0)} MiB"
+                                 + (f"   model {tr['model_mib']} MiB in all" if tr.get("model_mib") else "")))
     if sv.get("last_error"):
         t.add_row("last error", Text(sv["last_error"], style="red"))
     return t
