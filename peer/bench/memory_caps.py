@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from peer.testing.netns import pid_alive
+
 MIB = 1 << 20
 MIN_CAP_MIB = 16.0  # a Python interpreter needs ~10 MiB to start: a smaller cap only ever kills at once
 PREFIX = "peertrain-mem"  # cap directories are PREFIX-<our pid>-<index>, so leftovers name their owner
@@ -135,16 +137,6 @@ def _host_swaps() -> bool:
         return len(Path("/proc/swaps").read_text().splitlines()) > 1
     except OSError:
         return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass
@@ -325,7 +317,7 @@ class MemoryCaps:
                 owner = int(d.name[len(PREFIX) + 1:].split("-")[0])
             except ValueError:
                 continue
-            if owner == os.getpid() or _alive(owner):
+            if owner == os.getpid() or pid_alive(owner):
                 continue
             try:
                 if not (d / "cgroup.procs").read_text().split():

@@ -56,7 +56,7 @@ def _list_netns() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -92,7 +92,7 @@ def cleanup_stale(prefix: str = "pt") -> list[str]:
     removed = []
     for ns in _list_netns():
         m = pattern.match(ns)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
             _delete_netns(ns)
             removed.append(ns)
     return removed

@@ -343,15 +343,7 @@ class StageSeat:
             tensors, step, samples = old.export_state()
             del old  # its optimizer state and gradients go; the copy below is what we keep of that stage
             self.swarm.keep_stage_copy(key, old_stage, tensors, step, samples)
-            self.swarm.drop_stage_copy(key, to)  # we serve it now: its state is live here
-            self._shadow = None
-            self.moved_at = time.monotonic()
-            self.cooling_from, self.cool_until = old_stage, self.moved_at + max(self.o.rebalance_every, settle_s)
-            record = {"from": old_stage, "to": to, "reason": reason, "took_s": round(self.moved_at - t0, 3),
-                      "dropped_samples": dropped, **got}
-            self.swarm.note_move(**record)
-            self.swarm.log("now serving stage %d (was %d) after %.2fs", to, old_stage, self.moved_at - t0)
-            return record
+            return self._moved(old_stage, to, t0, settle_s, {"reason": reason, "dropped_samples": dropped, **got})
         finally:
             self.swarm.announce_move(moving_to=-1, moved_from=self.cooling_from if switched or
                                      time.monotonic() < self.cool_until else -1)
@@ -402,18 +394,23 @@ class StageSeat:
                 self._share()
             self._announce_profile()
             self.dropped_samples += dropped
-            self.swarm.drop_stage_copy(key, to)
-            self._shadow = None
-            self.moved_at = time.monotonic()
-            self.cooling_from, self.cool_until = old_stage, self.moved_at + max(self.o.rebalance_every, settle_s)
-            record = {"from": old_stage, "to": to, "reason": reason, "took_s": round(self.moved_at - t0, 3),
-                      "dropped_samples": dropped, "freed_first": True, **got}
-            self.swarm.note_move(**record)
-            self.swarm.log("now serving stage %d (was %d) after %.2fs", to, old_stage, self.moved_at - t0)
-            return record
+            return self._moved(old_stage, to, t0, settle_s,
+                               {"reason": reason, "dropped_samples": dropped, "freed_first": True, **got})
         finally:
             self.swarm.announce_move(moving_to=-1, moved_from=self.cooling_from if switched or
                                      time.monotonic() < self.cool_until else -1)
+
+    def _moved(self, old_stage: int, to: int, t0: float, settle_s: float, facts: dict) -> dict:
+        """After a switch to `to`: its copy goes (we serve it now: its state is live here), the stage we left
+        cools down, and the move is recorded for `peer status` and the log."""
+        self.swarm.drop_stage_copy(self.key, to)
+        self._shadow = None
+        self.moved_at = time.monotonic()
+        self.cooling_from, self.cool_until = old_stage, self.moved_at + max(self.o.rebalance_every, settle_s)
+        record = {"from": old_stage, "to": to, "took_s": round(self.moved_at - t0, 3), **facts}
+        self.swarm.note_move(**record)
+        self.swarm.log("now serving stage %d (was %d) after %.2fs", to, old_stage, self.moved_at - t0)
+        return record
 
     @property
     def model_shapes(self) -> ModelShapes:
