@@ -37,6 +37,7 @@ class Held:
     samples: int = BATCH
     nbytes: int = 1000
     stale: bool = False
+    deferred: bool = False
 
     def accumulate(self) -> bool:
         if self.stale:
@@ -193,6 +194,25 @@ def test_a_peers_ack_is_answered_with_what_entered_and_a_drop_with_nothing():
         assert drv.replies == [StageAckReply(), StageAckReply(accumulated=ids[:2])]
         assert stage.taken == [BATCH, BATCH] and len(srv.kept) == 0
         assert srv.kept.stats.dropped == {"failed": 1} and srv.kept.stats.ignored == {"stranger": 3}
+    run(main)
+
+
+def test_a_deferred_gradient_is_answered_as_entered_then_added():
+    """A gradient computed on its ack (deferred: trainers/pipeline/stage.py) is answered once claimed, without
+    waiting for its computation, and added right after; held ones in the same ack are added before the reply."""
+    srv, stage = served()
+
+    async def main():
+        ids = [(await srv.compute_local(stage_call(1, "loss"), []))[2] for _ in range(2)]
+        kept = list(srv.kept._kept.values())
+        for k in kept:
+            k.driver = "drv"
+        kept[1].gradient.deferred = True
+        drv = AckSession("drv")
+        async with trio.open_nursery() as n:
+            await srv.on_ack(drv, Envelope(StageAck(kept=ids), 8, 0), n)
+        assert drv.replies == [StageAckReply(accumulated=ids)]
+        assert stage.taken == [BATCH, BATCH] and srv.stats.accumulated_by_stage == {1: 2 * BATCH}
     run(main)
 
 

@@ -195,7 +195,7 @@ class Driver:
     async def _settle(self, mb: Microbatch, kept: list[KeptAt], *, accumulate: bool) -> None:
         """Tell every server that kept a gradient of `mb` to add it to its stage (`accumulate`: the backward
         completed through every stage) or to drop it (the microbatch failed); count what each confirmed. Each
-        ack is bounded by `max_call_timeout` (a lost one leaves the gradient to expire there, unconfirmed here)."""
+        ack is bounded by `call_timeout` (a lost one leaves the gradient to expire there, unconfirmed here)."""
         if not kept:
             return
         by_peer: dict[str, list[KeptAt]] = defaultdict(list)
@@ -228,9 +228,7 @@ class Driver:
         if session is None:
             return set()
         try:
-            # an ack waits for the stage's lock (a computation) and, deferred (trainers/pipeline/stage.py), for the
-            # gradient's own computation: bounded like the longest call, not the base one
-            env = await session.request(StageAck(kept=ids, accumulate=accumulate), timeout=self.cfg.max_call_timeout)
+            env = await session.request(StageAck(kept=ids, accumulate=accumulate), timeout=self.cfg.call_timeout)
         except (trio.TooSlowError, SessionClosed):
             return set()
         reply = env.message

@@ -45,6 +45,7 @@ class HeldGradient(Protocol):
 
     samples: int
     nbytes: int
+    deferred: bool  # computed when acknowledged, not when called (its ack is answered before the computation)
 
     def accumulate(self) -> bool:
         """Add it to the stage's accumulated gradient (in a worker thread): False if the stage's state was

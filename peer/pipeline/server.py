@@ -262,9 +262,15 @@ class StageServer:
         nursery.start_soon(self._answer_ack, session, env, taken)
 
     async def _answer_ack(self, session, env, taken: list[Kept]) -> None:
+        """Reply which ids entered the stage. A deferred gradient (computed on the ack: trainers/pipeline/stage.py)
+        is answered as entered once claimed, before its computation, so the driver does not wait a forward and a
+        backward per ack; it is added right after (one that a state replacement makes stale is counted there)."""
         try:
-            entered = await self._accumulate(taken)
-            await session.reply(env, StageAckReply(accumulated=entered))
+            later = [k for k in taken if k.gradient.deferred and k.owner is self.stage]
+            entered = await self._accumulate([k for k in taken if k not in later])
+            await session.reply(env, StageAckReply(accumulated=entered + [k.id for k in later]))
+            if later:
+                await self._accumulate(later)
         except SessionClosed as exc:  # the driver sees its ack unanswered and counts it as lost
             log.info("stage ack from %s not answered: %s", session.short, exc)
         except Exception as exc:  # a bug here must not take the daemon down

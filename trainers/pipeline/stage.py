@@ -64,6 +64,10 @@ class HeldGradient:
     nbytes: int
     replay: tuple[str, list[Tensor], int] | None = None  # deferred: (kind, the call's inputs, seed) instead of grads
 
+    @property
+    def deferred(self) -> bool:
+        return self.replay is not None
+
     def accumulate(self) -> bool:
         """Add it to the stage's accumulated gradient (and step if the stage's share is reached); False if it was
         added already or the stage's state was replaced since it was computed (then it is dropped)."""
