@@ -64,11 +64,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def cached_profile(path: Path, key: dict, measure: Callable[[], list[BlockCost]], blocks: int) -> list[BlockCost]:
+def cached_profile(path: Path, key: dict, measure: Callable[[], list[BlockCost]] | None,
+                   blocks: int) -> list[BlockCost] | None:
     """`measure()`'s costs of `blocks` blocks, measured once per home and stage: a restarted peer reads its earlier
     profile from `path` when `key` (what shapes the blocks and the microbatch) is the same, because profiling
     under a small CPU share took the seconds a pipeline waits for a returning peer. A file that does not parse
-    or does not fit is measured afresh and replaced (atomically)."""
+    or does not fit is measured afresh and replaced (atomically). No `measure`: the saved costs, or None."""
     try:
         saved = json.loads(path.read_text())
         if saved.get("key") == key and isinstance(saved.get("costs"), list) and len(saved["costs"]) == blocks:
@@ -78,6 +79,8 @@ def cached_profile(path: Path, key: dict, measure: Callable[[], list[BlockCost]]
                 return costs
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
+    if measure is None:
+        return None
     costs = measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
