@@ -274,7 +274,7 @@ def run(swarm, options: dict) -> dict:
                    "cuts": list(key.cuts), "my_stage": state.stage, "role": o.role, "state": "waiting for stages",
                    "device": str(device), "model_mib": memory.mib(sum(memory.state_bytes(b, o.optimizer)
                                                                        for b in traced.param_bytes)),
-                   "plan_ms": [round(s * 1000, 2) for s in plan.stage_seconds]})
+                   "plan_ms": [float(f"{s * 1000:.4g}") for s in plan.stage_seconds]})  # 4 digits: never 0
     if not _wait_for_stages(swarm, key, o.join_wait):
         swarm.log("not every stage has a peer after %.0fs; driving anyway (microbatches wait for them)", o.join_wait)
     if o.role != "driver":
