@@ -17,12 +17,13 @@ from tests.pipeline_status import driver, pipe, trainer
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900)]
 
 DAEMONS = 4
-CAP_MIB = 2200  # each daemon's cgroup and [pipeline] memory_mib; the model (trainers/pipeline/wide.py) is 4.5 GiB
+CAP_MIB = 2500  # each daemon's cgroup and [pipeline] memory_mib; the model (trainers/pipeline/wide.py) is 5.1 GiB.
+#                 A stage of 9 blocks needs ~2000 MiB beside the process's 335-410 MiB before any block
 MB, SAMPLES = 8, 160
 OPTIONS = dict(model_factory="trainers.pipeline.wide:big_test", dataset_factory="trainers.pipeline.wide:digits",
                stages=DAEMONS, microbatch=MB, batch_size=32, samples=SAMPLES, in_flight=1, lr=3e-5,
                eval_batches=8, join_wait=120.0, rebalance=False, copy_every=0.0, checkpoint_every=0.0, threads=1)
-TRAINED_S = 600.0  # start, agree on a cut, build one stage each, drive 20 microbatches of a 302 M-parameter model
+TRAINED_S = 600.0  # start, agree on a cut, build one stage each, drive 20 microbatches of a 340 M-parameter model
 
 
 def test_a_model_bigger_than_one_host_trains_within_every_cap(cluster):
@@ -40,8 +41,13 @@ def test_a_model_bigger_than_one_host_trains_within_every_cap(cluster):
             caps.add(i, d.pid)
             rss.watch(d.pid)
             ds.append(d)
-        ds[0].wait_until(lambda st: trainer(st).get("driving_done"), timeout=TRAINED_S, what="node1 to drive",
-                         interval=1.0)
+        def driven(st: dict) -> bool:
+            for d in ds:  # a trainer that failed (a cut that does not fit, say) fails the test now, with its reason
+                state = trainer(d.try_status()).get("state", "")
+                assert not state.startswith("failed"), f"{d.name}: {state}"
+            return bool(trainer(st).get("driving_done"))
+
+        ds[0].wait_until(driven, timeout=TRAINED_S, what="node1 to drive", interval=1.0)
         sts = [d.status() for d in ds]
         peaks = rss.peaks()
         kills = [caps.oom_kills(i) for i in range(DAEMONS)]
@@ -59,4 +65,4 @@ def test_a_model_bigger_than_one_host_trains_within_every_cap(cluster):
     assert all(k in (0, None) for k in kills), kills
     for d in ds:  # a peer built only its own stage: no whole-model build, no profile of blocks it does not hold
         log = d.log_path.read_text()
-        assert "planned cut" in log and "this peer's budget is 2200 MiB" in log, d.name
+        assert "planned cut" in log and "this peer's budget is 2500 MiB" in log, d.name
