@@ -101,7 +101,9 @@ def test_a_slowed_peer_draws_a_move_that_raises_throughput(cluster):
     print(f"moves {[(m['from'], m['to'], m['reason']) for m in all_moves]}: drivers' samples/s {before:.1f} before, "
           f"{after:.1f} after")
     assert after > before * 1.2, f"throughput {before:.1f} -> {after:.1f} samples/s after the moves"
-    assert len(peers_per_stage(final[0])[2]) >= 2 and all(peers_per_stage(final[0]).values()), peers_per_stage(final[0])
+    # every stage keeps a peer; stage 2 gained a fast one (the slowed peer itself may then leave it for the next
+    # bottleneck: it is 8x slower wherever it computes, and the rules may place it where it costs least)
+    assert all_moves[0]["to"] == 2 and all(peers_per_stage(final[0]).values()), peers_per_stage(final[0])
 
     # Every microbatch accounted for: none failed; calls the mover held for its old stage were handed back and re-sent.
     for d, s in zip(ds, final):

@@ -49,8 +49,10 @@ def signed_record_body(*, neighbours: list[str], links: list[list], key=None, st
 
 def _stage_namespace(stage: dict) -> SimpleNamespace:
     """The attribute view of a stage announcement that the signing bytes read (optional fields defaulted)."""
-    full = {"step": 0, "moving_to": -1, "moved_from": -1, "copies": [], **stage}
+    full = {"step": 0, "moving_to": -1, "moved_from": -1, "copies": [], "profiles": [], "memory_mib": 0,
+            "stage_room_mib": 0, "memory_used_mib": 0, **stage}
     full["copies"] = [SimpleNamespace(**c) for c in full["copies"]]
+    full["profiles"] = [SimpleNamespace(**p) for p in full["profiles"]]
     return SimpleNamespace(**full)
 
 

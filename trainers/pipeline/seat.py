@@ -37,7 +37,8 @@ from trainers.pipeline import memory, shapes
 from trainers.pipeline.memory import MiB
 from trainers.pipeline.partition import cached_profile, profile_stage
 from trainers.pipeline.placement import adopted_cut, better_stage, initial_stage
-from trainers.pipeline.profiles import announced_profiles
+from trainers.pipeline.profiles import announced_profiles, swarm_costs
+from protocol.schema.pipeline import BlockProfile
 from trainers.pipeline.shapes import ModelShapes
 from trainers.pipeline.rebalance import state_sources
 from trainers.pipeline.slowed import Slowed
@@ -78,6 +79,7 @@ class StageSeat:
         self.device = device if device is not None else torch.device("cpu")
         self.mem = mem if mem is not None else Memory(0, 0, lambda lo, hi: 0)
         self.backups_skipped = ""  # why the next stage is not backed up here (memory), said once
+        self._measured: tuple = ()  # the swarm's block measurements `costs` were last computed from
         self.key: PipelineKey | None = None
         self.stage: int | None = None
         self.worker: StageWorker | None = None
@@ -92,8 +94,19 @@ class StageSeat:
 
     # ---- building -------------------------------------------------------------------------------
     def stage_seconds(self, key: PipelineKey) -> list[float]:
-        """Our measured compute seconds per microbatch of each stage of `key`'s cut."""
+        """Compute seconds per microbatch of each stage of `key`'s cut, from the block costs the pipeline's peers
+        measured (profiles.py), refreshed as they announce them: the costs the cut was planned from may have been
+        size estimates, which rebalancing must not weigh peers' speeds by."""
+        self._refresh_costs(key)
         return [sum(c.seconds for c in self.costs[lo:hi]) for lo, hi in zip((0, *key.cuts), (*key.cuts, len(self.costs)))]
+
+    def _refresh_costs(self, key: PipelineKey) -> None:
+        measured = tuple(sorted((p.block, p.seconds) for a in self.swarm.stage_announcements().values()
+                                if a.pipeline == key.name for p in a.profiles))
+        if measured and measured != self._measured:
+            self._measured = measured
+            self.costs, _ = swarm_costs(self.model, self.model_shapes, self.o.microbatch,
+                                        [BlockProfile(b, sec, 0, 0) for b, sec in measured], device=self.device)
 
     def bounds(self, key: PipelineKey, stage: int) -> tuple[int, int]:
         return list(zip((0, *key.cuts), (*key.cuts, len(self.model))))[stage]
