@@ -29,6 +29,7 @@ from protocol.schema.pipeline import (MAX_BLOCK_BYTES, MAX_BLOCK_SECONDS, MAX_BL
                                       MAX_PROFILED_BLOCKS, MAX_STAGES, BlockProfile, StageAnnouncement, StageCopy)
 from protocol.schema.topology import TopologyRecord, TopologyRecords, topology_record_signing_bytes
 from tests.test_pipeline_rebalance import smap_of
+from tests.test_pipeline_units import roundtrip, tampered
 from trainers.pipeline import memory, profiles
 from trainers.pipeline.blocks import char_transformer_pipeline, from_factory
 from trainers.pipeline.partition import BlockCost, DoesNotFit, plan_stages
@@ -457,22 +458,8 @@ def record(stage: StageAnnouncement | None, key=None) -> TopologyRecord:
     return TopologyRecord(**{**{f: getattr(rec, f) for f in rec.__dataclass_fields__}, "signature": sig})
 
 
-def roundtrip(msg):
-    return DEFAULT_REGISTRY.decode(DEFAULT_REGISTRY.encode(msg), DEFAULT_LIMITS).message
-
-
 def verifies(rec: TopologyRecord) -> bool:
     return ident.verify(rec.public_key, rec.signature, topology_record_signing_bytes(rec))
-
-
-def tampered(msg, path: list, value) -> bytes:
-    """`msg` encoded, with the body field at `path` replaced by `value` (bypassing the sender's checks)."""
-    env = msgpack.unpackb(DEFAULT_REGISTRY.encode(msg), raw=False)
-    node = env["b"]
-    for k in path[:-1]:
-        node = node[k]
-    node[path[-1]] = value
-    return msgpack.packb(env, use_bin_type=True)
 
 
 def test_a_record_with_profiles_and_memory_round_trips_and_its_signature_verifies():

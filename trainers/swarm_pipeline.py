@@ -43,11 +43,11 @@ import torch
 
 from peer.pipeline.directory import PipelineKey
 from peer.pipeline.driver import Microbatch
+from peer.pipeline.memory import rss_bytes
 from peertrain.swarm import RANK_ENV
 from trainers import torch_data
 from trainers.datasets import load_char_corpus
 from trainers.options import option, parse_options
-from peer.pipeline.memory import rss_bytes
 from trainers.pipeline import memory, profiles, shapes
 from trainers.pipeline.blocks import char_transformer_pipeline, from_factory
 from trainers.pipeline.keeper import SeatKeeper
@@ -237,7 +237,8 @@ def run(swarm, options: dict) -> dict:
     sample_x, sample_y = sample_microbatch(data, o.microbatch, o.seed)
     traced = shapes.trace(model, sample_x, sample_y)  # boundaries and block sizes, no block built
     mem = _memory(swarm, o, traced, device)
-    costs, how = profiles.swarm_costs(model, traced, o.microbatch, _measured(swarm, o.pipeline), device=device)
+    costs, how = profiles.swarm_costs(model, traced, o.microbatch,
+                                      profiles.announced(swarm.stage_announcements(), o.pipeline), device=device)
     plan = plan_stages(costs, o.stages, link_bytes_per_s=o.link_mbit * 1e6 / 8, memory=mem.need,
                        memory_cap=memory.cap_for_stages(
                            [mem.room] + [a.stage_room_mib * MiB for a in swarm.stage_announcements().values()
@@ -339,11 +340,6 @@ def _memory(swarm, o: SwarmPipelineOptions, traced: shapes.ModelShapes, device: 
               f"{memory.mib(budget)} MiB" if budget else "unknown", source,
               f"{memory.mib(room)} MiB" if room else "all", memory.mib(baseline))
     return Memory(budget, room, need, max_held)
-
-
-def _measured(swarm, pipeline: str) -> list:
-    """Every block cost the pipeline's peers announce (trainers/pipeline/profiles.py takes the median)."""
-    return [p for a in swarm.stage_announcements().values() if a.pipeline == pipeline for p in a.profiles]
 
 
 def _own_checkpoint(swarm, key: PipelineKey) -> dict | None:

@@ -22,11 +22,10 @@ budget's margin, and a peer's real use is shown in `peer status` next to it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-MiB = 1 << 20
-AUTO_MARGIN = 0.10  # of a GPU's free memory, left unplanned (peer/pipeline/memory.py says why, for the host)
+# The daemon's (peer/pipeline/memory.py), re-exported: a GPU's budget keeps the host's margin, figures their unit.
+from peer.pipeline.memory import AUTO_MARGIN as AUTO_MARGIN, MiB as MiB, mib as mib
 OPTIMIZER_SLOTS = {"adam": 2, "sgd": 1}  # per-parameter state tensors each optimizer keeps (trainers/baseline.py)
 HELD_GRADIENTS = 2
 """Parameter-gradient copies a stage is planned to keep aside at once when the caller does not say: a trainer
@@ -76,10 +75,6 @@ def cap_for_stages(budgets_bytes: Sequence[int], stages: int) -> int | None:
 def fits(need_bytes: int, budget_bytes: int, baseline_bytes: int) -> bool:
     """Whether a stage needing `need_bytes` fits a peer with this budget and baseline (0 budget: unknown, fits)."""
     return budget_bytes <= 0 or baseline_bytes + need_bytes <= budget_bytes
-
-
-def mib(n: float) -> int:
-    return int(math.ceil(n / MiB))
 
 
 MMAP_THRESHOLD = 1 << 20

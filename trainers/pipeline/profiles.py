@@ -93,6 +93,13 @@ def swarm_costs(model, traced: ModelShapes, batch: int, measured: Iterable[Block
     return costs, how
 
 
+def announced(announcements: dict, pipeline: str, *, but: str | None = None) -> list[BlockProfile]:
+    """Every block cost the peers of `pipeline` announce in their stage records (but peer `but`'s), in a fixed
+    order, so two readings of the same records compare equal."""
+    return sorted((p for pid, a in announcements.items() if a.pipeline == pipeline and pid != but for p in a.profiles),
+                  key=lambda p: (p.block, p.seconds, p.out_bytes, p.param_bytes))
+
+
 def announced_profiles(costs: list[BlockCost], lo: int) -> list[BlockProfile]:
     """Our measured costs of blocks lo.. for our stage record (the first MAX_PROFILED_BLOCKS)."""
     return [BlockProfile(lo + j, min(max(c.seconds, 1e-9), MAX_BLOCK_SECONDS), c.out_bytes, c.param_bytes)

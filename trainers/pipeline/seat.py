@@ -37,10 +37,9 @@ from trainers.pipeline import memory, shapes
 from trainers.pipeline.memory import MiB
 from trainers.pipeline.partition import cached_profile, profile_stage
 from trainers.pipeline.placement import adopted_cut, better_stage, initial_stage
-from trainers.pipeline.profiles import announced_profiles, swarm_costs
-from protocol.schema.pipeline import BlockProfile
-from trainers.pipeline.shapes import ModelShapes
+from trainers.pipeline.profiles import announced, announced_profiles, swarm_costs
 from trainers.pipeline.rebalance import state_sources
+from trainers.pipeline.shapes import ModelShapes
 from trainers.pipeline.slowed import Slowed
 from trainers.pipeline.stage import StageWorker
 
@@ -70,6 +69,10 @@ class Memory:
     need: Callable[[int, int], int]
     max_held: Callable[[int, int], int | None] = lambda lo, hi: None  # gradients a stage may hold (stage.py)
 
+    def holds(self, nbytes: int) -> bool:
+        """Whether `nbytes` fit the room (an unknown room holds anything)."""
+        return memory.fits(nbytes, self.room, 0)
+
 
 class StageSeat:
     def __init__(self, swarm, o, model, sample_x, sample_y, costs, *, device: torch.device | None = None,
@@ -79,7 +82,7 @@ class StageSeat:
         self.device = device if device is not None else torch.device("cpu")
         self.mem = mem if mem is not None else Memory(0, 0, lambda lo, hi: 0)
         self.backups_skipped = ""  # why the next stage is not backed up here (memory), said once
-        self._measured: tuple = ()  # the swarm's block measurements `costs` were last computed from
+        self._measured: list = []  # the swarm's block measurements `costs` were last computed from
         self.key: PipelineKey | None = None
         self.stage: int | None = None
         self.worker: StageWorker | None = None
@@ -101,12 +104,10 @@ class StageSeat:
         return [sum(c.seconds for c in self.costs[lo:hi]) for lo, hi in zip((0, *key.cuts), (*key.cuts, len(self.costs)))]
 
     def _refresh_costs(self, key: PipelineKey) -> None:
-        measured = tuple(sorted((p.block, p.seconds) for a in self.swarm.stage_announcements().values()
-                                if a.pipeline == key.name for p in a.profiles))
+        measured = announced(self.swarm.stage_announcements(), key.name)
         if measured and measured != self._measured:
             self._measured = measured
-            self.costs, _ = swarm_costs(self.model, self.model_shapes, self.o.microbatch,
-                                        [BlockProfile(b, sec, 0, 0) for b, sec in measured], device=self.device)
+            self.costs, _ = swarm_costs(self.model, self.model_shapes, self.o.microbatch, measured, device=self.device)
 
     def bounds(self, key: PipelineKey, stage: int) -> tuple[int, int]:
         return list(zip((0, *key.cuts), (*key.cuts, len(self.model))))[stage]
@@ -117,7 +118,7 @@ class StageSeat:
 
     def fits(self, key: PipelineKey) -> list[bool]:
         """Per stage of `key`: whether this peer can hold it."""
-        return [self.mem.room <= 0 or self.need(key, s) <= self.mem.room for s in range(key.stages)]
+        return [self.mem.holds(self.need(key, s)) for s in range(key.stages)]
 
     def peer_fits(self, peer_id: str, stage: int) -> bool:
         """Whether `peer_id` can hold `stage` of our cut, by the room it announced (none announced: it can)."""
@@ -159,8 +160,7 @@ class StageSeat:
         path = self.swarm.checkpoint_dir / f"pipeline-profile-{lo}-{hi}.json"
         profile_key = {"model": self.model.name, "blocks": [lo, hi], "microbatch": self.o.microbatch,
                        "device": self.device.type, "threads": self.o.threads, "torch": torch.__version__}
-        others = {p.block for pid, a in self.swarm.stage_announcements().items()
-                  if pid != self.swarm.peer_id and a.pipeline == key.name for p in a.profiles}
+        others = {p.block for p in announced(self.swarm.stage_announcements(), key.name, but=self.swarm.peer_id)}
         costs = cached_profile(path, profile_key, None, hi - lo)
         if costs is None and not set(range(lo, hi)) <= others:
             x = self.sample_x.to(self.device) if lo == 0 else _stage_input(w, self.device)
@@ -187,8 +187,7 @@ class StageSeat:
         """Serve `stage` with a fresh worker. Not `ready` (joining a pipeline that trains): the stage is
         announced, so its peers hand us its state, but calls are refused until `join_stage` loaded it. A peer
         that cannot hold both frees the stage it served first."""
-        if self.worker is not None and self.mem.room > 0 and \
-                self.need(self.key, self.stage) + self.need(key, stage) > self.mem.room:
+        if self.worker is not None and not self.mem.holds(self.need(self.key, self.stage) + self.need(key, stage)):
             self._free()
         self.worker, self.key, self.stage = self._worker(key, stage), key, stage
         self._serve(ready=ready)
@@ -304,7 +303,7 @@ class StageSeat:
             return
         lo, hi = self.bounds(self.key, target)
         state = memory.state_bytes(sum(self.model_shapes.param_bytes[lo:hi]), self.o.optimizer)
-        if self.mem.room > 0 and self.need(self.key, self.stage) + state > self.mem.room:
+        if not self.mem.holds(self.need(self.key, self.stage) + state):
             why = (f"no backup of stage {target}: its state ({memory.mib(state)} MiB) does not fit beside ours in "
                    f"this peer's budget (a stage may use {memory.mib(self.mem.room)} MiB)")
             if why != self.backups_skipped:
@@ -327,11 +326,11 @@ class StageSeat:
         """Move to stage `to` (module docstring). `may_switch(from_stage)` is asked last (None: go). Returns
         the move's record, or None if it was given up (logged)."""
         key, old_stage, t0 = self.key, self.stage, time.monotonic()
-        if self.mem.room > 0 and self.need(key, to) > self.mem.room:
+        if not self.mem.holds(self.need(key, to)):
             self.swarm.log("move to stage %d not made: it needs %d MiB, this peer's budget leaves a stage %d MiB",
                            to, memory.mib(self.need(key, to)), memory.mib(self.mem.room))
             return None
-        if self.mem.room > 0 and self.need(key, old_stage) + self.need(key, to) > self.mem.room:
+        if not self.mem.holds(self.need(key, old_stage) + self.need(key, to)):
             return self._move_freeing_first(to, reason, may_switch=may_switch, settle_s=settle_s)
         self.swarm.log("moving from stage %d to stage %d: %s", old_stage, to, reason)
         self.swarm.announce_move(moving_to=to, moved_from=self.cooling_from)
