@@ -322,7 +322,8 @@ class GossipEngine:
 
     def status(self) -> dict:
         return {"groups": {g.name: {"tensors": len(g.specs), "bytes": g.nbytes} for g in self.groups.values()},
-                **self.ledger.status(), "inflight": self.budget.in_flight()}
+                **self.ledger.status(), "inflight": self.budget.in_flight(),
+                "defence": self.radii is not None}  # False only under a benchmark's switch (radius.py)
 
     def ban_list(self) -> list[dict]:
         """Bans in force for `peer status`: peer, until (unix time), reason."""
