@@ -13,7 +13,8 @@ import pytest
 from peer.averaging import radius as radius_mod
 from peer.averaging.bans import BAN_AFTER, BanList
 from peer.averaging.bounds import clip_scale
-from peer.averaging.radius import FAR_EXCESS, RADIUS_FLOOR, RADIUS_MARGIN, RADIUS_MEMORY_S, Radii, Radius
+from peer.averaging.radius import (FAR_EXCESS, RADIUS_FLOOR, RADIUS_MARGIN, RADIUS_MEMORY_S, RUN_GRACE_S, Radii,
+                                   Radius)
 
 pytestmark = pytest.mark.unit
 
@@ -71,20 +72,32 @@ def test_an_overflowing_distance_is_a_strike():
 
 def test_past_far_excess_every_exchange_is_a_strike_past_strike_excess_a_run_that_does_not_close_in():
     r = Radii(max_ratio=8.0, byzantine_share=0.25)
-    assert judge(r, 10.0, 1.0) is None  # 10 radii: a laggard may start there
-    assert judge(r, 9.8, 1.0) is None  # closer by more than half of what the update (w s = 0.01) closed
-    assert "no closer" in judge(r, 9.9, 1.0)  # not
-    assert judge(r, 0.5, 1.0) is None  # within the radius: the run ends
-    assert judge(r, 10.0, 1.0) is None  # a new run
-    assert "radii from ours" in judge(r, FAR_EXCESS * 1.5, 1.0)
-    assert "radii from ours" in judge(r, FAR_EXCESS * 1.2, 1.0)  # however fast it closes in
-    assert judge(r, 3.0, 1.0) is None  # within STRIKE_EXCESS radii: no evidence either way
+    # a run past STRIKE_EXCESS: never struck for not closing in before RUN_GRACE exchanges and RUN_GRACE_S
+    assert [judge(r, d, 1.0, now=t) for t, d in ((0.0, 10.0), (1.0, 10.5), (2.0, 10.6))] == [None] * 3
+    # from then on it must have closed half of what its updates closed (2 * w s * d each: 0.2, 0.21, 0.212)
+    assert judge(r, 9.6, 1.0, now=RUN_GRACE_S) is None
+    assert "not closing in" in judge(r, 9.9, 1.0, now=RUN_GRACE_S + 1)
+    assert judge(r, 3.0, 1.0, now=RUN_GRACE_S + 2) is None  # within STRIKE_EXCESS radii: the run ends
+    assert judge(r, 10.0, 1.0, now=RUN_GRACE_S + 3) is None  # a new run, its own grace
+    assert "radii from ours" in judge(r, FAR_EXCESS * 1.5, 1.0, now=RUN_GRACE_S + 4)
+    assert "radii from ours" in judge(r, FAR_EXCESS * 1.2, 1.0, now=RUN_GRACE_S + 5)  # however fast it closes in
 
 
-def test_a_liar_swinging_between_far_and_farther_is_struck_every_time():
-    r = Radii(max_ratio=8.0, byzantine_share=0.25)
-    strikes = [judge(r, d, 1.0, moved=0.003) for d in (100.0, 160.0, 100.0, 160.0)]
-    assert all(strikes), strikes
+def test_a_liar_keeping_its_distance_or_swinging_is_struck_past_its_grace():
+    for distances in ((10.0, 10.0, 10.0, 10.0, 10.0), (10.0, 14.0, 10.0, 14.0, 10.0)):
+        r = Radii(max_ratio=8.0, byzantine_share=0.25)
+        strikes = [judge(r, d, 1.0, moved=0.003, now=k * RUN_GRACE_S / 2) for k, d in enumerate(distances)]
+        assert strikes[:2] == [None] * 2 and all(strikes[2:]), strikes  # struck from the minute on
+
+
+def test_a_partners_reference_is_its_peak_of_the_last_minute_then_its_latest():
+    r = Radii(max_ratio=8.0, byzantine_share=0.0)
+    for t, d in ((0.0, 9.0), (5.0, 1.0), (25.0, 2.0), (40.0, 1.5)):
+        judge(r, d, math.inf, peer="q", now=t)
+    assert r.reference("g", "p", 41.0) == 9.0  # a local-steps round's peak, a start's independent models
+    assert r.reference("g", "p", 61.0) == 2.0  # the 9.0 bucket has left the minute
+    assert r.reference("g", "p", 101.0) == 1.5  # then the latest, up to RADIUS_MEMORY_S
+    assert r.reference("g", "p", 40.0 + RADIUS_MEMORY_S) is None
 
 
 def test_a_fresh_model_with_no_reference_gets_no_one_struck():
