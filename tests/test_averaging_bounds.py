@@ -358,3 +358,20 @@ def test_an_offer_without_a_radius_is_refused_and_an_accept_without_one_is_calle
         monkeypatch.undo()
         assert (await exchange_and_wait(a, b)).ok  # and the pair still averages afterwards
     trio.run(run_pair, body)
+
+
+@pytest.mark.process
+def test_a_model_of_zeros_downloads_and_averages_and_no_one_is_struck():
+    """A freshly initialised linear model (all zeros): before, it could neither download (no norm to bound
+    the download by) nor average (the smaller norm, 0, clipped everything), and its partner was struck for
+    it. Now it takes the download, and averages in full with a partner whose radius allows it."""
+    async def body(a, b):
+        a.groups["params"].tensors["w"][:] = 0.0
+        got = await a.downloads.fetch_params("params", b.me)
+        assert got is not None and float(got[0][0][0]) == 3.0
+        result = await exchange_and_wait(a, b)
+        assert result.ok
+        np.testing.assert_allclose(a.groups["params"].tensors["w"], 1.0, rtol=1e-6)  # a third of the way to 3
+        assert a.stats.clipped == b.stats.clipped == {} and a.stats.struck == b.stats.struck == {}
+        assert not a.status()["bans"] and not b.status()["bans"]
+    trio.run(run_pair, body)
