@@ -375,3 +375,20 @@ def test_a_model_of_zeros_downloads_and_averages_and_no_one_is_struck():
         assert a.stats.clipped == b.stats.clipped == {} and a.stats.struck == b.stats.struck == {}
         assert not a.status()["bans"] and not b.status()["bans"]
     trio.run(run_pair, body)
+
+
+@pytest.mark.parametrize("codec", ["raw", "float16", "q8"])
+def test_every_codec_clips_alike_on_both_sides_from_the_decoded_values(codec):
+    """With a lossy codec each side applies w * s * (q(theirs) - q(ours)): the distance is the decoded
+    values', which both sides hold bit for bit, so the scale is the same and the updates cancel."""
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal(100_000).astype(np.float32)
+    b = (a + rng.standard_normal(100_000).astype(np.float32)).astype(np.float32)
+    ga, gb = _pair(a, b)
+    qa, qb = ga.as_sent([a.copy()], codec), gb.as_sent([b.copy()], codec)
+    radius = float(np.linalg.norm(qb[0].astype(np.float64) - qa[0])) / 4  # clipped to a quarter
+    sa, da = ga.apply(1 / 3, [qb[0].copy()], [qa[0].copy()], radii=(radius, radius * 2))
+    sb, db = gb.apply(1 / 3, [qa[0].copy()], [qb[0].copy()], radii=(radius * 2, radius))
+    assert sa == sb == pytest.approx(0.25, rel=1e-6) and da == db  # bit for bit alike
+    moved = (ga.tensors["w"].astype(np.float64) - a) + (gb.tensors["w"].astype(np.float64) - b)
+    assert abs(float(moved.sum())) <= 1e-6 * float(np.abs(a).sum())
