@@ -6,7 +6,7 @@ about 930 MiB to hold and the other about 565 (weights, gradients, Adam), so a p
 what the process held before any block) holds the big stage but not both. Two peers start on each stage;
 once all drive, both peers of the big stage are killed (-9), a peer of the small stage takes the big one
 over, freeing its old stage first (trainers/pipeline/seat.py, `_move_freeing_first`), and the big stage
-steps again. The survivors' resident memory is sampled throughout and never exceeds the budget.
+steps again; the freed stage's copy is on disk. The survivors' resident memory is sampled throughout and never exceeds the budget.
 """
 
 from __future__ import annotations
@@ -83,6 +83,8 @@ def test_a_move_to_a_bigger_stage_frees_the_old_one_first_and_stays_within_the_b
         kills = [caps.oom_kills(i) for i in range(DAEMONS)]
         st = mover.status()
     mem = pipe(st)["memory"]
+    copies = pipe(st)["state_transfers"]["copies"]  # the stage it freed, kept to hand out: on disk, not in memory
+    assert [(c["stage"], c["where"]) for c in copies] == [(1 - big, "disk")], copies
     assert mem["budget_mib"] == CAP_MIB, mem
     log = mover.log_path.read_text()
     assert "freeing the old one first" in log, mover.name
