@@ -1,0 +1,151 @@
+"""A connection flood from one source address, as an attacker outside the swarm would send it, and a
+sampler of a process's open descriptors, for the flood attacks (`peer.testing.attacks_liveness`) and
+`peer bench hostile`.
+
+`Flood` opens TCP connections to a listener at a fixed rate from a thread, each bound to a chosen source
+address (all of 127/8 is loopback on Linux, so one host can play attackers at 127.0.1.1 and an honest
+peer at 127.0.2.1, in different /24s), sends a fixed payload (nothing, or a circuit hello's magic) and
+holds it until the victim closes it or `held` newer ones push it out. Each is closed with a reset
+(SO_LINGER 0), so neither end keeps a TIME_WAIT entry and the source's ports never run out. Raw
+non-blocking sockets in a thread, not trio: thousands a second from Python need no more than a
+`connect` and a `send` each, and the attacker's own trio loop stays free for the honest peer it runs.
+
+`FdPeak` samples `/proc/PID/fd` in a thread: the victim's descriptors are what a flood makes it hold.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+TICK_S = 0.005  # the flood opens its connections in batches this often: smooth enough at thousands a second
+FD_SAMPLE_S = 0.02  # /proc/PID/fd is listed this often: a few hundred µs for a few thousand entries
+IP_BIND_ADDRESS_NO_PORT = getattr(socket, "IP_BIND_ADDRESS_NO_PORT", 24)  # Linux: pick the port at connect
+_LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
+
+
+@dataclass
+class FloodStats:
+    opened: int = 0  # connections whose connect did not fail at once
+    failed: int = 0  # connect or send errors (refused, no port left, reset before the payload)
+    closed_by_victim: int = 0  # seen closed (EOF or reset) by the victim while held
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.opened / self.seconds if self.seconds else 0.0
+
+
+class Flood:
+    """`with Flood(host, port, source=..., rate=...)`: connections from `source` at `rate` a second, each
+    sending `payload` and held until the victim closes it or `held` newer ones exist; all closed on exit."""
+
+    def __init__(self, host: str, port: int, *, source: str, rate: float, payload: bytes = b"", held: int = 2000):
+        self.addr, self.source, self.rate, self.payload, self.held = (host, port), source, rate, payload, held
+        self.stats = FloodStats()
+        self._open: deque[socket.socket] = deque()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"flood-{source}", daemon=True)
+
+    def __enter__(self) -> "Flood":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _one(self) -> None:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+            s.bind((self.source, 0))
+            s.setblocking(False)
+            err = s.connect_ex(self.addr)
+            if err not in (0, errno.EINPROGRESS):
+                raise OSError(err, os.strerror(err))
+            if self.payload:  # on loopback the connect has completed unless the accept queue is full
+                s.send(self.payload)
+        except OSError:
+            self.stats.failed += 1
+            s.close()
+            return
+        self.stats.opened += 1
+        self._open.append(s)
+
+    def _reap(self) -> None:
+        """Close what the victim closed (so our count is what it could still hold) and the oldest past `held`."""
+        keep: deque[socket.socket] = deque()
+        for s in self._open:
+            try:
+                gone = s.recv(1) == b""
+            except BlockingIOError:
+                gone = False
+            except OSError:
+                gone = True
+            if gone:
+                self.stats.closed_by_victim += 1
+                s.close()
+            else:
+                keep.append(s)
+        while len(keep) > self.held:
+            keep.popleft().close()
+        self._open = keep
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        reaped = t0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                due = int((now - t0) * self.rate) - self.stats.opened - self.stats.failed
+                for _ in range(max(0, due)):
+                    self._one()
+                if now - reaped > 0.1:
+                    self._reap()
+                    reaped = now
+                self._stop.wait(TICK_S)
+        finally:
+            self.stats.seconds = time.monotonic() - t0
+            for s in self._open:
+                s.close()
+            self._open.clear()
+
+
+def open_fds(pid: int) -> int | None:
+    """How many descriptors `pid` has open now; None if it is gone."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+class FdPeak:
+    """`with FdPeak(pid) as fds:` samples pid's open descriptors; `fds.start`, `fds.peak` after."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.start = self.peak = open_fds(pid) or 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name=f"fds-{pid}", daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, open_fds(self.pid) or 0)
+            if self._stop.wait(FD_SAMPLE_S):
+                return
+
+    def __enter__(self) -> "FdPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
