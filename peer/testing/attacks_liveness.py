@@ -15,7 +15,7 @@ from peer.session.handshake_slots import MAX_HANDSHAKES
 from peer.session.transport import SessionClosed
 from peer.testing.attacker import attacker_session
 from peer.testing.attacks import Observed, answer_pings, dropped, my_id, scenario, victim_status
-from peer.testing.flood import FdPeak, Flood
+from peer.testing.flood import FdPeak, Flood, delayed_path
 from protocol.circuit import MAGIC
 from protocol.schema import Ping, Pong
 
@@ -31,6 +31,7 @@ FLOOD_HELD = 2000  # connections the attacker holds at once (a second's worth), 
 FLOOD_SOURCE = "127.0.1.1"  # the attacker's address: all of 127/8 is loopback on Linux
 HONEST_SOURCE = "127.0.2.1"  # the honest peer's: another /24 than the flood's
 FD_SLACK = 16  # descriptors beyond the handshake slots: the honest session, status calls, streams being closed
+HONEST_RTT_S = 0.05  # the honest peer's round trip to the victim, as across a continent (loopback has none)
 
 
 @scenario("mute_peer", "drop", "a peer that keeps sending small messages and never reads a byte")
@@ -84,28 +85,17 @@ async def slowloris(status: dict) -> Observed:
 
 async def _honest_during_flood(status: dict, *, payload: bytes) -> Observed:
     """A flood of connections from FLOOD_SOURCE sending `payload` (then nothing); FLOOD_WARMUP_S in, an
-    honest peer at HONEST_SOURCE dials, handshakes and pings, retrying until the flood ends. The victim's
-    open descriptors are sampled all along (it runs on this host: its status names its pid)."""
+    honest peer at HONEST_SOURCE, HONEST_RTT_S away, dials, handshakes and pings, retrying until the flood
+    ends. The victim's open descriptors are sampled all along (it runs on this host: its status names its pid)."""
     host, port = str(status["listen"]).rsplit(":", 1)
     obs = Observed(attacker=f"(no identity: raw TCP from {FLOOD_SOURCE})")
     facts = obs.facts
     attempts: list[str] = []
-    with FdPeak(int(status["pid"])) as fds, Flood(host, int(port), source=FLOOD_SOURCE, rate=FLOOD_RATE,
-                                                   payload=payload, held=FLOOD_HELD) as flood:
-        t_flood = trio.current_time()
-        await trio.sleep(FLOOD_WARMUP_S)
-        t0 = trio.current_time()
-        with trio.move_on_after(FLOOD_SECONDS - FLOOD_WARMUP_S):
-            while "ok" not in attempts:
-                try:
-                    async with attacker_session(status, source=HONEST_SOURCE) as honest:
-                        if isinstance((await honest.request(Ping(sent=1.0), timeout=10)).message, Pong):
-                            facts["honest_latency_s"] = round(trio.current_time() - t0, 3)
-                            attempts.append("ok")
-                except Exception as exc:  # refused, reset, timed out, closed: each is one failed attempt
-                    attempts.append(f"{type(exc).__name__}: {exc}"[:120])
-                    await trio.sleep(0.05)
-        await trio.sleep(max(0.0, FLOOD_SECONDS - (trio.current_time() - t_flood)))  # the flood's full length
+    path = delayed_path(host, int(port), source=HONEST_SOURCE, one_way_s=HONEST_RTT_S / 2)
+    async with path as near_port:
+        with FdPeak(int(status["pid"])) as fds, Flood(host, int(port), source=FLOOD_SOURCE, rate=FLOOD_RATE,
+                                                       payload=payload, held=FLOOD_HELD) as flood:
+            await _honest_try(dict(status, listen=f"127.0.0.1:{near_port}"), attempts, facts)
     listener = (await victim_status(status)).get("listener", {})
     facts.update({
         "honest_completed": "ok" in attempts, "honest_first_try": attempts[:1] == ["ok"],
@@ -122,6 +112,24 @@ async def _honest_during_flood(status: dict, *, payload: bytes) -> Observed:
                   else f"an honest peer was kept out for the whole flood ({len(attempts)} attempts)")
     obs.reason += f"; the victim held at most {fds.peak} descriptors ({fds.start} before)"
     return obs
+
+
+async def _honest_try(status: dict, attempts: list[str], facts: dict) -> None:
+    """The honest peer's side of a flood (see `_honest_during_flood`); returns when the flood is to end."""
+    t_flood = trio.current_time()
+    await trio.sleep(FLOOD_WARMUP_S)
+    t0 = trio.current_time()
+    with trio.move_on_after(FLOOD_SECONDS - FLOOD_WARMUP_S):
+        while "ok" not in attempts:
+            try:
+                async with attacker_session(status) as honest:
+                    if isinstance((await honest.request(Ping(sent=1.0), timeout=10)).message, Pong):
+                        facts["honest_latency_s"] = round(trio.current_time() - t0, 3)
+                        attempts.append("ok")
+            except Exception as exc:  # refused, reset, timed out, closed: each is one failed attempt
+                attempts.append(f"{type(exc).__name__}: {exc}"[:120])
+                await trio.sleep(0.05)
+    await trio.sleep(max(0.0, FLOOD_SECONDS - (trio.current_time() - t_flood)))  # the flood's full length
 
 
 @scenario("connection_flood", "bounded", f"{FLOOD_RATE:.0f} empty TCP connections a second from one address "

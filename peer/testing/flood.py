@@ -11,6 +11,10 @@ non-blocking sockets in a thread, not trio: thousands a second from Python need 
 `connect` and a `send` each, and the attacker's own trio loop stays free for the honest peer it runs.
 
 `FdPeak` samples `/proc/PID/fd` in a thread: the victim's descriptors are what a flood makes it hold.
+
+`delayed_path` gives the honest peer a real network's round trip: on loopback a handshake is over in a
+millisecond, before a flood's next connections reach the listener, while across the internet it waits a
+round trip or two for the other side, and that is the window in which a flood pushed it out.
 """
 
 from __future__ import annotations
@@ -22,12 +26,17 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+
+import trio
 
 TICK_S = 0.005  # the flood opens its connections in batches this often: smooth enough at thousands a second
 FD_SAMPLE_S = 0.02  # /proc/PID/fd is listed this often: a few hundred µs for a few thousand entries
 IP_BIND_ADDRESS_NO_PORT = getattr(socket, "IP_BIND_ADDRESS_NO_PORT", 24)  # Linux: pick the port at connect
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
+PATH_QUEUE = 64  # chunks in flight per direction of a delayed path; past it reading waits (backpressure)
 
 
 @dataclass
@@ -149,3 +158,55 @@ class FdPeak:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+@asynccontextmanager
+async def delayed_path(host: str, port: int, *, source: str, one_way_s: float) -> AsyncIterator[int]:
+    """A port on 127.0.0.1 whose connections reach (host, port) from `source`, every byte `one_way_s` late
+    in each direction (a round trip of twice that); yields the port. Ends with the block."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+
+    async def pump(src: trio.SocketStream, dst: trio.SocketStream, path: trio.CancelScope) -> None:
+        """src to dst, each chunk delivered `one_way_s` after it came; a reset on either side ends the path."""
+        send, recv = trio.open_memory_channel[tuple[float, bytes]](PATH_QUEUE)
+
+        async def read() -> None:
+            async with send:
+                while data := await src.receive_some(65536):
+                    await send.send((trio.current_time() + one_way_s, data))
+
+        async def write() -> None:
+            async with recv:
+                async for at, data in recv:
+                    await trio.sleep_until(at)
+                    await dst.send_all(data)
+            await dst.send_eof()
+
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(read)
+                n.start_soon(write)
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            path.cancel()
+
+    async def carry(near: trio.SocketStream) -> None:
+        try:
+            far = await trio.open_tcp_stream(host, port, local_address=source)
+        except OSError:
+            await near.aclose()
+            return
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(pump, near, far, n.cancel_scope)
+                n.start_soon(pump, far, near, n.cancel_scope)
+        finally:
+            with trio.CancelScope(shield=True):
+                await near.aclose()
+                await far.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, carry, listeners)
+        try:
+            yield listeners[0].socket.getsockname()[1]
+        finally:
+            nursery.cancel_scope.cancel()
