@@ -1,5 +1,5 @@
-"""Who may hold an inbound handshake slot: the fairness rule of the listener (docs/design.md, "Handshake
-slots"), pure so that it can be tested alone; `serve` in `peer/session/connect.py` drives it.
+"""Who may hold an inbound handshake slot: the fairness rule of the listener, pure so that it can be tested
+alone (docs/design.md, "Handshake slots"); `serve` in `peer/session/connect.py` drives it.
 
 Before a connection has finished a handshake nothing is known about it but its source address, and
 anyone can open thousands a second from one address. A single oldest-first queue let such a flood keep
