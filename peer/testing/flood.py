@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import trio
 
 TICK_S = 0.005  # the flood opens its connections in batches this often: smooth enough at thousands a second
+CATCH_UP_S = 0.05  # a flood thread that fell behind (a loaded host) opens at most this many seconds' worth at once
 FD_SAMPLE_S = 0.02  # /proc/PID/fd is listed this often: a few hundred µs for a few thousand entries
 IP_BIND_ADDRESS_NO_PORT = getattr(socket, "IP_BIND_ADDRESS_NO_PORT", 24)  # Linux: pick the port at connect
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
@@ -71,7 +72,11 @@ class Flood:
         self._thread.join()
 
     def _one(self) -> None:
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        except OSError:  # out of descriptors: the reaping below frees them
+            self.stats.failed += 1
+            return
         try:
             s.setsockopt(socket.SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
@@ -115,9 +120,9 @@ class Flood:
             while not self._stop.is_set():
                 now = time.monotonic()
                 due = int((now - t0) * self.rate) - self.stats.opened - self.stats.failed
-                for _ in range(max(0, due)):
+                for _ in range(max(0, min(due, int(self.rate * CATCH_UP_S) + 1))):
                     self._one()
-                if now - reaped > 0.1:
+                if now - reaped > 0.1 or len(self._open) > 2 * self.held:
                     self._reap()
                     reaped = now
                 self._stop.wait(TICK_S)
