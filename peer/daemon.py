@@ -37,6 +37,7 @@ from peer.pipeline.service import PipelineService
 from peer.session.router import Router
 from peer.services import DaemonContext, HasCommands, HasSessions, HasShutdown, HasTraining, Services
 from peer.session.connect import ListenerStats, open_listeners, serve
+from peer.session.handshake_slots import HandshakeSlots
 from peer.session.transport import TransportConfig
 from peer.topology.service import TopologyService
 from protocol import PROTOCOL_VERSION
@@ -95,6 +96,7 @@ class Daemon:
         self.ciphers = resolve_ciphers(config.security.ciphers)
         self.router = Router()
         self.listener_stats = ListenerStats()
+        self.handshake_slots: HandshakeSlots[trio.CancelScope] = HandshakeSlots()
         self.listen_addr: tuple[str, int] = ("", 0)
         self.started = time.time()
         self._stop = trio.Event()
@@ -138,8 +140,9 @@ class Daemon:
             nursery.start_soon(lambda: serve(listeners, transport, m.own_session,
                                              max_connections=cfg.membership.max_connections,
                                              max_connections_per_ip=cfg.membership.max_connections_per_ip,
-                                             stats=self.listener_stats, idle_victim=m.idle_victim,
-                                             on_circuit=relay.accept_circuit))
+                                             stats=self.listener_stats, slots=self.handshake_slots,
+                                             idle_victim=m.idle_victim, on_circuit=relay.accept_circuit,
+                                             circuits_expected=relay.expecting_circuits))
             await nursery.start(m.run)
             for peer in self._load_peer_cache():  # dial hints from an earlier run (peer/membership/store.py)
                 m.learn_addresses(peer.peer_id, peer.addresses, source="cache")
@@ -255,7 +258,9 @@ class Daemon:
             "bootstrap": self.membership.bootstrap_status(),
             "listener": {"accepted": self.listener_stats.accepted, "refused": self.listener_stats.refused,
                          "handshake_failures": self.listener_stats.handshake_failures,
-                         "evicted": self.listener_stats.evicted},
+                         "evicted": self.listener_stats.evicted, "handshaking": len(self.handshake_slots),
+                         "handshakes_evicted": self.listener_stats.handshakes_evicted,
+                         "circuits_dropped": self.listener_stats.circuits_dropped},
         }
         for svc in self.services:
             out[svc.name] = svc.status()

@@ -43,3 +43,30 @@ def setup_logging(*, fmt: str = "text", level: str = "info", peer: str = "-", st
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+
+
+class Throttle:
+    """One log line per kind every `seconds`, for events a stranger can cause thousands of times a second
+    (a connection flood): the line says how many like it were held back since the last one, so the log
+    keeps the facts without the flood writing it full. Kinds are fixed strings the caller chooses (never
+    an address), so the dict stays as small as the code that uses it."""
+
+    def __init__(self, seconds: float, clock=time.monotonic):
+        self.seconds, self._clock = seconds, clock
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def allow(self, kind: str) -> int | None:
+        """None: hold this one back; else log it, and say `n` more were held back since the last."""
+        now = self._clock()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.seconds:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return None
+        self._last[kind] = now
+        return self._held.pop(kind, 0)
+
+    @staticmethod
+    def more(n: int) -> str:
+        """What to append to a line `allow` let through."""
+        return f" (and {n} more like it since)" if n else ""

@@ -49,6 +49,7 @@ UNIT_MODULES = frozenset({
     "test_exchange_state.py",
     "test_fuzz_records.py",
     "test_fuzz_wire.py",
+    "test_handshake_slots.py",
     "test_mdns.py",
     "test_memory_caps.py",
     "test_metrics_prometheus.py",

@@ -11,7 +11,7 @@ from peer.membership.service import IDLE_ROUNDS
 from peer.session.connect import EVICTED_REASON
 from peer.session.transport import Session, SessionClosed
 from peer.testing.attacker import attacker_session
-from peer.testing.attacks import my_id, run_scenario
+from peer.testing.attacks import averaging_configs, my_id, run_scenario
 from peer.testing.swarm import FAST_MEMBERSHIP, swarm_config, unique_swarm, write_config
 from protocol.errors import HandshakeError
 from protocol.schema import Ping, Pong, ProbeRequest, TopologyRecords
@@ -97,6 +97,33 @@ def test_50_silent_connections_do_not_keep_an_honest_peer_out(cluster, tmp_path)
     assert obs.facts.get("admitted_after_s", 99) < 2.0, f"the honest peer waited behind silent connections: {obs}"
     assert obs.ok and obs.facts["honest_pong"]
     assert d.running
+
+
+@pytest.mark.parametrize("attack,relaying", [("connection_flood", False), ("circuit_flood", False),
+                                             ("circuit_flood", True)])
+def test_an_honest_peer_gets_in_during_a_flood_from_one_address_and_descriptors_stay_bounded(
+        cluster, tmp_path, attack, relaying):
+    """Issue 29: 2000 connections a second from 127.0.1.1, empty or opening a relay circuit, while an honest
+    peer at 127.0.2.1 (another /24) joins. Handshake slots were one oldest-first queue the flood kept
+    refilling, and circuit hellos left them to wait for their token without a cap (thousands of descriptors);
+    now the flood only pushes out its own connections, a circuit hello where no circuit is expected is
+    closed at once, relaying or not, and the victim's open descriptors stay within the slots."""
+    if relaying:  # the bench's victim: public, relaying (no circuit is being set up, so none is expected)
+        cfg = averaging_configs(unique_swarm("flood"))
+        d = cluster.start("victim", config=write_config(tmp_path / "c.toml", cfg))
+        status = d.wait_ready()
+    else:
+        d, status = start_victim(cluster, tmp_path)
+    obs = run_scenario(attack, status)
+    f = obs.facts
+    assert f["honest_first_try"], f"the honest peer was kept out: {obs}"  # within the flood, first try
+    assert f["victim_fds_max"] <= f["fd_bound"], f"the victim held {f['victim_fds_max']} descriptors: {obs}"
+    assert f["flood_opened"] > 5000, f"the flood was not one: {obs}"  # ~12000 in 6 s; a loaded host sends fewer
+    if attack == "circuit_flood":
+        assert f["circuits_dropped"] > f["flood_opened"] // 2, obs  # closed after their magic, not held
+    else:
+        assert f["handshakes_evicted"] > 0, obs
+    assert obs.ok and d.running
 
 
 def test_peers_that_only_answer_pings_give_their_slot_to_an_honest_daemon(cluster, tmp_path):

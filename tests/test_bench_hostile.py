@@ -1,4 +1,4 @@
-"""`peer bench hostile` end to end with two quick attack classes: it must run them from attacker processes
+"""`peer bench hostile` end to end with three quick attack classes: it must run them from attacker processes
 against a real victim beside an honest peer and print its keys. The bounds themselves are the attack
 tests' (tests/test_attack_*.py) and the bench's figures; this guards the bench's own plumbing."""
 
@@ -15,8 +15,8 @@ from tests.daemons import REPO
 pytestmark = pytest.mark.slow
 
 
-def test_bench_hostile_runs_two_classes_and_reports_each():
-    classes = ["oversized_peer_record", "params_as_non_neighbour"]
+def test_bench_hostile_runs_three_classes_and_reports_each():
+    classes = ["oversized_peer_record", "params_as_non_neighbour", "circuit_flood"]
     proc = subprocess.run([sys.executable, "-m", "peer", "bench", "hostile", "--classes", ",".join(classes), "--json"],
                           cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -31,6 +31,10 @@ def test_bench_hostile_runs_two_classes_and_reports_each():
     assert "90000 addresses" in out["classes"]["oversized_peer_record"]["detail"]["reason"]
     assert out["classes"]["params_as_non_neighbour"]["dropped_after_s"] is None
     assert out["classes"]["params_as_non_neighbour"]["detail"]["facts"]["session_kept"] is True
+    # a flood class says whether a second honest peer got in during it, how fast, and the victim's descriptors
+    flood = out["classes"]["circuit_flood"]["flood"]
+    assert flood["honest_completed"] and flood["honest_first_try"] and flood["honest_latency_s"] > 0, flood
+    assert flood["victim_fds_start"] <= flood["victim_fds_max"] <= flood["fd_bound"], flood
 
 
 def test_bench_hostile_refuses_an_unknown_class():

@@ -117,7 +117,7 @@ def test_a_slowed_peer_draws_a_move_that_raises_throughput(cluster):
 def test_a_stage_emptied_by_kill_is_taken_over_and_training_resumes(cluster):
     """Five daemons on stages 0, 0, 1, 2, 3 drive their samples. Mid-run the only peer of stage 2 is killed: a
     stage-0 peer takes stage 2 over from the freshest copy (peers back up the next stage every `copy_every`
-    seconds, into a file in their home), the drivers' waiting ends, stage 2 steps again, and every surviving driver
+    seconds, in memory where it fits), the drivers' waiting ends, stage 2 steps again, and every surviving driver
     finishes with nothing lost."""
     n, samples = 5, 4000  # ~20 s of driving at this size: time to kill mid-run with a copy kept
     swarm = unique_swarm("rb")
@@ -132,10 +132,10 @@ def test_a_stage_emptied_by_kill_is_taken_over_and_training_resumes(cluster):
         return all(s and 160 <= (trainer(s).get("samples") or 0) < samples // 2 for s in sts) and bool(copies)
     cluster.wait(lambda _: mid_run(), timeout=START_S, what="every daemon driving and a copy of stage 2 kept",
                  interval=0.3)
-    for d, s in zip(ds, sts):  # a copy lives on disk, in its keeper's home, not in its memory
-        for c in pipe(s)["state_transfers"]["copies"]:
-            assert c["where"] == "disk" and c["mb"] > 0, (d.name, c)
-            assert list(Home(d.home).stage_copies.glob(f"*-stage{c['stage']}{COPY_SUFFIX}")), (d.name, c)
+    for d, s in zip(ds, sts):  # this tiny stage's copy fits the room beside all its stage may hold: kept in memory,
+        for c in pipe(s)["state_transfers"]["copies"]:  # no file (a copy that does not fit goes to disk: see
+            assert c["where"] == "memory" and c["mb"] > 0, (d.name, c)  # test_pipeline_move_memory.py)
+            assert not list(Home(d.home).stage_copies.glob(f"*-stage{c['stage']}{COPY_SUFFIX}")), (d.name, c)
     victim = ds[stages.index(2)]
     assert stage_of(sts[stages.index(2)]) == 2 and len(peers_per_stage(sts[0])[2]) == 1, peers_per_stage(sts[0])
     assert victim.kill() == -9

@@ -631,3 +631,21 @@ def test_deferred_gradients_equal_held_ones() -> None:
     _, _, kept = deferred_ws[1].compute("backward", [torch.randn(4, BLOCK, 32), torch.randn(4, BLOCK, 32)], 5)
     assert kept is not None and kept.replay is not None and kept.nbytes == 2 * 4 * BLOCK * 32 * 4
     assert kept.accumulate() and not kept.accumulate()  # at most once
+
+
+@pytest.mark.unit
+def test_staging_keeps_values_and_order_on_the_cpu_and_on_a_gpu_when_present():
+    """What crosses between the wire and a stage's device: the same values, dtypes and shapes, contiguous on
+    the way out; on a GPU (proven on the lent one, docs/benchmarks.md) through pinned host memory."""
+    from trainers.pipeline import staging
+
+    received = [torch.randn(3, 4), torch.arange(12).reshape(3, 4), torch.randn(4, 3).t()]
+    devices = [CPU] + ([torch.device("cuda", 0)] if torch.cuda.is_available() else [])
+    for device in devices:
+        on = staging.to_device(received, device)
+        assert [t.device.type for t in on] == [device.type] * 3
+        back = staging.to_wire(on, device)
+        for got, want in zip(back, received):
+            assert got.device.type == "cpu" and got.is_contiguous() and got.dtype == want.dtype
+            assert torch.equal(got, want)
+            assert staging.is_pinned(got) == (device.type == "cuda")

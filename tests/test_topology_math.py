@@ -17,6 +17,7 @@ from peer.topology.fixed import (
     full,
     random_regular,
     ring,
+    two_cliques,
 )
 from peer.topology.graph import GraphView, LinkEstimate, edge_key
 from peer.topology.mixing import (
@@ -133,6 +134,19 @@ def test_ring_gap_matches_closed_form(n):
     lam = [1 / 3 + 2 / 3 * math.cos(2 * math.pi * k / n) for k in range(1, n)]
     expected = 1 - max(abs(x) for x in lam)
     assert graph_spectral_gap(GraphView.from_edges(names(n), ring(names(n)))) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8, 9, 16])
+def test_two_cliques_are_two_complete_halves_and_one_bridge(n):
+    ids = names(n)
+    v = GraphView.from_edges(ids, two_cliques(list(reversed(ids))))  # discovery order does not matter
+    half = (n + 1) // 2
+    a, b = sorted(ids)[:half], sorted(ids)[half:]
+    assert len(two_cliques(ids)) == half * (half - 1) // 2 + len(b) * (len(b) - 1) // 2 + 1
+    assert all(v.degree(x) == len(a) - 1 + (x == a[0]) for x in a)
+    assert all(v.degree(x) == len(b) - 1 + (x == b[0]) for x in b)
+    gap = graph_spectral_gap(v)
+    assert 0 < gap < graph_spectral_gap(GraphView.from_edges(ids, ring(ids))) or n <= 3  # one bridge: a poor gap
 
 
 @pytest.mark.parametrize("n", [5, 8, 12, 16, 32, 64])

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import trio
 
-from peer.session.connect import ListenerStats, dial, open_listeners, serve
+from peer.session.connect import ListenerStats, dial, handshake_stream, open_listeners, serve
+from peer.session.handshake_slots import HandshakeSlots
 from peer.session.transport import SessionClosed, TransportConfig
+from protocol import circuit
 from protocol.cipher import CIPHERS
 from protocol.errors import HandshakeError, ProtocolError
 from protocol.identity import generate_identity, peer_id_from_public_bytes, public_key_bytes
@@ -32,8 +34,9 @@ def tcfg(**kw) -> TransportConfig:
     return TransportConfig(**kw)
 
 
-async def echo_server(nursery, cfg, stats=None, discard=()):
-    """A listener whose sessions answer pings (and drop the tensors on the streams `discard`); returns its port."""
+async def echo_server(nursery, cfg, stats=None, discard=(), **serve_kw):
+    """A listener whose sessions answer pings (and drop the tensors on the streams `discard`); returns its port.
+    `serve_kw`: more of `serve`'s arguments (slots, on_circuit, ...)."""
     listeners, (host, port) = await open_listeners("127.0.0.1", 0)
 
     async def on_session(session):
@@ -45,7 +48,8 @@ async def echo_server(nursery, cfg, stats=None, discard=()):
                     await session.reply(env, Pong(echo=env.message.sent))
             n.cancel_scope.cancel()
 
-    nursery.start_soon(lambda: serve(listeners, cfg, on_session, stats=stats if stats is not None else ListenerStats()))
+    nursery.start_soon(lambda: serve(listeners, cfg, on_session, stats=stats if stats is not None else ListenerStats(),
+                                     **serve_kw))
     return port
 
 
@@ -164,6 +168,91 @@ def test_connection_limit_per_ip():
             assert stats.refused == 1
             for s in held:
                 await s.aclose()
+            n.cancel_scope.cancel()
+    trio.run(main)
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+async def raw_from(source: str, port: int, payload: bytes = b"") -> trio.SocketStream:
+    """A TCP connection to the listener from `source` (any 127.x.y.z is loopback), having sent `payload`."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port, local_address=source)
+    if payload:
+        await stream.send_all(payload)
+    return stream
+
+
+@pytest.mark.parametrize("payload", [b"", circuit.MAGIC], ids=["empty", "circuit magic"])
+def test_a_flood_from_one_address_never_pushes_out_a_handshake_from_another_prefix(payload):
+    """Issue 29: handshake slots were one oldest-first queue, so a flood from one IP pushed out an honest
+    peer's handshake before it finished. Here the honest connection from 127.0.2.1 (another /24) starts,
+    then waits while 100 connections from 127.0.1.1 arrive (each pushing out an older one): its slot is
+    kept and its handshake completes; the flood held at most its per-IP share, empty or opening a circuit
+    (the relay expects circuits here, so circuit hellos wait in the slots like handshakes)."""
+    async def main():
+        slots: HandshakeSlots = HandshakeSlots(total=8, per_prefix=4, per_ip=2)
+        stats = ListenerStats()
+        key = generate_identity()
+        async def on_circuit(stream, token):
+            raise AssertionError("no complete circuit hello was sent")
+
+        async with trio.open_nursery() as n:
+            port = await echo_server(n, tcfg(identity=key, handshake_timeout=10.0), stats, slots=slots,
+                                     on_circuit=on_circuit)
+            honest = await raw_from("127.0.2.1", port)
+            await until(lambda: slots.held_by_ip("127.0.2.1") == 1)
+            flood = []
+            for i in range(100):
+                flood.append(await raw_from("127.0.1.1", port, payload))
+                await until(lambda: len(slots) == min(i + 2, 3) and stats.handshakes_evicted == max(0, i - 1))
+            assert slots.held_by_ip("127.0.1.1") == 2 and slots.held_by_ip("127.0.2.1") == 1
+            session = await handshake_stream(honest, tcfg(), initiator=True,
+                                             expected_peer_id=peer_id_from_public_bytes(public_key_bytes(key)),
+                                             remote_addr=("127.0.0.1", port))
+            await ping(session)
+            assert stats.accepted == 1
+            for s in flood:
+                await s.aclose()
+            await until(lambda: len(slots) == 0)
+            n.cancel_scope.cancel()
+    trio.run(main)
+
+
+def test_circuit_hellos_are_closed_at_once_where_none_is_expected_and_delivered_where_one_is():
+    """A daemon that is not setting up a circuit (not a relay, or an idle one) closes a connection after
+    the 4 bytes of a circuit hello's magic, instead of holding it for the hello's deadline; where one is
+    expected, the whole hello is read in a handshake slot and its token goes to the relay."""
+    async def main():
+        expected = False
+        tokens: list[bytes] = []
+        stats = ListenerStats()
+        slots: HandshakeSlots = HandshakeSlots()
+        async def on_circuit(stream, token):
+            tokens.append(token)
+
+        async with trio.open_nursery() as n:
+            port = await echo_server(n, tcfg(handshake_timeout=30.0), stats, slots=slots, on_circuit=on_circuit,
+                                     circuits_expected=lambda: expected)
+            t0 = trio.current_time()
+            for _ in range(20):
+                stray = await raw_from("127.0.1.1", port, circuit.MAGIC)
+                with trio.fail_after(5):
+                    assert await stray.receive_some(1) == b""  # closed by the listener, long before 30 s
+                await stray.aclose()
+            assert stats.circuits_dropped == 20 and trio.current_time() - t0 < 5 and not tokens
+            expected = True
+            held = await raw_from("127.0.1.1", port, circuit.MAGIC)  # the rest of its hello never comes
+            await until(lambda: len(slots) == 1)
+            whole = await raw_from("127.0.1.2", port, circuit.hello(b"t" * 16))
+            await until(lambda: tokens == [b"t" * 16])
+            assert len(slots) == 1 and stats.circuits_dropped == 20  # the held one still waits in its slot
+            for s in (held, whole):
+                await s.aclose()
+            await until(lambda: len(slots) == 0)
             n.cancel_scope.cancel()
     trio.run(main)
 

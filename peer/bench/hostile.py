@@ -8,6 +8,10 @@ victim's peak RSS growth over the class (VmRSS sampled every 50 ms), seconds unt
 was dropped (or the offender banned), and whether the honest peer's exchanges with the victim went on
 (the victim's gossip `served` grew while the class ran). It exits 1 if any class fails.
 
+The flood classes (issue 29: `connection_flood`, `circuit_flood`, thousands of connections a second from
+one address) also report, under `flood`, whether a second honest peer at another /24 completed its
+handshake during the flood and how long it took, and the most descriptors the victim held meanwhile.
+
 The victim runs the daemon's default failure detection (heartbeat_interval, dead_after), so the drop
 bound `dead_after + 5 s` is the one a real deployment gets.
 """
@@ -33,6 +37,8 @@ DROP_SLACK_S = 5.0  # the issue's goal: an offender is dropped within dead_after
 ATTACK_TIMEOUT_S = 120.0  # the slowest class (lapsing_neighbour: 3 holds of ~8 s) takes ~30 s on 2 loaded cores
 HONEST_WAIT_S = 15.0  # after a class, the honest peer's next exchange with the victim comes well within this
 RSS_SAMPLE_S = 0.05
+FLOOD_FIGURES = ("honest_completed", "honest_first_try", "honest_latency_s", "honest_attempts", "victim_fds_start",
+                 "victim_fds_max", "fd_bound", "flood_rate", "flood_opened")  # the facts a flood class reports under "flood"
 
 _DEFAULTS = Config().membership
 VICTIM_MEMBERSHIP = {"heartbeat_interval": _DEFAULTS.heartbeat_interval, "dead_after": _DEFAULTS.dead_after}
@@ -110,13 +116,17 @@ def _one_class(name: str, victim, status: dict, dead_after: float) -> dict:
         failures.append("the honest peer's exchanges stopped")
     if not victim.running:
         failures.append("the victim exited")
-    return {
+    result = {
         "passed": not failures, "outcome": scenario.outcome, "attack": scenario.doc,
         "rss_growth_mb": round(rss.growth, 1), "dropped_after_s": round(dropped, 2) if dropped is not None else None,
         "honest_exchanges_continued": continued, "honest_served_during": served_during,
         "wall_s": round(wall, 1), "failures": failures,
         "detail": {"reason": obs.get("reason", ""), "facts": obs.get("facts", {})},
     }
+    facts = obs.get("facts", {})
+    if "victim_fds_max" in facts:
+        result["flood"] = {k: facts.get(k) for k in FLOOD_FIGURES}
+    return result
 
 
 def run(args) -> int:
@@ -155,6 +165,11 @@ def run(args) -> int:
             "rss_growth_mb": "peak VmRSS of the victim while the class ran, minus its VmRSS at the start",
             "honest_exchanges_continued": "the victim's gossip `served` counter grew from the class's start "
                                           "until at most 15 s after it ended",
+            "flood": "flood classes: a second honest peer (from 127.0.2.1; the flood from 127.0.1.1) dials "
+                     "1 s into the flood and pings; honest_completed: within the flood, honest_first_try: "
+                     "on its first attempt, honest_latency_s: from its first dial to the pong; "
+                     "victim_fds_max: the victim's open descriptors at most (sampled every 20 ms), "
+                     "fd_bound: victim_fds_start + the handshake slots + 16",
         },
         "wall_s": round(time.monotonic() - t_start, 1),
         "host": {"cpus": len(os.sched_getaffinity(0)), "load_1m_before": round(load_before, 2),

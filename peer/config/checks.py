@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from peer.config.keys import ConfigError, Range, _check_type, _num, _type_name
 from protocol import identity as ident
+from peer.topology.fixed import FIXED_KINDS
 from protocol.cipher import CIPHERS
 
 if TYPE_CHECKING:
@@ -90,8 +91,8 @@ def validate_semantics(cfg: Config) -> None:
         raise ConfigError(f"[pipeline] device: expected auto, cpu, cuda or cuda:N, got {pl.device!r}")
     if cfg.gossip.chunk_kib > lim.max_frame_kib:
         raise ConfigError(f"[gossip] chunk_kib: a chunk is one frame, so at most [limits] max_frame_kib ({lim.max_frame_kib})")
-    if t.kind not in ("rewired", "ring", "exponential", "random_regular", "full"):
-        raise ConfigError(f"[topology] kind: expected rewired, ring, exponential, random_regular or full, got {t.kind!r}")
+    if t.kind not in ("rewired", *FIXED_KINDS):
+        raise ConfigError(f"[topology] kind: expected one of rewired, {', '.join(FIXED_KINDS)}, got {t.kind!r}")
     if not t.min_degree <= t.target_degree <= t.max_degree:
         raise ConfigError("[topology] target_degree: need min_degree <= target_degree <= max_degree")
     if cfg.nat.reachability not in ("auto", "public", "private"):

@@ -84,7 +84,8 @@ class LimitsSection:
 
 @dataclass(frozen=True)
 class TopologySection:
-    kind: str = _f("rewired", "Gossip graph: rewired (adaptive), ring, exponential, random_regular or full.")
+    kind: str = _f("rewired", "Gossip graph: rewired (adaptive), ring, exponential, random_regular, full or "
+                   "two_cliques (two complete halves joined by one edge: a hard case for robust averaging).")
     target_degree: int = _f(4, "Neighbours each peer aims for (min_degree to max_degree).", lo=1, hi=MAX_RECORD_NEIGHBOURS)
     min_degree: int = _f(2, "A peer never drops an edge that leaves it or a neighbour below this (except a relink "
                             "between two slow-linked peers, which re-adds a well-linked peer at once).", lo=1, hi=MAX_RECORD_NEIGHBOURS)

@@ -23,7 +23,7 @@ import trio
 
 from peer.config import RelaySection
 from peer.nat.splice import CircuitStats, TokenBucket, splice
-from protocol.circuit import HELLO_BYTES, MAGIC, PEEK_BYTES, READY, parse_hello
+from protocol.circuit import READY
 from protocol.identity import short_id
 from protocol.limits import MiB
 from protocol.refusal import Code, Refusal
@@ -36,7 +36,6 @@ SETUP_SECONDS = 10.0
 ASK_SECONDS and then needs one TCP connect to us; 10 s covers slow links, and bounds how long a
 requester can make us hold a pending circuit (which counts against its per-peer cap)."""
 ASK_SECONDS = 5.0  # for the reserved peer's RelayAck; a peer that does not answer in 5 s is not there
-HELLO_SECONDS = 5.0  # for the rest of a circuit hello once its first bytes arrived (as long as a handshake)
 
 
 @dataclass
@@ -197,19 +196,12 @@ class RelayServer:
             self._per_peer.subtract((circuit.source, circuit.target))
             self._per_peer += Counter()  # drop zero counts
 
-    async def accept_circuit(self, stream: trio.SocketStream) -> None:
-        """A connection that opened with a circuit hello (the listener read PEEK_BYTES of it)."""
-        try:
-            with trio.fail_after(HELLO_SECONDS):
-                rest = b""
-                while len(rest) < HELLO_BYTES - PEEK_BYTES:
-                    chunk = await stream.socket.recv(HELLO_BYTES - PEEK_BYTES - len(rest))
-                    if not chunk:
-                        return
-                    rest += chunk
-        except (trio.TooSlowError, OSError):
-            return
-        token = parse_hello(MAGIC + rest)
+    def expecting_circuits(self) -> bool:
+        """Whether a circuit is being set up (a token is out): else the listener closes a circuit hello at once."""
+        return bool(self._tokens)
+
+    async def accept_circuit(self, stream: trio.SocketStream, token: bytes) -> None:
+        """A connection that said a circuit hello with `token` (the listener read it, in a handshake slot)."""
         found = self._tokens.pop(token, None)
         if found is None:
             log.info("circuit connection with an unknown or used token; closed")

@@ -1,8 +1,8 @@
 """Establishing sessions: `dial` a peer, or `serve` a listener, running the sans-I/O handshake from
 `protocol.handshake` under a deadline before a byte of application data moves, then wrapping the socket
-in a `Session`. The listener bounds what strangers can hold: handshakes in progress (`MAX_HANDSHAKES`,
-oldest evicted), sessions in total and per IP (`max_connections`), and it frees a slot held by an idle
-session for a newcomer (`idle_victim`)."""
+in a `Session`. The listener bounds what strangers can hold: handshakes and circuit hellos in progress
+(`HandshakeSlots`: per IP, per prefix and in total, a flood pushing out only its own), sessions in total
+and per IP (`max_connections`), and it frees a slot held by an idle session for a newcomer (`idle_victim`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
+from peer.logs import Throttle
+from peer.session.handshake_slots import HandshakeSlots
 from peer.session.transport import Session, TransportConfig, send_all
-from protocol.circuit import PEEK_BYTES, is_circuit
+from protocol.circuit import HELLO_BYTES, PEEK_BYTES, is_circuit, parse_hello
 from protocol.errors import HandshakeError, ProtocolError
 from protocol.handshake import Handshake
 from protocol.identity import short_id
@@ -86,19 +88,18 @@ async def handshake_stream(stream: trio.SocketStream, cfg: TransportConfig, *, i
 
 
 async def dial(host: str, port: int, cfg: TransportConfig, *, expected_peer_id: str | None = None,
-               connect_timeout: float = 5.0) -> Session:
-    """Connect and handshake as initiator. Raises OSError, trio.TooSlowError or HandshakeError."""
+               connect_timeout: float = 5.0, local_address: str | None = None) -> Session:
+    """Connect and handshake as initiator (from `local_address`, if given, else the kernel's choice).
+    Raises OSError, trio.TooSlowError or HandshakeError."""
     with trio.fail_after(connect_timeout):
-        stream = await trio.open_tcp_stream(host, port)
+        stream = await trio.open_tcp_stream(host, port, local_address=local_address)
     return await handshake_stream(stream, cfg, initiator=True, expected_peer_id=expected_peer_id,
                                   remote_addr=(host, port), dialed=f"{host}:{port}")
 
 
-MAX_HANDSHAKES = 16
-"""Inbound handshakes in progress at once, apart from the session slots (`max_connections`). When full,
-the oldest is dropped for the newcomer: connections that never finish a handshake (slowloris) then only
-push out each other, while an honest handshake, which takes milliseconds, is done long before 16 newer
-connections arrive. 16 also admits a burst of peers joining at once."""
+LOG_EVERY_S = 10.0
+"""Per kind of failed inbound connection (timed out, failed, pushed out, stray circuit), one log line this
+often: a flood causes thousands a second, and each line says how many more there were."""
 
 
 @dataclass
@@ -106,7 +107,8 @@ class ListenerStats:
     accepted: int = 0
     refused: int = 0
     handshake_failures: int = 0
-    handshakes_evicted: int = 0  # the oldest handshake dropped for a newer connection (MAX_HANDSHAKES)
+    handshakes_evicted: int = 0  # handshakes pushed out of their slot for a newer connection (HandshakeSlots)
+    circuits_dropped: int = 0  # circuit hellos while no circuit was being set up here (not a relay, or idle)
     evicted: int = 0  # idle sessions closed for a newcomer (serve's `idle_victim`)
     per_ip: dict[str, int] = field(default_factory=dict)
 
@@ -125,29 +127,34 @@ async def open_listeners(host: str, port: int) -> tuple[list[trio.SocketListener
 
 async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_session: Callable[[Session], Any], *,
                 max_connections: int = 64, max_connections_per_ip: int = 16,
-                max_handshakes: int = MAX_HANDSHAKES, stats: ListenerStats | None = None,
+                slots: HandshakeSlots | None = None, stats: ListenerStats | None = None,
                 idle_victim: Callable[[list[Session]], Session | None] | None = None,
-                on_circuit: Callable[[trio.SocketStream], Awaitable[None]] | None = None,
+                on_circuit: Callable[[trio.SocketStream, bytes], Awaitable[None]] | None = None,
+                circuits_expected: Callable[[], bool] = lambda: True,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept connections, handshake each under a deadline, hand sessions to `on_session`.
 
     `on_session(session)` is awaited in the connection's own task and owns the session until it
     returns (then the session is closed). One misbehaving connection never affects the listener or
     other connections: session limits are checked before the handshake (and counted once it is done),
-    handshakes have their own slots (`max_handshakes`, oldest evicted when full) and a deadline.
+    handshakes have their own slots (`slots`: a newcomer always gets one, and pushes out the oldest of the
+    source holding the most, see `peer/session/handshake_slots.py`) and a deadline.
 
     When the session slots (total, or this IP's) are full, `idle_victim(sessions)` picks one of those
     inbound sessions that may go (idle, by its owner's judgement) or None; a newcomer is refused only when
     none may. It is asked before the handshake (is there one?) and the session is closed only after it,
     so an unauthenticated connection never evicts anyone.
 
-    A connection that opens with a relay circuit hello (`protocol.circuit`) instead of a handshake goes to
-    `on_circuit(stream)` (the relay, which bounds circuits itself) and holds no session slot.
+    A connection that opens with a relay circuit hello (`protocol.circuit`) instead of a handshake says
+    its token in a handshake slot, under the same deadline, and then goes to `on_circuit(stream, token)`
+    (the relay, which bounds circuits itself) holding no slot; it is closed at once, after 4 bytes, while
+    `circuits_expected()` is false (no circuit is being set up here: not a relay, or an idle one).
     """
     stats = stats if stats is not None else ListenerStats()
+    slots = slots if slots is not None else HandshakeSlots()
+    quiet = Throttle(LOG_EVERY_S)
     active = 0  # sessions
     sessions: dict[Session, str] = {}  # inbound sessions holding a slot -> their IP
-    handshaking: dict[trio.CancelScope, None] = {}  # in the order they started
 
     def competitors(ip: str) -> list[Session] | None:
         """None while a slot is free for `ip`; else the sessions one of which must go to free one."""
@@ -168,6 +175,11 @@ async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_s
             del stats.per_ip[ip]
         return True
 
+    def warn(kind: str, msg: str, *args) -> None:
+        more = quiet.allow(kind)
+        if more is not None:
+            log.warning(msg + Throttle.more(more), *args)
+
     async def handle(stream: trio.SocketStream) -> None:
         nonlocal active
         try:
@@ -176,20 +188,21 @@ async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_s
             await stream.aclose()
             return
         ip = remote[0]
-        if len(handshaking) >= max_handshakes:
-            stats.handshakes_evicted += 1
-            oldest = next(iter(handshaking))
-            del handshaking[oldest]
-            oldest.cancel()
         scope = trio.CancelScope()
-        handshaking[scope] = None
-        result = None
-        circuit = refused = False
+        pushed = slots.admit(ip, scope)
+        if pushed is not None:
+            stats.handshakes_evicted += 1
+            pushed.cancel()
+        result = token = None
+        stray = refused = False
         try:
             with scope, trio.fail_after(cfg.handshake_timeout):
                 prefix = await _recv_exactly(stream.socket, PEEK_BYTES)
-                if on_circuit is not None and is_circuit(prefix):
-                    circuit = True
+                if is_circuit(prefix):
+                    if on_circuit is None or not circuits_expected():
+                        stray = True
+                    else:
+                        token = parse_hello(prefix + await _recv_exactly(stream.socket, HELLO_BYTES - PEEK_BYTES))
                 else:
                     full = competitors(ip)
                     refused = full is not None and (idle_victim is None or idle_victim(full) is None)
@@ -197,29 +210,36 @@ async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_s
                         hs = _handshake_for(cfg, initiator=False, expected_peer_id=None, observed=(remote[0], remote[1]))
                         result = await _run_handshake(stream, hs, cfg.handshake_timeout, initial=prefix)
         except trio.TooSlowError:
-            log.warning("handshake from %s:%d timed out after %.1fs; dropped", remote[0], remote[1], cfg.handshake_timeout)
+            warn("timeout", "handshake from %s:%d timed out after %.1fs; dropped", remote[0], remote[1],
+                 cfg.handshake_timeout)
         except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
-            log.warning("handshake from %s:%d failed: %s", remote[0], remote[1], exc)
+            warn("failed", "handshake from %s:%d failed: %s", remote[0], remote[1], exc)
         finally:
-            handshaking.pop(scope, None)
-        if circuit:
+            slots.release(scope)
+        if token is not None:
             try:
-                await on_circuit(stream)
+                await on_circuit(stream, token)
             finally:
                 with trio.CancelScope(shield=True):
                     await stream.aclose()
             return
+        if stray:
+            stats.circuits_dropped += 1
+            warn("circuit", "circuit hello from %s:%d, but no circuit is being set up here; closed", remote[0], remote[1])
+            await stream.aclose()
+            return
         if refused:
             stats.refused += 1
-            log.warning("refusing connection from %s: connection limit reached (%d total, %d from this IP), none idle",
-                        ip, active, stats.per_ip.get(ip, 0))
+            warn("refused", "refusing connection from %s: connection limit reached (%d total, %d from this IP), none idle",
+                 ip, active, stats.per_ip.get(ip, 0))
             await stream.aclose()
             return
         if result is None:
             stats.handshake_failures += 1
             if scope.cancelled_caught:
-                log.warning("handshake from %s:%d dropped for a newer connection (%d in progress)",
-                            remote[0], remote[1], max_handshakes)
+                warn("pushed", "handshake from %s:%d pushed out for a newer connection (%d in progress, %d from "
+                     "its IP, %d from its prefix)", remote[0], remote[1], len(slots), slots.held_by_ip(ip),
+                     slots.held_by_prefix(ip))
             with trio.CancelScope(shield=True):
                 await stream.aclose()
             return

@@ -29,16 +29,18 @@ def attacker_config(swarm: str, **kw) -> TransportConfig:
 
 @asynccontextmanager
 async def attacker_session(status: dict, *, host: str = "127.0.0.1", reading: bool = True,
-                           **config) -> AsyncIterator[Session]:
+                           source: str | None = None, **config) -> AsyncIterator[Session]:
     """A live session to the daemon whose `peer status --json` is `status`, as a fresh identity.
 
     The session's reader runs until the block ends (then the session is closed) or the daemon closes it
     (then `session.closed` is set and sends raise SessionClosed). With `reading=False` nothing reads the
     socket at all (a peer that stopped reading): what the daemon sends piles up in the kernel's buffers,
-    and `session.closed` is set only when a send of ours fails."""
+    and `session.closed` is set only when a send of ours fails. `source`: the local address to dial from
+    (on loopback any 127.x.y.z, to play a peer at another IP)."""
     port = int(str(status["listen"]).rsplit(":", 1)[1])
     cfg = attacker_config(status["swarm"], **config)
-    session = await dial(host, port, cfg, expected_peer_id=status["peer_id"], connect_timeout=DIAL_TIMEOUT)
+    session = await dial(host, port, cfg, expected_peer_id=status["peer_id"], connect_timeout=DIAL_TIMEOUT,
+                         local_address=source)
     async with trio.open_nursery() as nursery:
         if reading:
             nursery.start_soon(session.run)

@@ -16,7 +16,7 @@ import numpy as np
 from peer.topology.graph import Edge, GraphView, edge_key
 
 Edges = frozenset[Edge]
-FIXED_KINDS = ("ring", "exponential", "random_regular", "full")
+FIXED_KINDS = ("ring", "exponential", "random_regular", "full", "two_cliques")
 
 _MAX_ATTEMPTS = 1000
 
@@ -65,6 +65,24 @@ def full(ids: Sequence[str]) -> Edges:
     """Every pair connected: gap 1 with MH weights, but n-1 transfers per round."""
     s = _sorted_unique(ids)
     return frozenset(edge_key(a, b) for i, a in enumerate(s) for b in s[i + 1 :])
+
+
+def two_cliques(ids: Sequence[str]) -> Edges:
+    """The sorted ids in two halves, each complete, joined by one edge (the halves' first nodes).
+
+    Why a graph this poor: it is the sparse case robust aggregation is judged on. The two sides agree only
+    through one link, so a rule that trims or takes a median over a peer's neighbours sees the bridge's far
+    side as the outlier and cuts it, and the halves drift apart with no attacker at all (He, Karimireddy and
+    Jaggi, "Byzantine-robust decentralized learning via ClippedGossip", 2022). `peer bench byzantine` runs
+    its attacks on it as well as on the rewired graph.
+    """
+    s = _sorted_unique(ids)
+    n = len(s)
+    if n < 2:
+        return frozenset()
+    half = (n + 1) // 2
+    a, b = s[:half], s[half:]
+    return full(a) | full(b) | (frozenset({edge_key(a[0], b[0])}) if b else frozenset())
 
 
 def _try_pairing(stubs: list[int], rng: np.random.Generator) -> set[tuple[int, int]] | None:
@@ -148,6 +166,7 @@ def build_fixed(kind: str, ids: Sequence[str], degree: int = 4, seed: int = 0) -
         "exponential": lambda: exponential(ids),
         "random_regular": lambda: random_regular(ids, degree, seed),
         "full": lambda: full(ids),
+        "two_cliques": lambda: two_cliques(ids),
     }
     if kind not in builders:
         raise ValueError(f"unknown fixed topology {kind!r}; choose one of {', '.join(FIXED_KINDS)}")

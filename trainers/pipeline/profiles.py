@@ -29,6 +29,10 @@ from trainers.pipeline.partition import BlockCost
 from trainers.pipeline.shapes import ModelShapes
 
 PROBE_N = 256  # side of the matrices timed when nothing is measured: ~34 M operations, a millisecond or so
+# On a GPU a 256-square multiply is bound by the launch and the wait (tens of microseconds), which put an
+# H100's rate 60x below what its blocks then measured (docs/benchmarks.md, 2026-11-27); 4096-square ones
+# (1.4e11 operations, milliseconds) time the arithmetic.
+PROBE_N_GPU = 4096
 PROBE_REPEATS = 5  # the median of these many multiplies
 
 
@@ -50,7 +54,8 @@ def operations(traced: ModelShapes, i: int, batch: int) -> float:
 
 def probe_seconds_per_operation(device: torch.device) -> float:
     """Seconds per multiply-add of a PROBE_N-square matrix multiply on `device` (the median of a few)."""
-    a = torch.randn(PROBE_N, PROBE_N, device=device)
+    n = PROBE_N_GPU if device.type == "cuda" else PROBE_N
+    a = torch.randn(n, n, device=device)
     times = []
     for _ in range(PROBE_REPEATS + 1):
         if device.type == "cuda":
@@ -58,7 +63,7 @@ def probe_seconds_per_operation(device: torch.device) -> float:
         t0 = time.perf_counter()
         (a @ a).sum().item()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]) / (2.0 * PROBE_N ** 3)
+    return statistics.median(times[1:]) / (2.0 * n ** 3)
 
 
 def swarm_costs(model, traced: ModelShapes, batch: int, measured: Iterable[BlockProfile], *,

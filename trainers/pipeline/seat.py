@@ -16,7 +16,9 @@ Copies: besides the stage it left, a peer keeps a backup of the next stage's sta
 seconds from a live peer of it (pull, not push: nobody can make us hold what we did not ask for). A stage that
 loses its last peer to a crash is taken over from the freshest copy any live peer holds, so at most
 `copy_every` seconds of that stage's training are lost. The daemon holds the copies (peer/pipeline/state.py)
-and announces them in our record.
+and announces them in our record: on disk, or in memory where the room holds them beside everything the
+stage may come to hold (`_copy_in_memory`); a move first puts the copies held in memory on disk, so the
+move's own memory checks hold.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from peer.pipeline.directory import PipelineKey
+from peer.pipeline.kept import MAX_KEPT, MAX_KEPT_BYTES
 from peer.pipeline.state import StateUnavailable
 from trainers.baseline import make_optimizer
 from trainers.pipeline import memory, shapes
@@ -129,6 +132,31 @@ class StageSeat:
                 if p.peer_id == peer_id:
                     return p.stage_room_mib <= 0 or self.need(self.key, stage) <= p.stage_room_mib * MiB
         return True
+
+    def _copies_in_memory(self) -> list:
+        """The copies of our cut's stages the daemon holds in memory."""
+        got = (self.swarm.stage_copy(self.key, s) for s in range(self.key.stages)) if self.key is not None else ()
+        return [c for c in got if c is not None and not c.on_disk]
+
+    def _copy_in_memory(self, copy_bytes: int, stage: int) -> bool:
+        """Whether a copy of `copy_bytes` (of `stage`'s state) may stay in memory: only where the room is known
+        and holds, beside the stage we serve and the copies already in memory (but an older one of `stage`,
+        which it replaces), as many held gradients as the kept book ever keeps (peer/pipeline/kept.py) — so a
+        copy never takes memory the stage may need. Otherwise it goes to disk.
+        (docs/design.md, "Memory is a budget")"""
+        if self.mem.room <= 0 or self.key is None:
+            return False
+        lo, hi = self.bounds(self.key, self.stage)
+        held = min(MAX_KEPT * sum(self.model_shapes.param_bytes[lo:hi]), MAX_KEPT_BYTES)
+        others = sum(c.nbytes for c in self._copies_in_memory() if c.stage != stage)
+        return self.mem.holds(self.need(self.key, self.stage) + held + others + copy_bytes)
+
+    def _copies_to_disk(self) -> None:
+        """Before a move: the copies held in memory go to disk (kept still, to hand out), so the move's checks
+        (our stage, the target) count all this peer holds."""
+        for c in self._copies_in_memory():
+            tensors, step, samples = c.load()
+            self.swarm.keep_stage_copy(self.key, c.stage, tensors, step, samples)
 
     def _worker(self, key: PipelineKey, stage: int, device: torch.device | None = None) -> StageWorker:
         o = self.o
@@ -319,13 +347,15 @@ class StageSeat:
             except StateUnavailable as exc:
                 self.swarm.log("backup of stage %d from %s: %s", target, src.peer_id[:8], exc)
                 continue
-            self.swarm.keep_stage_copy(self.key, target, got.tensors, got.step, got.samples)
+            self.swarm.keep_stage_copy(self.key, target, got.tensors, got.step, got.samples,
+                                       in_memory=self._copy_in_memory(state, target))
             return
 
     def move(self, to: int, reason: str, *, may_switch, settle_s: float) -> dict | None:
         """Move to stage `to` (module docstring). `may_switch(from_stage)` is asked last (None: go). Returns
         the move's record, or None if it was given up (logged)."""
         key, old_stage, t0 = self.key, self.stage, time.monotonic()
+        self._copies_to_disk()
         if not self.mem.holds(self.need(key, to)):
             self.swarm.log("move to stage %d not made: it needs %d MiB, this peer's budget leaves a stage %d MiB",
                            to, memory.mib(self.need(key, to)), memory.mib(self.mem.room))
@@ -361,7 +391,9 @@ class StageSeat:
             self.dropped_samples += dropped
             tensors, step, samples = old.export_state()
             del old  # its optimizer state and gradients go; the copy below is what we keep of that stage
-            self.swarm.keep_stage_copy(key, old_stage, tensors, step, samples)
+            self.swarm.keep_stage_copy(key, old_stage, tensors, step, samples,
+                                       in_memory=self._copy_in_memory(sum(t.numel() * t.element_size()
+                                                                          for _, t in tensors), old_stage))
             return self._moved(old_stage, to, t0, settle_s, {"reason": reason, "dropped_samples": dropped, **got})
         finally:
             self.swarm.announce_move(moving_to=-1, moved_from=self.cooling_from if switched or

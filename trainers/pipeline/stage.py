@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from protocol.tensor_codec import DTYPES
-from trainers.pipeline import shapes, stage_state
+from trainers.pipeline import shapes, stage_state, staging
 from trainers.pipeline.blocks import LossFn, PipelineModel, seeded
 from trainers.pipeline.shapes import Boundary
 
@@ -217,7 +217,7 @@ class StageWorker:
         the stage's state (weights, accumulated gradient, counters) until its gradient is accumulated.
         """
         batch = self._validate(kind, tensors, seed)
-        xs = [t.to(self.device) for t in tensors]
+        xs = staging.to_device(tensors, self.device)
         held = None
         with self.lock:
             start = time.perf_counter()
@@ -228,7 +228,7 @@ class StageWorker:
                 loss, outs = self._evaluate(xs, seed), []
             else:
                 loss, outs, held = self._train(kind, xs, seed, batch)
-            result = [o.detach().cpu().contiguous() for o in outs]  # .cpu() also waits for the device
+            result = staging.to_wire(outs, self.device)  # also waits for the device: the time below is the compute's
             if kind != "evaluate":
                 self._observe(kind, batch, time.perf_counter() - start)
         return loss, result, held

@@ -58,3 +58,9 @@ def digits():
     """(train, test) torch datasets of the digits: (64,) float features, int64 labels."""
     train, test = load_digits()
     return TensorDataset(train.x.clone(), train.y.clone()), TensorDataset(test.x.clone(), test.y.clone())
+
+
+def uneven_test():
+    """The move-memory test's model: 3 blocks of 4096² between the input and the head, so any cut in two
+    stages gives one stage twice the other's blocks (67 M parameters, 1 GB with gradients and Adam's moments)."""
+    return wide(4096, 3)
