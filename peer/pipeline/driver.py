@@ -16,6 +16,12 @@ confirm; a microbatch that failed tells them to drop theirs. A reply lost after 
 call re-sent to another peer) is never acknowledged, so its gradient enters no stage: each stage counts a
 microbatch at most once, and one that failed in none. A microbatch is done, and counted, once its acks are
 answered: `done` x microbatch = the samples every stage confirmed, but for `ack_lost`.
+
+A share of the completed calls (`[pipeline] verify_fraction`) is checked: the same call at another peer of the
+stage, its answer compared with the first (peer/pipeline/verify.py), beside the microbatch's next calls. A
+check that finds the outlier among three answers strikes it (banned after repeated evidence: no call goes to it
+then), and a microbatch one of whose calls it answered is run again without it, its kept gradients dropped. A
+check's own calls keep gradients like any; they are dropped at once, never acknowledged.
 """
 
 from __future__ import annotations

@@ -1,29 +1,30 @@
-"""Verified stage calls: a driver re-executes a random fraction of its calls at another peer of the stage and
+"""Verified stage calls: a driver re-executes a random share of its calls at another peer of the stage and
 compares the answers (docs/design.md, "Verified stage calls").
 
 Peers of a stage never hold the same weights (each steps on its own share, then averages with one partner),
-so an honest second answer differs from an honest first one, by about the stage's consensus distance. Two
-answers agree when their relative error is within the stage's tolerance for that kind of call:
-`max(floor, MIN_TOLERANCE, K_HONEST x honest)`, at most `GROSS`, where `floor` is what the dtype, the devices
-and the wire codec let two exact computations differ by, and `honest` is the median of the smallest distance
-of this driver's recent triples of answers at that stage (`Calibration`: with one liar among three, at most
-the honest pair's distance, so no lie raises it).
+so an honest second answer differs from an honest first one, by about what a step or two moves it. Two answers
+are compared by two statistics, their relative error and the log of their norms' ratio (`Distance`), and agree
+when each is within its tolerance for that stage and kind of call: `max(floor, MIN_x, K_x x honest_x)`, at most
+`GROSS_x`, where `floor` is what the dtype, the devices and the wire codec let two exact computations differ by,
+and `honest_x` the median of the smallest distance of this driver's recent triples of answers at that stage
+(`Calibration`: with one liar among three, at most the honest pair's, so no lie raises it).
 
-A mismatch calls a third peer: the one answer that disagrees with the two others, which agree with each
-other, is the outlier. It earns a strike (`peer/averaging/bans.py`'s `BanList`: 3 strikes within 10 minutes
-ban it, 60 s doubling each time); a microbatch one of whose calls it served is re-run without it. With two
-peers only, a mismatch names nobody unless the driver is one of them (it trusts its own compute, and then
-only a mismatch above GROSS counts, as it has no third opinion to calibrate with): counted as unresolved.
-While a stage's kind is uncalibrated (fewer than MIN_SAMPLES triples), every check asks three peers where the
-stage has them, so the honest distance is measured at once, and only GROSS mismatches count; after that a
-quarter of the agreeing checks ask a third peer too (REFRESH), so the window follows the training.
+A mismatch asks a third peer: the one answer that disagrees with the two others, which agree with each other,
+is the outlier, and a microbatch one of whose calls it answered is run again without it. A peer that just
+stepped is sometimes that outlier once; a liar is it every time its lie shows: a peer is struck only when it
+was the outlier in ODD_TO_STRIKE of its HISTORY latest verdicts, and three strikes within ten minutes ban it
+(`peer/averaging/bans.py`'s `BanList`: 60 s, doubling each time). With two peers only, a mismatch names nobody
+unless the driver is one of them (it trusts its own compute, and then only a gross mismatch counts: there is
+no third opinion to calibrate with). While a stage's kind is uncalibrated (fewer than MIN_SAMPLES triples),
+every check asks three peers where the stage has them, and only gross mismatches count; after that REFRESH of
+the agreeing checks ask a third peer too, so the calibration follows the training.
 
 What a check may cost is bounded: a call is checked with probability `[pipeline] verify_fraction`, one check
-per driver at a time, two calls at most (three while calibrating or on a mismatch). A check's calls are
+per driver at a time, one call more (two while calibrating, on a mismatch or a refresh). A check's calls are
 ordinary calls (same kind, inputs and seed: a server cannot tell them from the first), and the gradients they
 keep are dropped at once (`StageAck(accumulate=False)`): a check never adds to any stage.
 
-Pure rules (distances, tolerance, verdict) and the check's sequence; the driver makes the calls.
+Pure rules (distances, tolerances, verdicts, strikes) and the check's sequence; the driver makes the calls.
 """
 
 from __future__ import annotations
@@ -209,9 +210,11 @@ class VerifyStats:
     agreed: int = 0
     mismatches: int = 0  # checks whose first two answers disagreed
     unresolved: int = 0  # checks whose answers disagreed with no outlier among them (two peers only, no odd one)
+    compared: Counter = field(default_factory=Counter)  # peer -> verdicts its answer was in
     outliers: Counter = field(default_factory=Counter)  # peer -> verdicts naming it the outlier
     strikes: Counter = field(default_factory=Counter)  # peer -> strikes it earned (persistently the outlier)
     bans: int = 0  # outliers banned (their strikes reached the ban list's bound)
+    banned: Counter = field(default_factory=Counter)  # peer -> times this driver banned it (a ban expires)
     no_peer: int = 0  # calls drawn for a check whose stage had no second usable peer
     failed: int = 0  # checks whose second call failed (no verdict)
     reruns: int = 0  # microbatches re-run because an outlier had served one of their calls
@@ -322,6 +325,7 @@ class Verifier:
     def _heard(self, peers: list[str], odd: str | None) -> None:
         """Note a verdict on each of `peers` (which of them, if any, was the outlier)."""
         for p in peers:
+            self.stats.compared[p] += 1
             h = self.history.pop(p, None) or deque(maxlen=HISTORY)
             h.append(p == odd)
             self.history[p] = h
@@ -353,6 +357,7 @@ class Verifier:
                   f"last {len(self.history[odd])} checks")
         if self.bans.strike(odd, reason, trio.current_time()):
             self.stats.bans += 1
+            self.stats.banned[odd] += 1
             if self.stats.first_ban_at is None:
                 self.stats.first_ban_at = done_microbatches
             log.warning("banned %s from our pipeline calls: %s", odd[:8], self.bans.banned(odd, trio.current_time()))
@@ -364,7 +369,8 @@ class Verifier:
     def status(self) -> dict:
         s = self.stats
         return {"fraction": self.fraction, "checks": s.checks, "agreed": s.agreed, "mismatches": s.mismatches,
-                "unresolved": s.unresolved, "outliers": dict(s.outliers), "strikes": dict(s.strikes), "bans": s.bans,
+                "unresolved": s.unresolved, "compared": dict(s.compared), "outliers": dict(s.outliers),
+                "strikes": dict(s.strikes), "bans": s.bans, "banned": dict(s.banned),
                 "no_peer": s.no_peer, "failed": s.failed, "reruns": s.reruns, "dropped": s.dropped,
                 "check_compute_s": round(s.check_compute_s, 4), "call_compute_s": round(s.call_compute_s, 4),
                 "overhead": round(s.check_compute_s / s.call_compute_s, 4) if s.call_compute_s else None,
