@@ -142,6 +142,7 @@ def test_an_outlier_once_is_not_struck_one_every_time_is_and_banned():
     assert checked(odd, "c", v, []) == "c" and v.stats.strikes == {"c": 1}
     assert checked(odd, "c", v, []) == "c" and v.bans.banned("c", 0.0) is None  # two strikes
     assert checked(odd, "c", v, []) == "c" and v.bans.banned("c", 0.0) is not None and v.stats.bans == 1
+    assert v.stats.banned == {"c": 1} and v.status()["banned"] == {"c": 1}
     assert set(v.stats.strikes) == {"c"} and v.stats.outliers == {"c": ODD_TO_STRIKE + 3}
     assert v.stats.unresolved == 0 and v.in_flight == 0
 
@@ -223,8 +224,11 @@ def pipeline(peers: dict[int, list[tuple[str, float]]], *, me: str = "me", fract
                               stage_map=lambda k: smap, session_of=lambda pid: PeerSession(servers[pid]),
                               server=servers.get(me))
     driver = Driver(service, key, reply_shapes=lambda *a: [], rng=random.Random(1))
+    for b in driver.balancers:
+        b.rng = random.Random(2)
 
     async def call_once(pid, peer, mb, stage, kind, tensors):
+        await trio.sleep(0.001 if pid == "liar" else 0.01)  # the liar is fast: the balancer gives it most calls
         call = StageCall(pipeline="p", stage=stage, kind=kind, batch=BATCH, seed=1, tensors=[], streams=[],
                          cuts=list(key.cuts))
         return await servers[pid].compute_local(call, tensors)
@@ -248,7 +252,6 @@ def taken(servers, pids) -> int:
 
 @pytest.mark.parametrize("lie", [1.5, -1.0, 1.05])
 def test_a_lying_peer_is_banned_and_what_it_answered_is_run_again(lie):
-    # the liar first: the balancer, facing peers all as fast, gives it the first calls (checks go to the others)
     driver, servers = pipeline({0: [("s0", 1.0)], 1: [("liar", lie), ("h1", 1.0), ("h2", 1.0)], 2: [("s2", 1.0)]})
     outs = drive(driver, 60)
     v = driver.verifier
@@ -297,3 +300,78 @@ def test_validation_is_checked_too_and_a_zero_fraction_checks_nothing():
                          fraction=0.0)
     drive(driver, 20)
     assert driver.verifier.stats.checks == 0 and driver.verifier.stats.call_compute_s > 0
+
+
+# ---- the attacker (tests and benches only) and the bench's figures ----------------------------------------------
+
+def test_the_liar_option_is_checked():
+    from trainers.pipeline.lying import parse
+
+    assert parse("scale:1.05") == ("scale", 1.05) and parse("noise:0.3") == ("noise", 0.3)
+    assert parse("flip") == ("flip", 0.0) and parse("stale") == ("stale", 0.0)
+    for bad in ("", "scale", "scale:x", "scale:nan", "noise:0", "noise:-1", "flip:2", "lie", "scale:1e9"):
+        with pytest.raises(ValueError, match="liar"):
+            parse(bad)
+
+
+def test_each_attacker_lies_as_it_says_and_its_own_stage_learns_honestly():
+    from tests.test_pipeline_stage import data, tiny, workers
+    from trainers.pipeline.lying import Lying
+
+    x, y = data(4)
+    honest = workers(tiny(0.0))[1]
+    _, (h,), _ = workers(tiny(0.0))[0].compute("forward", [x], 1)
+    g = torch.randn(h.shape, generator=torch.Generator().manual_seed(2))
+    want_f = honest.compute("forward", [h], 1)[1][0]
+    want_b = honest.compute("backward", [h, g], 1)[1][0]
+    for spec, check in [("scale:1.5", lambda f, b: torch.allclose(f, want_f * 1.5) and torch.allclose(b, want_b * 1.5)),
+                        ("flip", lambda f, b: torch.equal(f, want_f) and torch.allclose(b, -want_b)),
+                        ("noise:0.3", lambda f, b: 0.2 < distance(answer("a", f), answer("b", want_f)).rel < 0.4)]:
+        w = workers(tiny(0.0))[1]
+        liar = Lying(w, spec, w)
+        f = liar.compute("forward", [h], 1)[1][0]
+        _, (b,), held = liar.compute("backward", [h, g], 1)
+        assert check(f, b), spec
+        assert held is not None and held.accumulate() and w.samples == 4  # its own gradient is the honest one
+    w = workers(tiny(0.0))[1]
+    stale = Lying(w, "stale", w)
+    assert torch.allclose(stale.compute("forward", [h], 1)[1][0], want_f)  # the weights it started with
+    with torch.no_grad():
+        for p in w.module.parameters():
+            p.add_(0.05)
+    assert torch.allclose(stale.compute("forward", [h], 1)[1][0], want_f)  # still them, though its stage moved on
+    assert not torch.allclose(w.compute("forward", [h], 1)[1][0], want_f)
+    assert torch.allclose(stale.compute("backward", [h, g], 1)[1][0], want_b, atol=1e-6)
+    assert stale.kinds() == w.kinds() and stale.steps == w.steps
+
+
+def test_the_liar_bench_reads_bans_delays_overhead_and_loss_gaps_from_statuses():
+    from peer.bench.pipeline_liar import attackers_of, figures, summary
+
+    def status(bans, first_ban_at, outliers, compared, strikes=None, check_s=1.0, call_s=20.0):
+        return {"trainer": {"microbatches_done": 100, "microbatches_failed": 0, "samples_per_s": 10.0},
+                "pipeline": {"bans": [{"peer": p} for p in bans[:1]],  # the first still in force
+                             "driver": {"verify": {"first_ban_at": first_ban_at, "outliers": outliers,
+                                                   "banned": {p: 1 for p in bans},
+                                                   "compared": compared, "strikes": strikes or {},
+                                                   "check_compute_s": check_s, "call_compute_s": call_s,
+                                                   "checks": 10, "mismatches": 3, "unresolved": 1, "reruns": 2}}}}
+    honest = figures(None, None, [status([], None, {}, {}), status([], None, {}, {}, check_s=3.0)], 2.5,
+                     drive_s=60.0, startup_s=20.0)
+    assert honest["verify_overhead"] == pytest.approx(4 / 40) and honest["false_bans"] == 0
+    lied = figures("scale:1.05", "L", [status(["L"], 30, {"L": 5}, {"L": 6}),
+                                       status(["L", "H"], 45, {"L": 4, "H": 1}, {"L": 6, "H": 9}, {"H": 1})],
+                   2.6, drive_s=60.0, startup_s=20.0)
+    assert lied["liar_banned_by"] == 2 and lied["microbatches_until_banned"] == [30, 45]
+    assert lied["liar_banned_at_end_by"] == 2 and lied["liar_bans"] == 2
+    assert lied["detection_rate"] == pytest.approx(0.75) and lied["false_bans"] == 1 and lied["false_strikes"] == 1
+    late = figures("flip", "L", [status([], None, {"L": 1}, {"L": 2}), status(["L"], 10, {}, {})], 2.5,
+                   drive_s=1.0, startup_s=1.0)
+    top = summary([honest, lied, late])
+    assert top["liar_banned"] is False and top["microbatches_until_banned"] is None and top["false_bans"] == 1
+    assert top["verify_overhead"] == honest["verify_overhead"] and top["val_loss_gap"]["scale:1.05"] == 0.04
+    assert summary([honest, lied])["liar_banned"] and summary([honest, lied])["microbatches_until_banned"] == 45
+    assert attackers_of("scale:1.05, flip,flip") == ["scale:1.05", "flip"]
+    for bad in ("", "lie", "scale"):
+        with pytest.raises(ValueError):
+            attackers_of(bad)
