@@ -39,7 +39,8 @@ def config(swarm: str, **options):
 
 
 def banned_by(st: dict | None) -> set[str]:
-    return {b["peer"] for b in pipe(st).get("bans", [])}
+    """Every peer the daemon's driver banned, its ban in force or over (a first ban lasts a minute)."""
+    return set((driver(st).get("verify") or {}).get("banned") or {}) | {b["peer"] for b in pipe(st).get("bans", [])}
 
 
 def test_a_lying_stage_server_is_banned_and_training_matches_an_honest_run(cluster):
