@@ -147,6 +147,23 @@ def test_an_outlier_once_is_not_struck_one_every_time_is_and_banned():
     assert v.stats.unresolved == 0 and v.in_flight == 0
 
 
+def test_the_triples_a_stage_is_calibrated_on_are_judged_once_it_is():
+    """A liar from the start: its 1.05x scale is no gross lie, so nothing stands out while uncalibrated; the
+    calibration's triples are then judged against the tolerance they made, and it counts from its first check."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    v = Verifier(1.0, "me", BanList(), random.Random(0))
+    liar = {"c": answer("c", x * 1.05), "a": answer("a", x), "b": answer("b", x * 1.001)}
+    for _ in range(MIN_SAMPLES - 1):
+        assert checked(liar, "c", v, []) is None
+    assert not v.stats.outliers and not v.history and len(v.waiting[(1, "forward")]) == MIN_SAMPLES - 1
+    assert checked(liar, "c", v, []) == "c"  # the third: calibrated, all three judged
+    assert v.stats.outliers == {"c": MIN_SAMPLES} and v.stats.strikes == {"c": 1} and not v.waiting
+    assert list(v.history["a"]) == [False] * MIN_SAMPLES and v.stats.agreed == 0
+    gross = {"c": answer("c", -x), "a": answer("a", x), "b": answer("b", x * 1.001)}
+    v = Verifier(1.0, "me", BanList(), random.Random(0))
+    assert checked(gross, "c", v, []) == "c" and not v.waiting  # a gross lie stands out at once
+
+
 def test_two_answers_name_nobody_unless_one_is_ours_and_the_other_grossly_off():
     x = torch.ones(4, 4)
     v = Verifier(1.0, "me", BanList(), random.Random(0))
