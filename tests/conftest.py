@@ -64,6 +64,7 @@ UNIT_MODULES = frozenset({
     "test_pipeline_stage.py",
     "test_pipeline_state_units.py",
     "test_pipeline_units.py",
+    "test_pipeline_verify_units.py",
     "test_protocol_cipher_frames.py",
     "test_protocol_handshake.py",
     "test_protocol_identity.py",

@@ -13,3 +13,9 @@ def pipe(st: dict | None) -> dict:
 
 def driver(st: dict | None) -> dict:
     return pipe(st).get("driver", {})
+
+
+def no_one_struck(st: dict | None) -> bool:
+    """The daemon's drivers banned nobody and struck nobody for lying in a stage's answers (verified stage calls:
+    every peer of these tests is honest)."""
+    return not pipe(st).get("bans") and not (driver(st).get("verify") or {}).get("strikes")

@@ -162,9 +162,9 @@ def test_a_served_gradient_enters_the_stage_once_on_its_drivers_ack():
     srv, stage = served()
 
     async def main():
-        loss, _, i = await srv.compute_local(stage_call(1, "loss"), [])
+        loss, _, i, _ = await srv.compute_local(stage_call(1, "loss"), [])
         assert loss == 1.5 and i and stage.taken == [] and srv.stats.accumulated_samples == 0
-        _, _, none = await srv.compute_local(stage_call(1, "evaluate"), [])
+        _, _, none, _ = await srv.compute_local(stage_call(1, "evaluate"), [])
         assert none == 0 and len(srv.kept) == 1  # no gradient, nothing kept
         assert await srv.acknowledge("stranger", [i]) == [] and stage.taken == []
         assert await srv.acknowledge(LOCAL_DRIVER, [i]) == [i]
@@ -220,16 +220,16 @@ def test_unacknowledged_gradients_expire_and_a_stage_switch_or_new_state_drops_t
     srv, stage = served()
 
     async def main():
-        _, _, lost = await srv.compute_local(stage_call(1, "loss"), [])
+        _, _, lost, _ = await srv.compute_local(stage_call(1, "loss"), [])
         await trio.sleep(HOLD + 1)  # max_call_timeout x 2: nobody acknowledged it
         assert await srv.acknowledge(LOCAL_DRIVER, [lost]) == [] and srv.kept.stats.dropped == {"unacked": 1}
-        _, _, moved = await srv.compute_local(stage_call(1, "loss"), [])
-        _, _, replaced = await srv.compute_local(stage_call(1, "loss"), [])
+        _, _, moved, _ = await srv.compute_local(stage_call(1, "loss"), [])
+        _, _, replaced, _ = await srv.compute_local(stage_call(1, "loss"), [])
         srv.kept._kept[replaced].gradient.stale = True  # the stage loaded a peer's state since
         srv.switch(ServedStage(KEY, 1, 16, stage))  # a new serving of stage 1: what was kept is another's
         assert await srv.acknowledge(LOCAL_DRIVER, [moved, replaced]) == []
         srv.switch(srv.stage)  # the same: nothing dropped
-        _, _, kept = await srv.compute_local(stage_call(1, "loss"), [])
+        _, _, kept, _ = await srv.compute_local(stage_call(1, "loss"), [])
         srv.kept._kept[kept].gradient.stale = True
         srv.switch(srv.stage)
         assert await srv.acknowledge(LOCAL_DRIVER, [kept]) == []
@@ -268,7 +268,7 @@ def swarm(stages: int, peers_per_stage: dict[int, int], script) -> tuple[Driver,
             srv.switch(ServedStage(key, s, 16, FakeStage(kinds)))
             servers[pid] = (srv, srv.stage.handler)
             smap[s].append(StagePeer(pid, s, 10.0, 0))
-    service = SimpleNamespace(cfg=PipelineSection(max_retries=2), me="me", stage_map=lambda k: smap,
+    service = SimpleNamespace(cfg=PipelineSection(max_retries=2, verify_fraction=0.0), me="me", stage_map=lambda k: smap,
                               session_of=lambda pid: PeerSession(servers[pid][0]))
     driver = Driver(service, key, reply_shapes=lambda *a: [])
     calls: dict = {}

@@ -24,7 +24,7 @@ from peer.pipeline.copies import COPY_SUFFIX
 from peer.testing.process import wait_for
 from peer.testing.swarm import rank_env, swarm_config, unique_swarm
 from peertrain.checkpoints import read_checkpoint
-from tests.pipeline_status import driver, pipe, trainer
+from tests.pipeline_status import driver, no_one_struck, pipe, trainer
 
 pytestmark = pytest.mark.slow
 
@@ -108,6 +108,7 @@ def test_a_slowed_peer_draws_a_move_that_raises_throughput(cluster):
     # Every microbatch accounted for: none failed; calls the mover held for its old stage were handed back and re-sent.
     for d, s in zip(ds, final):
         assert driver(s).get("failed") == 0 and not driver(s).get("failures"), (d.name, driver(s))
+        assert no_one_struck(s), (d.name, pipe(s).get("bans"), driver(s).get("verify"))
     handed_back = sum(pipe(s)["server"].get("handed_back", 0) for s in final)
     resent = sum(driver(s).get("resent", 0) for s in final)
     assert handed_back <= resent, (handed_back, resent)
@@ -160,6 +161,7 @@ def test_a_stage_emptied_by_kill_is_taken_over_and_training_resumes(cluster):
     for d, s in zip(survivors, final):
         t, dr = trainer(s), driver(s)
         assert t["samples"] == samples and t["microbatches_failed"] == 0 and dr["failed"] == 0, (d.name, t, dr)
+        assert no_one_struck(s), (d.name, pipe(s).get("bans"), dr.get("verify"))
     taker_now = next(s for s in final if s["peer_id"] == taker["peer_id"])
     assert trainer(taker_now)["stage_steps"] > steps_at_takeover, "stage 2 did not step after the takeover"
     assert_one_leaver_per_stage(moves(final))
@@ -223,3 +225,4 @@ def test_a_restarted_peer_resumes_its_stage_from_its_checkpoint_when_still_neede
                        what="node1 to finish driving")
     t, dr = trainer(st), driver(st)
     assert t["samples"] == 4000 and t["microbatches_failed"] == 0 and dr["failed"] == 0, (t, dr)
+    assert no_one_struck(st), (pipe(st).get("bans"), dr.get("verify"))

@@ -22,7 +22,7 @@ import torch
 from peer.testing.process import wait_for
 from peer.testing.swarm import rank_env, swarm_config, unique_swarm
 from peertrain.checkpoints import read_checkpoint
-from tests.pipeline_status import driver, pipe, trainer
+from tests.pipeline_status import driver, no_one_struck, pipe, trainer
 from trainers.datasets import load_char_corpus
 from trainers.pipeline.blocks import char_transformer_pipeline
 from trainers.pipeline.reference import train_reference
@@ -122,6 +122,7 @@ def test_six_daemons_follow_a_single_process_run(cluster):
     for d, s in zip(ds, sts):
         t = trainer(s)
         assert t["samples"] == samples and t["microbatches_failed"] == 0 and driver(s)["failed"] == 0, (d.name, t)
+        assert no_one_struck(s), (d.name, pipe(s).get("bans"), driver(s).get("verify"))
     sizes = sorted(len(p) for p in stage_peers(sts[0]).values())
     assert len(sizes) == 4 and sizes[0] >= 1 and sum(sizes) == n, stage_peers(sts[0])
     got = ds[0].command("evaluate", timeout=120)
@@ -185,6 +186,7 @@ def test_kill_of_a_stage_peer_loses_no_microbatch(cluster):
         assert t["samples"] == samples and t["microbatches_done"] == samples // TINY["microbatch"], (d.name, t)
         assert t["microbatches_failed"] == 0 and dr["failed"] == 0 and not dr["failures"], (d.name, t, dr)
         assert dr["done"] == t["microbatches_done"] and dr["in_flight"] == 0, (d.name, dr)
+        assert no_one_struck(s), (d.name, pipe(s).get("bans"), dr.get("verify"))
         assert t["stage_steps"] > steps_before[d.name], f"{d.name}: its stage stopped stepping after the kill"
     # The calls the dead peer held were re-sent (not refusals for being busy: failures of the peer itself).
     resent = [m for d in survivors for m in RESEND.findall(d.log_path.read_text())

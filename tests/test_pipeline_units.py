@@ -261,7 +261,7 @@ def drive(script: list, *, max_retries: int = 1) -> tuple:
 
     key = PipelineKey("one", ())
     peers = [StagePeer(f"peer{i}", 0, 10.0, 0) for i in range(5)]
-    service = SimpleNamespace(cfg=PipelineSection(max_retries=max_retries), me="me",
+    service = SimpleNamespace(cfg=PipelineSection(max_retries=max_retries, verify_fraction=0.0), me="me",
                               stage_map=lambda k: {0: peers})
     driver = Driver(service, key, reply_shapes=lambda *a: [])
     calls = list(script)
@@ -270,7 +270,7 @@ def drive(script: list, *, max_retries: int = 1) -> tuple:
         step = calls.pop(0)
         if step is not None:
             raise step
-        return 0.5, [], 0
+        return 0.5, [], 0, 0.0
 
     driver._call_once = call_once
     mb = Microbatch(1, SimpleNamespace(shape=(4,)), None, seed=1)

@@ -257,7 +257,7 @@ def pipeline_arguments(p: Parser) -> None:
     c.add_argument("--codec", default=None, metavar="C,C,...",
                    help="compare these codecs (raw, float16, q8; one or a comma list), e.g. --codec raw,float16,q8")
     c.add_argument("--samples", type=int, default=None,
-                   help="samples each driver drives (--big: default 96; --codec: default 1600: 200 microbatches of "
+                   help="samples each driver drives (--big: default 96; --codec and --liar: default 1600: 200 microbatches of "
                         "8, 50 optimizer steps of 32, ~40 s; the loss is still falling, so a codec that slows "
                         "learning shows)")
     c.add_argument("--drivers", type=int, default=1,
@@ -307,6 +307,23 @@ def pipeline_arguments(p: Parser) -> None:
     g.add_argument("--churn-pause", type=float, default=2.0,
                    help="seconds a killed peer stays down before it is restarted on its own home (default 2: "
                         "less than the peers' dead_after of 4 s, so they may still hold its calls)")
+    v = p.add_argument_group(
+        "a lying stage server (issue 29)",
+        "--liar runs an honest swarm, then one per attacker named, each fresh: 6 daemons, stage 1 with three peers "
+        "(the third lies in the attacker runs and only serves), the other stages one each, rebalancing off; the "
+        "five others drive --samples samples each (--in-flight, default 1) under [pipeline] verify_fraction "
+        "(--verify-fraction, default the config's 0.05), then the first driver's validation loss is asked for. "
+        "Reports liar_banned (every driver banned it, in every attacker run), microbatches_until_banned (the "
+        "most microbatches a driver drove before it banned it), false_bans (honest peers banned, all runs), "
+        "verify_overhead (the honest run's checks' compute seconds over its calls'), the detection rate (verdicts "
+        "on the liar's answers that found it the outlier) and each run's validation loss against the honest "
+        "run's. Uses the codec comparison's model (one block per stage). ~2-4 minutes per run on 2 CPUs.")
+    v.add_argument("--liar", nargs="?", const="scale:1.05,noise:0.3,flip,stale", default=None, metavar="A,A,...",
+                   help="attackers, one run each: scale:F (outputs times F), noise:S (plus noise S times their "
+                        "RMS), flip (gradients negated), stale (the weights it started with) (default, with no "
+                        "value: scale:1.05,noise:0.3,flip,stale)")
+    v.add_argument("--verify-fraction", type=float, default=None, metavar="F",
+                   help="[pipeline] verify_fraction of every daemon (default: the config's, 0.05)")
 
 
 def nat_arguments(p: Parser) -> None:

@@ -73,19 +73,19 @@ def recommend(runs: dict[str, dict], tolerance: float) -> str:
     return min(ok, key=lambda c: (runs[c]["bytes_per_microbatch"] or math.inf, c != "raw"))
 
 
-def _trainer(st: dict | None) -> dict:
+def trainer_of(st: dict | None) -> dict:
     return (st or {}).get("trainer") or {}
 
 
 def _failed(p: Poll) -> str | None:
     for i, st in enumerate(p.statuses):
-        state = str(_trainer(st).get("state") or "")
+        state = str(trainer_of(st).get("state") or "")
         if state.startswith("failed"):
             return f"daemon {i}'s trainer {state}"
     return None
 
 
-def _wait(poller: Poller, drivers: list[int], done, until: float, what: str) -> Poll:
+def wait_polls(poller: Poller, drivers: list[int], done, until: float, what: str) -> Poll:
     """Poll every POLL_S until `done(poll)`; a trainer failing or `until` (bench clock) passing ends the run."""
     while True:
         t = poller.now()
@@ -95,7 +95,7 @@ def _wait(poller: Poller, drivers: list[int], done, until: float, what: str) -> 
         if all(p.statuses[i] is not None for i in drivers) and done(p):
             return p
         if poller.now() > until:
-            seen = [(driver_of(st).get("done"), _trainer(st).get("state")) for st in p.statuses]
+            seen = [(driver_of(st).get("done"), trainer_of(st).get("state")) for st in p.statuses]
             raise TimeoutError(f"{what} within {until:.0f}s: (microbatches done, trainer state) by daemon {seen}")
         time.sleep(max(0.0, POLL_S - (poller.now() - t)))
 
@@ -121,9 +121,9 @@ def one_run(a, codec: str, model: Model, root: Path, netns: bool, caps_support: 
                 caps.add(i, d.pid)
         poller = Poller(swarm, t_launch)
         stack.callback(poller.close)
-        going = _wait(poller, drivers, lambda p: all(driver_of(p.statuses[i]).get("done", 0) > 0 for i in drivers),
+        going = wait_polls(poller, drivers, lambda p: all(driver_of(p.statuses[i]).get("done", 0) > 0 for i in drivers),
                       START_TIMEOUT_S, "not every driver finished a microbatch")
-        finished = _wait(poller, drivers, lambda p: all(_trainer(p.statuses[i]).get("driving_done") for i in drivers),
+        finished = wait_polls(poller, drivers, lambda p: all(trainer_of(p.statuses[i]).get("driving_done") for i in drivers),
                          going.t + RUN_TIMEOUT_S, f"not every driver drove {a.samples} samples")
         # the window: from every driver going to the last poll before a validation microbatch (a driver's pass
         # once it has driven its samples: forward only, so it would lower the bytes per microbatch)
@@ -132,8 +132,8 @@ def one_run(a, codec: str, model: Model, root: Path, netns: bool, caps_support: 
         last = driving[-1] if driving else going
         mb = [sum(driver_of(p.statuses[i]).get("done", 0) for i in drivers) for p in (going, last)]
         by = [sum(session_bytes_out(st) or 0 for st in p.statuses) for p in (going, last)]
-        vals = [_final_val_loss(swarm.daemons[i]) for i in drivers]
-        trs = [_trainer(finished.statuses[i]) for i in drivers]
+        vals = [final_val_loss(swarm.daemons[i]) for i in drivers]
+        trs = [trainer_of(finished.statuses[i]) for i in drivers]
         train = [t["loss"] for t in trs if t.get("loss") is not None]
         return CodecRun(
             codec=codec,
@@ -149,7 +149,7 @@ def one_run(a, codec: str, model: Model, root: Path, netns: bool, caps_support: 
             startup_s=round(going.t, 1), drive_s=round(finished.t - going.t, 1))
 
 
-def _final_val_loss(daemon) -> float | None:
+def final_val_loss(daemon) -> float | None:
     got = daemon.command("evaluate", timeout=EVAL_TIMEOUT_S)
     v = got.get("val_loss") if isinstance(got, dict) else None
     return v if isinstance(v, (int, float)) and math.isfinite(v) else None

@@ -140,6 +140,12 @@ class PipelineSection:
     first_ban: float = _f(2.0, "Seconds a driver avoids a peer after a failed call; doubles with each further "
                           "failure in a row, up to max_ban.", lo=0.0, hi=_HOUR, unit="s")
     max_ban: float = _f(120.0, "Longest a driver avoids a failing peer.", lo=0.0, hi=_DAY, unit="s")
+    # verify_fraction: 1 call in 20 checked costs ~5% more compute (a third peer on a mismatch) and still meets a
+    # liar serving a third of a stage's calls every ~15 microbatches of each driver (peer bench pipeline --liar)
+    verify_fraction: float = _f(0.05, "Share of its stage calls a driver re-executes at another peer of the stage "
+                                "to compare the answers; a peer whose answers disagree with two others is struck, "
+                                "and banned from this daemon's calls and stage after 3 strikes (0: no checks).",
+                                lo=0.0, hi=1.0)
     max_state_uploads: int = _f(2, "Stage states (weights and optimizer state) this daemon sends at once to peers "
                                 "taking a stage over; each holds a snapshot of the stage in memory while it streams.",
                                 lo=1, hi=64)

@@ -16,12 +16,19 @@ confirm; a microbatch that failed tells them to drop theirs. A reply lost after 
 call re-sent to another peer) is never acknowledged, so its gradient enters no stage: each stage counts a
 microbatch at most once, and one that failed in none. A microbatch is done, and counted, once its acks are
 answered: `done` x microbatch = the samples every stage confirmed, but for `ack_lost`.
+
+A share of the completed calls (`[pipeline] verify_fraction`) is checked: the same call at another peer of the
+stage, its answer compared with the first (peer/pipeline/verify.py), beside the microbatch's next calls. A
+check that finds the outlier among three answers strikes it (banned after repeated evidence: no call goes to it
+then), and a microbatch one of whose calls it answered is run again without it, its kept gradients dropped. A
+check's own calls keep gradients like any; they are dropped at once, never acknowledged.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import random
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,10 +36,12 @@ from typing import Any
 
 import trio
 
+from peer.averaging.bans import BanList
 from peer.concurrency import together
 from peer.pipeline.balancer import Balancer
 from peer.pipeline.directory import PipelineKey
 from peer.pipeline.server import LOCAL_DRIVER
+from peer.pipeline.verify import MAX_RERUNS, Answer, Verifier, floor
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
 from peertrain.swarm import TrainerStopped
@@ -85,6 +94,7 @@ class Outcome:
     samples: int
     loss: float | None = None
     resent: int = 0  # calls re-sent to another peer
+    reruns: int = 0  # times the whole microbatch was run again without an outlier a check found (verify.py)
     seconds: float = 0.0
     reason: str = ""
     evaluate: bool = False
@@ -129,9 +139,22 @@ class KeptAt:
     id: int
 
 
+@dataclass
+class _Attempt:
+    """One run of a microbatch through the stages: what its calls left behind, and what its checks found."""
+
+    nursery: trio.Nursery  # its checks run here; the attempt ends when they have
+    resent: list[int]
+    avoid: set[str]  # outliers found in earlier attempts: none of this one's calls goes to them
+    kept: list[KeptAt] = field(default_factory=list)
+    served: set[str] = field(default_factory=set)  # peers that answered one of its calls
+    found: set[str] = field(default_factory=set)  # outliers its checks named
+
+
 class Driver:
     def __init__(self, service, key: PipelineKey, *, reply_shapes: ReplyShapes,
-                 forward_codec: str = "raw", backward_codec: str = "raw", stopped: Callable[[], bool] = lambda: False):
+                 forward_codec: str = "raw", backward_codec: str = "raw", stopped: Callable[[], bool] = lambda: False,
+                 bans: BanList | None = None, rng: random.Random | None = None):
         self.service = service
         self.stopped = stopped
         self.cfg = service.cfg
@@ -140,25 +163,48 @@ class Driver:
         self.codec = {"forward": forward_codec, "backward": backward_codec}
         self.balancers = [Balancer(first_ban=self.cfg.first_ban, max_ban=self.cfg.max_ban) for _ in range(self.stages)]
         self.stats = DriverStats()
+        self.verifier = Verifier(self.cfg.verify_fraction, service.me, bans if bans is not None else BanList(), rng)
         self._waiting_calls: Counter = Counter()  # stage -> calls waiting for a usable peer of it
 
     async def run(self, mb: Microbatch) -> Outcome:
-        """One microbatch, start to end; never raises for what peers do (the outcome says it)."""
+        """One microbatch, start to end; never raises for what peers do (the outcome says it). A check that finds
+        an outlier among the peers that served it runs it again without them (its gradients dropped), at most
+        MAX_RERUNS times."""
         t0 = trio.current_time()
         self.stats.in_flight += 1
-        resent = [0]
-        kept: list[KeptAt] = []
+        resent, avoid, reruns = [0], set(), 0
         try:
-            try:
-                loss = await (self._evaluate(mb, resent) if mb.evaluate else self._train(mb, resent, kept))
-            except MicrobatchFailed as exc:
-                await self._settle(mb, kept, accumulate=False)
-                self.stats.failed += 1
-                self.stats.failures.append((mb.id, str(exc)))
-                log.warning("microbatch %d failed after %d re-sent calls: %s", mb.id, resent[0], exc)
-                return Outcome(mb.id, False, mb.batch, resent=resent[0], seconds=trio.current_time() - t0,
-                               reason=str(exc), evaluate=mb.evaluate)
-            await self._settle(mb, kept, accumulate=True)
+            while True:
+                failure: MicrobatchFailed | None = None
+                loss = None
+                async with trio.open_nursery() as checks:  # the attempt ends once its checks have
+                    at = _Attempt(checks, resent, avoid)
+                    try:
+                        loss = await (self._evaluate(mb, at) if mb.evaluate else self._train(mb, at))
+                    except MicrobatchFailed as exc:
+                        failure = exc
+                outliers = at.found & at.served
+                if failure is None and outliers:
+                    if reruns >= MAX_RERUNS:
+                        failure = MicrobatchFailed(f"answered by outliers ({', '.join(p[:8] for p in outliers)}) "
+                                                   f"after {reruns} re-runs")
+                    else:
+                        await self._settle(mb, at.kept, accumulate=False)
+                        avoid |= outliers
+                        reruns += 1
+                        self.verifier.stats.reruns += 1
+                        log.warning("microbatch %d: %s answered one of its calls and a check found it the outlier; "
+                                    "running it again without", mb.id, ", ".join(p[:8] for p in outliers))
+                        continue
+                if failure is not None:
+                    await self._settle(mb, at.kept, accumulate=False)
+                    self.stats.failed += 1
+                    self.stats.failures.append((mb.id, str(failure)))
+                    log.warning("microbatch %d failed after %d re-sent calls: %s", mb.id, resent[0], failure)
+                    return Outcome(mb.id, False, mb.batch, resent=resent[0], reruns=reruns,
+                                   seconds=trio.current_time() - t0, reason=str(failure), evaluate=mb.evaluate)
+                await self._settle(mb, at.kept, accumulate=True)
+                break
         finally:
             self.stats.in_flight -= 1
         if mb.evaluate:
@@ -168,28 +214,28 @@ class Driver:
             self.stats.samples += mb.batch
             self.stats.last_loss = loss
             self.stats.retried += resent[0] > 0
-        return Outcome(mb.id, True, mb.batch, loss=loss, resent=resent[0], seconds=trio.current_time() - t0,
-                       evaluate=mb.evaluate)
+        return Outcome(mb.id, True, mb.batch, loss=loss, resent=resent[0], reruns=reruns,
+                       seconds=trio.current_time() - t0, evaluate=mb.evaluate)
 
-    async def _train(self, mb: Microbatch, resent: list[int], kept: list[KeptAt]) -> float | None:
-        """Forward, loss, backward; `kept` gets each gradient a server keeps for us as its call returns."""
+    async def _train(self, mb: Microbatch, at: _Attempt) -> float | None:
+        """Forward, loss, backward; `at.kept` gets each gradient a server keeps for us as its call returns."""
         last = self.stages - 1
         inputs = [mb.x]  # inputs[s]: what stage s got forward (kept for its backward)
         for s in range(last):
-            _, (out,), _ = await self._call(mb, s, "forward", [inputs[s]], resent)
+            _, (out,), _ = await self._call(mb, s, "forward", [inputs[s]], at)
             inputs.append(out)
-        loss, grads, at = await self._call(mb, last, "loss", [inputs[last], mb.y], resent)
-        kept += [at] if at else []
+        loss, grads, kept = await self._call(mb, last, "loss", [inputs[last], mb.y], at)
+        at.kept += [kept] if kept else []
         for s in range(last - 1, -1, -1):
-            _, grads, at = await self._call(mb, s, "backward", [inputs[s], grads[0]], resent)
-            kept += [at] if at else []
+            _, grads, kept = await self._call(mb, s, "backward", [inputs[s], grads[0]], at)
+            at.kept += [kept] if kept else []
         return loss
 
-    async def _evaluate(self, mb: Microbatch, resent: list[int]) -> float | None:
+    async def _evaluate(self, mb: Microbatch, at: _Attempt) -> float | None:
         h = mb.x
         for s in range(self.stages - 1):
-            _, (h,), _ = await self._call(mb, s, "forward", [h], resent)
-        loss, _, _ = await self._call(mb, self.stages - 1, "evaluate", [h, mb.y], resent)
+            _, (h,), _ = await self._call(mb, s, "forward", [h], at)
+        loss, _, _ = await self._call(mb, self.stages - 1, "evaluate", [h, mb.y], at)
         return loss
 
     async def _settle(self, mb: Microbatch, kept: list[KeptAt], *, accumulate: bool) -> None:
@@ -237,10 +283,15 @@ class Driver:
     def _seed(self, mb: Microbatch, stage: int) -> int:
         return (mb.seed * 1_000_003 + stage * 7919) & 0x7FFF_FFFF
 
+    def _peers(self, stage: int, now: float, avoid: set[str] = frozenset()) -> list:
+        """The live peers of `stage` we may call: not banned for lying (verify.py), not in `avoid`."""
+        return [p for p in self.service.stage_map(self.key)[stage]
+                if p.peer_id not in avoid and not self.verifier.banned(p.peer_id, now)]
+
     async def _call(self, mb: Microbatch, stage: int, kind: str, tensors: list[Any],
-                    resent: list[int]) -> tuple[float | None, list[Any], KeptAt | None]:
+                    at: _Attempt) -> tuple[float | None, list[Any], KeptAt | None]:
         """One stage call, re-sent to other peers of the stage until it succeeds or the attempts run out: (loss,
-        outputs, the gradient its server keeps for us, if any)."""
+        outputs, the gradient its server keeps for us, if any). A completed call may be checked (verify.py)."""
         balancer = self.balancers[stage]
         attempts, stale, tried, last_error = 0, 0, set(), ""
         wait_started: float | None = None
@@ -248,7 +299,7 @@ class Driver:
             if self.stopped():  # the daemon is stopping: no more re-sends (the outcome says so)
                 raise MicrobatchFailed(f"stage {stage} {kind}: this daemon is stopping")
             now = trio.current_time()
-            peers = self.service.stage_map(self.key)[stage]
+            peers = self._peers(stage, now, at.avoid)
             fresh = {p.peer_id for p in peers} - tried
             pid = balancer.choose(peers, mb.batch, now, exclude=tried if fresh else set())
             if pid is None:  # nobody usable: wait (bounded, visible), do not spin
@@ -287,14 +338,69 @@ class Driver:
                 if attempts > self.cfg.max_retries:
                     raise MicrobatchFailed(f"stage {stage} {kind}: {attempts} calls failed, the last at "
                                            f"{last_error}") from None
-                resent[0] += 1
+                at.resent[0] += 1
                 self.stats.resent += 1
                 log.info("microbatch %d: stage %d %s at %s failed (%s); re-sending", mb.id, stage, kind, pid[:8], exc)
                 continue
             balancer.done(pid, mb.batch, trio.current_time() - t0, trio.current_time())
             self.stats.calls[pid] += 1
-            loss, outputs, kept = result
+            loss, outputs, kept, compute_s = result
+            at.served.add(pid)
+            self.verifier.stats.call_compute_s += compute_s
+            if self.verifier.wants(stage, kind):
+                self._start_check(mb, stage, kind, tensors, Answer(pid, loss, outputs, kept, compute_s), at)
             return loss, outputs, (KeptAt(stage, pid, kept) if kept else None)
+
+    def _start_check(self, mb: Microbatch, stage: int, kind: str, tensors: list[Any], first: Answer,
+                     at: _Attempt) -> None:
+        """Check `first` in the attempt's nursery (verify.py), beside the microbatch's next calls; an outlier it
+        names is struck there and, if it served this attempt, makes the microbatch run again."""
+        now = trio.current_time()
+        if not any(p.peer_id != first.peer for p in self._peers(stage, now)):
+            self.verifier.stats.no_peer += 1
+            return
+        self.verifier.in_flight += 1
+        direction = "backward" if kind in ("backward", "loss") else "forward"
+        dtypes = [str(t.dtype).removeprefix("torch.") for t in first.outputs]
+        floor_ = floor(dtypes, self.codec[direction])
+
+        async def ask(exclude: set[str]) -> Answer | None:
+            return await self._ask(mb, stage, kind, tensors, exclude)
+
+        async def drop(answers: list[Answer]) -> None:
+            async with trio.open_nursery() as n:
+                for a in answers:
+                    n.start_soon(self._ack, a.peer, [a.kept], False)
+
+        async def check() -> None:
+            odd = await self.verifier.check(first, stage, kind, floor_, ask, drop, self.stats.done)
+            if odd is not None:
+                at.found.add(odd)
+
+        at.nursery.start_soon(check)
+
+    async def _ask(self, mb: Microbatch, stage: int, kind: str, tensors: list[Any],
+                   exclude: set[str]) -> Answer | None:
+        """A check's call: the same call, once, to the peer of `stage` the balancer picks outside `exclude`
+        (None if there is none, or the call fails: no verdict; the balancer counts the failure as any)."""
+        balancer = self.balancers[stage]
+        now = trio.current_time()
+        peers = self._peers(stage, now)
+        pid = balancer.choose(peers, mb.batch, now, exclude=exclude)
+        if pid is None:
+            return None
+        peer = next(p for p in peers if p.peer_id == pid)
+        t0 = trio.current_time()
+        try:
+            loss, outputs, kept, compute_s = await self._call_once(pid, peer, mb, stage, kind, tensors)
+        except (Refused, _CallFailed) as exc:
+            code = exc.code if isinstance(exc, Refused) else None
+            balancer.done(pid, mb.batch, trio.current_time() - t0, trio.current_time(), failure=str(exc),
+                          busy=code in TRY_LATER)
+            log.info("microbatch %d: a check's stage %d %s at %s failed: %s", mb.id, stage, kind, pid[:8], exc)
+            return None
+        balancer.done(pid, mb.batch, trio.current_time() - t0, trio.current_time())
+        return Answer(pid, loss, outputs, kept, compute_s)
 
     def _waiting(self, stage: int, delta: int, now: float) -> None:
         """Count the calls waiting for a usable peer of `stage`; status shows since when any has waited."""
@@ -306,23 +412,24 @@ class Driver:
             self.stats.waiting.pop(stage, None)
 
     async def _call_self(self, mb: Microbatch, stage: int, kind: str,
-                         tensors: list[Any]) -> tuple[float | None, list[Any], int]:
+                         tensors: list[Any]) -> tuple[float | None, list[Any], int, float]:
         """Our own stage serves our own microbatch in-process: same checks and compute, nothing on the wire."""
         specs = [TensorSpec(f"in{i}", str(t.dtype).removeprefix("torch."), list(t.shape)) for i, t in enumerate(tensors)]
         call = StageCall(pipeline=self.key.name, cuts=list(self.key.cuts), stage=stage, kind=kind, batch=mb.batch,
                          seed=self._seed(mb, stage), tensors=specs, streams=[0] * len(specs), microbatch=mb.id)
-        loss, outputs, kept = await self.service.server.compute_local(call, tensors)  # Refused as a peer would say
+        loss, outputs, kept, seconds = await self.service.server.compute_local(call, tensors)  # Refused as a peer would
         if kind in ("loss", "evaluate") and loss is None:
             raise Refused(NO_LOSS)
-        return loss, outputs, kept
+        return loss, outputs, kept, seconds
 
     def deadline(self, pid: str, peer, batch: int, nbytes: int) -> float:
         expected = self.balancers[peer.stage].expected_seconds(pid, peer, batch) + nbytes / ASSUMED_BYTES_PER_S
         return min(self.cfg.max_call_timeout, self.cfg.call_timeout + DEADLINE_SLACK * expected)
 
     async def _call_once(self, pid: str, peer, mb: Microbatch, stage: int, kind: str,
-                         tensors: list[Any]) -> tuple[float | None, list[Any], int]:
-        """One call to `pid`: (loss, outputs, the id its gradient is kept under there, 0 for none)."""
+                         tensors: list[Any]) -> tuple[float | None, list[Any], int, float]:
+        """One call to `pid`: (loss, outputs, the id its gradient is kept under there (0 for none), the seconds
+        its server says it computed)."""
         if pid == self.service.me:
             return await self._call_self(mb, stage, kind, tensors)
         session = self.service.session_of(pid)
@@ -375,7 +482,7 @@ class Driver:
                 theirs.discard()
         if kind in ("loss", "evaluate") and reply.loss is None:
             raise Refused(NO_LOSS)
-        return reply.loss, outputs, reply.kept
+        return reply.loss, outputs, reply.kept, reply.compute_s
 
 
 class DriverHandle:

@@ -5,8 +5,9 @@ lost or late, and the driver then re-sends the call to another peer of the stage
 an earlier stage after this one computed its part. So a call's gradient does not enter the stage when it is
 computed: the server keeps it here under an id it names in its reply, and adds it to the stage only when the
 driver that made the call acknowledges it (`StageAck`), which it does once the microbatch's backward has
-completed through every stage. A microbatch that failed is acknowledged as "drop"; a gradient nobody
-acknowledges is dropped after `hold_s`. Each gradient is taken at most once, so it enters the stage at most
+completed through every stage. A microbatch that failed is acknowledged as "drop", and so is every call a
+driver made only to check another peer's answer (peer/pipeline/verify.py); a gradient nobody acknowledges is
+dropped after `hold_s`. Each gradient is taken at most once, so it enters the stage at most
 once. An ack naming an id not kept for its sender (unknown, already taken, or kept for another driver) changes
 nothing and is counted.
 

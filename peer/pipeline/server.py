@@ -122,9 +122,10 @@ class StageServer:
                                       "([pipeline] max_queue_per_peer)")
         return None
 
-    async def compute_local(self, call: StageCall, tensors: list[Any]) -> tuple[float | None, list[Any], int]:
+    async def compute_local(self, call: StageCall, tensors: list[Any]) -> tuple[float | None, list[Any], int, float]:
         """A call from our own driver to our own stage: the same checks and compute, no wire; (loss, outputs, the
-        id its gradient is kept under, 0 for none: acknowledge it with `acknowledge(LOCAL_DRIVER, ...)`). Raises
+        id its gradient is kept under, 0 for none: acknowledge it with `acknowledge(LOCAL_DRIVER, ...)`, and the
+        seconds it computed). Raises
         Refused when refused, as a peer would answer: by the checks, MOVED, or BAD_INPUT when the stage rejects
         the inputs."""
         refused = self.refusal(call, "")
@@ -149,7 +150,7 @@ class StageServer:
         self.stats.compute_s += seconds
         self.stats.served += 1
         kept = 0 if held is None else self.kept.keep(LOCAL_DRIVER, st, held, trio.current_time())
-        return (loss if loss is None or math.isfinite(loss) else None), outputs, kept
+        return (loss if loss is None or math.isfinite(loss) else None), outputs, kept, seconds
 
     async def on_call(self, session, env, nursery: trio.Nursery) -> None:
         """The router's handler (in the session's dispatch task): check, then serve in `nursery`."""

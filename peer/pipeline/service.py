@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from peer.averaging.bans import BanList
 from peer.pipeline.directory import PipelineKey, StagePeer, bottleneck, capacity, stage_map
 from peer.pipeline.driver import Driver, DriverHandle
 from peer.pipeline import memory
 from peer.pipeline.kept import SWEEP_S
 from peer.pipeline.server import ServedStage, StageHandler, StageServer
-from peer.pipeline.state import FetchedState, KeptCopy, SpecCheck, StageStates
+from peer.pipeline.state import FetchedState, KeptCopy, SpecCheck, StageStates, StateUnavailable
 from protocol.schema.pipeline import (MAX_BLOCKS, MAX_MEMORY_MIB, MAX_PROFILED_BLOCKS, MAX_QUEUE, MAX_SAMPLES_PER_S,
                                       MAX_STEP, BlockProfile, StageAck, StageAnnouncement, StageCall,
                                       StageStateRequest)
@@ -53,6 +54,9 @@ class PipelineService:
         self.profiles: list[BlockProfile] = []  # our measured blocks, announced (trainers/pipeline/profiles.py)
         self.memory_mib = memory.mib(self.budget.bytes)  # the budget we announce (the trainer's, on a GPU)
         self.stage_room_mib = 0  # of which a stage may use
+        # Peers our drivers' checks found lying (peer/pipeline/verify.py): no call goes to them, our stage does not
+        # average with them nor fetch its state from them, while banned. One list for all our drivers.
+        self.bans = BanList()
         self._nursery: trio.Nursery | None = None
         daemon.router.register(StageCall, self._on_call)
         daemon.router.register(StageAck, self._on_ack)
@@ -108,6 +112,8 @@ class PipelineService:
         self.moves.append({"at": time.time(), **move})
 
     async def fetch_state(self, key: PipelineKey, stage: int, peer_id: str, check: SpecCheck) -> FetchedState:
+        if why := self.banned(peer_id):
+            raise StateUnavailable(f"not asked: {why}")
         return await self.states.fetch(key, stage, peer_id, check)
 
     async def keep_copy(self, key: PipelineKey, stage: int, tensors: list, step: int, samples: int, *,
@@ -166,7 +172,11 @@ class PipelineService:
         st = self.server.stage
         if st is None:
             return set()
-        return {p.peer_id for p in self.stage_map(st.key)[st.stage] if not p.me}
+        return {p.peer_id for p in self.stage_map(st.key)[st.stage] if not p.me and not self.banned(p.peer_id)}
+
+    def banned(self, peer_id: str) -> str | None:
+        """Why our drivers banned `peer_id` for lying in its stage's answers, or None."""
+        return self.bans.banned(peer_id, trio.current_time())
 
     def session_of(self, peer_id: str):
         if peer_id == self.me:
@@ -177,7 +187,7 @@ class PipelineService:
     def open_driver(self, key: PipelineKey, *, reply_shapes, in_flight: int, token, stopped,
                     forward_codec: str = "raw", backward_codec: str = "raw") -> DriverHandle:
         driver = Driver(self, key, reply_shapes=reply_shapes, forward_codec=forward_codec,
-                        backward_codec=backward_codec, stopped=stopped)
+                        backward_codec=backward_codec, stopped=stopped, bans=self.bans)
         self.drivers[key.name] = driver
         return DriverHandle(driver, self._nursery, token, in_flight, stopped)
 
@@ -225,5 +235,9 @@ class PipelineService:
                 "deadline_s": round(sorted(d.deadlines)[len(d.deadlines) // 2], 3) if d.deadlines else None,
                 "acked": d.acked, "acked_samples": [d.acked_samples.get(s, 0) for s in range(driver.key.stages)],
                 "ack_lost": d.ack_lost, "dropped": d.dropped,
+                "verify": driver.verifier.status(),
             }
+        wall = time.time()
+        out["bans"] = [{"peer": p, "until": round(wall + left, 1), "reason": reason}
+                       for p, left, reason in self.bans.active(now)]
         return out

@@ -37,6 +37,7 @@ from peer.pipeline.kept import MAX_KEPT, MAX_KEPT_BYTES
 from peer.pipeline.state import StateUnavailable
 from trainers.baseline import make_optimizer
 from trainers.pipeline import memory, shapes
+from trainers.pipeline.lying import Lying
 from trainers.pipeline.memory import MiB
 from trainers.pipeline.partition import cached_profile, profile_stage
 from trainers.pipeline.placement import adopted_cut, better_stage, initial_stage
@@ -175,6 +176,8 @@ class StageSeat:
     def _serve(self, *, ready: bool = True) -> None:
         self.set_accumulation()  # before serving: calls may come at once, and must not step at max_batch
         handler = Slowed(self.worker, self.o.slowdown) if self.o.slowdown > 1 else self.worker
+        if self.o.liar:
+            handler = Lying(handler, self.o.liar, self.worker, seed=self.o.seed)
         self.swarm.serve_stage(self.key, self.stage, self.o.microbatch, handler, ready=ready)
 
     def _announce_profile(self) -> None:
