@@ -109,8 +109,8 @@ class Liar:
         self.step = 0  # the largest honest step seen: told to peers as ours
         self.refused_at: dict[str, float] = {}  # peer -> when it last refused us as banned
         self.victim: str | None = None
-        self.counts = {"exchanges": 0, "failed": 0, "refused_banned": 0, "refused_other": 0, "learned": 0,
-                       "learn_failed": 0}
+        self.counts = {"exchanges": 0, "failed": 0, "refused_banned": 0, "learned": 0, "learn_failed": 0}
+        self.refused: dict[str, int] = {}  # refusals other than bans, by code (busy: the partner was exchanging)
         self.epsilon = o.epsilon or DEFAULT_EPSILON.get(o.attack, 0.0)
         self.z = o.z
 
@@ -174,12 +174,13 @@ class Liar:
             self.counts["refused_banned"] += 1
             self.refused_at[peer] = time.monotonic()
         elif r.code is not None:
-            self.counts["refused_other"] += 1
+            self.refused[str(r.code)] = self.refused.get(str(r.code), 0) + 1
         else:
             self.counts["failed"] += 1
 
     def report(self, phase: str) -> dict:
-        return {"attack": self.o.attack, "phase": phase, **self.counts, "victim": self.victim,
+        return {"attack": self.o.attack, "phase": phase, **self.counts, "refused": dict(self.refused),
+                "victim": self.victim,
                 "learned_from": len(self.honest), "honest_step": self.step,
                 "banned_by": sorted(p for p, t in self.refused_at.items() if time.monotonic() - t < RETRY_BANNED_S)}
 
@@ -202,6 +203,7 @@ def run(swarm, options: dict) -> dict:
     if o.attack == "alie" and o.z == -1.0:
         liar.z = craft.baruch_z(max(2, world), min(o.byzantine, world - 1))
     swarm.publish({"trainer": "trainers.byzantine", "state": "attacking", "parameters": count_parameters(model),
+                   "phase": "sleeping" if o.sleep_exchanges else "attacking",
                    "peers_at_start": have, "world": world, "z": liar.z if o.attack == "alie" else None,
                    "epsilon": liar.epsilon or None, "options": asdict(o)})
     next_learn = next_publish = 0.0

@@ -239,6 +239,6 @@ def run_swarm(plan: SwarmPlan, root: Path, name: str, *, timeout: float) -> dict
                       "step": t.get("step"), "reached_target": t.get("reached_target"),
                       "exchanges": ((st or {}).get("gossip") or {}).get("exchanges")})
     return {"peers": peers, "watch": watch.summary(), "wall_s": round(wall, 1),
-            "liars": [{k: l.get(k) for k in ("attack", "phase", "exchanges", "refused_banned", "refused_other",
+            "liars": [{k: l.get(k) for k in ("attack", "phase", "exchanges", "refused_banned", "refused",
                                               "failed", "learned", "learn_failed", "victim", "z", "epsilon")}
                       for l in liars]}
