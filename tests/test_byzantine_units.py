@@ -147,3 +147,97 @@ def test_figures_compare_worst_and_mean_with_the_no_attack_run() -> None:
     assert g["worst"] == 0.0 and g["failed_peers"] == 1  # a diverged peer counts as 0
     lm = _figures(_run([2.5, 2.6], metric="test_loss"), _run([2.4, 2.45], metric="test_loss"), None, "test_loss")
     assert lm["worst_drop"] == 0.15  # a loss: how much higher than without attack
+
+
+class _Group:
+    def __init__(self, model: list[torch.Tensor]):
+        import threading
+
+        self.lock, self.step = threading.Lock(), 0
+        self.tensors = {f"p{i}": t.clone() for i, t in enumerate(model)}
+
+
+class _Swarm:
+    """What the liar asks of its daemon: neighbours, downloads (recording what we held meanwhile), exchanges."""
+
+    def __init__(self, models: dict, group: _Group):
+        self.models, self.group, self.step = models, group, 10
+        self.held_while_fetching: list[torch.Tensor] = []
+        self.counts = {"initiated": 0, "served": 0}
+        self.results: dict = {}
+
+    def neighbours(self) -> list[str]:
+        return sorted(self.models)
+
+    def fetch_params(self, group: str, peer_id: str):
+        self.held_while_fetching.append(_flat(list(self.group.tensors.values())))
+        return [t.clone() for t in self.models[peer_id]], self.step
+
+    def exchanges(self) -> dict:
+        return dict(self.counts)
+
+    def average_with(self, group: str, peer_id: str):
+        from peertrain.swarm import ExchangeResult
+
+        return self.results.get(peer_id) or ExchangeResult(peer_id, True)
+
+
+def _liar(**options):
+    from trainers.byzantine import Liar
+
+    models = _models(3)
+    initial = [torch.zeros(3, 4), torch.zeros(5)]
+    group = _Group(initial)
+    swarm = _Swarm({**models, "ally": [torch.full((3, 4), 1e6), torch.full((5,), 1e6)]}, group)
+    o = dataclasses.replace(ByzantineOptions(), allies=["ally"], **options)
+    check(o)
+    return Liar(swarm, o, group, list(group.tensors), initial), swarm, models
+
+
+def test_liar_learns_holding_the_honest_mean_and_never_from_allies() -> None:
+    liar, swarm, models = _liar(attack="sign_flip")
+    liar.learn()
+    assert sorted(liar.honest) == sorted(models)  # not the ally
+    assert all(float(h.abs().sum()) == 0.0 for h in swarm.held_while_fetching)  # the initial model, not a lie
+    mu = _flat(craft.mean(list(models.values())))
+    liar.write(liar.crafted(attacking=True))
+    assert torch.allclose(_flat(list(liar.group.tensors.values())), -mu) and liar.group.step == 10
+    swarm.held_while_fetching.clear()
+    liar.learn()
+    assert all(torch.allclose(h, mu) for h in swarm.held_while_fetching)  # the honest mean learnt, while fetching
+
+
+def test_sleeper_holds_the_honest_mean_until_its_exchanges_are_spent() -> None:
+    liar, swarm, models = _liar(attack="sign_flip", sleep_exchanges=5)
+    liar.learn()
+    mu = _flat(craft.mean(list(models.values())))
+    assert liar.sleeping() and torch.allclose(_flat(liar.crafted(not liar.sleeping())), mu)
+    swarm.counts = {"initiated": 2, "served": 3}
+    assert not liar.sleeping() and torch.allclose(_flat(liar.crafted(not liar.sleeping())), -mu)
+
+
+def test_liar_paces_itself_as_an_honest_peer_and_leaves_refusing_peers_alone() -> None:
+    from peertrain.swarm import ExchangeResult
+    from protocol.refusal import Code
+
+    liar, swarm, models = _liar(attack="sign_flip", steps_per_exchange=2)
+    liar.learn()
+    assert not liar.training()  # one download: no pace yet
+    swarm.step = 30
+    liar.pace[0] = (liar.pace[0][0] - 2.0, 10)  # 20 steps in the 2 s before this download
+    liar.learn()
+    assert liar.training() and math.isclose(liar.interval(), 2 * 2.0 / 20, rel_tol=0.05)
+    swarm.results["p1"] = ExchangeResult("p1", False, "banned for 60s", code=Code.BANNED)
+    liar.exchange("p1")
+    assert liar.counts["refused_banned"] == 1
+    assert all(liar.pick() in ("p0", "p2") for _ in range(50))  # not p1 (it banned us), never the ally
+
+
+def test_dissensus_liar_keeps_one_learnt_victim() -> None:
+    liar, swarm, models = _liar(attack="dissensus")
+    liar.learn()
+    victim = liar.pick()
+    assert victim == "p0" and all(liar.pick() == victim for _ in range(5))
+    x = _flat(liar.crafted(True))
+    v, m = _flat(models["p0"]), torch.stack([_flat(models[p]) for p in ("p1", "p2")]).mean(0)
+    assert torch.allclose(x, v - 1.5 * (m - v), atol=1e-5)  # its default ε

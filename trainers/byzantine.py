@@ -10,8 +10,11 @@ the names, dtypes and shapes honest peers expect. Then, until its daemon stops:
   puts back the honest mean it learnt last (the seeded initial model at first), as an honest peer would hold;
 - it crafts the attack's model from the honest ones (trainers/byzantine_craft.py) and writes it into the
   shared tensors under the group's lock, so exchanges its neighbours start with it are served from it too;
-- it starts an exchange with a neighbour every `interval` seconds (a random one; the victim, for dissensus),
-  rewriting the crafted model before each, since every exchange also moves our own tensors.
+- it starts an exchange with a neighbour (a random one; the victim, for dissensus) as often as an honest peer
+  does: once per `steps_per_exchange` honest steps at the pace the steps it learns advance (or every
+  `interval` seconds), from when the honest peers train (or at once, `eager`: a flood while they still wait
+  for one another and have no honest distance to judge by); it rewrites the crafted model before each, since
+  every exchange also moves our own tensors.
 
 A sleeper (`sleep_exchanges` > 0) holds the honest mean instead for that many exchanges (ours and those served),
 then attacks. The label-flip attacker needs no code here: it is the honest gossip trainer on `flipped_digits`.
@@ -40,6 +43,8 @@ from trainers.options import option, parse_options
 ATTACKS = (*craft.ATTACKS, "none")  # none: honest-looking all along (holds the honest mean): the harness's control
 MODES = ("adpsgd", "local")  # the honest trainer's modes whose groups we mirror (dpsgd shares what adpsgd does)
 DEFAULT_EPSILON = {"ipm": 0.1, "dissensus": 1.5}  # the issue's: IPM's small case, dissensus as He et al. 2022 run it
+FIRST_INTERVAL_S = 0.1  # between exchanges until two downloads tell the honest pace (eager), or between looks
+PACE_BOUNDS_S = (0.01, 5.0)  # the honest pace as an interval, kept within these (a stalled swarm: 5 s)
 RETRY_BANNED_S = 10.0  # a neighbour that refused us as banned is offered again after this (its ban may have lapsed)
 PUBLISH_EVERY_S = 1.0  # status lines, as often as an honest trainer's
 MAX_ALLIES = 64  # far above any bench's liars; bounds what the option may make us hold
@@ -57,7 +62,12 @@ class ByzantineOptions:
     byzantine: int = option(1, "alie's rule: how many of the `world` peers lie")
     sleep_exchanges: int = option(0, "exchanges (ours and served) to hold the honest mean before attacking: a sleeper")
     learn_every: float = option(2.0, "seconds between downloads of the neighbours' models")
-    interval: float = option(0.05, "seconds between the exchanges we start (an AD-PSGD peer starts one a step)")
+    interval: float = option(0.0, "seconds between the exchanges we start (0: one per `steps_per_exchange` honest "
+                                   "steps, at the pace the steps we learn advance)")
+    steps_per_exchange: int = option(1, "honest steps between an honest peer's exchanges: its average_every, or its "
+                                        "inner_steps in mode local")
+    eager: bool = option(False, "exchange before the honest peers step (default: from their first steps on, as an "
+                                "honest peer starts averaging)")
     allies: list = option([], "the other liars' peer IDs: never learnt from nor averaged with")
     # the honest trainer's, so the shared groups match theirs (trainers/gossip_sgd.py)
     model: str = option("digits_cnn", "the honest peers' built-in model")
@@ -85,7 +95,8 @@ def check(o: ByzantineOptions) -> None:
             raise bad(key, f"a finite number in [{lo:g}, {hi:g}]", v)
     if not (math.isfinite(o.z) and (o.z == -1.0 or 0.0 <= o.z <= 100.0)):
         raise bad("z", "-1 (Baruch's rule) or a number in [0, 100]", o.z)
-    for key, lo in (("byzantine", 0), ("sleep_exchanges", 0), ("world", 0), ("min_peers", 0), ("threads", 1)):
+    for key, lo in (("byzantine", 0), ("sleep_exchanges", 0), ("world", 0), ("min_peers", 0), ("threads", 1),
+                    ("steps_per_exchange", 1)):
         if getattr(o, key) < lo:
             raise bad(key, f"an integer >= {lo}", getattr(o, key))
     if len(o.allies) > MAX_ALLIES or not all(isinstance(a, str) and 0 < len(a) <= 128 for a in o.allies):
@@ -107,6 +118,7 @@ class Liar:
         self.honest: dict[str, list[torch.Tensor]] = {}  # peer -> its model at our last download
         self.honest_mean = [t.clone() for t in initial]  # what an honest peer would hold, as far as we know
         self.step = 0  # the largest honest step seen: told to peers as ours
+        self.pace: list[tuple[float, int]] = []  # (when, largest honest step) at our first and latest download
         self.refused_at: dict[str, float] = {}  # peer -> when it last refused us as banned
         self.victim: str | None = None
         self.counts = {"exchanges": 0, "failed": 0, "refused_banned": 0, "learned": 0, "learn_failed": 0}
@@ -135,6 +147,21 @@ class Liar:
         if seen:
             self.honest = seen
             self.honest_mean = craft.mean(list(seen.values()))
+            self.pace = [*self.pace[:1], (time.monotonic(), self.step)]
+
+    def training(self) -> bool:
+        """Whether the honest peers have begun to step (their step has grown between our downloads)."""
+        return len(self.pace) == 2 and self.pace[1][1] > self.pace[0][1]
+
+    def interval(self) -> float:
+        """Seconds until our next exchange: `interval`, else `steps_per_exchange` honest steps at their pace."""
+        if self.o.interval:
+            return self.o.interval
+        if not self.training():
+            return FIRST_INTERVAL_S
+        (t0, s0), (t1, s1) = self.pace
+        lo, hi = PACE_BOUNDS_S
+        return min(hi, max(lo, self.o.steps_per_exchange * (t1 - t0) / (s1 - s0)))
 
     # -- what we send --------------------------------------------------------------------------------
     def sleeping(self) -> bool:
@@ -213,14 +240,14 @@ def run(swarm, options: dict) -> dict:
             liar.learn()
             next_learn = now + o.learn_every
         attacking = not liar.sleeping()
-        peer = liar.pick()
+        peer = liar.pick() if o.eager or liar.training() else None
         liar.write(liar.crafted(attacking))
         if peer is not None:
             liar.exchange(peer)
         if now >= next_publish:
             swarm.publish(liar.report("attacking" if attacking else "sleeping"))
             next_publish = now + PUBLISH_EVERY_S
-        time.sleep(o.interval if peer is not None else max(o.interval, 0.1))
+        time.sleep(liar.interval() if peer is not None else max(liar.interval(), FIRST_INTERVAL_S))
     result = liar.report("stopped")
     swarm.publish(result)
     return result

@@ -41,8 +41,6 @@ GOAL_QUARTER_POINTS = 5.0  # ... at 1/4
 GOAL_COST_POINTS = 0.5  # no-attack accuracy the defence may cost
 GOAL_EXCHANGE_RATIO = 1.05  # ... and exchange time (64 MiB)
 GOSSIP = {"exchange_timeout": 5.0}  # as the training tests: a loaded 2-core host still finishes a small exchange
-LM_LIAR_INTERVAL_S = 0.5  # a local-steps peer exchanges once a round (~20 steps): a liar that offers 10x as
-#                           often as the digits one would be a flood, not an honest-looking peer
 
 
 def _fractions(text: str, n: int) -> list[tuple[str, int]]:
@@ -125,9 +123,21 @@ def _figures(run: dict, ref: dict, attack: str | None, metric: str) -> dict:
                                   if all(x["seconds_until_first_ban"] is not None for x in liars) else None,
             "liar_exchanges_with_honest": [x["exchanges_with_honest"] for x in liars],
             "ban_reason": next((x["ban_reason"] for x in liars if x["ban_reason"]), None),
+            **_clipping(run),
             "liar_status": run.get("liars"),
         })
     return out
+
+
+def _clipping(run: dict) -> dict:
+    """How the honest peers' averaging met the liars: exchanges with them, and the share clipped (a defence
+    that reports clips: peer status's per-partner `clipped`)."""
+    seen = [e for p in run["peers"] for e in (p.get("liars_seen") or {}).values()]
+    n = sum(e.get("exchanges", 0) for e in seen)
+    if not seen or "clipped" not in seen[0]:
+        return {}
+    return {"liar_exchanges_clipped": sum(e.get("clipped") or 0 for e in seen),
+            "liar_exchanges_clipped_share": _r(sum(e.get("clipped") or 0 for e in seen) / n, 3) if n else None}
 
 
 def _exchange_times(a) -> dict:
@@ -204,8 +214,7 @@ def run(args) -> int:
             topo, (frac, liars) = topologies[0], fractions[0]
             lm_plan = lambda x, k: SwarmPlan(  # noqa: E731
                 honest=a.n - liars, liars=k, attack=x, topology=_topology(topo, a.degree),
-                honest_options=_honest_options(a, lm=True), gossip=GOSSIP, defence=defence,
-                liar_options={"interval": LM_LIAR_INTERVAL_S} if x else {})
+                honest_options=_honest_options(a, lm=True), gossip=GOSSIP, defence=defence)
             ref = _one(a, root, "lm-none", lm_plan(None, 0))
             lm_out = {"model": LM_MODEL, "steps": a.lm_steps, "topology": topo, "fraction": frac,
                       "none": _figures(ref, ref, None, "test_loss"), "attacks": {}}

@@ -34,6 +34,7 @@ LIAR_TRAINER = "trainers.byzantine"
 FLIPPED_DATA = "trainers.byzantine:flipped_digits"
 LIAR_MAX_UPDATE_RATIO = 1e6  # the config's ceiling: the liar's daemon never clips, so never strikes an honest peer
 SLEEP_EXCHANGES = 30  # the sleeper's honest exchanges (ours and served) before it attacks: many of its partners' first
+LOCAL_INNER_STEPS = 50  # gossip_sgd's default inner_steps (a round's steps in mode local)
 POLL_S = 0.5  # how often the watch reads every honest daemon's status (a ban shows within this)
 NO_TRAINER_S = 60.0  # an honest trainer that has not started within this after its daemon is up has failed
 
@@ -135,6 +136,10 @@ def start_swarm(swarm: LocalSwarm, plan: SwarmPlan, name: str) -> Roster:
                            **({"model_options": honest_opts["model_options"]} if "model_options" in honest_opts
                               else {}),
                            "world": n, "byzantine": plan.liars, "allies": allies, "join_wait": 60.0,
+                           # as often as an honest peer exchanges: every average_every steps, or once a round
+                           "steps_per_exchange": (honest_opts.get("inner_steps", LOCAL_INNER_STEPS)
+                                                  if honest_opts.get("mode") == "local"
+                                                  else honest_opts.get("average_every", 1)),
                            **attack.options, **plan.liar_options}
             cfg = swarm_config(**common, gossip=liar_gossip, trainer=trainer, options=options)
             liars.append(swarm.start(f"x{i}", config=cfg, env={**rank_env(i % plan.honest, plan.honest),
@@ -234,10 +239,12 @@ def run_swarm(plan: SwarmPlan, root: Path, name: str, *, timeout: float) -> dict
         liars = [trainer_of(d.try_status()) for d in roster.liars]
     peers = []
     for st in honest:
-        t = trainer_of(st)
+        t, g = trainer_of(st), (st or {}).get("gossip") or {}
+        by_peer = g.get("by_peer") or {}
         peers.append({"state": t.get("state"), "accuracy": t.get("accuracy"), "test_loss": t.get("test_loss"),
-                      "step": t.get("step"), "reached_target": t.get("reached_target"),
-                      "exchanges": ((st or {}).get("gossip") or {}).get("exchanges")})
+                      "step": t.get("step"), "reached_target": t.get("reached_target"), "exchanges": g.get("exchanges"),
+                      # what this peer's averaging says of each liar it met (counts; distance, radius, clip rate)
+                      "liars_seen": {lid[:8]: by_peer[lid] for lid in roster.liar_ids if lid in by_peer}})
     return {"peers": peers, "watch": watch.summary(), "wall_s": round(wall, 1),
             "liars": [{k: l.get(k) for k in ("attack", "phase", "exchanges", "refused_banned", "refused",
                                               "failed", "learned", "learn_failed", "victim", "z", "epsilon")}
