@@ -49,6 +49,7 @@ class Code(enum.StrEnum):
     BAD_RULE = "bad_rule"
     BAD_WEIGHT = "bad_weight"
     CANNOT_WORK = "cannot_work"  # e.g. a punch through a NAT that picks random ports
+    BAD_RADIUS = "bad_radius"  # an averaging offer without a radius (an older peer) or with an impossible one
     # -- a code this version does not know
     UNKNOWN = "unknown"
 
@@ -64,7 +65,7 @@ class Code(enum.StrEnum):
 TRY_LATER = frozenset({Code.BUSY, Code.TOO_SOON})  # full, not broken: asking again is fine
 STALE_VIEW = frozenset({Code.NOT_SERVING, Code.WRONG_PIPELINE, Code.WRONG_CUT, Code.WRONG_STAGE, Code.MOVED})
 ASKERS_FAULT = frozenset({Code.WRONG_SPECS, Code.WRONG_KIND, Code.TOO_BIG, Code.BAD_CODEC, Code.BAD_INPUT,
-                          Code.BAD_RULE, Code.BAD_WEIGHT})  # any peer would refuse it: do not retry elsewhere
+                          Code.BAD_RULE, Code.BAD_WEIGHT, Code.BAD_RADIUS})  # any peer would refuse it: do not retry elsewhere
 
 
 @dataclass(frozen=True, slots=True)

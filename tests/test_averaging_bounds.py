@@ -1,9 +1,11 @@
-"""Bounded damage and bans in the averaging engine: the symmetric clip rule, the hold, the ban list, and two
-engines in one process (tests/test_gossip_engine.py's pair) where one side's values are poisoned."""
+"""Bounded damage and bans in the averaging engine: the symmetric clip by the two announced radii, the hold,
+the ban list, and two engines in one process (tests/test_gossip_engine.py's pair) where one side's values
+are poisoned. The radius rule itself: tests/test_averaging_radius.py."""
 
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -13,7 +15,8 @@ from hypothesis import strategies as st
 
 from peer.averaging import bans as bans_mod
 from peer.averaging.bans import BanList
-from peer.averaging.bounds import HOLD_BASE_S, hold_seconds, update_scale
+from peer.averaging.bounds import HOLD_BASE_S, clip_scale, download_ok, hold_seconds, valid_radius
+from peer.averaging.radius import Radii
 from peer.averaging.shared import SharedTensors
 from protocol.schema.gossip import ParamsRequest
 from protocol.schema.session import ErrorReply
@@ -21,26 +24,41 @@ from tests.test_gossip_engine import exchange_and_wait, run_pair, total
 
 finite = st.floats(min_value=0.0, max_value=1e300, allow_nan=False, allow_infinity=False)
 anything = st.floats(allow_nan=True, allow_infinity=True)
+radii = st.floats(min_value=0.0, allow_nan=False, allow_infinity=True)
 
 
-@given(anything, anything, anything, st.floats(min_value=1.0, max_value=1e6))
-def test_the_scale_is_the_same_on_both_sides_and_within_0_1(diff_sq, a_sq, b_sq, ratio):
-    s = update_scale(diff_sq, a_sq, b_sq, ratio)
-    assert s == update_scale(diff_sq, b_sq, a_sq, ratio)  # each side passes its own norm first
+@given(anything, anything, anything)
+def test_the_scale_is_the_same_on_both_sides_and_within_0_1(diff_sq, ra, rb):
+    s = clip_scale(diff_sq, ra, rb)
+    assert s == clip_scale(diff_sq, rb, ra)  # each side passes its own radius first
     assert 0.0 <= s <= 1.0
 
 
-@given(finite, finite, finite, st.floats(min_value=1.0, max_value=1e6))
-def test_the_clipped_difference_is_within_the_bound(diff_sq, a_sq, b_sq, ratio):
-    s = update_scale(diff_sq, a_sq, b_sq, ratio)
-    assert s * math.sqrt(diff_sq) <= ratio * math.sqrt(min(a_sq, b_sq)) * (1 + 1e-12) + 1e-300
-    if math.sqrt(diff_sq) <= ratio * math.sqrt(min(a_sq, b_sq)):
+@given(finite, radii, radii)
+def test_the_clipped_difference_is_within_the_smaller_radius(diff_sq, ra, rb):
+    s = clip_scale(diff_sq, ra, rb)
+    slack = 1e-12 if s == 0.0 or s >= sys.float_info.min else 1e-2  # a subnormal scale has few bits
+    assert s * math.sqrt(diff_sq) <= min(ra, rb) * (1 + slack) + 1e-300
+    if math.sqrt(diff_sq) <= min(ra, rb):
         assert s == 1.0
 
 
-def test_an_overflowing_norm_applies_nothing():
-    assert update_scale(math.inf, 1.0, 1.0, 8.0) == 0.0
-    assert update_scale(1.0, math.nan, 1.0, 8.0) == 0.0
+def test_an_overflowing_distance_or_a_nan_radius_applies_nothing():
+    assert clip_scale(math.inf, 1.0, 1.0) == 0.0
+    assert clip_scale(math.nan, 1.0, 1.0) == 0.0
+    assert clip_scale(1.0, math.nan, 1.0) == 0.0 and clip_scale(1.0, 1.0, math.nan) == 0.0
+    assert clip_scale(1.0, math.inf, math.inf) == 1.0  # neither side bounds it
+
+
+def test_an_announced_radius_is_a_float_at_least_0_inf_included():
+    assert valid_radius(0.0) and valid_radius(math.inf) and valid_radius(1e-300)
+    assert not valid_radius(-1.0) and not valid_radius(math.nan) and not valid_radius(-math.inf)
+
+
+def test_a_download_is_within_the_ratio_of_the_smaller_norm_and_a_model_of_zeros_takes_any_finite_one():
+    assert download_ok(4.0, 1.0, 1.0, 8.0) and not download_ok(100.0, 1.0, 1e6, 8.0)
+    assert download_ok(1e60, 0.0, 1e60, 8.0)  # nothing to protect: the exchanges judge it against the swarm
+    assert not download_ok(math.inf, 0.0, math.inf, 8.0)
 
 
 def test_the_hold_grows_with_the_bytes_and_is_capped_by_the_exchange_timeout():
@@ -53,32 +71,116 @@ def _pair(a_values: np.ndarray, b_values: np.ndarray):
     return SharedTensors("g", {"w": a_values.copy()}), SharedTensors("g", {"w": b_values.copy()})
 
 
-def _exchange(ga: SharedTensors, gb: SharedTensors, w: float, ratio: float) -> tuple[float, float]:
+def _exchange(ga: SharedTensors, gb: SharedTensors, w: float, ra: float | None, rb: float | None = None):
+    """Both halves of one exchange, each side with its own radius (None: the defence off); the two scales."""
     a, b = ga.snapshot(), gb.snapshot()
     a, b = [x.copy() for x in a], [x.copy() for x in b]
-    return ga.apply(w, b, a, max_ratio=ratio), gb.apply(w, a, b, max_ratio=ratio)
+    rb = ra if rb is None else rb
+    pa = None if ra is None else (ra, rb)
+    pb = None if ra is None else (rb, ra)
+    return ga.apply(w, b, a, radii=pa)[0], gb.apply(w, a, b, radii=pb)[0]
 
 
-@pytest.mark.parametrize("poison", [lambda x: -1000.0 * x, lambda x: np.full_like(x, 3e38), lambda x: x * 0.0])
+def _ceiling(values: np.ndarray, ratio: float = 8.0) -> float:
+    """The radius a side with no other partner announces: the ceiling, ratio times its norm."""
+    return Radii(max_ratio=ratio, byzantine_share=0.25).radius("g", "p", float(np.linalg.norm(values.astype(np.float64))), 0.0).announced
+
+
+@pytest.mark.parametrize("poison", [lambda x: -1000.0 * x, lambda x: np.full_like(x, 3e38)])
 def test_both_sides_clip_alike_so_the_sum_is_kept_and_the_honest_side_stays_bounded(poison):
     honest = np.random.default_rng(1).standard_normal(10_000).astype(np.float32)
-    ga, gb = _pair(honest, poison(honest))
+    bad = poison(honest)
+    ga, gb = _pair(honest, bad)
     before = ga.tensors["w"].astype(np.float64).sum() + gb.tensors["w"].astype(np.float64).sum()
-    sa, sb = _exchange(ga, gb, 1 / 3, 8.0)
+    sa, sb = _exchange(ga, gb, 1 / 3, _ceiling(honest), _ceiling(bad))
     assert sa == sb < 1.0
     after = ga.tensors["w"].astype(np.float64).sum() + gb.tensors["w"].astype(np.float64).sum()
     assert np.all(np.isfinite(ga.tensors["w"]))
-    # the honest side moved by at most w * ratio * the smaller norm
+    # the honest side moved by at most w * its radius (the smaller one)
     moved = np.linalg.norm((ga.tensors["w"] - honest).astype(np.float64))
     assert moved <= (1 / 3) * 8.0 * np.linalg.norm(honest.astype(np.float64)) * 1.0001
     if np.all(np.isfinite(gb.tensors["w"])) and abs(before) < 1e30:
         assert after == pytest.approx(before, abs=1e-3 * max(1.0, float(np.abs(honest).sum())))
 
 
+def test_a_model_of_zeros_averages_in_full_judged_by_its_partners_radius():
+    """A freshly initialised linear model (all zeros) announces no ceiling: its exchange with a trained
+    partner is bounded by that partner's radius alone, and is not clipped for being zero."""
+    trained = np.random.default_rng(5).standard_normal(4096).astype(np.float32)
+    fresh, other = _pair(np.zeros(4096, np.float32), trained)
+    assert _ceiling(np.zeros(4), 8.0) == math.inf
+    assert _exchange(fresh, other, 1 / 3, math.inf, _ceiling(trained)) == (1.0, 1.0)
+    np.testing.assert_allclose(fresh.tensors["w"], trained / 3, rtol=1e-6)
+
+
 def test_honest_models_are_never_clipped():
     rng = np.random.default_rng(2)
-    ga, gb = _pair(rng.standard_normal(4096).astype(np.float32), rng.standard_normal(4096).astype(np.float32))
-    assert _exchange(ga, gb, 1 / 3, 8.0) == (1.0, 1.0)  # independent starts: about 1.4 times the norm apart
+    a, b = rng.standard_normal(4096).astype(np.float32), rng.standard_normal(4096).astype(np.float32)
+    ga, gb = _pair(a, b)
+    assert _exchange(ga, gb, 1 / 3, _ceiling(a), _ceiling(b)) == (1.0, 1.0)  # independent starts: ~1.4x the norm apart
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_inside_each_others_radius_the_defence_changes_nothing_and_the_pair_sum_is_exact(dtype):
+    """An honest pair inside each other's radius: s = 1 on both sides, and each side's tensors end bit for bit
+    as without the defence; the two updates are exact negatives, so the pair's sum changes only by the
+    rounding of the two additions (float64: not at all, for these values)."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(300_000).astype(dtype)
+    b = (a + rng.standard_normal(300_000).astype(dtype) * dtype(0.01)).astype(dtype)
+    with_a, with_b = _pair(a, b)
+    without_a, without_b = _pair(a, b)
+    assert _exchange(with_a, with_b, 1 / 3, _ceiling(a), _ceiling(b)) == (1.0, 1.0)
+    _exchange(without_a, without_b, 1 / 3, None)
+    np.testing.assert_array_equal(with_a.tensors["w"], without_a.tensors["w"])
+    np.testing.assert_array_equal(with_b.tensors["w"], without_b.tensors["w"])
+    da = with_a.tensors["w"].astype(np.float64) - a
+    db = with_b.tensors["w"].astype(np.float64) - b
+    ulp = float(np.finfo(dtype).eps) * float(np.abs(a).max()) * a.size
+    assert abs(float(np.sum(da + db))) <= ulp
+    if dtype == np.float64:
+        b64 = np.full(8, 3.0)
+        ga, gb = _pair(np.full(8, 1.0), b64)
+        _exchange(ga, gb, 1 / 3, 100.0)
+        assert float(ga.tensors["w"].sum() + gb.tensors["w"].sum()) == 32.0
+
+
+def test_a_clipped_exchange_moves_both_sides_by_the_same_scale_and_keeps_the_pair_sum():
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal(50_000).astype(np.float32)
+    b = (a + rng.standard_normal(50_000).astype(np.float32)).astype(np.float32)
+    ga, gb = _pair(a, b)
+    distance = float(np.linalg.norm((b.astype(np.float64) - a)))
+    sa, sb = _exchange(ga, gb, 1 / 3, distance / 10, distance / 5)
+    assert sa == sb and sa == pytest.approx(0.1, rel=1e-6)  # the smaller radius
+    moved_a = ga.tensors["w"].astype(np.float64) - a
+    moved_b = gb.tensors["w"].astype(np.float64) - b
+    assert float(np.linalg.norm(moved_a)) == pytest.approx(distance / 30, rel=1e-5)
+    assert abs(float(np.sum(moved_a + moved_b))) <= 1e-6 * float(np.abs(moved_a).sum())
+
+
+def test_a_numpy_peer_and_a_torch_path_peer_compute_the_same_scale_for_the_same_pair(monkeypatch):
+    """A CUDA or bfloat16 group updates by whole-tensor torch operations; the scale is still the one
+    routine's (peer/averaging/norms.py) over the wire values, so it is bit for bit the numpy path's. The
+    torch path is forced here on a CPU torch group."""
+    torch = pytest.importorskip("torch")
+    from peer.averaging import shared
+
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal(200_003).astype(np.float32)
+    b = (a + 3.0 * rng.standard_normal(200_003)).astype(np.float32)
+    ga = SharedTensors("g", {"w": a.copy()})  # numpy: the blocked path
+    gb = SharedTensors("g", {"w": torch.from_numpy(b.copy())})
+    sa_, sb_ = ga.snapshot()[0].copy(), gb.snapshot()[0].clone()
+    radius = float(np.linalg.norm(b.astype(np.float64) - a)) / 7.0  # clipped: the scale is a ratio of two floats
+    assert ga.apply(1 / 3, [torch.from_numpy(sb_.numpy().copy()).numpy()], [sa_], radii=(radius, radius))[0] \
+        == (scale := clip_scale(shared.norms.diff_sq([sb_.numpy()], [sa_]), radius, radius))
+    monkeypatch.setattr(shared, "_host_arrays", lambda *groups: None)  # as for a device tensor
+    got, _ = gb.apply(1 / 3, [torch.from_numpy(sa_.copy())], [sb_], radii=(radius, radius))
+    assert got == scale < 1.0
+    total_before = float(a.astype(np.float64).sum() + b.astype(np.float64).sum())
+    total_after = float(ga.tensors["w"].astype(np.float64).sum() + gb.tensors["w"].double().sum())
+    assert total_after == pytest.approx(total_before, abs=1e-3)
 
 
 def test_three_strikes_ban_for_a_growing_interval_that_expires():
@@ -121,6 +223,11 @@ def test_an_engine_pair_clips_a_poisoned_neighbour_alike_on_both_sides_and_keeps
         assert a.stats.clipped == {b.me: 1} and b.stats.clipped == {a.me: 1}
         w = a.groups["params"].tensors["w"]
         assert np.all(np.abs(w - 1.0) <= result.weight * 8.0 * 1.0001)  # moved at most w * ratio * |a|
+        seen = a.status()["by_peer"][b.me]  # what `peer status` shows of it
+        norm = math.sqrt(w.size)  # a's values were 1.0: no other partner, so the ceiling, 8x that
+        assert seen["clipped"] == 1 and seen["clip_rate"] == 1.0
+        assert seen["distance"] == pytest.approx(1001 * norm, rel=1e-3) and seen["radius"] == pytest.approx(8 * norm, rel=1e-3)
+        assert a.stats.struck == {b.me: 1} and b.stats.struck == {}  # 125 of a's radii; 1/8 of b's
     trio.run(run_pair, body)
 
 
@@ -207,9 +314,81 @@ def test_peer_status_shows_bans_and_per_peer_counts():
     st = {"peer_id": "a" * 52, "swarm": "s", "protocol_version": 1, "version": "0", "listen": "127.0.0.1:1",
           "mdns": False, "ciphers": ["x"], "uptime_s": 1.0, "pid": 1, "home": "/h", "connected": 0, "peers": [],
           "bans": [{"peer": "b" * 52, "until": time.time() + 120, "reason": "let an exchange we had accepted lapse"}],
-          "gossip": {"clipped": {"c" * 52: 2}, "lapsed": {"b" * 52: 3}}}
+          "gossip": {"clipped": {"c" * 52: 2}, "struck": {"c" * 52: 1}, "lapsed": {"b" * 52: 3},
+                     "by_peer": {"c" * 52: {"exchanges": 8, "clipped": 2, "clip_rate": 0.25, "distance": 0.0312,
+                                            "radius": 0.0121},
+                                 "d" * 52: {"exchanges": 5, "clipped": 0, "clip_rate": 0.0, "distance": 0.004,
+                                            "radius": None}}}}
     console = Console(record=True, width=160)
     console.print(render_status(st))
     out = console.export_text()
     assert "banned from averaging" in out and "bbbbbbbb" in out and "lapse" in out
-    assert "cccccccc 2" in out and "bbbbbbbb 3" in out
+    assert "cccccccc 2" in out and "bbbbbbbb 3" in out and "struck for distance" in out
+    partners = [line.split() for line in out.splitlines() if line.strip().startswith(("cccccccc", "dddddddd"))]
+    assert ["cccccccc", "8", "2", "25%", "0.0312", "0.0121"] in partners  # clip rate, distance, our radius
+    assert ["dddddddd", "5", "0", "0%", "0.004", "-"] in partners  # no radius announced (no bound)
+
+
+@pytest.mark.process
+def test_an_offer_without_a_radius_is_refused_and_an_accept_without_one_is_called_off(monkeypatch):
+    """A peer of averaging protocol 2 announces no radius (it reads as -1): its offers are refused with
+    bad_radius, and an accept without one makes the initiator abort; nothing is applied either way, since
+    that peer would clip by another rule and the pair's sum would change."""
+    import dataclasses
+
+    from peer.averaging import serving
+    from protocol.schema.gossip import AverageOffer
+
+    async def body(a, b):
+        router = b.daemon.router
+        honest = router._handlers[AverageOffer]
+
+        async def as_version_2(session, env):
+            await honest(session, dataclasses.replace(env, message=dataclasses.replace(env.message, radius=-1.0)))
+
+        router._handlers[AverageOffer] = as_version_2
+        before = (total(a), total(b))
+        result = await a.exchange(b.me, "params")
+        assert not result.ok and result.code == "bad_radius", result
+        router._handlers[AverageOffer] = honest
+        monkeypatch.setattr(serving, "wire_radius", lambda radius: -1.0)
+        result = await a.exchange(b.me, "params")
+        assert not result.ok and "radius" in result.reason, result
+        assert (total(a), total(b)) == before
+        monkeypatch.undo()
+        assert (await exchange_and_wait(a, b)).ok  # and the pair still averages afterwards
+    trio.run(run_pair, body)
+
+
+@pytest.mark.process
+def test_a_model_of_zeros_downloads_and_averages_and_no_one_is_struck():
+    """A freshly initialised linear model (all zeros): before, it could neither download (no norm to bound
+    the download by) nor average (the smaller norm, 0, clipped everything), and its partner was struck for
+    it. Now it takes the download, and averages in full with a partner whose radius allows it."""
+    async def body(a, b):
+        a.groups["params"].tensors["w"][:] = 0.0
+        got = await a.downloads.fetch_params("params", b.me)
+        assert got is not None and float(got[0][0][0]) == 3.0
+        result = await exchange_and_wait(a, b)
+        assert result.ok
+        np.testing.assert_allclose(a.groups["params"].tensors["w"], 1.0, rtol=1e-6)  # a third of the way to 3
+        assert a.stats.clipped == b.stats.clipped == {} and a.stats.struck == b.stats.struck == {}
+        assert not a.status()["bans"] and not b.status()["bans"]
+    trio.run(run_pair, body)
+
+
+@pytest.mark.parametrize("codec", ["raw", "float16", "q8"])
+def test_every_codec_clips_alike_on_both_sides_from_the_decoded_values(codec):
+    """With a lossy codec each side applies w * s * (q(theirs) - q(ours)): the distance is the decoded
+    values', which both sides hold bit for bit, so the scale is the same and the updates cancel."""
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal(100_000).astype(np.float32)
+    b = (a + rng.standard_normal(100_000).astype(np.float32)).astype(np.float32)
+    ga, gb = _pair(a, b)
+    qa, qb = ga.as_sent([a.copy()], codec), gb.as_sent([b.copy()], codec)
+    radius = float(np.linalg.norm(qb[0].astype(np.float64) - qa[0])) / 4  # clipped to a quarter
+    sa, da = ga.apply(1 / 3, [qb[0].copy()], [qa[0].copy()], radii=(radius, radius * 2))
+    sb, db = gb.apply(1 / 3, [qa[0].copy()], [qb[0].copy()], radii=(radius * 2, radius))
+    assert sa == sb == pytest.approx(0.25, rel=1e-6) and da == db  # bit for bit alike
+    moved = (ga.tensors["w"].astype(np.float64) - a) + (gb.tensors["w"].astype(np.float64) - b)
+    assert abs(float(moved.sum())) <= 1e-6 * float(np.abs(a).sum())

@@ -36,6 +36,16 @@ def test_two_peers_small_tensor():
     assert out["sum_preserved"] is True
     assert out["seconds_per_exchange"] > 0 and len(out["exchange_samples_s"]) == 5
     assert out["cipher"] in CIPHERS
+    assert out["defence"] is True
+
+
+def test_two_peers_without_the_defence():
+    """The benchmark's switch reaches the daemons: they report the defence off, and the sum is still kept
+    (neither side clips)."""
+    rc, out, err = _bench("--peers", "2", "--size", "256KiB", "--rounds", "3", "--settle", "0.5", "--timeout", "60",
+                          "--no-defence")
+    assert rc == 0 and out is not None, err
+    assert out["defence"] is False and out["sum_preserved"] is True
 
 
 def test_bad_arguments_fail_cleanly():

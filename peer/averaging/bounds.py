@@ -6,15 +6,14 @@ by the configured exchange_timeout); the server waits `COMMIT_SLACK_S` longer th
 take to commit, so a commit sent in time is always served (a server that gave up while the initiator
 applied would change the swarm's sum).
 
-Clip: both sides apply w * s * (other - own) with the same scale s, computed by `update_scale` from
-quantities both sides hold identically (the squared norms of the two snapshots, swapped, and of their
-difference, negated), so the pair's updates still cancel exactly: Δx_i + Δx_j = w s (b - a) + w s (a - b) = 0.
-A rule on each side's own history of distances could not promise that: the two histories differ as soon
-as one side restarts or misses one commit, and then every clipped exchange would change the sum.
-The bound is `ratio` times the smaller of the two norms: a peer cannot raise it by sending larger values,
-and honest models (independently initialised ones differ by about sqrt(2) times their norm) stay far
-below the default ratio. Non-finite norms (values near float32's limit square to inf) give s = 0:
-nothing is applied, on both sides.
+Clip (docs/design.md, "Robust averaging"): each side announces a radius in the exchange (the initiator in
+its offer, the server in its accept: peer/averaging/radius.py says how it is chosen), and both apply
+w * s * (other - own) with s = min(1, min(r_i, r_j) / ||b - a||), computed by `clip_scale` from quantities
+both sides hold bit for bit: the two announced radii and ||b - a||^2 (peer/averaging/norms.py, over the
+wire values). So the pair's updates cancel exactly, clipped or not: Δx_i + Δx_j = w s (b - a) + w s (a - b)
+= 0. A peer can only lower the pair's radius by what it announces (it stops averaging with us), never raise
+it past ours. A non-finite distance (values whose square overflows) or radius gives s = 0: nothing is
+applied, on both sides.
 """
 
 from __future__ import annotations
@@ -31,28 +30,33 @@ def hold_seconds(nbytes: int, exchange_timeout: float) -> float:
     return min(exchange_timeout, HOLD_BASE_S + nbytes / HOLD_FLOOR_BPS)
 
 
-def update_scale(diff_sq: float, own_sq: float, other_sq: float, ratio: float) -> float:
-    """The factor s in [0, 1] both sides apply to w * (other - own): symmetric in (own_sq, other_sq).
-
-    `diff_sq` = ||other - own||^2, the norms' squares of the two snapshots; s < 1 when the difference is more
-    than `ratio` times the smaller norm. Evaluated the same on both sides (the arguments are swapped there),
-    so the pair's updates cancel."""
-    if not all(math.isfinite(v) and v >= 0.0 for v in (diff_sq, own_sq, other_sq)):
-        return 0.0  # an overflowed norm (or a value no sum of squares has): apply nothing
-    bound, diff = ratio * math.sqrt(min(own_sq, other_sq)), math.sqrt(diff_sq)  # norms, not squares: no under/overflow
-    return 1.0 if diff <= bound else bound / diff
+def valid_radius(radius: float) -> bool:
+    """Whether a peer's announced radius is one: a float >= 0 (the wire carries no inf or NaN; the largest
+    float, NO_BOUND, says "no bound from my side"); negatives (an older peer, which announces none, reads as
+    -1) are not."""
+    return isinstance(radius, float) and radius >= 0.0
 
 
-def cannot_clip(own_sq: float, other_sq: float, ratio: float) -> bool:
-    """Whether the rule gives s = 1 whatever the difference: ||other - own|| <= ||own|| + ||other||, so when
-    that sum is within `ratio` times the smaller norm no difference can exceed the bound. Symmetric in the
-    two norms, so both sides decide alike; it spares a pass over the tensors in the common case."""
-    if not (math.isfinite(own_sq) and math.isfinite(other_sq) and own_sq >= 0.0 and other_sq >= 0.0):
-        return False
-    own, other = math.sqrt(own_sq), math.sqrt(other_sq)
-    return own + other <= ratio * min(own, other)
+def clip_scale(diff_sq: float, radius_a: float, radius_b: float) -> float:
+    """The factor s in [0, 1] both sides apply to w * (other - own), symmetric in the two radii.
+
+    `diff_sq` = ||other - own||^2 (the same on both sides: norms.diff_sq); s < 1 when the distance is past
+    the smaller radius. Both sides pass the same three numbers (the radii swapped), so they get the same s."""
+    if not (math.isfinite(diff_sq) and diff_sq >= 0.0 and radius_a >= 0.0 and radius_b >= 0.0):
+        return 0.0  # an overflowed distance (or a value no sum of squares has), or a NaN radius: apply nothing
+    radius = min(radius_a, radius_b)
+    distance = math.sqrt(diff_sq)  # the norm, not its square: no under/overflow against the radius
+    return 1.0 if distance <= radius else radius / distance
 
 
 def download_ok(diff_sq: float, own_sq: float, other_sq: float, ratio: float) -> bool:
-    """Whether downloaded parameters may replace ours: the same rule as an exchange, unclipped."""
-    return update_scale(diff_sq, own_sq, other_sq, ratio) == 1.0
+    """Whether downloaded parameters may replace ours: within `ratio` times the smaller of the two norms.
+
+    A model that is all zeros (a freshly initialised linear model) has nothing to protect and no norm to
+    judge by: it takes any finite download, and its exchanges then judge it against the swarm (radius.py)."""
+    values = (diff_sq, own_sq, other_sq)
+    if not all(math.isfinite(v) and v >= 0.0 for v in values):
+        return False
+    if own_sq == 0.0:
+        return True
+    return math.sqrt(diff_sq) <= ratio * math.sqrt(min(own_sq, other_sq))

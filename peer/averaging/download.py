@@ -2,8 +2,9 @@
 
 `Downloads` is given what it reads of the averaging engine: its groups, who may download from us, the
 partners worth asking, the serving slots it shares with the exchanges we serve (a download holds a snapshot
-and our upload as one does), and the ledger. A download replaces the downloader's tensors, so the same
-bound as an exchange applies, and a download past it is refused, never clipped (peer/averaging/bounds.py).
+and our upload as one does), and the ledger. A download replaces the downloader's tensors, so it must be
+within `[gossip] max_update_ratio` of the smaller norm, and one past it is refused, never clipped
+(peer/averaging/bounds.py, `download_ok`); a model of all zeros has nothing to protect and takes it.
 """
 
 from __future__ import annotations
@@ -114,15 +115,15 @@ class Downloads:
                 if len(reply.streams) != len(group.specs):
                     raise ProtocolError("params reply has the wrong number of tensors")
                 values = await theirs.receive(timeout=self.cfg.exchange_timeout)
-            # The same bound as an exchange, against our model: a download replaces it, so refuse, never clip.
-            # A download-only group still all zeros (a fresh outer momentum) has no norm to bound against: its
-            # trainer bounds it against the weights it downloaded with it (peertrain/outer.py, `join`).
+            # Bounded against our model: a download replaces it, so refuse, never clip. A group still all zeros
+            # (a fresh linear model, a fresh outer momentum) has no norm to bound against and takes any finite
+            # values: a model's exchanges then judge it against the swarm (radius.py); a momentum's trainer
+            # bounds it against the weights it downloaded with it (peertrain/outer.py, `join`).
             dist = await trio.to_thread.run_sync(group.distance_sq, values)
-            fresh_state = not group.averaged and dist[1] == 0.0
-            if not fresh_state and not download_ok(*dist, self.cfg.max_update_ratio):
+            if not download_ok(*dist, self.cfg.max_update_ratio):
                 log.warning("refused parameters from %s: %.3g from ours, past max_update_ratio %g of the norms",
                             session.short, dist[0] ** 0.5, self.cfg.max_update_ratio)
-                self.ledger.clipped(peer_id, "sent parameters past max_update_ratio")
+                self.ledger.refused_download(peer_id, "sent parameters past max_update_ratio")
                 return None
             return values, reply.step
         except (trio.TooSlowError, SessionClosed, ProtocolError, TimeoutError) as exc:

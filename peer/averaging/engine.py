@@ -4,15 +4,17 @@ GossipEngine is the daemon's averaging service: the groups a trainer shares and 
 (its partners), the trainer-facing calls, and the initiator's side of an exchange. It composes the rest,
 each with its own state: the server's side (serving.py, `ExchangeServer`), joining peers' downloads
 (download.py, `Downloads`), the weight budget and serving slots both sides share (budget.py, with the
-rules that keep every update convex), and the ledger of counters and bans (ledger.py). What an exchange
-is and what each of its endings owes is exchange.py (with why it keeps the swarm-wide sum), which weight
-it carries weights.py, the tensors and the update shared.py, and what both sides do once it is decided
-settle.py. Tensors travel as tensor groups (peer/session/groups.py).
+rules that keep every update convex), the ledger of counters and bans (ledger.py), and our partners'
+distances that set each exchange's clip radius (radius.py). What an exchange is and what each of its
+endings owes is exchange.py (with why it keeps the swarm-wide sum), which weight it carries weights.py,
+the tensors and the update shared.py, how far an update may move us bounds.py and norms.py, and what both
+sides do once it is decided settle.py. Tensors travel as tensor groups (peer/session/groups.py).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -20,13 +22,14 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from peer.averaging.bans import BanList
-from peer.averaging.bounds import hold_seconds
+from peer.averaging.bounds import hold_seconds, valid_radius
 from peer.averaging.budget import ServingSlots, WeightBudget
 from peer.averaging.download import Downloads, Fetched
 from peer.averaging.exchange import Event, Exchange, Role, State
 from peer.averaging.ledger import GossipStats, Ledger
+from peer.averaging.radius import NO_DEFENCE_ENV, Radii
 from peer.averaging.serving import ExchangeServer
-from peer.averaging.settle import apply_committed, keep_residual
+from peer.averaging.settle import apply_committed, keep_residual, our_radius, wire_radius
 from peer.averaging.shared import SharedTensors
 from peer.averaging.weights import rule_cap
 from peer.concurrency import together
@@ -58,9 +61,17 @@ class GossipEngine:
         self._partners: dict[str, Callable[[], set[str]]] = {}  # group -> who may average it (register)
         self.budget = WeightBudget(self.me)
         self.ledger = Ledger()
+        # the clip radius and its evidence; off only for `peer bench average --no-defence`, on every daemon of
+        # its swarm (one side without it would apply unclipped what the other clips: the sum would change)
+        self.radii: Radii | None = Radii(max_ratio=self.cfg.max_update_ratio, byzantine_share=self.cfg.byzantine_share)
+        if os.environ.get(NO_DEFENCE_ENV) == "1":
+            log.warning("%s=1: averaging never clips and judges no partner (a benchmark's switch, not for a swarm "
+                        "that may hold a lying peer)", NO_DEFENCE_ENV)
+            self.radii = None
         slots = ServingSlots(self.cfg.max_concurrent_exchanges)
         self.server = ExchangeServer(self.cfg, groups=self.groups, budget=self.budget, slots=slots,
-                                     ledger=self.ledger, may_average=self.role_refusal, links=topology)
+                                     ledger=self.ledger, may_average=self.role_refusal, links=topology,
+                                     radii=self.radii)
         self.downloads = Downloads(self.cfg, groups=self.groups, slots=slots, ledger=self.ledger,
                                    may_download=self.role_refusal, holders=self.holders,
                                    connected=self.membership.connected)
@@ -105,6 +116,8 @@ class GossipEngine:
         refused as for any group we do not hold; an exchange already under way finishes on its own tensors."""
         self.groups.pop(name, None)
         self._partners.pop(name, None)
+        if self.radii is not None:
+            self.radii.forget(name)
         self.topology.announce_soon()
 
     # ---- the trainer-facing calls -------------------------------------------------------------------
@@ -187,12 +200,13 @@ class GossipEngine:
             own = await trio.to_thread.run_sync(group.snapshot)
             carried = await trio.to_thread.run_sync(group.add_residual, own, codec)
             sent = await trio.to_thread.run_sync(group.as_sent, own, codec)
+            radius = await our_radius(self.radii, group, peer_id, sent)
             if peer_id in self.budget.serving:  # their offer won a collision while we took the snapshot
                 x.handle(Event.FAIL, "lost a collision")
                 return ExchangeResult(peer_id, False, "exchange with this peer already in flight", code=Code.BUSY)
             ours = OutgoingGroup(session, group.specs)
             offer = AverageOffer(group=group_name, tensors=group.specs, streams=ours.streams, max_weight=max_weight,
-                                 rule=rule, codec=codec, step=group.step)
+                                 rule=rule, codec=codec, step=group.step, radius=wire_radius(radius))
             with trio.fail_after(hold_seconds(group.nbytes, self.cfg.exchange_timeout)):
                 replies: list = []
                 offer_rid = session.new_request_id()
@@ -219,6 +233,8 @@ class GossipEngine:
                 x.handle(Event.ACCEPT)
                 if len(reply.streams) != len(own) or not 0.0 < reply.weight <= max_weight:
                     raise ProtocolError(f"inconsistent accept (weight {reply.weight}, offered at most {max_weight})")
+                if not valid_radius(reply.radius):
+                    raise ProtocolError(f"inconsistent accept (radius {reply.radius}: an older peer, or none)")
                 w = reply.weight
                 self.budget.initiating[peer_id] = w  # the rest of what we set aside is free again
                 others = await theirs.receive(timeout=self.cfg.exchange_timeout)
@@ -230,8 +246,8 @@ class GossipEngine:
                 x.handle(Event.COMMIT)
                 committed = True
             # committed: the server applies, so we must too (the sum)
-            await apply_committed(group, w, others, sent, peer_id=peer_id, max_ratio=self.cfg.max_update_ratio,
-                                  ledger=self.ledger)
+            await apply_committed(group, w, others, sent, peer_id=peer_id, radius=radius, theirs=reply.radius,
+                                  radii=self.radii, ledger=self.ledger)
         except (trio.TooSlowError, SessionClosed, ProtocolError, TimeoutError) as exc:
             # (TimeoutError: the group's lock, held past its bound by an attached process, before the offer)
             reason = "deadline passed" if isinstance(exc, trio.TooSlowError) else str(exc)
@@ -306,7 +322,8 @@ class GossipEngine:
 
     def status(self) -> dict:
         return {"groups": {g.name: {"tensors": len(g.specs), "bytes": g.nbytes} for g in self.groups.values()},
-                **self.ledger.status(), "inflight": self.budget.in_flight()}
+                **self.ledger.status(), "inflight": self.budget.in_flight(),
+                "defence": self.radii is not None}  # False only under a benchmark's switch (radius.py)
 
     def ban_list(self) -> list[dict]:
         """Bans in force for `peer status`: peer, until (unix time), reason."""

@@ -16,11 +16,12 @@ from typing import Any, Protocol
 
 import trio
 
-from peer.averaging.bounds import COMMIT_SLACK_S, hold_seconds
+from peer.averaging.bounds import COMMIT_SLACK_S, hold_seconds, valid_radius
 from peer.averaging.budget import ServingSlots, WeightBudget
 from peer.averaging.exchange import Event, Exchange, Role, State
 from peer.averaging.ledger import Ledger
-from peer.averaging.settle import apply_committed, keep_residual
+from peer.averaging.radius import Radii
+from peer.averaging.settle import apply_committed, keep_residual, our_radius, wire_radius
 from peer.averaging.shared import SharedTensors
 from peer.averaging.weights import WEIGHT_RULES, rule_cap
 from peer.concurrency import together
@@ -57,14 +58,16 @@ class ExchangeServer:
     """The exchanges partners offer us, from the offer to the apply; `served` holds those under way."""
 
     def __init__(self, cfg, *, groups: Mapping[str, SharedTensors], budget: WeightBudget, slots: ServingSlots,
-                 ledger: Ledger, may_average: Callable[[str, str], Refusal | None], links: Links):
-        self.cfg = cfg  # [gossip]: exchange_timeout, max_update_ratio
+                 ledger: Ledger, may_average: Callable[[str, str], Refusal | None], links: Links,
+                 radii: Radii | None):
+        self.cfg = cfg  # [gossip]: exchange_timeout
         self.groups = groups
         self.budget = budget
         self.slots = slots
         self.ledger = ledger
         self.may_average = may_average  # (peer, group) -> why that peer may not average it with us, or None
         self.links = links
+        self.radii = radii  # our partners' distances and the radius they set (None: the bench's switch, no clip)
         self.served: dict[tuple[str, int], ServedExchange] = {}  # (peer, offer rid) -> exchange we serve
         self._nursery: trio.Nursery | None = None
 
@@ -93,6 +96,9 @@ class ExchangeServer:
             return Refusal(Code.BAD_WEIGHT, f"impossible weight {offer.max_weight}")
         if offer.codec not in CODECS:
             return Refusal(Code.BAD_CODEC, f"unknown codec {offer.codec[:40]!r}")
+        if not valid_radius(offer.radius):
+            return Refusal(Code.BAD_RADIUS, f"no radius or an impossible one ({offer.radius}): a peer older "
+                           "than averaging protocol 3, whose clip we cannot match")
         if (refused := self.may_average(peer_id, offer.group)) is not None:
             return refused
         if self.budget.loses_collision(peer_id):
@@ -129,10 +135,12 @@ class ExchangeServer:
         self.slots.take()
         key = (peer_id, env.rid)
         self.served[key] = ServedExchange(x, theirs)
-        self._nursery.start_soon(self._serve, session, env, group, w, offer.codec, key)
+        self._nursery.start_soon(self._serve, session, env, group, w, offer.codec, offer.radius, key)
 
-    async def _serve(self, session, env, group: SharedTensors, w: float, codec: str, key) -> None:
-        """Accept, trade tensors in the offer's `codec`, wait for the verdict, apply on a commit."""
+    async def _serve(self, session, env, group: SharedTensors, w: float, codec: str, their_radius: float,
+                     key) -> None:
+        """Accept, trade tensors in the offer's `codec`, wait for the verdict, apply on a commit (clipped by
+        the smaller of our radius and `their_radius`, the offer's)."""
         served = self.served[key]
         x, theirs = served.exchange, served.theirs
         t0 = trio.current_time()
@@ -145,13 +153,15 @@ class ExchangeServer:
                 own = await trio.to_thread.run_sync(group.snapshot)
                 carried = await trio.to_thread.run_sync(group.add_residual, own, codec)
                 sent = await trio.to_thread.run_sync(group.as_sent, own, codec)
+                radius = await our_radius(self.radii, group, session.peer_id, sent)
                 if served.abort_reason is not None:  # they gave up while we took the snapshot: send nothing
                     x.handle(Event.ABORT, served.abort_reason)
                     self.ledger.failed(session.short, f"aborted by them before we accepted: {served.abort_reason}")
                     return
                 ours = OutgoingGroup(session, group.specs)
                 x.handle(Event.ACCEPT)
-                await session.reply(env, AverageAccept(weight=w, streams=ours.streams, step=group.step))
+                await session.reply(env, AverageAccept(weight=w, streams=ours.streams, step=group.step,
+                                                       radius=wire_radius(radius)))
                 others: list = []
 
                 async def receive() -> None:
@@ -170,8 +180,8 @@ class ExchangeServer:
             x.handle(Event.COMMIT)
             committed = True
             # the initiator committed and applies: so must we (the sum)
-            await apply_committed(group, w, others, sent, peer_id=session.peer_id,
-                                  max_ratio=self.cfg.max_update_ratio, ledger=self.ledger)
+            await apply_committed(group, w, others, sent, peer_id=session.peer_id, radius=radius, theirs=their_radius,
+                                  radii=self.radii, ledger=self.ledger)
             seconds = trio.current_time() - t0
             self.ledger.stats.served += 1
             nbytes = group.wire_nbytes(codec)  # each way: both sides send in the offer's codec

@@ -17,12 +17,14 @@ anything the engine reads of the group (snapshots, stats, downloads served) alre
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
 import numpy as np
 
-from peer.averaging.bounds import cannot_clip, update_scale
+from peer.averaging import norms
+from peer.averaging.bounds import clip_scale
 from protocol.limits import DEFAULT_LIMITS
 from protocol.schema.gossip import TensorSpec
 from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
@@ -73,6 +75,7 @@ class SharedTensors:
         self.specs = [TensorSpec(name=k, dtype=_dtype_name(t), shape=list(t.shape)) for k, t in self.tensors.items()]
         self.nbytes = sum(int(np.prod(s.shape)) * TENSOR_DTYPES[s.dtype].itemsize for s in self.specs)
         self.last_distance: float | None = None  # ||x_other - x_own|| / ||x_own|| at the last exchange
+        self.norm: float | None = None  # ||x|| at the last update's snapshot (None: not known yet, or replaced since)
         self._spare: list[list[Any]] = []  # CPU buffers shaped like `tensors`, reused by snapshot()
         self._spare_lock = threading.Lock()
         self._owed: list[Any] | None = None  # updates not yet added for want of the lock (module docstring)
@@ -164,37 +167,42 @@ class SharedTensors:
             if len(self._spare) < MAX_SPARE:
                 self._spare.append(bufs)
 
-    def apply(self, weight: float, others: list[Any], own: list[Any], *, max_ratio: float | None = None) -> float:
-        """x += weight * s * (other - own) for every tensor, in place (the exchange's whole effect); returns s.
+    def apply(self, weight: float, others: list[Any], own: list[Any], *,
+              radii: tuple[float, float] | None = None) -> tuple[float, float]:
+        """x += weight * s * (other - own) for every tensor, in place (the exchange's whole effect); returns
+        (s, ||other - own||).
 
-        s is 1, or less where the difference is more than `max_ratio` times the smaller of the two
-        snapshots' norms (peer/averaging/bounds.py): both sides compute the same s from the same pair, so
-        the pair's updates still cancel. Why blocks: a first pass over cache-sized blocks takes the two
-        snapshots' norms (s must be known before anything is added: a trainer step may read the tensors
-        meanwhile); only if they allow a clip (`cannot_clip`) does a pass take the difference's norm; a
-        last pass adds, the difference going to one small scratch block that stays in cache, so `others`
-        (the received copy) is only read. (Subtracting in the first pass as well cost 6.4 ms for 64 MiB
-        here against 3.7 ms for the two norms: the bound cost the 64 MiB exchange ~20% that way.) The lock is taken per block, so a trainer step waits for one
-        block at most; both are additions, so how they interleave does not change the result. Torch
-        tensors in CPU memory take the same path through numpy views of their memory; only device tensors
-        and bfloat16 (no numpy dtype) use whole-tensor torch operations. It never raises for want of the
-        lock: if the lock times out, the blocks not yet added are owed (`owing`; the module docstring).
+        s is 1, or less where the distance is past the smaller of the two sides' announced `radii`
+        (peer/averaging/bounds.py; None: never clipped, the bench's switch). Both sides compute the same s
+        from the same pair: the distance comes from norms.diff_sq over the wire values `others` and `own`,
+        whatever the tensors are (numpy, torch, CUDA, bfloat16), so the pair's updates cancel. Why two
+        passes: s must be known before anything is added (a trainer step may read the tensors meanwhile),
+        so a first read-only pass takes the distance; a second adds, block by block, the difference going
+        to one small scratch block that stays in cache, so `others` (the received copy) is only read; our
+        snapshot's norm (for the next radius) is taken there, from its blocks in cache. The lock is taken
+        per block, so a trainer step waits for one block at most; both are additions, so how they
+        interleave does not change the result. Torch tensors in CPU memory take the same path through
+        numpy views of their memory; only device tensors and bfloat16 (no numpy dtype) use whole-tensor
+        torch operations. It never raises for want of the lock: if the lock times out, the blocks not yet
+        added are owed (`owing`; the module docstring).
         """
-        diff_sq = own_sq = other_sq = 0.0
+        if radii is not None:
+            diff_sq = norms.diff_sq(others, own)
+            scale = clip_scale(diff_sq, *radii)
+        else:
+            diff_sq, scale = None, 1.0
+        own_sq = 0.0  # of our snapshot: the distance's yardstick in status, and our next radius's
         arrays = _host_arrays(self.tensors.values(), others, own)
         if arrays is None:
             import torch
 
-            deltas = []
-            for o, a in zip(others, own):
-                d = o.to(a.dtype) if isinstance(o, torch.Tensor) else torch.from_numpy(np.asarray(o)).to(a.dtype)
-                other_sq += float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2
-                d = d.sub(a)
-                diff_sq += float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2
-                own_sq += float(torch.linalg.vector_norm(a, dtype=torch.float64)) ** 2
-                deltas.append(d)
-            scale = 1.0 if max_ratio is None else update_scale(diff_sq, own_sq, other_sq, max_ratio)
+            if diff_sq is None:
+                diff_sq = norms.diff_sq(others, own)  # (the bench's switch: only for the distance status shows)
             if scale > 0.0:
+                deltas = []
+                for o, a in zip(others, own):
+                    d = o.to(a.dtype) if isinstance(o, torch.Tensor) else torch.from_numpy(np.asarray(o)).to(a.dtype)
+                    deltas.append(d.sub(a))
                 moved = [d.to(t.device, non_blocking=False) for t, d in zip(self.tensors.values(), deltas)]
                 try:
                     with self.lock:
@@ -203,50 +211,47 @@ class SharedTensors:
                 except TimeoutError:  # raised taking it, before the first add: all of it is owed
                     for k, d in enumerate(moved):
                         self._owe(k, 0, d.mul_(weight * scale))
-        else:
-            for _t, o, a in zip(*arrays):  # pass 1: the two snapshots' norms (two reads, nothing written)
-                of, af = o.reshape(-1), a.reshape(-1)
-                step = max(1, APPLY_BLOCK_BYTES // af.itemsize)
-                for i in range(0, af.shape[0], step):
-                    own_sq += _sum_sq(af[i:i + step])
-                    other_sq += _sum_sq(of[i:i + step])
-            diff_known = max_ratio is not None and not cannot_clip(own_sq, other_sq, max_ratio)
-            if diff_known:  # clipping is possible: the difference's norm decides (a pass more, only then)
-                for _t, o, a in zip(*arrays):
-                    of, af = o.reshape(-1), a.reshape(-1)
-                    step = max(1, APPLY_BLOCK_BYTES // af.itemsize)
-                    scratch = np.empty(min(step, af.shape[0]), dtype=af.dtype)
-                    for i in range(0, af.shape[0], step):
-                        d = scratch[:min(step, af.shape[0] - i)]
-                        np.subtract(of[i:i + step], af[i:i + step], out=d)
-                        diff_sq += _sum_sq(d)
-                scale = update_scale(diff_sq, own_sq, other_sq, max_ratio)
-            else:
-                scale = 1.0
-            if scale > 0.0:
-                locked = True  # False once the lock timed out: the blocks left are owed, not waited for again
-                # pass 2: add, block by block (the difference's norm on the way)
-                for k, (t, o, a) in enumerate(zip(*arrays)):
-                    tf, of, af = t.reshape(-1), o.reshape(-1), a.reshape(-1)
-                    step = max(1, APPLY_BLOCK_BYTES // tf.itemsize)
-                    scratch = np.empty(min(step, tf.shape[0]), dtype=tf.dtype)
-                    for i in range(0, tf.shape[0], step):
-                        tb = tf[i:i + step]
-                        d = scratch[:tb.shape[0]]
-                        np.subtract(of[i:i + step], af[i:i + step], out=d)
-                        if not diff_known:
-                            diff_sq += _sum_sq(d)  # in cache: nearly free, for the distance status shows
-                        d *= weight * scale
-                        if locked:
-                            try:
-                                with self.lock:
-                                    np.add(tb, d, out=tb)
-                                continue
-                            except TimeoutError:  # raised taking it: this block is not added
-                                locked = False
-                        self._owe(k, i, d)
-        self.last_distance = (diff_sq / own_sq) ** 0.5 if own_sq > 0 else diff_sq ** 0.5
-        return scale
+                own_sq = norms.sum_sq(own)
+        elif scale > 0.0:
+            locked = True  # False once the lock timed out: the blocks left are owed, not waited for again
+            measured = 0.0  # the distance on the way, in cache, when the first pass did not take it
+            for k, (t, o, a) in enumerate(zip(*arrays)):
+                tf, of, af = t.reshape(-1), o.reshape(-1), a.reshape(-1)
+                step = max(1, APPLY_BLOCK_BYTES // tf.itemsize)
+                scratch = np.empty(min(step, tf.shape[0]), dtype=tf.dtype)
+                for i in range(0, tf.shape[0], step):
+                    tb = tf[i:i + step]
+                    d = scratch[:tb.shape[0]]
+                    np.subtract(of[i:i + step], af[i:i + step], out=d)
+                    own_sq += _sum_sq(af[i:i + step])  # in cache, as the subtraction left it
+                    if diff_sq is None:
+                        measured += _sum_sq(d)
+                    d *= weight * scale
+                    if locked:
+                        try:
+                            with self.lock:
+                                np.add(tb, d, out=tb)
+                            continue
+                        except TimeoutError:  # raised taking it: this block is not added
+                            locked = False
+                    self._owe(k, i, d)
+            if diff_sq is None:
+                diff_sq = measured
+        if scale > 0.0:
+            self.norm = own_sq ** 0.5
+        assert diff_sq is not None
+        distance = diff_sq ** 0.5 if diff_sq >= 0.0 else math.nan
+        norm = self.norm or 0.0
+        self.last_distance = distance / norm if norm > 0 else distance
+        return scale, distance
+
+    def own_norm(self, values: list[Any]) -> float:
+        """Our norm, for the radius we announce: our snapshot's at the last update, or (none yet, or our
+        tensors were replaced since) that of `values`, our snapshot now. A whole-group pass only then: call it
+        from a worker thread."""
+        if self.norm is None:
+            self.norm = norms.sum_sq(values) ** 0.5
+        return self.norm
 
     @property
     def owing(self) -> bool:
@@ -282,10 +287,7 @@ class SharedTensors:
         """(||values - x||^2, ||x||^2, ||values||^2) against the tensors now: checks a parameter download."""
         own = self.snapshot()
         try:
-            arrs = [_as_numpy(v) for v in values]
-            mine = [_as_numpy(v) for v in own]
-            diff_sq = sum(_sum_sq((v.astype(np.float64) - m).ravel()) for v, m in zip(arrs, mine))
-            return diff_sq, sum(_sum_sq(m.ravel()) for m in mine), sum(_sum_sq(v.ravel()) for v in arrs)
+            return norms.diff_sq(values, own), norms.sum_sq(own), norms.sum_sq(values)
         finally:
             self.release(own)
 
@@ -311,6 +313,7 @@ class SharedTensors:
         with self.lock:
             with self._owed_lock:
                 self._owed = None
+            self.norm = None  # taken again at the next exchange
             for t, v in zip(self.tensors.values(), values):
                 if self.is_torch:
                     t.data.copy_(v.to(t.device))
@@ -331,17 +334,13 @@ def _zeros_like(t: Any) -> Any:
     return torch.zeros_like(t.detach())
 
 
-def _as_numpy(v: Any) -> np.ndarray:
-    if isinstance(v, np.ndarray):
-        return v
-    return v.detach().to("cpu").float().numpy() if str(v.dtype) == "torch.bfloat16" else v.detach().to("cpu").numpy()
-
-
 def _sum_sq(v: np.ndarray) -> float:
-    """Sum of squares; float16 is widened first (its own dot product overflows past 65504)."""
+    """Sum of squares of a block in cache, for what only this side reads (our norm, the distance status shows
+    without the clip); float16 is widened first (its own dot product overflows past 65504). What both sides
+    must agree on is norms.diff_sq's."""
     if v.dtype.itemsize < 4:
         v = v.astype(np.float64)
-    with np.errstate(over="ignore"):  # values near the dtype's limit square to inf: bounds.py refuses those
+    with np.errstate(over="ignore"):  # values near the dtype's limit square to inf: radius.py takes nothing then
         return float(np.dot(v, v))
 
 

@@ -78,6 +78,8 @@ def average_arguments(p: Parser) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="give up on one swarm after this many seconds")
     p.add_argument("--no-all", action="store_true", help="with more than 2 peers, skip the all-neighbours swarm")
     p.add_argument("--no-gloo", action="store_true", help="with more than 2 peers, skip the gloo all_reduce")
+    p.add_argument("--no-defence", action="store_true",
+                   help="daemons that never clip nor judge a partner (to measure what the defence costs)")
 
 
 def gossip_arguments(p: Parser) -> None:

@@ -41,7 +41,8 @@ def _gossip(args) -> dict:
 
 def _hosted(args, elements: int) -> list[float]:
     """Daemon seconds of node 0's exchanges, started by a hosted trainer (peer bench average's swarm)."""
-    ns = argparse.Namespace(peers=2, chunk=args.chunk, codec="raw", cipher=args.cipher, settle=2.0, timeout=args.timeout)
+    ns = argparse.Namespace(peers=2, chunk=args.chunk, codec="raw", cipher=args.cipher, settle=2.0, timeout=args.timeout,
+                            no_defence=False)
     run = run_swarm(ns, elements, "one", args.rounds + 1)
     if run["sum_rel_error"] > 1e-5:
         raise BenchFailed(f"hosted swarm changed the sum (relative error {run['sum_rel_error']:.3g})")

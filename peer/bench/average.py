@@ -9,6 +9,10 @@ figure is the median of node 0's per-exchange seconds (its status `gossip.recent
 The same run checks correctness: afterwards the swarm-wide sum (every daemon's `group_stats`) must
 equal the sum of every daemon's published `initial_sum` (averaging preserves the sum).
 
+`--no-defence` starts every daemon with `PEERTRAIN_BENCH_NO_DEFENCE=1` (peer/averaging/radius.py): no radius
+announced, no clip and no judging, so the same figure with and without it is what the defence costs an
+honest exchange (docs/design.md, "Robust averaging").
+
 With more than two peers it also measures, in the same invocation: a round with all neighbours at once
 (mode "all", a second swarm) and torch.distributed gloo `all_reduce` of a same-size tensor with N
 processes — a different operation (an exact global mean, not one gossip step), reported for scale.
@@ -28,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from peer.averaging.radius import NO_DEFENCE_ENV
 from peer.bench.args import parse_size
 from peer.bench.hosts import free_port
 from peer.control import ControlError
@@ -64,8 +69,9 @@ def run_swarm(args, elements: int, mode: str, target: int) -> dict:
     n = args.peers
     with tempfile.TemporaryDirectory(prefix="peertrain-bench-average-") as tmp, LocalSwarm(Path(tmp)) as swarm:
         name = unique_swarm("avg")
+        switch = {NO_DEFENCE_ENV: "1"} if args.no_defence else {}
         for i, cfg in enumerate(_configs(args, name, elements, mode, target)):
-            swarm.start(f"n{i}", config=cfg, env=rank_env(i, n))
+            swarm.start(f"n{i}", config=cfg, env={**rank_env(i, n), **switch})
         t0 = time.monotonic()
         try:
             swarm.wait_connected(timeout=args.timeout)
@@ -221,6 +227,7 @@ def run(args) -> int:
             "sum_preserved": one["sum_rel_error"] <= 1e-5, "sum_rel_error": float(f"{one['sum_rel_error']:.3g}"),
             "sum_initial": round(one["sum_initial"], 4), "sum_final": round(one["sum_final"], 4),
             "cipher": "/".join(one["ciphers"]) or None, "codec": args.codec, "chunk_bytes": parse_size(args.chunk),
+            "defence": g0.get("defence"),
             "failed_exchanges": g0["failed"], "rejected_exchanges": g0["rejected"],
             "daemon_peak_rss_mb": round(max(one["peak_rss_mb"]), 1) if one["peak_rss_mb"] else None,
             "topology_settled_s": round(one["settled_s"], 2),
@@ -264,6 +271,8 @@ def _notes(n: int, gloo: bool, all_rounds: bool) -> dict:
                           "(each side also sends and receives payload_bytes, so the wire carries twice that)",
         "sum_preserved": "sum over daemons of the vector after the exchanges equals the sum of their initial vectors "
                          "to 1e-5 relative (float64 sums of float32 data)",
+        "defence": "node 0's status: false with --no-defence, when the daemons announced no clip radius and never "
+                   "clipped (the cost of the defence is the difference in seconds_per_exchange)",
         "aead_seal_gbps": "one core sealing chunk-sized frames in memory with the session cipher: every exchange "
                           "seals and opens payload_bytes on each side, so 2 x payload / this is a CPU floor per side",
     }

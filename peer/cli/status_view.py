@@ -120,9 +120,12 @@ def render_status(st: dict):
             t.add_row(b["peer"][:8], human_duration(max(0.0, b["until"] - time.time())), b["reason"])
         parts.append(t)
     g = st.get("gossip") or {}
-    if g.get("clipped") or g.get("lapsed"):
+    if g.get("by_peer"):
+        parts.append(render_partners(g["by_peer"]))
+    if g.get("clipped") or g.get("struck") or g.get("lapsed"):
         t = _facts()
-        for key, label in (("clipped", "clipped updates"), ("lapsed", "lapsed exchanges")):
+        for key, label in (("clipped", "clipped updates"), ("struck", "struck for distance"),
+                           ("lapsed", "lapsed exchanges")):
             if g.get(key):
                 t.add_row(label, "   ".join(f"{p[:8]} {n}" for p, n in sorted(g[key].items())))
         parts.append(Panel(t, title="averaging trouble", box=box.ROUNDED, expand=False))
@@ -162,6 +165,25 @@ def render_status(st: dict):
             t.add_row("outer rounds", f"{tr['rounds']}   exchanges skipped {tr.get('rounds_skipped') or 0}")
         parts.append(Panel(t, title="training", box=box.ROUNDED, expand=False))
     return Group(*parts)
+
+
+def render_partners(by_peer: dict) -> Table:
+    """Who we averaged with: exchanges, the share of the last ones clipped, and the last distance against the
+    radius we announced for it (docs/design.md, "Robust averaging")."""
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title="averaging partners")
+    for col in ("peer", "exchanges", "clipped", "clip rate", "distance", "our radius"):
+        t.add_column(col, justify="left" if col == "peer" else "right", no_wrap=True)
+    for pid, e in sorted(by_peer.items()):
+        rate = e.get("clip_rate")
+        t.add_row(pid[:8], str(e.get("exchanges", 0)), str(e.get("clipped", 0)),
+                  f"{rate * 100:.0f}%" if rate is not None else "-", _sci(e.get("distance")),
+                  _sci(e.get("radius")) if e.get("distance") is not None else "-")
+    return t
+
+
+def _sci(x: float | None) -> str:
+    """A distance or radius: 3 significant digits; None (none announced, or not yet measured) as "-"."""
+    return f"{x:.3g}" if x is not None else "-"
 
 
 def render_nat(nat: dict, bootstrap: list[dict]):

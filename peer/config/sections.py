@@ -110,9 +110,14 @@ class GossipSection:
     # (the default is protocol.limits.DEFAULT_CHUNK_SIZE, defined there with why)
     chunk_kib: int = _f(DEFAULT_CHUNK_SIZE // KiB, "Tensor chunk (one frame) in KiB, at most max_frame_kib.",
                          lo=1, hi=_MAX_FRAME_KIB)
-    max_update_ratio: float = _f(8.0, "Both sides clip an exchange's difference to this times the smaller of the two "
-                                 "models' norms, so the sum is kept (independently initialised models differ by "
-                                 "about 1.4x their norm).", lo=1.0, hi=1e6)
+    max_update_ratio: float = _f(8.0, "Ceiling of the clip radius, times our model's norm (the whole bound while we "
+                                 "have no other partner to compare with); a download must be within this times "
+                                 "the smaller norm (independently initialised models differ by about 1.4x their "
+                                 "norm).", lo=1.0, hi=1e6)
+    # 1/4: with the default degree 4 one lying neighbour in four; with 4 to 7 other partners the farthest is set aside
+    byzantine_share: float = _f(0.25, "Share of our averaging partners assumed to lie: the clip radius comes from "
+                                "the others' distances once this share of the farthest is set aside.",
+                                lo=0.0, hi=0.5, hi_open=True)
 
 
 @dataclass(frozen=True)

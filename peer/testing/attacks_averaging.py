@@ -16,15 +16,18 @@ from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.testing.attacker import attacker_session
 from peer.testing.attacks import (HOLD_S, LOAD_MARGIN_S, SIZE, SPECS, Observed, answer_pings, become_neighbour,
                                   my_id, scenario, victim_status)
-from protocol.schema.gossip import AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsRequest
+from protocol.schema.gossip import (NO_BOUND, AverageAccept, AverageCommit, AverageOffer, AverageReject,
+                                    ParamsRequest)
 from protocol.schema.pipeline import StageStateRequest
 from protocol.schema.session import ErrorReply
 
 
 def offer(session, **kw) -> tuple[AverageOffer, OutgoingGroup]:
+    """An offer of the victim's group, and the tensor group its values go out on. Announces no clip radius
+    of its own (NO_BOUND: the victim's alone bounds the exchange) unless `radius` says otherwise."""
     ours = OutgoingGroup(session, SPECS)
     return AverageOffer(group="vector", tensors=SPECS, streams=ours.streams, max_weight=0.5, rule="metropolis",
-                        **kw), ours
+                        **{"radius": NO_BOUND, **kw}), ours
 
 
 def _describe(message) -> str:
@@ -131,7 +134,7 @@ async def _exchange(s, status: dict, values: np.ndarray) -> np.ndarray:
     return np.asarray(theirs[0])
 
 
-@scenario("poisoning_neighbour", "ban", "a neighbour committing -1000x the victim's model, then 3e38 everywhere",
+@scenario("poisoning_neighbour", "ban", "a neighbour committing 3e38 everywhere, -1000x the victim's model, 3e38 again",
           averaging=True)
 async def poisoning_neighbour(status: dict) -> Observed:
     norms: list[float] = []
@@ -145,10 +148,11 @@ async def poisoning_neighbour(status: dict) -> Observed:
             return obs
         # the victim's snapshot each exchange brings shows what the one before did to it
         t0 = trio.current_time()
-        start = await _exchange(s, status, np.zeros(SIZE, np.float32))  # learn its values (nothing applied)
+        huge = np.full(SIZE, 3e38, np.float32)  # its distance overflows: nothing applied, struck
+        start = await _exchange(s, status, huge)  # learn its values
         norms.append(float(np.linalg.norm(start)))
-        norms.append(float(np.linalg.norm(await _exchange(s, status, -1000.0 * start))))  # clipped
-        norms.append(float(np.linalg.norm(await _exchange(s, status, np.full(SIZE, 3e38, np.float32)))))
+        norms.append(float(np.linalg.norm(await _exchange(s, status, -1000.0 * start))))  # clipped, struck
+        norms.append(float(np.linalg.norm(await _exchange(s, status, huge))))
         st = await victim_status(status)
         obs.facts.update(clipped=st["gossip"]["clipped"].get(me), bans=st["bans"])
         mine = [b for b in st["bans"] if b["peer"] == me]

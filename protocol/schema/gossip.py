@@ -6,7 +6,9 @@ An exchange between i (initiator) and j:
          follow, in the offer's `codec`) | AverageReject (a refusal: code and reason, protocol/refusal.py)
   i → j  AverageCommit (i received everything and applied; j applies on receipt)
        | AverageAbort (i gave up after its offer went out; j applies nothing, stops waiting)
-Both apply x += w * (x_other_snapshot - x_own_snapshot) with the same w, so the swarm sum is unchanged.
+Both apply x += w * s * (x_other_snapshot - x_own_snapshot) with the same w and the same clip s <= 1, so
+the swarm sum is unchanged; s comes from the smaller of the two `radius` values (the offer's and the
+accept's) and the snapshots' distance (peer/averaging/bounds.py).
 
 The weight is the smaller of what each side allows under the offer's `rule` ("pairwise": a fixed
 share, 1/3 in peer/averaging/weights.py; "metropolis": 1/(1+degree), so the two sides' minimum is the
@@ -15,12 +17,15 @@ Metropolis-Hastings weight) and of the room left in each side's budget of weight
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from protocol.messages import Message
 from protocol.refusal import MAX_REASON_CHARS, Code, Refusal
 
 MAX_CODE_CHARS = 64  # a refusal code is one short word (protocol/refusal.py's are under 20 characters)
+NO_RADIUS = -1.0  # what a peer on version 2 (which announces none) reads as: refused, never guessed
+NO_BOUND = sys.float_info.max  # a radius that bounds nothing ("none from my side"): the wire carries no inf
 
 __all__ = ["TensorSpec", "AverageOffer", "AverageAccept", "AverageReject", "AverageCommit",
            "AverageAbort", "ParamsRequest", "ParamsReply"]
@@ -36,7 +41,7 @@ class TensorSpec:
 @dataclass(frozen=True, slots=True)
 class AverageOffer(Message):
     TYPE = "avg_offer"
-    VERSION = 2  # 2: max_weight and rule replace degree (a peer on version 1 is refused, not misread)
+    VERSION = 3  # 3: radius (2: max_weight and rule replace degree); an older peer's offer is refused, not misread
     group: str
     tensors: list[TensorSpec]
     streams: list[int]
@@ -44,15 +49,17 @@ class AverageOffer(Message):
     rule: str = "pairwise"  # "pairwise" | "metropolis": how the server caps the weight from its side
     codec: str = "raw"  # the exchange's: the initiator's tensors come in it, and the server replies in it
     step: int = 0
+    radius: float = NO_RADIUS  # the initiator's clip radius for this exchange, >= 0 (NO_BOUND: none from its side)
 
 
 @dataclass(frozen=True, slots=True)
 class AverageAccept(Message):
     TYPE = "avg_accept"
-    VERSION = 2  # 2: no degree (the weight is all the initiator checks)
+    VERSION = 3  # 3: radius (2: no degree, the weight is all the initiator checks)
     weight: float
     streams: list[int]
     step: int = 0
+    radius: float = NO_RADIUS  # the server's clip radius for this exchange, >= 0 (NO_BOUND: none from its side)
 
 
 @dataclass(frozen=True, slots=True)
