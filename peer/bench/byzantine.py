@@ -1,5 +1,5 @@
 """`peer bench byzantine`: honest training swarms with lying peers in them (issue 29), and what the defence
-of the averaging (docs/design.md, "The averaging exchange") makes of each attack.
+of the averaging (docs/design.md, "Robust averaging") makes of each attack.
 
 For every topology (the rewired one; two_cliques, where trimming or a median over neighbours fails with no
 attack at all) and every share of liars (`--fractions`, of `--n` daemons), one swarm runs with no liar (the
@@ -40,6 +40,7 @@ GOAL_EIGHTH_POINTS = 2.0  # worst honest accuracy within this of no attack, ever
 GOAL_QUARTER_POINTS = 5.0  # ... at 1/4
 GOAL_COST_POINTS = 0.5  # no-attack accuracy the defence may cost
 GOAL_EXCHANGE_RATIO = 1.05  # ... and exchange time (64 MiB)
+LM_SLEEP_EXCHANGES = 5  # the LM sleeper's: local-steps peers exchange once a round, ~10x fewer than the digits ones
 GOSSIP = {"exchange_timeout": 5.0}  # as the training tests: a loaded 2-core host still finishes a small exchange
 
 
@@ -99,7 +100,7 @@ def _score(run: dict, metric: str) -> dict:
 
 def _figures(run: dict, ref: dict, attack: str | None, metric: str) -> dict:
     s, r = _score(run, metric), _score(ref, metric)
-    out: dict = {**s, "wall_s": run.get("wall_s")}
+    out: dict = {**s, "wall_s": run.get("wall_s"), "defence": run.get("defence")}
     if "error" in s:
         return out
     sign = 100.0 if metric == "accuracy" else -1.0  # accuracy: points lost; loss: how much higher
@@ -214,7 +215,8 @@ def run(args) -> int:
             topo, (frac, liars) = topologies[0], fractions[0]
             lm_plan = lambda x, k: SwarmPlan(  # noqa: E731
                 honest=a.n - liars, liars=k, attack=x, topology=_topology(topo, a.degree),
-                honest_options=_honest_options(a, lm=True), gossip=GOSSIP, defence=defence)
+                honest_options=_honest_options(a, lm=True), gossip=GOSSIP, defence=defence,
+                liar_options={"sleep_exchanges": LM_SLEEP_EXCHANGES} if x == "sleeper" else {})
             ref = _one(a, root, "lm-none", lm_plan(None, 0))
             lm_out = {"model": LM_MODEL, "steps": a.lm_steps, "topology": topo, "fraction": frac,
                       "none": _figures(ref, ref, None, "test_loss"), "attacks": {}}
@@ -242,6 +244,7 @@ def run(args) -> int:
     })
     detect = [(x, frac, topo, f) for x, per in attacks_out.items() for frac, t in per.items() for topo, f in t.items()
               if ATTACKS[x].detectable]
+    result["defence_reported"] = sorted({str(f.get("defence")) for f in runs if "error" not in f})
     result["goals"] = {
         "worst_drop_points_eighth": f"<= {GOAL_EIGHTH_POINTS}", "worst_drop_points_quarter": f"<= {GOAL_QUARTER_POINTS}",
         "honest_banned": 0, "no_attack_cost_points": f"<= {GOAL_COST_POINTS}",

@@ -24,10 +24,7 @@ from peer.testing.daemon import DaemonProcess
 from peer.testing.swarm import LocalSwarm, rank_env, swarm_config
 from protocol import identity as ident
 
-try:  # the defence's bench-only switch (peer/averaging/radius.py); older trees have no defence to switch off
-    from peer.averaging.radius import NO_DEFENCE_ENV
-except ImportError:  # pragma: no cover - before the defence landed
-    NO_DEFENCE_ENV = "PEERTRAIN_BENCH_NO_DEFENCE"
+from peer.averaging.radius import NO_DEFENCE_ENV  # the defence's bench-only switch
 
 HONEST_TRAINER = "trainers.gossip_sgd"
 LIAR_TRAINER = "trainers.byzantine"
@@ -245,7 +242,9 @@ def run_swarm(plan: SwarmPlan, root: Path, name: str, *, timeout: float) -> dict
                       "step": t.get("step"), "reached_target": t.get("reached_target"), "exchanges": g.get("exchanges"),
                       # what this peer's averaging says of each liar it met (counts; distance, radius, clip rate)
                       "liars_seen": {lid[:8]: by_peer[lid] for lid in roster.liar_ids if lid in by_peer}})
+    defence = {((st or {}).get("gossip") or {}).get("defence") for st in honest} - {None}
     return {"peers": peers, "watch": watch.summary(), "wall_s": round(wall, 1),
+            "defence": defence.pop() if len(defence) == 1 else None,  # what the honest daemons report running
             "liars": [{k: l.get(k) for k in ("attack", "phase", "exchanges", "refused_banned", "refused",
                                               "failed", "learned", "learn_failed", "victim", "z", "epsilon")}
                       for l in liars]}
