@@ -76,9 +76,19 @@ class TrainerSwarm:
         except TrainerStopped:
             return False
 
-    def fetch_params(self, group: str) -> tuple[list[Any], int] | None:
-        """Download the current tensors of `group` from a neighbour (joining peers; only neighbours serve them)."""
-        return self._call(self._host.gossip.fetch_from_partners, group)
+    def average_with(self, group: str, peer_id: str) -> ExchangeResult:
+        """One exchange of `group` with the partner `peer_id` (blocking this thread), under the rules `average`
+        follows (a current partner, not banned, not already exchanging with us): for a trainer that picks its
+        partner, such as the test-only attacker that targets one victim (trainers/byzantine.py)."""
+        return self._call(self._host.gossip.exchange, peer_id, group)
+
+    def fetch_params(self, group: str, peer_id: str | None = None) -> tuple[list[Any], int] | None:
+        """Download the current tensors of `group` from a neighbour (joining peers; only neighbours serve them):
+        any partner that answers, or `peer_id`. The same bound against our own values applies either way."""
+        if peer_id is None:
+            return self._call(self._host.gossip.fetch_from_partners, group)
+        got = self._call(self._host.gossip.downloads.fetch_params, group, peer_id)
+        return got if isinstance(got, tuple) else None  # (a refusal says no more than "none" here)
 
     def download(self, group: str, *, min_step: int = 1) -> int | None:
         """Replace `group`'s tensors with a partner's if that partner is at step `min_step` or later (a peer

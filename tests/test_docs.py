@@ -60,6 +60,7 @@ DAEMON_COMMANDS = {
     "bench gossip": "tests/test_bench_gossip.py::test_bench_gossip_small_swarm_reports_every_topology",
     "bench train": "tests/test_bench_train.py::test_bench_train_smoke",
     "bench hostile": "tests/test_bench_hostile.py::test_bench_hostile_runs_three_classes_and_reports_each",
+    "bench byzantine": "tests/test_bench_byzantine.py::test_bench_byzantine_smoke_reports_every_figure",
     "bench pipeline": "tests/test_bench_pipeline.py::test_bench_pipeline_tiny_loopback_run_reports_every_figure",
     "bench nat": "tests/test_bench_nat.py::test_bench_nat_small_run_reports_every_figure",
     "bench attach": "tests/test_bench_attach.py::test_bench_attach_smoke_reports_every_figure",

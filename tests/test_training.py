@@ -52,6 +52,7 @@ def test_four_daemons_train_digits_to_target(cluster, tmp_path, mode):
     print(f"{mode}: held-out accuracy per peer {[round(a * 100, 2) for a in accs]}, steps {[trainer(d)['step'] for d in ds]}")
     assert all(trainer(d)["reached_target"] for d in ds), accs
     assert all(d.status()["gossip"]["exchanges"] > 0 for d in ds)
+    assert not [b for d in ds for b in d.status()["gossip"]["bans"]]  # no honest peer banned (issue 29)
 
 
 def test_daemons_train_on_a_users_plain_torch_datasets(cluster, tmp_path):

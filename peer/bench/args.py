@@ -202,6 +202,38 @@ def hostile_arguments(p: Parser) -> None:
                    help="give up if the honest peer has not averaged with the victim after this many seconds")
 
 
+def byzantine_arguments(p: Parser) -> None:
+    p.add_argument("--n", type=int, default=8, help="daemons per swarm, honest and lying (default 8)")
+    p.add_argument("--fractions", default="1/8,1/4",
+                   help="shares of the daemons that lie, comma-separated (default 1/8,1/4; at least one liar each)")
+    p.add_argument("--attacks", default="",
+                   help="comma-separated attacks (default: all of peer.testing.byzantine.ATTACKS, in order)")
+    p.add_argument("--topologies", default="rewired,two_cliques",
+                   help="comma-separated topology kinds (default rewired,two_cliques)")
+    p.add_argument("--degree", type=int, default=3, help="target degree of the rewired topology (default 3)")
+    p.add_argument("--steps", type=int, default=300,
+                   help="steps every honest peer trains; accuracy is read at this step (default 300: ~97%% without "
+                        "attack)")
+    p.add_argument("--eval-every", type=int, default=50, help="honest peers' steps between evaluations (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the shards (default 0)")
+    p.add_argument("--timeout", type=float, default=600.0, help="give up on one swarm after this many seconds")
+    p.add_argument("--no-defence", action="store_true",
+                   help="every honest daemon with the defence switched off (the bench-only switch): the figures "
+                        "without it")
+    p.add_argument("--no-cost", action="store_true",
+                   help="skip the no-attack runs with the defence off (no_attack_cost_points)")
+    p.add_argument("--lm", action="store_true",
+                   help="also the char transformer with local steps, at the smallest fraction on the first topology")
+    p.add_argument("--lm-steps", type=int, default=200, help="steps every honest peer of the LM runs trains (default 200)")
+    p.add_argument("--exchange-size", default="64MiB",
+                   help="vector of the exchange-time comparison, defence on vs off (default 64MiB; 0: skip it)")
+    p.add_argument("--exchange-rounds", type=int, default=7, help="timed exchanges per swarm there (default 7)")
+    p.add_argument("--exchange-repeat", type=int, default=2,
+                   help="swarms with the defence on and off each, interleaved (default 2)")
+    p.add_argument("--logs", default=None, metavar="DIR",
+                   help="keep daemon homes and logs under DIR (default: a temp dir, removed)")
+
+
 def pipeline_arguments(p: Parser) -> None:
     p.add_argument("--daemons", type=int, default=6,
                    help="stage peers, one daemon each (default 6: 4 stages, two of them with 2 peers; at least 5 "
@@ -377,6 +409,10 @@ BENCHES = {
     "hostile": Bench("peer.bench.hostile",
                      "every attack class against one daemon beside an honest peer: pass/fail, memory, drop time",
                      hostile_arguments),
+    "byzantine": Bench("peer.bench.byzantine",
+                       "honest digits swarms with lying peers (sign flip, scaled, ALIE, IPM, dissensus, label flip, "
+                       "sleeper): honest accuracy vs no attack, bans, false positives, the defence's cost",
+                       byzantine_arguments),
     "pipeline": Bench("peer.bench.pipeline_main",
                       "4-stage swarm pipeline across CPU-capped daemons: samples/s vs the slowest stage, kill -9 recovery",
                       pipeline_arguments),
