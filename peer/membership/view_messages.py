@@ -89,12 +89,14 @@ class Seek:
 
 @dataclass(frozen=True, slots=True)
 class NeighbourRequest:
-    """Be my neighbour (one edge). `urgent`: I am below min_degree, take me even above your target."""
+    """Be my neighbour (one edge). `urgent`: I am below min_degree, take me even above your target. `lost`:
+    a neighbour of us both that I saw fail (you may not have yet): we are its neighbours paired up."""
 
     TYPE = "view_neighbour"
     entry: Entry
     degree: int
     urgent: bool
+    lost: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +223,9 @@ def check(msg: ViewMessage, sender: str) -> None:
             _check_int(v, name, MAX_WALK)
         elif name == "degree":
             _check_int(v, name, MAX_DEGREE_FIELD)
+        elif name == "lost":
+            if v is not None and (type(v) is not str or not 0 < len(v) <= MAX_NAME_CHARS):
+                raise BadMessage(f"lost: peer ID missing or over {MAX_NAME_CHARS} characters")
         elif name in ("accepted", "urgent"):
             if type(v) is not bool:
                 raise BadMessage(f"{name} is not a bool")

@@ -120,6 +120,13 @@ class ViewConfig:
             raise ValueError(f"max_leads must be >= 1, got {self.max_leads}")
 
 
+MAX_SEEKERS = 4
+"""Seekers whose walks passed here that a peer remembers (for twice seek_interval): a later seeker's walk
+that passes here is sent on to one of them. Two walks of ~6 peers each then meet where their paths
+cross (a birthday bound), not only when one walk lands next to the other seeker."""
+PAIRING_TRIES = 16  # random orders a leaving peer tries to pair its (at most max_degree) neighbours without clashes
+
+
 # ---- actions ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -185,8 +192,10 @@ class Views:
         self.passive: dict[str, Entry] = {}
         self.pending: dict[str, Pending] = {}
         self.expected: dict[str, float] = {}  # peers handed to me that will ask: until when I hold a slot
-        self.leads: OrderedDict[str, tuple[Entry, str]] = OrderedDict()  # peers to ask first, and why
+        # peers to ask first: why, and for a lost neighbour's neighbour, whom we both lost
+        self.leads: OrderedDict[str, tuple[Entry, str, str | None]] = OrderedDict()
         self.backoff: dict[str, float] = {}  # peers not to ask until then
+        self.seekers: OrderedDict[str, tuple[Entry, float]] = OrderedDict()  # walks that passed: MAX_SEEKERS
         self.gap: GapReading | None = None  # the estimator's last reading (set by the driver)
         self.left = False
         self._out: list[Action] = []
@@ -198,6 +207,7 @@ class Views:
         self._next_retry = now
         self._split_ready = now
         self._next_seek = now  # one edge short: when the next Seek walk may go
+        self._over_since = math.inf  # above the target since then
         self._contacts: dict[str, float] = {}  # contacts I asked to join through: until when their reply is taken
         self.moves: dict[str, int] = {}  # rewiring swaps I started that were accepted, by kind
 
@@ -207,8 +217,14 @@ class Views:
         return len(self.active)
 
     def _effective(self) -> int:
-        """Edges I have or am about to get: what a request is judged against."""
+        """Edges I have or am about to get: how many more to ask for."""
         return len(self.active) + sum(p.gain for p in self.pending.values()) + len(self.expected)
+
+    def _room(self) -> bool:
+        """Whether I take a peer's edge request: below the target, counting a split in flight as one edge (its
+        second, the handed-over neighbour, may ask before the split's answer has told me who it is)."""
+        held = len(self.active) + sum(min(p.gain, 1) for p in self.pending.values()) + len(self.expected)
+        return held < self.cfg.target_degree
 
     def neighbour_degrees(self) -> dict[str, int]:
         """My neighbours' degrees, as they told me: my row of the mixing matrix (mixing.local_weights)."""
@@ -219,7 +235,7 @@ class Views:
         t = min(self._next_shuffle, self._next_rewire, self._status_due,
                 min((p.deadline for p in self.pending.values()), default=math.inf),
                 min(self.expected.values(), default=math.inf))
-        if len(self.active) < self.cfg.target_degree:
+        if len(self.active) != self.cfg.target_degree:  # repairs to make, or an edge to shed
             t = min(t, self._next_retry)
         return math.inf if self.left else t
 
@@ -233,11 +249,11 @@ class Views:
              for n in self.active.values()],
             list(self.passive.values()),
             [[p.kind, p.entry, p.deadline, p.gain, p.drop, p.local] for p in self.pending.values()],
-            self.expected, [[e, why] for e, why in self.leads.values()], self.backoff,
+            self.expected, [list(lead) for lead in self.leads.values()], self.backoff, list(self.seekers.values()),
             list(self._shuffle_sent),
             None if self.gap is None else [self.gap.epoch, self.gap.gap, self.gap.reference, self.gap.degree],
             self._contacts,
-            [self._shuffle_until, self._next_seek, self._next_shuffle, self._next_rewire, self._status_due,
+            [self._shuffle_until, self._next_seek, self._over_since, self._next_shuffle, self._next_rewire, self._status_due,
              self._next_retry, self._split_ready], self.moves,
         ]
         return len(encode(state))
@@ -259,7 +275,7 @@ class Views:
     def leave(self, now: float) -> list[Action]:
         """I am leaving: pair my neighbours up so that each keeps its degree, and forget everything."""
         self._out = []
-        peers = sorted(self.active)
+        peers = self._pairing()
         for i in range(0, len(peers), 2):
             a = self.active[peers[i]].entry
             b = self.active[peers[i + 1]].entry if i + 1 < len(peers) else None
@@ -273,6 +289,24 @@ class Views:
         self.expected.clear()
         self.left = True
         return self._take()
+
+    def _pairing(self) -> list[str]:
+        """My neighbours in an order whose consecutive pairs are not linked yet (as their Status lists say),
+        as far as a few random orders find one: each pair links when I leave."""
+        peers = sorted(self.active)
+        linked = {p: {e.peer_id for e in n.neighbours} for p, n in self.active.items()}
+
+        def clashes(order: list[str]) -> int:
+            return sum(1 for i in range(0, len(order) - 1, 2) if order[i + 1] in linked[order[i]])
+
+        best = peers
+        for _ in range(PAIRING_TRIES):
+            if clashes(best) == 0:
+                break
+            order = self.rng.sample(peers, len(peers))
+            if clashes(order) < clashes(best):
+                best = order
+        return best
 
     def set_link(self, peer: str, link: LinkEstimate) -> None:
         """What our link to neighbour `peer` measures (averaging transfers, probes)."""
@@ -313,16 +347,13 @@ class Views:
         for peer, p in list(self.pending.items()):
             if p.deadline <= now:
                 del self.pending[peer]
-                self.backoff[peer] = now + self.cfg.retry_after
+                self._back_off(peer, now)
                 if peer not in self.active:  # in case it accepted after all: it drops the edge again
                     self._send(p.entry, Disconnect(None))
         for peer, until in list(self.expected.items()):
             if until <= now:
                 del self.expected[peer]
-        if len(self.backoff) > self.cfg.passive_size + self.cfg.max_leads:
-            self.backoff = {p: t for p, t in self.backoff.items() if t > now}
-            while len(self.backoff) > self.cfg.passive_size + self.cfg.max_leads:
-                del self.backoff[next(iter(self.backoff))]
+        self.backoff = {p: t for p, t in self.backoff.items() if t > now}
         if now >= self._next_shuffle:
             self._shuffle(now)
         if now >= self._next_rewire:
@@ -386,7 +417,7 @@ class Views:
         if origin.peer_id == self.me.peer_id:
             return
         if origin.peer_id not in self.active:
-            if self._effective() < self.cfg.target_degree:  # short too: the two of us link up
+            if self._room():  # short too: the two of us link up
                 self._lead(origin, "short", first=True)
                 self.backoff.pop(origin.peer_id, None)
                 self._repair(now)
@@ -400,6 +431,17 @@ class Views:
                 self._send(n.entry, Disconnect(origin))
                 self._to_passive(n.entry)
                 return
+        # a rendezvous: another seeker's walk passed here lately; it is short too, so the two link up
+        for p, (e, until) in list(self.seekers.items()):
+            if until <= now or p == origin.peer_id:
+                continue
+            del self.seekers[p]
+            self._send(e, Seek(origin, 0))
+            return
+        self.seekers.pop(origin.peer_id, None)
+        self.seekers[origin.peer_id] = (origin, now + 2 * self.cfg.seek_interval)
+        while len(self.seekers) > MAX_SEEKERS:
+            del self.seekers[next(iter(self.seekers))]
         nxt = [p for p in self.active if p != sender and p != origin.peer_id]
         if msg.ttl > 0 and nxt:  # on, preferring a neighbour whose degree is off the target
             odd = [p for p in nxt if self.active[p].degree != self.cfg.target_degree]
@@ -413,13 +455,15 @@ class Views:
             self._send(msg.entry, NeighbourReply(True, self.degree))
             return
         mutual = sender in self.pending and self.pending[sender].kind == "neighbour"  # we asked each other: one edge
-        ok = ((mutual or sender in self.expected or self._effective() < self.cfg.target_degree
-               or (msg.urgent and self._effective() < self.cfg.max_degree))
+        # `lost`: we both had that peer as a neighbour, and it failed; I may not have noticed yet (the
+        # asker's pairing counts on me): take the edge, even if that puts me one above the target for now
+        ok = ((mutual or sender in self.expected or self._room()
+               or ((msg.urgent or msg.lost in self.active) and self._effective() < self.cfg.max_degree))
               and self.degree < self.cfg.max_degree)
         if ok:
-            local = self.pending.pop(sender).local if mutual else self.leads.get(sender, (None, ""))[1] == "orphan"
+            local = self.pending.pop(sender).local if mutual else self.leads.get(sender, (None, "", None))[1] == "orphan"
             self.expected.pop(sender, None)
-            self._add(msg.entry, msg.degree, now, local=local)
+            self._add(msg.entry, msg.degree + 1, now, local=local)  # its degree once it has our edge
         self._send(msg.entry, NeighbourReply(ok, self.degree))
 
     def _on_NeighbourReply(self, sender: str, msg: NeighbourReply, now: float) -> None:
@@ -436,15 +480,15 @@ class Views:
                 else:
                     self._add(p.entry, msg.degree, now, local=p.local)
         else:
-            self.backoff[sender] = now + self.cfg.retry_after
+            self._back_off(sender, now)
         self._repair(now)
 
     def _on_SwapRequest(self, sender: str, msg: SwapRequest, now: float) -> None:
         if sender in self.active or sender in self.pending or (msg.drop is not None and msg.drop.peer_id == self.me.peer_id):
             self._send(msg.entry, SwapReply(False, self.degree, None))
             return
-        if self._effective() < self.cfg.target_degree and self.degree < self.cfg.max_degree:
-            self._add(msg.entry, msg.degree, now)  # I have room: a plain edge
+        if self._room() and self.degree < self.cfg.max_degree:
+            self._add(msg.entry, msg.degree + (msg.drop is None), now)  # I have room: a plain edge
             self._send(msg.entry, SwapReply(True, self.degree, None))
             return
         drop = None if msg.drop is None else msg.drop.peer_id
@@ -457,7 +501,7 @@ class Views:
         self._out.append(EdgeDown(partner.entry.peer_id, "handed over in a swap"))
         self._send(partner.entry, Disconnect(msg.drop if msg.drop is not None else msg.entry))
         self._to_passive(partner.entry)
-        self._add(msg.entry, msg.degree, now)
+        self._add(msg.entry, msg.degree + 2 * (msg.drop is None), now)  # a split brings it two edges, a swap none
         self._send(msg.entry, SwapReply(True, self.degree, partner.entry))
 
     def _on_SwapReply(self, sender: str, msg: SwapReply, now: float) -> None:
@@ -468,12 +512,12 @@ class Views:
             return
         del self.pending[sender]
         if not msg.accepted:
-            self.backoff[sender] = now + self.cfg.retry_after
+            self._back_off(sender, now)
             self._repair(now)
             return
         if sender not in self.active:
-            if self.degree >= self.cfg.max_degree and p.drop is None:
-                self._send(p.entry, Disconnect(None))
+            if self.degree >= self.cfg.max_degree and (p.drop is None or p.drop.peer_id not in self.active):
+                self._send(p.entry, Disconnect(None))  # no room (and no edge of mine goes for it)
                 return
             self._add(p.entry, msg.degree, now)
         if p.drop is not None:
@@ -484,7 +528,7 @@ class Views:
                 self._send(gone.entry, Disconnect(msg.partner))
                 self._to_passive(gone.entry)
         elif msg.partner is not None and msg.partner.peer_id not in self.active and msg.partner.peer_id != self.me.peer_id:
-            self.expected[msg.partner.peer_id] = now + self.cfg.request_timeout
+            self._expect(msg.partner.peer_id, now)
         self._repair(now)
 
     def _on_Disconnect(self, sender: str, msg: Disconnect, now: float) -> None:
@@ -536,14 +580,20 @@ class Views:
         """Below the target: ask candidates for edges, one request per missing edge (two for a split)."""
         need = self.cfg.target_degree - self._effective()
         while need > 0 and len(self.pending) < self.cfg.target_degree:
-            found = self._candidate(now)
+            found = self._candidate(now, passive=need >= 2 or self.degree < self.cfg.min_degree)
             if found is None:
                 if need == 1 and self.active and now >= self._next_seek:
                     self._next_seek = now + self.cfg.seek_interval
-                    self._send(self.active[self.rng.choice(list(self.active))].entry,
-                               Seek(self.me, self.cfg.walk_length))
+                    if self._short_neighbour() is not None and (found := self._candidate(now, passive=True)):
+                        # a neighbour is one short too (a swap between two neighbours leaves that): a split
+                        # takes me one above the target, and `_trim` hands the extra edge to that neighbour
+                        self.pending[found[0].peer_id] = Pending("swap", found[0], now + self.cfg.request_timeout, 2)
+                        self._send(found[0], SwapRequest(self.me, self.degree, None))
+                    else:
+                        self._send(self.active[self.rng.choice(list(self.active))].entry,
+                                   Seek(self.me, self.cfg.walk_length))
                 return
-            entry, why = found
+            entry, why, lost = found
             urgent = self.degree < self.cfg.min_degree
             if need >= 2 and why in ("walk", "passive"):
                 self.pending[entry.peer_id] = Pending("swap", entry, now + self.cfg.request_timeout, 2)
@@ -552,25 +602,26 @@ class Views:
             else:
                 self.pending[entry.peer_id] = Pending("neighbour", entry, now + self.cfg.request_timeout, 1,
                                                       local=why == "orphan")
-                self._send(entry, NeighbourRequest(self.me, self.degree, urgent))
+                self._send(entry, NeighbourRequest(self.me, self.degree, urgent, lost))
                 need -= 1
 
-    def _candidate(self, now: float) -> tuple[Entry, str] | None:
-        """The next peer to ask for an edge: a lead, else a random passive entry not backing off. One edge
-        short and at min_degree or above, no passive entry: `_repair` sends a `Seek` instead."""
+    def _candidate(self, now: float, *, passive: bool) -> tuple[Entry, str, str | None] | None:
+        """The next peer to ask for an edge: a lead, else (if `passive`) a random passive entry not backing
+        off. One edge short and at min_degree or above, `_repair` asks no passive entry for a plain edge: a
+        random peer is almost always at the target and refuses, and each try costs a dial."""
         def askable(p: str) -> bool:
             return (p != self.me.peer_id and p not in self.active and p not in self.pending
                     and p not in self.expected and self.backoff.get(p, -math.inf) <= now)
         while self.leads:
-            peer, (entry, why) = self.leads.popitem(last=False)
+            peer, lead = self.leads.popitem(last=False)
             if askable(peer):
-                return entry, why
-        if self.cfg.target_degree - self._effective() < 2 and self.degree >= self.cfg.min_degree:
+                return lead
+        if not passive:
             return None
         pool = [p for p in self.passive if askable(p)]
         if not pool:
             return None
-        return self.passive[self.rng.choice(pool)], "passive"
+        return self.passive[self.rng.choice(pool)], "passive", None
 
     def _orphans(self, lost: Neighbour, now: float) -> None:
         """`lost` failed: its other neighbours lost an edge too. Pair up with one of them (by sorted ID, so
@@ -580,18 +631,44 @@ class Views:
             ids = sorted(others)
             i = ids.index(self.me.peer_id)
             if i % 2 == 0 and i + 1 < len(ids):
-                self._lead(others[ids[i + 1]], "orphan", first=True)
+                self._lead(others[ids[i + 1]], "orphan", first=True, lost=lost.entry.peer_id)
             elif i % 2 == 1 and ids[i - 1] not in self.active:
-                self.expected[ids[i - 1]] = now + self.cfg.request_timeout
+                self._expect(ids[i - 1], now)
         for p, e in others.items():
-            if p != self.me.peer_id and p not in self.active and p not in self.expected:
-                self._lead(e, "orphan")
+            if p != self.me.peer_id and p not in self.active and p not in self.expected and p not in self.leads:
+                self._lead(e, "orphan", lost=lost.entry.peer_id)
+
+    def _short_neighbour(self) -> str | None:
+        """A neighbour one edge short like me, with the larger ID (so only one of a pair acts), or None."""
+        return min((p for p, n in self.active.items()
+                    if n.degree < self.cfg.target_degree and p > self.me.peer_id), default=None)
 
     def _trim(self, now: float) -> None:
-        """Above the target (urgent requests let peers in): drop an edge to a neighbour above it too."""
-        if self.degree <= self.cfg.target_degree or self.pending:
+        """Above the target (urgent requests let peers in, a split can overshoot): hand one of my edges to a
+        neighbour that is short (my other neighbour links to it: both of us end at the target), else drop
+        an edge to a neighbour above the target too. With neither, after `seek_interval` above the target,
+        drop one edge anyway: the neighbour, one short, seeks and finds a peer above the target (there is
+        one: the degrees' sum is even), which hands it an edge."""
+        if self.degree <= self.cfg.target_degree:
+            self._over_since = math.inf
             return
+        self._over_since = min(self._over_since, now)
+        if self.pending:
+            return
+        for b in sorted(p for p, n in self.active.items() if n.degree < self.cfg.target_degree):
+            theirs = {e.peer_id for e in self.active[b].neighbours}
+            ys = sorted(p for p in self.active if p != b and p not in theirs)
+            if ys:
+                n = self.active.pop(self.rng.choice(ys))
+                self._out.append(EdgeDown(n.entry.peer_id, "handed over to a neighbour one edge short"))
+                self._mark_status(now)
+                self._send(n.entry, Disconnect(self.active[b].entry))
+                self._to_passive(n.entry)
+                return
         over = sorted(p for p, n in self.active.items() if n.degree > self.cfg.target_degree)
+        if not over and now - self._over_since >= self.cfg.seek_interval:
+            over = slower_half(self._facts(), self.cfg.rewire)
+            self._over_since = now
         if over:
             peer = self.rng.choice(over)
             n = self.active.pop(peer)
@@ -650,7 +727,7 @@ class Views:
     def _short_met(self, entry: Entry, degree: int, now: float) -> None:
         """A shuffle met a peer that is short of edges, as I am: it is the first to ask (a peer one edge short
         probes the passive view slowly, and two such peers rarely find each other otherwise)."""
-        if degree < self.cfg.target_degree and self._effective() < self.cfg.target_degree:
+        if degree < self.cfg.target_degree and self._room():
             self._lead(entry, "short", first=True)
             self.backoff.pop(entry.peer_id, None)
             self._repair(now)
@@ -680,12 +757,26 @@ class Views:
         self.leads.pop(peer, None)
         self.expected.pop(peer, None)
         if self.pending.pop(peer, None) is not None:
-            self.backoff[peer] = now + self.cfg.retry_after
+            self._back_off(peer, now)
 
-    def _lead(self, entry: Entry, why: str, *, first: bool = False) -> None:
+    def _back_off(self, peer: str, now: float) -> None:
+        """Do not ask `peer` again for `retry_after` (at most passive_size + max_leads such peers: the oldest go)."""
+        self.backoff.pop(peer, None)
+        self.backoff[peer] = now + self.cfg.retry_after
+        while len(self.backoff) > self.cfg.passive_size + self.cfg.max_leads:
+            del self.backoff[next(iter(self.backoff))]
+
+    def _expect(self, peer: str, now: float) -> None:
+        """`peer` was handed to me and will ask: hold a slot for it (at most max_degree: the oldest go)."""
+        self.expected.pop(peer, None)
+        self.expected[peer] = now + self.cfg.request_timeout
+        while len(self.expected) > self.cfg.max_degree:
+            del self.expected[next(iter(self.expected))]
+
+    def _lead(self, entry: Entry, why: str, *, first: bool = False, lost: str | None = None) -> None:
         if entry.peer_id == self.me.peer_id or entry.peer_id in self.active:
             return
-        self.leads[entry.peer_id] = (entry, why)
+        self.leads[entry.peer_id] = (entry, why, lost)
         self.leads.move_to_end(entry.peer_id, last=not first)
         while len(self.leads) > self.cfg.max_leads:
             self.leads.popitem(last=True)
