@@ -14,7 +14,7 @@ from peer.bench.scale_sim import SimConfig, Simulator
 from peer.membership.view_messages import (
     MAX_ENTRIES, BadMessage, Disconnect, Entry, Join, JoinReply, JoinWalk, NeighbourReply, NeighbourRequest, Seek,
     Shuffle, ShuffleReply, Status, SwapReply, SwapRequest, WalkEnd, check, encode, wire_size)
-from peer.membership.views import MAX_SEEKERS, EdgeDown, EdgeUp, Send, ViewConfig, Views
+from peer.membership.views import MAX_SEEKERS, EdgeDown, EdgeUp, NeedContact, Send, ViewConfig, Views
 from peer.topology.local_gap import GapConfig
 from peer.topology.local_rewire import LocalRewireConfig
 
@@ -141,10 +141,13 @@ def test_a_crash_is_repaired_by_the_lost_neighbours_other_neighbours():
     p = sim.random_alive()
     orphans = set(p.views.active)
     sim.crash(p)
-    sim.run_until(sim.now + sim.cfg.detect_s * 1.2 + 2)
-    # the orphans pair up by sorted ID (unless a pair is linked already: then a seek or a split finds edges)
-    assert sum(1 for q in orphans if any(n.local for n in sim.peers[q].views.active.values())) >= 2
-    assert settled(sim, {q.pid: 4 for q in sim.alive}, within=30)
+    # the orphans pair up by sorted ID as soon as they notice, before any seek walk (10 s) could help
+    end, whole = sim.now + sim.cfg.detect_s * 1.2 + 2, False
+    while sim.now < end and not whole:
+        sim.run_until(sim.now + 0.2)
+        whole = all(sim.peers[q].views.degree == 4 for q in orphans)
+    assert whole
+    assert settled(sim, {q.pid: 4 for q in sim.alive}, within=30)  # and the repair edges mixed away
 
 
 def test_rewiring_swaps_keep_every_degree():
@@ -179,6 +182,16 @@ def test_a_peer_one_edge_short_finds_another_by_a_seek_walk():
     sim.run_until(sim.now + 60)
     assert a.views.degree == 4 and b.views.degree == 4
     assert sum(1 for d in degrees(sim).values() if d != 4) <= 2 and consistent(sim)
+
+
+def test_a_peer_with_nobody_left_to_ask_says_so_now_and_then():
+    v = Views(entry(0), CFG, random.Random(0))
+    v.join(entry(1), 0.0)
+    v.unreachable(entry(1).peer_id, 5.0)  # the contact is gone, and with it all I knew
+    said = [t for t in range(6, 120) if any(isinstance(a, NeedContact) for a in v.tick(float(t)))]
+    assert said and said[0] <= 10 and all(b - a >= CFG.retry_after for a, b in zip(said, said[1:]))
+    v.join(entry(2), 120.0)  # the daemon's answer: join again through another contact
+    assert not any(isinstance(a, NeedContact) for t in range(121, 125) for a in v.tick(float(t)))
 
 
 def test_unsolicited_answers_change_nothing():
@@ -243,7 +256,7 @@ def test_any_sequence_of_messages_and_events_keeps_one_peers_views_bounded(event
         ups = {a.peer for a in actions if isinstance(a, EdgeUp)}
         downs = {a.peer for a in actions if isinstance(a, EdgeDown)}
         assert (before | ups) - downs == set(v.active), (kind, msg)
-        assert all(isinstance(a, (Send, EdgeUp, EdgeDown)) for a in actions)
+        assert all(isinstance(a, (Send, EdgeUp, EdgeDown, NeedContact)) for a in actions)
         assert all(a.to.peer_id != v.me.peer_id for a in actions if isinstance(a, Send))
         assert_bounded(v)
         if kind == "tick":

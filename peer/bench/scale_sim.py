@@ -10,7 +10,9 @@ What is simulated, and what is not:
     the slowness rewiring can route around). A message takes half the RTT, plus a full RTT to dial
     when the pair has no session (sessions are kept with the active view).
   * failures: a crashed peer's neighbours learn it after `detect_s` (`[membership] dead_after`); a
-    message to a dead or unknown peer fails after `dial_timeout` (`handshake_timeout`).
+    message to a dead or unknown peer fails after `dial_timeout` (`handshake_timeout`). A peer that
+    knows nobody left to ask (`NeedContact`) joins again through a random live peer, as a daemon would
+    through its bootstrap addresses.
   * measurements: a new edge's link is known after its first exchange (a shard over that link), as the
     daemon learns it from averaging transfers; no probe traffic is simulated.
   * bytes: every message is priced by `view_messages.wire_size` (the envelope and sealed frame a daemon
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from peer.membership.view_messages import BadMessage, Entry, check, wire_size
-from peer.membership.views import EdgeDown, EdgeUp, Send, ViewConfig, Views
+from peer.membership.views import EdgeDown, EdgeUp, NeedContact, Send, ViewConfig, Views
 from peer.topology.graph import LinkEstimate
 from peer.topology.local_gap import GapConfig, GapEstimator
 
@@ -138,6 +140,7 @@ class Counters:
     dials: int = 0
     bad: int = 0  # messages a rule's check refused (a bug of ours: the simulated peers are honest)
     unreachable: int = 0
+    rejoins: int = 0  # NeedContact answered with a random live peer (a daemon: its bootstrap addresses)
     by_type: dict[str, int] = field(default_factory=dict)  # bytes by message type
 
 
@@ -238,8 +241,11 @@ class Simulator:
                 if other is not None:
                     t = self.links.exchange_time(p.host, other.host)
                     self.at(self.now + t, self._measured, p, other, t)
-            elif type(a) is EdgeDown:
-                pass
+            elif type(a) is NeedContact:  # as a daemon's bootstrap address would: a random live peer
+                contact = self.random_alive(exclude=p)
+                if contact is not None:
+                    self.counters.rejoins += 1
+                    self._apply(p, p.views.join(contact.entry, self.now))
         self._schedule_tick(p)
 
     def _measured(self, p: SimPeer, other: SimPeer, t: float) -> None:

@@ -124,6 +124,13 @@ MAX_SEEKERS = 4
 """Seekers whose walks passed here that a peer remembers (for twice seek_interval): a later seeker's walk
 that passes here is sent on to one of them. Two walks of ~6 peers each then meet where their paths
 cross (a birthday bound), not only when one walk lands next to the other seeker."""
+LOCAL_LEADS = ("orphan", "short")
+"""Leads found nearby: a lost neighbour's other neighbours, and a peer one edge short met by a seek walk
+(which walks only the graph around me). An edge to one is marked `local`, and the rewiring rule mixes it
+away at the next chance. Why: after many peers fail at once, a region cut off from the rest repairs
+itself with such edges alone and closes into an island that no repair leaves again (it happened in
+`tests/test_scale_sim.py`'s concurrent churn: 952 of 970 peers in one component after 90 s); a mix swaps
+the local edge for one to a random passive peer, nearly always outside the island."""
 PAIRING_TRIES = 16  # random orders a leaving peer tries to pair its (at most max_degree) neighbours without clashes
 
 
@@ -152,7 +159,16 @@ class EdgeDown:
     reason: str
 
 
-Action = Union[Send, EdgeUp, EdgeDown]
+@dataclass(frozen=True, slots=True)
+class NeedContact:
+    """I am below the target and know nobody left to ask (no passive entry, no lead): join again through a
+    contact from outside the views (`--join` addresses, mDNS, the peer cache). At most once per
+    `retry_after`."""
+
+    reason: str
+
+
+Action = Union[Send, EdgeUp, EdgeDown, NeedContact]
 
 
 @dataclass(slots=True)
@@ -208,6 +224,7 @@ class Views:
         self._split_ready = now
         self._next_seek = now  # one edge short: when the next Seek walk may go
         self._over_since = math.inf  # above the target since then
+        self._next_contact = now + cfg.request_timeout  # when NeedContact may be said again
         self._contacts: dict[str, float] = {}  # contacts I asked to join through: until when their reply is taken
         self.moves: dict[str, int] = {}  # rewiring swaps I started that were accepted, by kind
 
@@ -253,7 +270,7 @@ class Views:
             list(self._shuffle_sent),
             None if self.gap is None else [self.gap.epoch, self.gap.gap, self.gap.reference, self.gap.degree],
             self._contacts,
-            [self._shuffle_until, self._next_seek, self._over_since, self._next_shuffle, self._next_rewire, self._status_due,
+            [self._shuffle_until, self._next_seek, self._over_since, self._next_contact, self._next_shuffle, self._next_rewire, self._status_due,
              self._next_retry, self._split_ready], self.moves,
         ]
         return len(encode(state))
@@ -365,6 +382,10 @@ class Views:
         if now >= self._next_retry:
             self._next_retry = now + self.cfg.retry_interval
         self._repair(now)
+        if (self.degree < self.cfg.target_degree and not self.passive and not self.leads and not self.pending
+                and not self._contacts and now >= self._next_contact):
+            self._next_contact = now + self.cfg.retry_after
+            self._out.append(NeedContact(f"{self.degree} of {self.cfg.target_degree} neighbours and nobody left to ask"))
         return self._take()
 
     def handle(self, sender: str, msg: ViewMessage, now: float) -> list[Action]:
@@ -461,7 +482,7 @@ class Views:
                or ((msg.urgent or msg.lost in self.active) and self._effective() < self.cfg.max_degree))
               and self.degree < self.cfg.max_degree)
         if ok:
-            local = self.pending.pop(sender).local if mutual else self.leads.get(sender, (None, "", None))[1] == "orphan"
+            local = self.pending.pop(sender).local if mutual else self.leads.get(sender, (None, "", None))[1] in LOCAL_LEADS
             self.expected.pop(sender, None)
             self._add(msg.entry, msg.degree + 1, now, local=local)  # its degree once it has our edge
         self._send(msg.entry, NeighbourReply(ok, self.degree))
@@ -601,7 +622,7 @@ class Views:
                 need -= 2
             else:
                 self.pending[entry.peer_id] = Pending("neighbour", entry, now + self.cfg.request_timeout, 1,
-                                                      local=why == "orphan")
+                                                      local=why in LOCAL_LEADS)
                 self._send(entry, NeighbourRequest(self.me, self.degree, urgent, lost))
                 need -= 1
 
@@ -741,6 +762,8 @@ class Views:
         if peer in self.active:
             return
         self.active[peer] = Neighbour(entry, degree, now, local=local)
+        if local:  # mix it away soon: repairs found it nearby, and nearby repairs can close off an island
+            self._next_rewire = min(self._next_rewire, now + self.rng.uniform(1.0, 2.0) * self.cfg.retry_interval)
         self.pending.pop(peer, None)  # whatever it answers now is about an edge we have
         self.passive.pop(peer, None)
         self.leads.pop(peer, None)

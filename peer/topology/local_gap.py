@@ -128,8 +128,14 @@ def reference_gap(degree: float, rounds: int) -> float:
     mu = (x + 1.0) / (d + 1.0)
     lo = rounds // 2
     ts = np.arange(lo, rounds)
-    logs = [0.5 * math.log(max(float(np.trapezoid((mu - 1.0) ** 2 * mu ** (2 * t) * density, x)), _TINY))
-            for t in ts]
+    with np.errstate(divide="ignore"):  # mu = 0 at x = -1: log 0 = -inf, a zero term
+        base = np.log((mu - 1.0) ** 2 * density)
+        log_mu = np.log(np.abs(mu))
+    logs = []
+    for t in ts:  # in log space: mu^(2t) underflows for long epochs
+        terms = base + 2 * int(t) * log_mu
+        top = float(np.max(terms))
+        logs.append(0.5 * (top + math.log(float(np.trapezoid(np.exp(terms - top), x)))))
     slope = float(np.polyfit(ts, logs, 1)[0])
     return 1.0 - math.exp(slope)
 
