@@ -5,11 +5,13 @@ thousands of simulated peers."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
-from peer.bench.scale import GOALS, build, run_sim
+from peer.bench.scale import GOALS, build
 from peer.bench.scale_sim import SimConfig, SimPeer, Simulator, components
-from peer.cli.main import build_parser
+from peer.cli.main import main
 from peer.membership.views import ViewConfig
 from peer.topology.local_gap import GapConfig
 
@@ -80,10 +82,11 @@ def test_concurrent_churn_that_partitions_scamp_and_cyclon():
     assert all(p.views.degree >= sim.view_cfg.min_degree for p in joiners if p.alive)
 
 
-def test_bench_scale_small_run_reports_every_figure():
-    args = build_parser().parse_args(["bench", "scale", "--peers", "150", "--steady", "120", "--json"])
-    assert (args.peers, args.steady, args.json) == (150, 120.0, True)
-    r = run_sim(peers=150, steady=120.0, churn=0.02, recover=30.0, seed=3)
+def test_bench_scale_small_run_reports_every_figure(capsys):
+    argv = ["bench", "scale", "--peers", "150", "--steady", "120", "--churn", "0.02", "--recover", "30", "--seed", "3",
+            "--json"]
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
     for key in ("peers", "state_bytes_per_peer", "control_bits_per_s_per_peer", "connected_after_half_failure",
                 "gap_ratio_vs_random_regular", "join_seconds", "consensus_seconds",
                 "random_regular_consensus_seconds", "gap_estimate_ratio_median", "goals"):

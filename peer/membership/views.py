@@ -2,10 +2,11 @@
 
 Each peer keeps an *active view* (its gossip neighbours: the edges of the mixing graph, with a session
 each, `target_degree` of them and never more than `max_degree`) and a *passive view* (`passive_size`
-peers it could link to, refreshed by shuffles along random walks), as in HyParView (Leitão, Pereira and
-Rodrigues, DSN 2007) and Cyclon (Voulgaris et al., 2005). What is ours: edges change only by moves that
-keep degrees as they are, so the graph stays a random regular one (an expander as good as any), and the
-rewiring rule (peer/topology/local_rewire.py) picks which edges to move for bandwidth and mixing.
+peers it could link to, refreshed by shuffles with random passive peers), as in HyParView (Leitão,
+Pereira and Rodrigues, DSN 2007) and Cyclon (Voulgaris et al., 2005). What is ours: edges change only by
+moves that keep degrees as they are, so the graph stays a random regular one (an expander as good as
+any), and the rewiring rule (peer/topology/local_rewire.py) picks which edges to move for bandwidth and
+mixing. See docs/design.md, "Partial views".
 
 How edges change (messages in peer/membership/view_messages.py):
 
@@ -18,24 +19,27 @@ How edges change (messages in peer/membership/view_messages.py):
     edges (`SwapRequest(drop=b)`); c leaves d for me, I leave b, and b and d, each told of the other
     (`Disconnect(handoff=...)`), link to each other. Degrees are unchanged.
   * repair -- a peer below `target_degree` asks for edges: first peers it was handed, then its lost
-    neighbour's other neighbours (they lost an edge too: pairs of them, by sorted ID, link up), then the
-    passive view. A request is accepted below the target; above it only when the asker is below
-    `min_degree` (urgent, up to `max_degree`). Two edges short, a peer asks for a split instead.
+    neighbour's other neighbours (they lost an edge too: pairs of them, by sorted ID, link up), then, two
+    edges short, the passive view for a split. A request is accepted below the target; above it only
+    when the asker is below `min_degree` (urgent) or names a lost neighbour we share, up to `max_degree`.
+    One edge short, a peer sends a `Seek` walk, which finds a peer short too (or one above the target,
+    which hands it an edge); a peer above the target hands an edge to a short neighbour, or sheds one.
   * leave -- a leaving peer pairs up its neighbours (`Disconnect(handoff=...)`), so their degrees stay.
 
 Sans-I/O: the daemon (later) and the simulator (peer/bench/scale_sim.py) drive a `Views` with events --
 `handle` a message from an authenticated peer, `link_down` (the session to a neighbour ended),
 `unreachable` (a peer could not be reached), `tick` at `next_tick` -- and carry out the actions each
 returns: `Send` a message (dialing the entry's addresses if there is no session), `EdgeUp` / `EdgeDown`
-(start or stop averaging with that peer, keep or release its session). The driver tells it what links
-measure (`set_link`) and what the gap estimator read (`gap`). It reads no clock and does no I/O: `now`
-comes with every call (seconds, any monotonic origin).
+(start or stop averaging with that peer, keep or release its session), `NeedContact` (join again
+through a bootstrap address). The driver tells it what links measure (`set_link`) and what the gap
+estimator read (`gap`). It reads no clock and does no I/O: `now` comes with every call (seconds, any
+monotonic origin).
 
 Hostile peers: every message is bounded by `view_messages.check` before it is handled; what a peer can
-make a `Views` hold is bounded (views, leads, pending requests, backoffs); an unsolicited reply changes
-nothing; a split is granted at most once per `split_cooldown`. What a `Views` cannot stop on its own,
-the daemon must: a peer sending requests at a high rate (per-session rate limits), and a peer filling
-others' passive views with identities it controls (an eclipse: HyParView's weakness too).
+make a `Views` hold is bounded (views, leads, pending requests, backoffs, seekers); an unsolicited reply
+changes nothing; a split is granted at most once per `split_cooldown`. What a `Views` cannot stop on its
+own, the daemon must: a peer sending requests at a high rate (per-session rate limits), and a peer
+filling others' passive views with identities it controls (an eclipse: HyParView's weakness too).
 """
 
 from __future__ import annotations
@@ -129,7 +133,7 @@ LOCAL_LEADS = ("orphan", "short")
 (which walks only the graph around me). An edge to one is marked `local`, and the rewiring rule mixes it
 away at the next chance. Why: after many peers fail at once, a region cut off from the rest repairs
 itself with such edges alone and closes into an island that no repair leaves again (it happened in
-`tests/test_scale_sim.py`'s concurrent churn: 952 of 970 peers in one component after 90 s); a mix swaps
+`tests/test_scale_sim.py`'s concurrent churn: 93-95% of the peers in one component after 90 s); a mix swaps
 the local edge for one to a random passive peer, nearly always outside the island."""
 PAIRING_TRIES = 16  # random orders a leaving peer tries to pair its (at most max_degree) neighbours without clashes
 
