@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from peer.membership.view_messages import BadMessage, Entry, check, wire_size
-from peer.membership.views import EdgeDown, EdgeUp, NeedContact, Send, ViewConfig, Views
+from peer.membership.views import EdgeUp, NeedContact, Send, ViewConfig, Views
 from peer.topology.graph import LinkEstimate
 from peer.topology.local_gap import GapConfig, GapEstimator
 

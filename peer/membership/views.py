@@ -55,7 +55,7 @@ from peer.membership.view_messages import (
     ShuffleReply, Status, SwapReply, SwapRequest, ViewMessage, WalkEnd, encode)
 from peer.topology.graph import LinkEstimate
 from peer.topology.local_gap import GapReading
-from peer.topology.local_rewire import LocalRewireConfig, NeighbourFacts, link_time, plan_local_move, slower_half
+from peer.topology.local_rewire import LocalRewireConfig, NeighbourFacts, plan_local_move, slower_half
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,8 +274,8 @@ class Views:
             list(self._shuffle_sent),
             None if self.gap is None else [self.gap.epoch, self.gap.gap, self.gap.reference, self.gap.degree],
             self._contacts,
-            [self._shuffle_until, self._next_seek, self._over_since, self._next_contact, self._next_shuffle, self._next_rewire, self._status_due,
-             self._next_retry, self._split_ready], self.moves,
+            [self._shuffle_until, self._next_seek, self._over_since, self._next_contact, self._next_shuffle,
+             self._next_rewire, self._status_due, self._next_retry, self._split_ready], self.moves,
         ]
         return len(encode(state))
 
@@ -486,7 +486,8 @@ class Views:
                or ((msg.urgent or msg.lost in self.active) and self._effective() < self.cfg.max_degree))
               and self.degree < self.cfg.max_degree)
         if ok:
-            local = self.pending.pop(sender).local if mutual else self.leads.get(sender, (None, "", None))[1] in LOCAL_LEADS
+            lead = self.leads.get(sender)
+            local = self.pending.pop(sender).local if mutual else (lead is not None and lead[1] in LOCAL_LEADS)
             self.expected.pop(sender, None)
             self._add(msg.entry, msg.degree + 1, now, local=local)  # its degree once it has our edge
         self._send(msg.entry, NeighbourReply(ok, self.degree))
@@ -509,7 +510,8 @@ class Views:
         self._repair(now)
 
     def _on_SwapRequest(self, sender: str, msg: SwapRequest, now: float) -> None:
-        if sender in self.active or sender in self.pending or (msg.drop is not None and msg.drop.peer_id == self.me.peer_id):
+        if (sender in self.active or sender in self.pending
+                or (msg.drop is not None and msg.drop.peer_id == self.me.peer_id)):
             self._send(msg.entry, SwapReply(False, self.degree, None))
             return
         if self._room() and self.degree < self.cfg.max_degree:
