@@ -33,6 +33,7 @@ GROWTH = 0.05  # joins per second per live peer while building (at least MIN_JOI
 MIN_JOIN_RATE = 2.0
 SETTLE_S = 120.0  # quiet after the build: joins' last walks, splits and statuses done, first rewiring moves
 SAMPLE_S = 2.0  # after the mass failure, the components are looked at this often
+HEARTBEAT_S = 1.0  # [membership] heartbeat_interval's default: a Ping and a Pong each way per session per second
 GOALS = {
     "state_bytes_per_peer": ("<=", 64 * 1024),
     "control_bits_per_s_per_peer": ("<=", 2000.0),
@@ -151,6 +152,8 @@ def run_sim(*, peers: int, steady: float, churn: float, recover: float, seed: in
         "control_bits_per_s_per_peer": round(statistics.mean(bits), 1),
         "control_bits_per_s_p99": round(float(np.percentile(bits, 99)), 1),
         "control_bits_per_s_views_only": round(statistics.mean(view_bits), 1),
+        # not simulated, not in the figure above: what today's session heartbeats would add on the edges
+        "heartbeat_bits_per_s_per_peer": round(float(degrees.mean()) * _heartbeat_bytes() * 8 / HEARTBEAT_S, 1),
         "connected_after_half_failure": None,
         "gap_ratio_vs_random_regular": round(gap / gap_rr, 4) if gap_rr > 0 else None,
         "join_seconds": _round(join_max, 2),
@@ -223,6 +226,17 @@ def run_sim(*, peers: int, steady: float, churn: float, recover: float, seed: in
     })
     result["goals"] = {k: _met(result.get(k), op, v) for k, (op, v) in GOALS.items()}
     return result
+
+
+def _heartbeat_bytes() -> int:
+    """Bytes one side of a session sends per heartbeat interval: its Ping and its Pong to the other's, framed."""
+    from protocol.cipher import TAG_SIZE
+    from protocol.frames import HEADER_SIZE
+    from protocol.schema import DEFAULT_REGISTRY, Ping, Pong
+
+    frame = HEADER_SIZE + TAG_SIZE
+    return (len(DEFAULT_REGISTRY.encode(Ping(sent=1.7e9), rid=1 << 31)) + frame
+            + len(DEFAULT_REGISTRY.encode(Pong(echo=1.7e9), rid=1 << 31, reply_to=1 << 31)) + frame)
 
 
 def _moves(peers) -> dict[str, int]:

@@ -221,6 +221,7 @@ class Views:
         self._out: list[Action] = []
         self._shuffle_sent: tuple[Entry, ...] = ()
         self._shuffle_until = -math.inf  # a ShuffleReply is taken only while one of ours is out
+        self._shuffle_target: str | None = None  # from whom (None: a walk's end, whoever it is)
         self._next_shuffle = now + rng.uniform(0.5, 1.5) * cfg.shuffle_interval
         self._next_rewire = now + rng.uniform(0.5, 1.5) * cfg.rewire.interval
         self._status_due = math.inf  # when the next Status goes out
@@ -397,7 +398,9 @@ class Views:
         self._out = []
         if self.left or sender == self.me.peer_id:
             return []
-        handler = getattr(self, "_on_" + type(msg).__name__)
+        handler = getattr(self, "_on_" + type(msg).__name__, None)
+        if handler is None:  # `check` refuses what is not a view message: this is the driver's bug
+            raise TypeError(f"not a view message: {type(msg).__name__}")
         handler(sender, msg, now)
         return self._take()
 
@@ -456,6 +459,8 @@ class Views:
                 self._send(n.entry, Disconnect(origin))
                 self._to_passive(n.entry)
                 return
+        if msg.ttl == 0:
+            return  # the walk ends here (or it was sent here from a rendezvous: never on from it)
         # a rendezvous: another seeker's walk passed here lately; it is short too, so the two link up
         for p, (e, until) in list(self.seekers.items()):
             if until <= now or p == origin.peer_id:
@@ -468,7 +473,7 @@ class Views:
         while len(self.seekers) > MAX_SEEKERS:
             del self.seekers[next(iter(self.seekers))]
         nxt = [p for p in self.active if p != sender and p != origin.peer_id]
-        if msg.ttl > 0 and nxt:  # on, preferring a neighbour whose degree is off the target
+        if nxt:  # on, preferring a neighbour whose degree is off the target
             odd = [p for p in nxt if self.active[p].degree != self.cfg.target_degree]
             self._send(self.active[self.rng.choice(odd or nxt)].entry,
                        Seek(origin, min(msg.ttl, self.cfg.walk_length) - 1))
@@ -579,14 +584,14 @@ class Views:
             self._send(self.active[self.rng.choice(nxt)].entry,
                        Shuffle(origin, min(msg.ttl, self.cfg.walk_length) - 1, msg.entries, msg.degree))
             return
-        reply = self._sample(len(msg.entries) + 1, exclude={origin.peer_id}, passive_first=True)
+        reply = self._sample(min(len(msg.entries) + 1, MAX_ENTRIES), exclude={origin.peer_id}, passive_first=True)
         self._send(origin, ShuffleReply(tuple(reply), self.degree))
         self._integrate((origin, *msg.entries), sent=reply)
         self._short_met(origin, msg.degree, now)
 
     def _on_ShuffleReply(self, sender: str, msg: ShuffleReply, now: float) -> None:
-        if now > self._shuffle_until:
-            return  # unsolicited: nothing of ours is out
+        if now > self._shuffle_until or self._shuffle_target not in (None, sender):
+            return  # unsolicited: nothing of ours is out to this peer
         self._shuffle_until = -math.inf
         self._integrate(msg.entries, sent=self._shuffle_sent)
         self._shuffle_sent = ()
@@ -741,6 +746,7 @@ class Views:
         entries = self.rng.sample(mine, min(self.cfg.shuffle_active, len(mine))) + sent
         self._shuffle_sent = tuple(sent)
         self._shuffle_until = now + self.cfg.request_timeout * (ttl + 1)
+        self._shuffle_target = target.peer_id if ttl == 0 else None  # a walk's end is anyone's guess
         self._send(target, Shuffle(self.me, ttl, tuple(entries), self.degree))
 
     def _send_status(self, now: float) -> None:
