@@ -165,9 +165,9 @@ class EdgeDown:
 
 @dataclass(frozen=True, slots=True)
 class NeedContact:
-    """I am below the target and know nobody left to ask (no passive entry, no lead): join again through a
-    contact from outside the views (`--join` addresses, mDNS, the peer cache). At most once per
-    `retry_after`."""
+    """I am below the target and know nobody left to ask (no passive entry and no lead; or below min_degree,
+    every passive entry refused me lately): join again through a contact from outside the views (`--join`
+    addresses, mDNS, the peer cache). At most once per `retry_after`."""
 
     reason: str
 
@@ -387,7 +387,9 @@ class Views:
         if now >= self._next_retry:
             self._next_retry = now + self.cfg.retry_interval
         self._repair(now)
-        if (self.degree < self.cfg.target_degree and not self.passive and not self.leads and not self.pending
+        stranded = not self.passive or (self.degree < self.cfg.min_degree
+                                        and all(self.backoff.get(p, -math.inf) > now for p in self.passive))
+        if (self.degree < self.cfg.target_degree and stranded and not self.leads and not self.pending
                 and not self._contacts and now >= self._next_contact):
             self._next_contact = now + self.cfg.retry_after
             self._out.append(NeedContact(f"{self.degree} of {self.cfg.target_degree} neighbours and nobody left to ask"))
@@ -544,6 +546,11 @@ class Views:
             return
         del self.pending[sender]
         if not msg.accepted:
+            if p.drop is None and self.degree < self.cfg.min_degree and self.degree < self.cfg.max_degree:
+                # no split to spare (it gave one away moments ago): below min_degree, any edge will do
+                self.pending[sender] = Pending("neighbour", p.entry, now + self.cfg.request_timeout, 1)
+                self._send(p.entry, NeighbourRequest(self.me, self.degree, True))
+                return
             self._back_off(sender, now)
             self._repair(now)
             return
