@@ -213,7 +213,8 @@ def _messages(ids: st.SearchStrategy[int]) -> st.SearchStrategy:
     return st.one_of(
         st.builds(Join, e), st.builds(JoinReply, entries), st.builds(JoinWalk, e, st.integers(0, 16)),
         st.builds(WalkEnd, e), st.builds(Seek, e, st.integers(0, 16)),
-        st.builds(NeighbourRequest, e, degree, st.booleans()), st.builds(NeighbourReply, st.booleans(), degree),
+        st.builds(NeighbourRequest, e, degree, st.booleans(), st.none() | e.map(lambda x: x.peer_id)),
+        st.builds(NeighbourReply, st.booleans(), degree),
         st.builds(SwapRequest, e, degree, st.none() | e), st.builds(SwapReply, st.booleans(), degree, st.none() | e),
         st.builds(Disconnect, st.none() | e), st.builds(Shuffle, e, st.integers(0, 16), entries, degree),
         st.builds(ShuffleReply, entries, degree),
