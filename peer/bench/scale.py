@@ -6,7 +6,8 @@ Phases, in simulated time:
   2. steady state, `--steady` seconds: background churn (`--churn` of the swarm per minute, half joining,
      a quarter leaving, a quarter crashing), one gap-estimate epoch at its start, and the rewiring rule
      running on what it reads. Control bytes are counted over this window; the joiners of it give
-     `join_seconds` (until min_degree neighbours and a first exchange done).
+     `join_seconds` (until min_degree neighbours: averaging starts over the first edge) and the time
+     until their first exchange is done (which a 16 MiB shard over a slow path makes tens of seconds).
   3. the graph at its end: the spectral gap of its mixing matrix, against a random regular graph of the
      same size and (rounded mean) degree; simulated averaging on both over the same links (the
      bandwidth-weighted consensus time); every peer's state bytes; the peers' own gap readings.
@@ -80,20 +81,25 @@ def churn_step(sim: Simulator, dt: float, per_min: float, n: int, joiners: list)
     sim.run_until(t_end)
 
 
-def join_figures(joiners: list, now: float, *, grace: float) -> tuple[float | None, float | None, int]:
-    """(max, median) seconds from join to min_degree neighbours and a first exchange, over joiners that
-    joined at least `grace` seconds before `now` and still live; and how many of them never got there."""
-    done, never = [], 0
+def join_figures(joiners: list, now: float, *, grace: float) -> dict:
+    """Over the joiners that joined at least `grace` seconds before `now` and still live: seconds from the
+    join to min_degree neighbours (`join_seconds`, max and median: connected, and averaging, which starts
+    over the first edge), to the end of the first exchange (a shard over the new links: what the links'
+    speed adds), and how many never got there."""
+    connected, exchanged, never = [], [], 0
     for p in joiners:
         if not p.alive or p.joined_at is None or now - p.joined_at < grace:
             continue
         if p.connected_at is None or p.first_exchange_at is None:
             never += 1
             continue
-        done.append(max(p.connected_at, p.first_exchange_at) - p.joined_at)
-    if not done:
-        return None, None, never
-    return max(done), statistics.median(done), never
+        connected.append(p.connected_at - p.joined_at)
+        exchanged.append(p.first_exchange_at - p.joined_at)
+    pick = lambda xs, f: _round(f(xs), 2) if xs else None  # noqa: E731
+    return {"join_seconds": pick(connected, max), "join_seconds_median": pick(connected, statistics.median),
+            "first_exchange_seconds_max": pick(exchanged, max),
+            "first_exchange_seconds_median": pick(exchanged, statistics.median),
+            "joiners_not_connected": never}
 
 
 def _round(x, k=4):
@@ -128,7 +134,7 @@ def run_sim(*, peers: int, steady: float, churn: float, recover: float, seed: in
     stayed = [p for p in sim.alive if p.pid in before]
     bits = [8 * (p.view_bytes + p.gap_bytes) / window for p in stayed]
     view_bits = [8 * p.view_bytes / window for p in stayed]
-    join_max, join_median, join_never = join_figures(joiners, sim.now, grace=30.0)
+    joins = join_figures(joiners, sim.now, grace=30.0)
     log(f"steady state: {window:.0f} simulated s, {len(joiners)} joiners ({time.monotonic() - wall0:.0f} s)")
 
     live, pairs, one_sided = sim.graph()
@@ -156,10 +162,8 @@ def run_sim(*, peers: int, steady: float, churn: float, recover: float, seed: in
         "heartbeat_bits_per_s_per_peer": round(float(degrees.mean()) * _heartbeat_bytes() * 8 / HEARTBEAT_S, 1),
         "connected_after_half_failure": None,
         "gap_ratio_vs_random_regular": round(gap / gap_rr, 4) if gap_rr > 0 else None,
-        "join_seconds": _round(join_max, 2),
-        "join_seconds_median": _round(join_median, 2),
+        **joins,
         "joiners": len(joiners),
-        "joiners_not_connected": join_never,
         "gap": round(gap, 4),
         "random_regular_gap": round(gap_rr, 4),
         "random_regular_degree": d_rr,
