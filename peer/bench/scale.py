@@ -145,7 +145,8 @@ def run_sim(*, peers: int, steady: float, churn: float, recover: float, seed: in
     d_rr = max(2, int(round(float(degrees.mean()))))
     ids = [p.pid for p in live]
     index = {pid: i for i, pid in enumerate(ids)}
-    rr = np.array([sorted(index[x] for x in e) for e in random_regular(ids, d_rr, seed)], dtype=np.int64)
+    # sorted: a frozenset's order follows string hashing, and the simulated averaging follows the edge order
+    rr = np.array(sorted(sorted(index[x] for x in e) for e in random_regular(ids, d_rr, seed)), dtype=np.int64)
     gap_rr = sparse_spectral_gap(n, rr)
     readings = [p.gap.reading for p in live if p.gap.reading is not None]
     state = [p.views.state_bytes() + _gap_state(p) for p in live]
