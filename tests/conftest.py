@@ -89,6 +89,8 @@ UNIT_MODULES = frozenset({
     "test_control_units.py",
     "test_topology_edges.py",
     "test_topology_record_book.py",
+    "test_views.py",
+    "test_topology_local.py",
 })
 
 # Whole modules in the serial tier: their tests measure rates or race timers that a second test on the same

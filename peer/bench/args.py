@@ -371,6 +371,22 @@ def nat_arguments(p: Parser) -> None:
                    help="keep daemon homes and logs under DIR (default: a temp dir, removed)")
 
 
+def scale_arguments(p: Parser) -> None:
+    p.add_argument("--peers", type=int, default=1000, help="simulated peers (default 1000; the goals are for 10000)")
+    p.add_argument("--steady", type=float, default=600.0,
+                   help="simulated seconds of steady state, where control traffic is counted (default 600: one "
+                        "gap-estimate epoch)")
+    p.add_argument("--churn", type=float, default=0.01,
+                   help="fraction of the swarm that churns per simulated minute in steady state: half joins, a "
+                        "quarter leaves, a quarter crashes (default 0.01)")
+    p.add_argument("--recover", type=float, default=60.0,
+                   help="simulated seconds after half the swarm crashes at once before connectivity is read "
+                        "(default 60)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the links, churn and rules (default 0)")
+    p.add_argument("--no-consensus", action="store_true",
+                   help="skip the simulated averaging on the final graph and on a random regular one")
+
+
 @dataclass(frozen=True)
 class Bench:
     """One `peer bench` command: the module whose `run(args) -> int` it calls, and how it is described."""
@@ -416,6 +432,10 @@ BENCHES = {
     "pipeline": Bench("peer.bench.pipeline_main",
                       "4-stage swarm pipeline across CPU-capped daemons: samples/s vs the slowest stage, kill -9 recovery",
                       pipeline_arguments),
+    "scale": Bench("peer.bench.scale",
+                   "simulated swarm of N peers running the partial-view and local rewiring rules: state and "
+                   "control bytes per peer, connectivity after half fail, gap vs random regular, join time",
+                   scale_arguments),
     "nat": Bench("peer.bench.nat",
                  "daemons behind NATs (internet lab): how each pair connects, seconds to it, throughput direct vs "
                  "punched vs relayed", nat_arguments),

@@ -1,0 +1,286 @@
+"""Partial views (peer/membership/views.py): bounded under any events, degree-preserving joins, swaps and leaves,
+the repairs after failures, and the checks on what a peer may send. Swarm-sized scenarios are in
+tests/test_scale_sim.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peer.bench.scale_sim import SimConfig, Simulator
+from peer.membership.view_messages import (
+    MAX_ENTRIES, BadMessage, Disconnect, Entry, Join, JoinReply, JoinWalk, NeighbourReply, NeighbourRequest, Seek,
+    Shuffle, ShuffleReply, Status, SwapReply, SwapRequest, WalkEnd, check, encode, wire_size)
+from peer.membership.views import MAX_SEEKERS, EdgeDown, EdgeUp, NeedContact, Send, ViewConfig, Views
+from peer.topology.local_gap import GapConfig
+from peer.topology.local_rewire import LocalRewireConfig
+
+CFG = ViewConfig()
+QUIET = ViewConfig(rewire=LocalRewireConfig(interval=1e6))  # no rewiring: a join's or a leave's own effect
+STATE_LIMIT = 64 * 1024  # the issue's per-peer state goal: what any sequence of events must stay under
+
+
+def entry(i: int) -> Entry:
+    return Entry(f"peer{i:016d}", (f"198.51.100.{i % 250 + 1}:7100",))
+
+
+def assert_bounded(v: Views) -> None:
+    c = v.cfg
+    assert len(v.active) <= c.max_degree
+    assert len(v.passive) <= c.passive_size
+    assert len(v.pending) <= c.target_degree
+    assert len(v.expected) <= c.max_degree
+    assert len(v.leads) <= c.max_leads
+    assert len(v.backoff) <= c.passive_size + c.max_leads
+    assert len(v.seekers) <= MAX_SEEKERS
+    assert not (set(v.active) & set(v.passive))
+    assert v.me.peer_id not in v.active and v.me.peer_id not in v.passive
+    assert v.state_bytes() < STATE_LIMIT
+
+
+def swarm(n: int, seed: int = 0, settle: float = 60.0, cfg: ViewConfig = CFG) -> Simulator:
+    """n simulated peers, joined one by one through a random live peer, then `settle` quiet seconds."""
+    sim = Simulator(cfg, GapConfig(), SimConfig(seed=seed))
+    first = sim.spawn()
+    sim.join(first, None, measure=False)
+    while len(sim.alive) < n:
+        sim.run_until(sim.now + 0.2)
+        p = sim.spawn()
+        sim.join(p, sim.random_alive(exclude=p), measure=False)
+    sim.run_until(sim.now + settle)
+    return sim
+
+
+def degrees(sim: Simulator) -> dict[str, int]:
+    return {p.pid: p.views.degree for p in sim.alive}
+
+
+def consistent(sim: Simulator) -> bool:
+    """Every edge is listed by both its ends."""
+    return all(p.pid in sim.peers[q].views.active for p in sim.alive for q in p.views.active)
+
+
+def settled(sim: Simulator, want: dict[str, int], within: float) -> bool:
+    """Run until every degree is as in `want` and every edge consistent (True), or `within` seconds pass."""
+    end = sim.now + within
+    while True:
+        if degrees(sim) == want and consistent(sim):
+            return True
+        if sim.now >= end:
+            return False
+        sim.run_until(sim.now + 1)
+
+
+def regular_swarm(n: int, seed: int) -> Simulator:
+    """A swarm without rewiring, once it is 4-regular (its last joins' repairs done)."""
+    sim = swarm(n, seed=seed, cfg=QUIET)
+    assert settled(sim, {p: 4 for p in degrees(sim)}, within=120)
+    return sim
+
+
+# ---- the rules on their own ---------------------------------------------------------------------------
+
+def test_view_config_is_range_checked():
+    for bad in (dict(min_degree=5), dict(max_degree=3), dict(max_degree=33, target_degree=4), dict(passive_size=0),
+                dict(walk_length=17), dict(shuffle_interval=float("nan")), dict(retry_after=-1.0),
+                dict(shuffle_active=20, shuffle_passive=20), dict(split_cooldown=float("inf"))):
+        with pytest.raises(ValueError):
+            ViewConfig(**bad)
+
+
+def test_messages_are_checked_against_their_sender_and_bounds():
+    me = entry(1)
+    check(NeighbourRequest(me, 3, False), me.peer_id)
+    with pytest.raises(BadMessage, match="not the sender"):
+        check(NeighbourRequest(me, 3, False), entry(2).peer_id)
+    for bad in (JoinReply(tuple(entry(i) for i in range(MAX_ENTRIES + 1))),
+                JoinWalk(me, 17), Seek(me, -1), NeighbourReply(True, 1 << 20), NeighbourReply(1, 3),
+                Status(3, (), float("nan")), Status(3, (), 0.0),
+                Disconnect(Entry("", ())), Disconnect(Entry("x" * 300, ())),
+                Shuffle(me, 0, (Entry("p", tuple(f"a{i}" for i in range(5))),), 4),
+                Shuffle(me, 0, (Entry("p", ("a" * 300,)),), 4)):
+        with pytest.raises(BadMessage):
+            check(bad, me.peer_id)
+    with pytest.raises(BadMessage, match="not a view message"):
+        check(object(), me.peer_id)
+
+
+def test_wire_size_is_the_framed_envelope():
+    msg = Shuffle(entry(1), 0, tuple(entry(i) for i in range(7)), 4)
+    body = len(encode(msg))
+    assert body + 25 < wire_size(msg) < body + 60  # envelope keys, request id, frame header (9) and tag (16)
+    assert wire_size(Disconnect(None)) < 80
+
+
+def test_a_join_into_a_regular_swarm_splits_edges_and_changes_no_other_degree():
+    sim = regular_swarm(40, seed=3)
+    before = degrees(sim)
+    p = sim.spawn()
+    sim.join(p, sim.random_alive(exclude=p))
+    sim.run_until(sim.now + 20)
+    after = degrees(sim)
+    assert after[p.pid] == 4
+    assert {q: after[q] for q in before} == before
+    assert consistent(sim)
+    assert p.connected_at is not None and p.connected_at - p.joined_at < 10
+
+
+def test_a_graceful_leave_pairs_the_neighbours_up():
+    sim = regular_swarm(40, seed=4)
+    before = degrees(sim)
+    p = sim.random_alive()
+    sim.leave(p)
+    assert settled(sim, {q: d for q, d in before.items() if q != p.pid}, within=10)
+
+
+def test_a_crash_is_repaired_by_the_lost_neighbours_other_neighbours():
+    sim = regular_swarm(60, seed=5)
+    p = sim.random_alive()
+    orphans = set(p.views.active)
+    sim.crash(p)
+    # the orphans pair up by sorted ID as soon as they notice, before any seek walk (10 s) could help
+    end, whole = sim.now + sim.cfg.detect_s * 1.2 + 2, False
+    while sim.now < end and not whole:
+        sim.run_until(sim.now + 0.2)
+        whole = all(sim.peers[q].views.degree == 4 for q in orphans)
+    assert whole
+    assert settled(sim, {q.pid: 4 for q in sim.alive}, within=30)  # and the repair edges mixed away
+
+
+def test_rewiring_swaps_keep_every_degree():
+    sim = regular_swarm(60, seed=6)
+    before = degrees(sim)
+    busy = ViewConfig(rewire=LocalRewireConfig(mix_probability=1.0, interval=5.0))
+    for p in sim.alive:  # every peer mixes every ~5 s for a while
+        p.views.cfg = busy
+        p.views._next_rewire = sim.now + sim.rng.uniform(0, 5)
+        sim._schedule_tick(p)
+    sim.run_until(sim.now + 30)
+    assert sum(sum(p.views.moves.values()) for p in sim.alive) >= 60
+    for p in sim.alive:
+        p.views.cfg = QUIET
+        p.views._next_rewire = float("inf")
+    assert settled(sim, before, within=120)
+
+
+def test_a_peer_one_edge_short_finds_another_by_a_seek_walk():
+    sim = regular_swarm(60, seed=7)
+    a, b = sim.alive[3], sim.alive[17]
+    # take one edge from each of a and b by hand (their neighbours keep theirs): both are one short
+    for p in (a, b):
+        q = next(iter(p.views.active))
+        sim.peers[q].views.active.pop(p.pid)
+        p.views.active.pop(q)
+        for x in (p, sim.peers[q]):
+            x.views._next_seek = sim.now
+    a.views._repair(sim.now)
+    for p in (a, b, *(sim.peers[q] for q in a.views.active)):
+        sim._apply(p, p.views.tick(sim.now))
+    sim.run_until(sim.now + 60)
+    assert a.views.degree == 4 and b.views.degree == 4
+    assert sum(1 for d in degrees(sim).values() if d != 4) <= 2 and consistent(sim)
+
+
+def test_a_peer_with_nobody_left_to_ask_says_so_now_and_then():
+    v = Views(entry(0), CFG, random.Random(0))
+    v.join(entry(1), 0.0)
+    v.unreachable(entry(1).peer_id, 5.0)  # the contact is gone, and with it all I knew
+    said = [t for t in range(6, 120) if any(isinstance(a, NeedContact) for a in v.tick(float(t)))]
+    assert said and said[0] <= 10 and all(b - a >= CFG.retry_after for a, b in zip(said, said[1:]))
+    v.join(entry(2), 120.0)  # the daemon's answer: join again through another contact
+    assert not any(isinstance(a, NeedContact) for t in range(121, 125) for a in v.tick(float(t)))
+
+
+def test_unsolicited_answers_change_nothing():
+    v = Views(entry(0), CFG, random.Random(0))
+    stranger = entry(99)
+    for msg in (NeighbourReply(True, 4), SwapReply(True, 4, entry(5)), ShuffleReply((entry(7),), 4),
+                JoinReply((entry(8),)), WalkEnd(stranger)):
+        v.handle(stranger.peer_id, msg, 1.0)
+    assert not v.active and not v.expected
+    assert "peer0000000000000007" not in v.passive and "peer0000000000000008" not in v.passive
+
+
+# ---- bounded whatever happens -------------------------------------------------------------------------
+
+def _messages(ids: st.SearchStrategy[int]) -> st.SearchStrategy:
+    e = ids.map(entry)
+    entries = st.lists(e, max_size=MAX_ENTRIES).map(tuple)
+    degree = st.integers(0, 40)
+    return st.one_of(
+        st.builds(Join, e), st.builds(JoinReply, entries), st.builds(JoinWalk, e, st.integers(0, 16)),
+        st.builds(WalkEnd, e), st.builds(Seek, e, st.integers(0, 16)),
+        st.builds(NeighbourRequest, e, degree, st.booleans(), st.none() | e.map(lambda x: x.peer_id)),
+        st.builds(NeighbourReply, st.booleans(), degree),
+        st.builds(SwapRequest, e, degree, st.none() | e), st.builds(SwapReply, st.booleans(), degree, st.none() | e),
+        st.builds(Disconnect, st.none() | e), st.builds(Shuffle, e, st.integers(0, 16), entries, degree),
+        st.builds(ShuffleReply, entries, degree),
+        st.builds(Status, degree, st.lists(e, max_size=MAX_ENTRIES).map(tuple),
+                  st.none() | st.floats(1.0, 1e12)))
+
+
+EVENTS = st.lists(st.tuples(st.sampled_from(["msg", "msg", "msg", "down", "unreachable", "tick"]),
+                            st.integers(1, 80), _messages(st.integers(1, 80)), st.floats(0.0, 20.0)),
+                  max_size=120)
+
+
+@settings(max_examples=100)
+@given(EVENTS)
+def test_any_sequence_of_messages_and_events_keeps_one_peers_views_bounded(events):
+    """Whatever peers send (each message in its checked range, from its sender) and whatever fails, a peer's
+    views stay in their bounds, and the EdgeUp / EdgeDown it reports are exactly its active view's changes."""
+    v = Views(entry(0), CFG, random.Random(1))
+    now = 0.0
+    v.join(entry(1), now)
+    for kind, who, msg, dt in events:
+        now += dt
+        sender = entry(who).peer_id
+        before = set(v.active)
+        if kind == "msg":
+            for field in ("entry",):  # the sender is who the entry says (check would refuse otherwise)
+                if hasattr(msg, field):
+                    sender = getattr(msg, field).peer_id
+            try:
+                check(msg, sender)
+            except BadMessage:
+                continue
+            actions = v.handle(sender, msg, now)
+        elif kind == "down":
+            actions = v.link_down(sender, now)
+        elif kind == "unreachable":
+            actions = v.unreachable(sender, now)
+        else:
+            actions = v.tick(now)
+        ups = {a.peer for a in actions if isinstance(a, EdgeUp)}
+        downs = {a.peer for a in actions if isinstance(a, EdgeDown)}
+        assert (before | ups) - downs == set(v.active), (kind, msg)
+        assert all(isinstance(a, (Send, EdgeUp, EdgeDown, NeedContact)) for a in actions)
+        assert all(a.to.peer_id != v.me.peer_id for a in actions if isinstance(a, Send))
+        assert_bounded(v)
+        if kind == "tick":
+            assert v.next_tick() > now  # a tick leaves nothing overdue
+
+
+OPS = st.lists(st.one_of(st.tuples(st.just("join"), st.integers(0, 10**6)),
+                         st.tuples(st.just("crash"), st.integers(0, 10**6)),
+                         st.tuples(st.just("leave"), st.integers(0, 10**6)),
+                         st.tuples(st.just("run"), st.integers(1, 45))), max_size=30)
+
+
+@settings(max_examples=25)
+@given(OPS, st.integers(0, 1000))
+def test_views_stay_bounded_under_any_joins_leaves_crashes_and_shuffles(ops, seed):
+    sim = swarm(24, seed=seed, settle=5.0)
+    for op, k in ops:
+        if op == "join":
+            p = sim.spawn()
+            sim.join(p, sim.alive[k % (len(sim.alive) - 1)] if len(sim.alive) > 1 else None)
+        elif op in ("crash", "leave") and len(sim.alive) > 2:
+            (sim.crash if op == "crash" else sim.leave)(sim.alive[k % len(sim.alive)])
+        elif op == "run":
+            sim.run_until(sim.now + k)  # shuffles every ~30 s, rewiring, repairs
+        for p in sim.alive:
+            assert_bounded(p.views)
