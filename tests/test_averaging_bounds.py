@@ -176,7 +176,7 @@ def test_a_numpy_peer_and_a_torch_path_peer_compute_the_same_scale_for_the_same_
     assert ga.apply(1 / 3, [torch.from_numpy(sb_.numpy().copy()).numpy()], [sa_], radii=(radius, radius))[0] \
         == (scale := clip_scale(shared.norms.diff_sq([sb_.numpy()], [sa_]), radius, radius))
     monkeypatch.setattr(shared, "_host_arrays", lambda *groups: None)  # as for a device tensor
-    got, _ = gb.apply(1 / 3, [torch.from_numpy(sa_.copy())], [sb_], radii=(radius, radius))
+    got, _, _ = gb.apply(1 / 3, [torch.from_numpy(sa_.copy())], [sb_], radii=(radius, radius))
     assert got == scale < 1.0
     total_before = float(a.astype(np.float64).sum() + b.astype(np.float64).sum())
     total_after = float(ga.tensors["w"].astype(np.float64).sum() + gb.tensors["w"].double().sum())
@@ -387,8 +387,9 @@ def test_every_codec_clips_alike_on_both_sides_from_the_decoded_values(codec):
     ga, gb = _pair(a, b)
     qa, qb = ga.as_sent([a.copy()], codec), gb.as_sent([b.copy()], codec)
     radius = float(np.linalg.norm(qb[0].astype(np.float64) - qa[0])) / 4  # clipped to a quarter
-    sa, da = ga.apply(1 / 3, [qb[0].copy()], [qa[0].copy()], radii=(radius, radius * 2))
-    sb, db = gb.apply(1 / 3, [qa[0].copy()], [qb[0].copy()], radii=(radius * 2, radius))
+    sa, da, ca = ga.apply(1 / 3, [qb[0].copy()], [qa[0].copy()], radii=(radius, radius * 2))
+    sb, db, cb = gb.apply(1 / 3, [qa[0].copy()], [qb[0].copy()], radii=(radius * 2, radius))
     assert sa == sb == pytest.approx(0.25, rel=1e-6) and da == db  # bit for bit alike
+    assert ca == cb  # the angle, from the same bits
     moved = (ga.tensors["w"].astype(np.float64) - a) + (gb.tensors["w"].astype(np.float64) - b)
     assert abs(float(moved.sum())) <= 1e-6 * float(np.abs(a).sum())

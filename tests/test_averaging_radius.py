@@ -66,6 +66,29 @@ def judge(r: Radii, d: float, robust: float, *, peer: str = "p", moved: float = 
     return r.judge("g", peer, distance=d, radius=Radius(robust, robust), moved=moved, now=now)
 
 
+def test_values_pointing_away_from_ours_are_not_applied_and_a_strike_at_any_distance():
+    """A sign flip, a scaled or an IPM liar sends -c times the honest mean: its values point away from ours
+    however near its distance keeps within the radius; honest models of a task never do."""
+    from peer.averaging.bounds import OPPOSED_MIN_ELEMENTS, opposed
+    from peer.averaging.shared import SharedTensors
+    rng = np.random.default_rng(0)
+    n = OPPOSED_MIN_ELEMENTS
+    a = rng.standard_normal(n).astype(np.float32)
+    cases = {"sign flip": -a, "scaled -4": -4 * a, "ipm 0.1": -0.1 * a, "ipm 10": -10 * a,
+             "independent": rng.standard_normal(n).astype(np.float32), "zeros": np.zeros(n, np.float32),
+             "near": a + 0.5 * rng.standard_normal(n).astype(np.float32)}
+    for name, other in cases.items():
+        group = SharedTensors("g", {"w": a.copy()})
+        got = group.apply(1 / 3, [other.copy()], [a.copy()], radii=(1e30, 1e30))
+        want = name not in ("independent", "zeros", "near")
+        assert got.opposed is want, name
+        assert (got.scale == 0.0) is want and (np.array_equal(group.tensors["w"], a)) is want, name
+        strike = Radii(max_ratio=8.0, byzantine_share=0.25).judge(
+            "g", "p", distance=got.distance, radius=Radius(1e30, 1e30), moved=0.0, now=0.0, opposed=got.opposed)
+        assert ("pointing away" in (strike or "")) is want, name
+    assert not opposed(4.0, -1.0, n - 1)  # too few values to tell an angle from chance
+
+
 def test_an_overflowing_distance_is_a_strike():
     assert "overflows" in judge(Radii(max_ratio=8.0, byzantine_share=0.25), math.inf, 1.0)
 

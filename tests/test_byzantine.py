@@ -17,8 +17,6 @@ BAN_WITHIN = 8  # exchanges: 3 strikes ban (peer/averaging/bans.py), with room f
 #                 makes before it knows an honest partner's distance to judge by (peer/averaging/radius.py)
 
 
-@pytest.mark.xfail(strict=True, reason="the defence as merged (peer/averaging/radius.py) neither bans a sign-flip liar "
-                   "nor keeps it from wrecking the peers it reaches: docs/benchmarks.md, 2026-11-27, peer bench byzantine")
 def test_sign_flip_liar_is_banned_and_the_honest_peers_reach_the_target(tmp_path):
     plan = SwarmPlan(honest=5, liars=1, attack="sign_flip",
                      topology={"kind": "rewired", "target_degree": 3, "min_degree": 2, "max_degree": 4},

@@ -22,6 +22,8 @@ import math
 
 HOLD_BASE_S = 10.0  # two snapshots and the offer/accept/commit round trips: seconds when a loaded machine makes threads wait for a core
 HOLD_FLOOR_BPS = 256 * 1024  # 2 Mbit/s: the slowest link we still average over; both directions move at once
+OPPOSED_COSINE = 0.1  # k: cos(a, b) < -k is "pointing away"; honest models of one task are aligned (cos > 0.7 in the byzantine tests), independent inits at 0 +- 1/sqrt(n)
+OPPOSED_MIN_ELEMENTS = 10_000  # below, two independent inits could look opposed by chance: at n = 10^4 it takes a 9-sigma draw (d^2 ~ 2, bound ~ -0.09 of ||a||^2 = 9 / sqrt(n))
 COMMIT_SLACK_S = 5.0  # the server's extra wait for a commit in flight (the initiator's deadline ends first)
 
 
@@ -37,13 +39,28 @@ def valid_radius(radius: float) -> bool:
     return isinstance(radius, float) and radius >= 0.0
 
 
-def clip_scale(diff_sq: float, radius_a: float, radius_b: float) -> float:
+def opposed(diff_sq: float, dot: float, elements: int) -> bool:
+    """Whether two models point away from each other: cos(a, b) < -OPPOSED_COSINE for sure, from quantities
+    both sides hold bit for bit (norms.diff_sq_and_dot), in a group of at least OPPOSED_MIN_ELEMENTS values.
+
+    With p = <a, b> < 0, ||a|| ||b|| <= (||a||^2 + ||b||^2) / 2 = (d^2 + 2p) / 2, so p < -k d^2 / (2 (1 + k))
+    gives -p > k (d^2 + 2p) / 2 >= k ||a|| ||b||: cos < -k. Exact when the norms are equal (a sign flip);
+    stricter otherwise, and still true of -c times our model for any c > 0 at k = 0.1 (c = 0.1: p = -0.1,
+    d^2 = 1.21, bound -0.055)."""
+    k = OPPOSED_COSINE
+    return elements >= OPPOSED_MIN_ELEMENTS and math.isfinite(dot) and dot < -k * diff_sq / (2.0 * (1.0 + k))
+
+
+def clip_scale(diff_sq: float, radius_a: float, radius_b: float, *, dot: float = 0.0, elements: int = 0) -> float:
     """The factor s in [0, 1] both sides apply to w * (other - own), symmetric in the two radii.
 
-    `diff_sq` = ||other - own||^2 (the same on both sides: norms.diff_sq); s < 1 when the distance is past
-    the smaller radius. Both sides pass the same three numbers (the radii swapped), so they get the same s."""
+    `diff_sq` = ||other - own||^2 and `dot` = <other, own> (the same on both sides: norms.diff_sq_and_dot);
+    s < 1 when the distance is past the smaller radius, 0 when the two point away from each other (`opposed`,
+    over `elements` values). Both sides pass the same numbers (the radii swapped), so they get the same s."""
     if not (math.isfinite(diff_sq) and diff_sq >= 0.0 and radius_a >= 0.0 and radius_b >= 0.0):
         return 0.0  # an overflowed distance (or a value no sum of squares has), or a NaN radius: apply nothing
+    if opposed(diff_sq, dot, elements):
+        return 0.0  # values pointing away from ours: no honest model of the task does (radius.py strikes it)
     radius = min(radius_a, radius_b)
     distance = math.sqrt(diff_sq)  # the norm, not its square: no under/overflow against the radius
     return 1.0 if distance <= radius else radius / distance

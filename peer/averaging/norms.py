@@ -48,6 +48,22 @@ def diff_sq(xs: Iterable[Any], ys: Iterable[Any]) -> float:
     return total
 
 
+def diff_sq_and_dot(xs: Iterable[Any], ys: Iterable[Any]) -> tuple[float, float]:
+    """(||xs - ys||^2, <xs, ys>) in one pass, each by the fixed procedure of the module docstring (the product
+    like the square: fl(x * y) = fl(y * x), so both sides get the same bits): the clip's distance and the
+    angle that tells values pointing away from ours (bounds.opposed)."""
+    total = dot = 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        for x, y in zip(xs, ys):
+            for bx, by, scratch in _blocks(x, y):
+                np.multiply(bx, by, out=scratch, dtype=scratch.dtype)
+                dot += float(np.add.reduce(scratch, dtype=np.float64))
+                np.subtract(bx, by, out=scratch, dtype=scratch.dtype)
+                np.square(scratch, out=scratch)
+                total += float(np.add.reduce(scratch, dtype=np.float64))
+    return total, dot
+
+
 def sum_sq(xs: Iterable[Any]) -> float:
     """||xs||^2 by the same procedure (a parameter download's check, and our norm when none is known)."""
     total = 0.0

@@ -140,9 +140,11 @@ class Radii:
             return None
         return others[len(others) - 1 - int(self.byzantine_share * len(others))]
 
-    def judge(self, group: str, peer: str, *, distance: float, radius: Radius, moved: float, now: float) -> str | None:
+    def judge(self, group: str, peer: str, *, distance: float, radius: Radius, moved: float, now: float,
+              opposed: bool = False) -> str | None:
         """Remember `peer`'s distance at a committed exchange of `group` (`moved`: w * s); the reason for a
-        strike if the distance is evidence against it, else None (the module docstring)."""
+        strike if the distance, or values pointing away from ours (`opposed`: bounds.opposed), are evidence
+        against it, else None (the module docstring)."""
         seen = self._seen.setdefault(group, OrderedDict())
         rec = seen.pop(peer, None)
         if rec is not None and now - rec.at >= RADIUS_MEMORY_S:
@@ -157,6 +159,9 @@ class Radii:
         seen[peer] = rec  # most recently touched last
         while len(seen) > MAX_PARTNERS:
             seen.popitem(last=False)
+        if opposed:  # nothing of it was applied (bounds.clip_scale); no honest model of the task does this
+            rec.run = None
+            return "sent values pointing away from ours"
         base = radius.robust if math.isfinite(radius.robust) else radius.announced  # the swarm's, if known
         excess = distance / base if math.isfinite(base) and base > 0.0 else 0.0  # 0: nothing to judge by
         if excess <= STRIKE_EXCESS:

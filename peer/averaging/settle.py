@@ -49,13 +49,14 @@ async def apply_committed(group: SharedTensors, weight: float, others: list[Any]
     whose lock was held past its bound is owed, not lost (SharedTensors.apply), and logged."""
     pair = None if radius is None else (radius.announced, theirs)
     with trio.CancelScope(shield=True):
-        scale, distance = await trio.to_thread.run_sync(lambda: group.apply(weight, others, sent, radii=pair))
+        scale, distance, pointing_away = await trio.to_thread.run_sync(
+            lambda: group.apply(weight, others, sent, radii=pair))
     if group.owing:
         log.warning("group %s was locked past its bound while an exchange with %s applied: the rest of the "
                     "update is added when the lock is next had", group.name, peer_id[:8])
     if radius is not None and radii is not None:
         strike = radii.judge(group.name, peer_id, distance=distance, radius=radius, moved=weight * scale,
-                             now=trio.current_time())
+                             now=trio.current_time(), opposed=pointing_away)
         if scale < 1.0:
             log.log(logging.WARNING if strike else logging.INFO,
                     "update from %s clipped to %.3g of its size (distance %.3g; radii: ours %.3g, theirs %.3g)%s",

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from peer.averaging import norms
-from peer.averaging.bounds import clip_scale
+from peer.averaging.bounds import clip_scale, opposed
 from protocol.limits import DEFAULT_LIMITS
 from protocol.schema.gossip import TensorSpec
 from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
@@ -74,6 +74,7 @@ class SharedTensors:
         self.is_torch = not all(isinstance(t, np.ndarray) for t in self.tensors.values())
         self.specs = [TensorSpec(name=k, dtype=_dtype_name(t), shape=list(t.shape)) for k, t in self.tensors.items()]
         self.nbytes = sum(int(np.prod(s.shape)) * TENSOR_DTYPES[s.dtype].itemsize for s in self.specs)
+        self.elements = sum(int(np.prod(s.shape)) for s in self.specs)  # the values the angle is judged over
         self.last_distance: float | None = None  # ||x_other - x_own|| / ||x_own|| at the last exchange
         self.norm: float | None = None  # ||x|| at the last update's snapshot (None: not known yet, or replaced since)
         self._spare: list[list[Any]] = []  # CPU buffers shaped like `tensors`, reused by snapshot()
@@ -168,9 +169,9 @@ class SharedTensors:
                 self._spare.append(bufs)
 
     def apply(self, weight: float, others: list[Any], own: list[Any], *,
-              radii: tuple[float, float] | None = None) -> tuple[float, float]:
+              radii: tuple[float, float] | None = None) -> Applied:
         """x += weight * s * (other - own) for every tensor, in place (the exchange's whole effect); returns
-        (s, ||other - own||).
+        s, ||other - own|| and whether the two point away from each other (Applied).
 
         s is 1, or less where the distance is past the smaller of the two sides' announced `radii`
         (peer/averaging/bounds.py; None: never clipped, the bench's switch). Both sides compute the same s
@@ -186,9 +187,11 @@ class SharedTensors:
         torch operations. It never raises for want of the lock: if the lock times out, the blocks not yet
         added are owed (`owing`; the module docstring).
         """
+        pointing_away = False
         if radii is not None:
-            diff_sq = norms.diff_sq(others, own)
-            scale = clip_scale(diff_sq, *radii)
+            diff_sq, dot = norms.diff_sq_and_dot(others, own)
+            scale = clip_scale(diff_sq, *radii, dot=dot, elements=self.elements)
+            pointing_away = opposed(diff_sq, dot, self.elements)
         else:
             diff_sq, scale = None, 1.0
         own_sq = 0.0  # of our snapshot: the distance's yardstick in status, and our next radius's
@@ -243,7 +246,7 @@ class SharedTensors:
         distance = diff_sq ** 0.5 if diff_sq >= 0.0 else math.nan
         norm = self.norm or 0.0
         self.last_distance = distance / norm if norm > 0 else distance
-        return scale, distance
+        return Applied(scale, distance, pointing_away)
 
     def own_norm(self, values: list[Any]) -> float:
         """Our norm, for the radius we announce: our snapshot's at the last update, or (none yet, or our
@@ -332,6 +335,15 @@ def _zeros_like(t: Any) -> Any:
     import torch
 
     return torch.zeros_like(t.detach())
+
+
+class Applied(NamedTuple):
+    """What one apply did: the clip's factor s, ||other - own||, and whether the two point away from each
+    other (bounds.opposed: s is 0 then, and radius.py strikes the partner)."""
+
+    scale: float
+    distance: float
+    opposed: bool
 
 
 def _sum_sq(v: np.ndarray) -> float:
