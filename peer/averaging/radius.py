@@ -34,7 +34,8 @@ its exchanges are judged by its partner's radius, which the swarm's distances se
 to compare (a pair, or our first exchange) only the ceiling applies, as before this rule.
 
 Evidence (`judge`): an exchange is a strike against the partner when its distance says more than an honest
-peer's could. A distance that overflows is one, and so is one past FAR_EXCESS radii (32x the largest recent
+peer's could. A distance that overflows is one, and so are values pointing away from ours (bounds.opposed:
+nothing of them was applied, on either side; no honest model of the task does that), and so is one past FAR_EXCESS radii (32x the largest recent
 distance of our other partners): no honest peer is that far from a swarm whose other members are within a
 radius of us (a joiner downloads first; a fresh model of zeros, which has no radius of its own, is judged
 by its partners', and its own exchanges set them). Past STRIKE_EXCESS radii a distance counts within a
