@@ -12,8 +12,8 @@ import pytest
 
 from peer.averaging import radius as radius_mod
 from peer.averaging.bans import BAN_AFTER, BanList
-from peer.averaging.bounds import clip_scale
-from peer.averaging.radius import (FAR_EXCESS, RADIUS_FLOOR, RADIUS_MARGIN, RADIUS_MEMORY_S, RUN_GRACE_S, Radii,
+from peer.averaging.bounds import OPPOSED_MIN_ELEMENTS, clip_scale, opposed
+from peer.averaging.radius import (FAR_EXCESS, RADIUS_FLOOR, RADIUS_MARGIN, RADIUS_MEMORY_S, RUN_GRACE, RUN_GRACE_S, Radii,
                                    Radius)
 
 pytestmark = pytest.mark.unit
@@ -69,7 +69,6 @@ def judge(r: Radii, d: float, robust: float, *, peer: str = "p", moved: float = 
 def test_values_pointing_away_from_ours_are_not_applied_and_a_strike_at_any_distance():
     """A sign flip, a scaled or an IPM liar sends -c times the honest mean: its values point away from ours
     however near its distance keeps within the radius; honest models of a task never do."""
-    from peer.averaging.bounds import OPPOSED_MIN_ELEMENTS, opposed
     from peer.averaging.shared import SharedTensors
     rng = np.random.default_rng(0)
     n = OPPOSED_MIN_ELEMENTS
@@ -93,7 +92,7 @@ def test_an_overflowing_distance_is_a_strike():
     assert "overflows" in judge(Radii(max_ratio=8.0, byzantine_share=0.25), math.inf, 1.0)
 
 
-def test_past_far_excess_every_exchange_is_a_strike_past_strike_excess_a_run_that_does_not_close_in():
+def test_a_run_past_strike_excess_that_does_not_close_in_is_struck_past_its_grace():
     r = Radii(max_ratio=8.0, byzantine_share=0.25)
     # a run past STRIKE_EXCESS: never struck for not closing in before RUN_GRACE exchanges and RUN_GRACE_S
     assert [judge(r, d, 1.0, now=t) for t, d in ((0.0, 10.0), (1.0, 10.5), (2.0, 10.6))] == [None] * 3
@@ -102,8 +101,13 @@ def test_past_far_excess_every_exchange_is_a_strike_past_strike_excess_a_run_tha
     assert "not closing in" in judge(r, 9.9, 1.0, now=RUN_GRACE_S + 1)
     assert judge(r, 3.0, 1.0, now=RUN_GRACE_S + 2) is None  # within STRIKE_EXCESS radii: the run ends
     assert judge(r, 10.0, 1.0, now=RUN_GRACE_S + 3) is None  # a new run, its own grace
-    assert "radii from ours" in judge(r, FAR_EXCESS * 1.5, 1.0, now=RUN_GRACE_S + 4)
-    assert "radii from ours" in judge(r, FAR_EXCESS * 1.2, 1.0, now=RUN_GRACE_S + 5)  # however fast it closes in
+    # past FAR_EXCESS radii the RUN_GRACE exchanges alone are its grace, and closing in still spares it
+    assert judge(r, 2.0, 1.0, now=RUN_GRACE_S + 4) is None  # the run ends
+    assert [judge(r, FAR_EXCESS * 1.5, 1.0, now=RUN_GRACE_S + 5 + k) for k in range(RUN_GRACE)] == [None] * RUN_GRACE
+    assert "not closing in" in judge(r, FAR_EXCESS * 1.5, 1.0, now=RUN_GRACE_S + 8)
+    assert judge(r, 2.0, 1.0, now=RUN_GRACE_S + 9) is None
+    pulled_in = [judge(r, FAR_EXCESS * (3.0 - 0.5 * k), 1.0, moved=0.1, now=RUN_GRACE_S + 10 + k) for k in range(4)]
+    assert pulled_in == [None] * 4  # an honest peer a liar pushed away, pulled back by its partners
 
 
 def test_a_liar_keeping_its_distance_or_swinging_is_struck_past_its_grace():
@@ -170,7 +174,8 @@ class Swarm:
         ra = self.radii[i].radius("g", str(j), float(np.linalg.norm(self.x[i])), self.t)
         rb = self.radii[j].radius("g", str(i), float(np.linalg.norm(self.x[j])), self.t)
         d = float(np.linalg.norm(b - a))
-        s = clip_scale(d * d, ra.announced, rb.announced)
+        pointing_away = opposed(d * d, float(a @ b), a.shape[0])
+        s = clip_scale(d * d, ra.announced, rb.announced, dot=float(a @ b), elements=a.shape[0])
         w = 1 / 3
         self.x[i] += w * s * (b - a)
         self.x[j] += w * s * (a - b)
@@ -179,7 +184,8 @@ class Swarm:
         for me, other, r in ((i, j, ra), (j, i, rb)):
             if me in self.liars:
                 continue
-            reason = self.radii[me].judge("g", str(other), distance=d, radius=r, moved=w * s, now=self.t)
+            reason = self.radii[me].judge("g", str(other), distance=d, radius=r, moved=w * s, now=self.t,
+                                          opposed=pointing_away)
             self.judged.append((me, other, bool(reason)))
             if reason:
                 self.struck[(me, other)] = self.struck.get((me, other), 0) + 1
@@ -199,8 +205,10 @@ def test_an_honest_swarm_strikes_no_one_and_is_rarely_clipped(heterogeneity):
 def test_a_peer_answering_with_the_negation_of_its_partners_model_is_clipped_to_the_radius_and_banned():
     """Issue 29's attack: the negation of our model has our norm, so the old 8x-the-norm clip let it through
     whole (each exchange shrank us to a third). Here each such exchange moves us by at most w times our
-    radius, and every victim bans the liar within BAN_AFTER of its exchanges with it."""
-    sw = Swarm(noise=0.001)  # peers ~1/50 of the norm apart, as trained ones are (closer still, late in training)
+    radius; its values point away from ours, so nothing of them is applied and every victim bans it within
+    BAN_AFTER of its exchanges with it. In fewer dimensions than OPPOSED_MIN_ELEMENTS the distance's rule alone
+    bans it, within a few more (the negation of a victim's own model closes in as the victim shrinks)."""
+    sw = Swarm(noise=0.001, dim=OPPOSED_MIN_ELEMENTS)  # peers ~1/50 of the norm apart, as trained ones are (closer still, late in training)
     for _ in range(500):  # an honest swarm for a while (a peer's first exchanges have no other partner to
         sw.step()         # compare with: only the ceiling bounds them, docs/design.md "Robust averaging")
     sw.lie, sw.liars = (lambda x: -x), frozenset({0})  # then peer 0 turns
@@ -215,6 +223,22 @@ def test_a_peer_answering_with_the_negation_of_its_partners_model_is_clipped_to_
     assert not [k for k in sw.struck if k[1] != 0], sw.struck  # no honest peer struck
     honest = np.linalg.norm(sw.x[1:], axis=1)
     assert np.all(honest > 0.9 * norms[1:]), honest / norms[1:]  # not shrunk (unclipped: to a third each time)
+
+
+def test_in_few_dimensions_the_distance_alone_bans_a_negating_liar():
+    sw = Swarm(noise=0.001)  # 256 values: below OPPOSED_MIN_ELEMENTS, the angle is not judged
+    for _ in range(500):
+        sw.step()
+    sw.lie, sw.liars = (lambda x: -x), frozenset({0})
+    turned = len(sw.judged)
+    for _ in range(3000):
+        sw.step()
+    for v in sw.nbrs[0]:
+        judged = [struck for me, other, struck in sw.judged[turned:] if (me, other) == (v, 0)]
+        assert sum(judged[:15]) >= BAN_AFTER, (v, judged)  # 3 to 12 exchanges of grace: each victim shrinks
+        #                                                    towards the negation, so it closes in at first
+        assert sw.bans[v]._peers["0"].bans >= 1
+    assert not [k for k in sw.struck if k[1] != 0], sw.struck
 
 
 def test_a_laggard_far_from_the_swarm_is_pulled_in_without_a_ban():

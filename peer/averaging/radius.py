@@ -35,13 +35,13 @@ to compare (a pair, or our first exchange) only the ceiling applies, as before t
 
 Evidence (`judge`): an exchange is a strike against the partner when its distance says more than an honest
 peer's could. A distance that overflows is one, and so are values pointing away from ours (bounds.opposed:
-nothing of them was applied, on either side; no honest model of the task does that), and so is one past FAR_EXCESS radii (32x the largest recent
-distance of our other partners): no honest peer is that far from a swarm whose other members are within a
-radius of us (a joiner downloads first; a fresh model of zeros, which has no radius of its own, is judged
-by its partners', and its own exchanges set them). Past STRIKE_EXCESS radii a distance counts within a
-*run* (consecutive exchanges that far): for its first RUN_GRACE exchanges and RUN_GRACE_S nothing in it is
-struck (early in training, peers at different progress drift apart for seconds; an honest peer far at
-first is pulled in by the clipped exchanges); after that each exchange is, unless the run has closed in by
+nothing of them was applied, on either side; no honest model of the task does that). Past STRIKE_EXCESS
+radii a distance counts within a *run* (consecutive exchanges that far): for its first RUN_GRACE exchanges
+and RUN_GRACE_S nothing in it is struck (past FAR_EXCESS radii, 32x the largest recent distance of our other
+partners, the RUN_GRACE exchanges only: no honest peer stays that far from a swarm whose other members are
+within a radius of us, but one a liar pushed away gets there, and its honest partners pull it back; early
+in training, peers at different progress drift apart for seconds; an honest peer far at first is pulled in
+by the clipped exchanges); after that each exchange is, unless the run has closed in by
 at least half of what its updates closed (each moves both sides w * s * distance towards each other). A
 liar that keeps its distance, or swings between far and farther, is struck on every exchange once its run
 is RUN_GRACE_S old, and banned BAN_AFTER exchanges later (peer/averaging/bans.py). Within STRIKE_EXCESS radii nothing is a strike, and
@@ -171,9 +171,8 @@ class Radii:
         run = rec.run = rec.run or _Run(first=distance, at=now)
         run.length += 1
         strike = None
-        if excess > FAR_EXCESS:
-            strike = f"sent values {excess:.3g} radii from ours"
-        elif run.length > RUN_GRACE and now - run.at >= RUN_GRACE_S and distance > run.first - run.closed / 2:
+        graced = excess > FAR_EXCESS or now - run.at >= RUN_GRACE_S  # that far, no minute's grace
+        if run.length > RUN_GRACE and graced and distance > run.first - run.closed / 2:
             strike = (f"sent values {excess:.3g} radii from ours, {run.length} exchanges running, "
                       "not closing in as its updates would")
         run.closed += 2.0 * moved * distance
