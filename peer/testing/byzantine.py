@@ -198,6 +198,9 @@ class BanWatch:
             partners = [i for i in range(len(self.roster.honest)) if self.exchanges.get((i, lid), 0) > 0]
             banned = {i: b for (i, x), b in self.bans.items() if x == lid}
             until = [b["exchanges"] - self.woke.get((i, lid), 0) for i, b in banned.items()]
+            # the most exchanges an honest peer had with it while it attacked, and did not ban it
+            unbanned = [self.exchanges.get((i, lid), 0) - self.woke.get((i, lid), 0) for i in partners
+                        if i not in banned and lid in self.woke_at]
             liars[lid[:8]] = {
                 "honest_partners": len(partners), "banned_by": len(banned),
                 "exchanges_until_ban_max": max(until) if until else None,
@@ -205,6 +208,7 @@ class BanWatch:
                 "seconds_until_first_ban": min((b["after_s"] for b in banned.values()), default=None),
                 "woke_after_s": round(self.woke_at[lid], 1) if lid in self.woke_at else None,
                 "exchanges_with_honest": sum(self.exchanges.get((i, lid), 0) for i in range(len(self.roster.honest))),
+                "exchanges_unbanned_max": max(unbanned, default=0),
                 "ban_reason": next((b["reason"] for b in banned.values()), None),
             }
         return {"liars": liars,
