@@ -134,7 +134,7 @@ def test_an_outlier_once_is_not_struck_one_every_time_is_and_banned():
     odd = {"c": answer("c", -x), "a": answer("a", x), "b": answer("b", x * 1.001)}
     assert checked(odd, "c", v, dropped) == "c" and not v.stats.strikes  # once: the outlier, not struck
     assert dropped == ["a", "b"] and v.stats.dropped == 2 * MIN_SAMPLES + 2  # the check's own answers: dropped
-    while len([h for h in v.history["c"] if not h]) < HISTORY:
+    while len([h for h in v.history[("c", "forward")] if not h]) < HISTORY:
         checked(honest, "c", v, [])  # agreeing pairs, and now and then a triple: c is not the outlier
     for _ in range(ODD_TO_STRIKE - 1):
         assert checked(odd, "c", v, []) == "c"
@@ -158,7 +158,7 @@ def test_the_triples_a_stage_is_calibrated_on_are_judged_once_it_is():
     assert not v.stats.outliers and not v.history and len(v.waiting[(1, "forward")]) == MIN_SAMPLES - 1
     assert checked(liar, "c", v, []) == "c"  # the third: calibrated, all three judged
     assert v.stats.outliers == {"c": MIN_SAMPLES} and v.stats.strikes == {"c": 1} and not v.waiting
-    assert list(v.history["a"]) == [False] * MIN_SAMPLES and v.stats.agreed == 0
+    assert list(v.history[("a", "forward")]) == [False] * MIN_SAMPLES and v.stats.agreed == 0
     gross = {"c": answer("c", -x), "a": answer("a", x), "b": answer("b", x * 1.001)}
     v = Verifier(1.0, "me", BanList(), random.Random(0))
     assert checked(gross, "c", v, []) == "c" and not v.waiting  # a gross lie stands out at once

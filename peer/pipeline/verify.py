@@ -12,7 +12,8 @@ and `honest_x` the median of the smallest distance of this driver's recent tripl
 A mismatch asks a third peer: the one answer that disagrees with the two others, which agree with each other,
 is the outlier, and a microbatch one of whose calls it answered is run again without it. A peer that just
 stepped is sometimes that outlier once; a liar is it every time its lie shows: a peer is struck only when it
-was the outlier in ODD_TO_STRIKE of its HISTORY latest verdicts, and three strikes within ten minutes ban it
+was the outlier in ODD_TO_STRIKE of its HISTORY latest verdicts on one kind of call (a liar may lie in one
+kind only: its honest answers in another would dilute the lies), and three strikes within ten minutes ban it
 (`peer/averaging/bans.py`'s `BanList`: 60 s, doubling each time). With two peers only, a mismatch names nobody
 unless the driver is one of them (it trusts its own compute, and then only a gross mismatch counts: there is
 no third opinion to calibrate with). While a stage's kind is uncalibrated (fewer than MIN_SAMPLES triples),
@@ -241,7 +242,9 @@ class Verifier:
         self.rng = rng or random.Random()
         self.stats = VerifyStats()
         self.calibration: dict[tuple[int, str], Calibration] = {}
-        self.history: OrderedDict[str, deque[bool]] = OrderedDict()  # peer -> its latest verdicts: outlier?
+        # (peer, kind of call) -> its latest verdicts there: outlier? Per kind, since a liar may lie in one kind
+        # only (a flipped input gradient, honest forwards), and its honest answers would dilute the others
+        self.history: OrderedDict[tuple[str, str], deque[bool]] = OrderedDict()
         # (stage, kind) -> the triples it is being calibrated on, judged once it is (at most MIN_SAMPLES each)
         self.waiting: dict[tuple[int, str], list[tuple[list[str], dict[tuple[str, str], Distance]]]] = {}
         self.in_flight = 0
@@ -291,7 +294,7 @@ class Verifier:
         refresh = not cal.calibrated or self.rng.random() < REFRESH
         if d12.within(tol) and not refresh:
             self.stats.agreed += 1
-            self._heard([first.peer, second.peer], None)
+            self._heard([first.peer, second.peer], kind, None)
             return None
         if not d12.within(tol):
             self.stats.mismatches += 1
@@ -299,7 +302,7 @@ class Verifier:
         if third is None:
             if d12.within(tol):
                 self.stats.agreed += 1
-                self._heard([first.peer, second.peer], None)
+                self._heard([first.peer, second.peer], kind, None)
                 return None
             odd = self._two_peer_outlier(first, second, d12)
             return self._found(odd, [first.peer, second.peer], stage, kind,
@@ -323,7 +326,7 @@ class Verifier:
                distances: dict[tuple[str, str], Distance], tol: Distance, done_microbatches: int) -> str | None:
         if all_agree:
             self.stats.agreed += 1
-            self._heard(peers, None)
+            self._heard(peers, kind, None)
             return None
         return self._found(odd, peers, stage, kind, distances, tol, done_microbatches)
 
@@ -344,13 +347,13 @@ class Verifier:
             return None
         return second.peer if first.peer == self.me else first.peer
 
-    def _heard(self, peers: list[str], odd: str | None) -> None:
-        """Note a verdict on each of `peers` (which of them, if any, was the outlier)."""
+    def _heard(self, peers: list[str], kind: str, odd: str | None) -> None:
+        """Note a verdict on each of `peers` for a call of `kind` (which of them, if any, was the outlier)."""
         for p in peers:
             self.stats.compared[p] += 1
-            h = self.history.pop(p, None) or deque(maxlen=HISTORY)
+            h = self.history.pop((p, kind), None) or deque(maxlen=HISTORY)
             h.append(p == odd)
-            self.history[p] = h
+            self.history[(p, kind)] = h
         while len(self.history) > MAX_TRACKED:
             self.history.popitem(last=False)
 
@@ -358,7 +361,7 @@ class Verifier:
                distances: dict[tuple[str, str], Distance], tol: Distance, done_microbatches: int) -> str | None:
         if odd == self.me:  # we are the odd one: we never strike ourselves (nor trust the two others more)
             odd = None
-        self._heard(peers, odd)
+        self._heard(peers, kind, odd)
         seen = {f"{p[:8]}-{q[:8]}": [_round(d.rel), _round(d.norm)] for (p, q), d in distances.items()}
         if odd is None:
             self.stats.unresolved += 1
@@ -366,17 +369,17 @@ class Verifier:
                      _show(tol), seen)
             return None
         self.stats.outliers[odd] += 1
-        odd_share = sum(self.history[odd])
+        odd_share = sum(self.history[(odd, kind)])
         struck = odd_share >= ODD_TO_STRIKE
         self.stats.recent.append({"stage": stage, "kind": kind, "tolerance": [_round(tol.rel), _round(tol.norm)],
                                   "distances": seen, "outlier": odd, "struck": struck})
         if not struck:
             log.info("stage %d %s: %s is the outlier (%s, tolerance %s), %d of its last %d verdicts", stage, kind,
-                     odd[:8], seen, _show(tol), odd_share, len(self.history[odd]))
+                     odd[:8], seen, _show(tol), odd_share, len(self.history[(odd, kind)]))
             return odd
         self.stats.strikes[odd] += 1
         reason = (f"its stage {stage} {kind} answers were the outlier among three peers' in {odd_share} of its "
-                  f"last {len(self.history[odd])} checks")
+                  f"last {len(self.history[(odd, kind)])} checks of that kind")
         if self.bans.strike(odd, reason, trio.current_time()):
             self.stats.bans += 1
             self.stats.banned[odd] += 1
