@@ -29,7 +29,7 @@ def seen(distances: dict[str, float], *, share: float = 0.25, ratio: float = 8.0
 def test_the_radius_comes_from_the_other_partners_distances_never_the_partners_own():
     r = seen({"a": 1.0, "b": 2.0, "far": 1000.0})
     assert r.reference("g", "far", 0.0) == 2.0  # its own distance sets nothing for it
-    assert r.radius("g", "far", 100.0, 0.0) == Radius(RADIUS_MARGIN * 2.0, RADIUS_MARGIN * 2.0)
+    assert r.radius("g", "far", 100.0, 0.0) == Radius(RADIUS_MARGIN * 2.0, RADIUS_MARGIN * 2.0, 800.0)
     assert r.reference("g", "a", 0.0) == 1000.0  # (for an honest partner a liar's distance only loosens it)
 
 
@@ -43,9 +43,9 @@ def test_the_farthest_share_of_the_others_is_set_aside():
 def test_the_ceiling_floor_and_a_fresh_model():
     r = seen({"a": 1e-9})
     assert r.radius("g", "b", 10.0, 0.0).announced == RADIUS_FLOOR * 10.0  # rounding-level distances: the floor
-    assert seen({"a": 50.0}).radius("g", "b", 1.0, 0.0) == Radius(8.0, 100.0)  # the ceiling: 8 x our norm
+    assert seen({"a": 50.0}).radius("g", "b", 1.0, 0.0) == Radius(8.0, 100.0, 8.0)  # the ceiling: 8 x our norm
     none = Radii(max_ratio=8.0, byzantine_share=0.25)
-    assert none.radius("g", "b", 1.0, 0.0) == Radius(8.0, math.inf)  # no other partner: the ceiling alone
+    assert none.radius("g", "b", 1.0, 0.0) == Radius(8.0, math.inf, 8.0)  # no other partner: the ceiling alone
     assert none.radius("g", "b", 0.0, 0.0) == Radius(math.inf, math.inf)  # all zeros: judged by the partner's
     assert seen({"a": 3.0}).radius("g", "b", 0.0, 0.0).announced == RADIUS_MARGIN * 3.0  # ... or the swarm's
     assert none.radius("g", "b", math.inf, 0.0).announced == 0.0  # our own values overflow: take nothing
@@ -108,6 +108,9 @@ def test_a_run_past_strike_excess_that_does_not_close_in_is_struck_past_its_grac
     assert judge(r, 2.0, 1.0, now=RUN_GRACE_S + 9) is None
     pulled_in = [judge(r, FAR_EXCESS * (3.0 - 0.5 * k), 1.0, moved=0.1, now=RUN_GRACE_S + 10 + k) for k in range(4)]
     assert pulled_in == [None] * 4  # an honest peer a liar pushed away, pulled back by its partners
+    past_ceiling = r.judge("g", "p", distance=FAR_EXCESS * 2, radius=Radius(1.0, 1.0, FAR_EXCESS), moved=0.01,
+                           now=RUN_GRACE_S + 20)
+    assert "max_update_ratio" in past_ceiling  # and past the ceiling of our norm too: at once
 
 
 def test_a_liar_keeping_its_distance_or_swinging_is_struck_past_its_grace():

@@ -39,7 +39,8 @@ nothing of them was applied, on either side; no honest model of the task does th
 radii a distance counts within a *run* (consecutive exchanges that far): for its first RUN_GRACE exchanges
 and RUN_GRACE_S nothing in it is struck (past FAR_EXCESS radii, 32x the largest recent distance of our other
 partners, the RUN_GRACE exchanges only: no honest peer stays that far from a swarm whose other members are
-within a radius of us, but one a liar pushed away gets there, and its honest partners pull it back; early
+within a radius of us, but one a liar pushed away gets there, and its honest partners pull it back; and
+past the ceiling too, max_update_ratio times our norm, no grace at all: no honest peer is that far; early
 in training, peers at different progress drift apart for seconds; an honest peer far at first is pulled in
 by the clipped exchanges); after that each exchange is, unless the run has closed in by
 at least half of what its updates closed (each moves both sides w * s * distance towards each other). A
@@ -73,10 +74,12 @@ NO_DEFENCE_ENV = "PEERTRAIN_BENCH_NO_DEFENCE"  # "1": announce no radius and nev
 
 @dataclass(frozen=True)
 class Radius:
-    """The radius we announce for one exchange, and the part of it our other partners set (inf: none)."""
+    """The radius we announce for one exchange, the part of it our other partners set (inf: none), and the
+    ceiling of our norm (inf: a model of zeros)."""
 
     announced: float
     robust: float
+    ceiling: float = math.inf
 
 
 @dataclass
@@ -129,7 +132,7 @@ class Radii:
         ceiling = self.max_ratio * own_norm if own_norm > 0.0 else math.inf
         ref = self.reference(group, peer, now)
         robust = math.inf if ref is None else max(RADIUS_MARGIN * ref, RADIUS_FLOOR * own_norm)
-        return Radius(min(ceiling, robust), robust)
+        return Radius(min(ceiling, robust), robust, ceiling)
 
     def reference(self, group: str, peer: str, now: float) -> float | None:
         """d_ref: the largest recent distance of our partners other than `peer` (each its largest of the last
@@ -172,7 +175,9 @@ class Radii:
         run.length += 1
         strike = None
         graced = excess > FAR_EXCESS or now - run.at >= RUN_GRACE_S  # that far, no minute's grace
-        if run.length > RUN_GRACE and graced and distance > run.first - run.closed / 2:
+        if excess > FAR_EXCESS and distance > radius.ceiling:
+            strike = f"sent values {excess:.3g} radii and more than max_update_ratio times our norm from ours"
+        elif run.length > RUN_GRACE and graced and distance > run.first - run.closed / 2:
             strike = (f"sent values {excess:.3g} radii from ours, {run.length} exchanges running, "
                       "not closing in as its updates would")
         run.closed += 2.0 * moved * distance
