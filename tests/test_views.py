@@ -111,8 +111,9 @@ def test_messages_are_checked_against_their_sender_and_bounds():
 def test_wire_size_is_the_framed_envelope():
     msg = Shuffle(entry(1), 0, tuple(entry(i) for i in range(7)), 4)
     body = len(encode(msg))
-    assert body + 25 < wire_size(msg) < body + 60  # envelope keys, request id, frame header (9) and tag (16)
-    assert wire_size(Disconnect(None)) < 80
+    # envelope keys, request id, the ViewPacket's keys, kind and bin header, frame header (9) and tag (16)
+    assert body + 50 < wire_size(msg) < body + 90
+    assert wire_size(Disconnect(None)) < 110
 
 
 def test_a_join_into_a_regular_swarm_splits_edges_and_changes_no_other_degree():

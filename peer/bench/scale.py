@@ -265,6 +265,16 @@ def _met(value, op: str, bound: float) -> bool | None:
 
 
 def run(args) -> int:
+    if args.real:
+        from peer.bench.scale_real import compare, real_figures
+
+        real = real_figures(args)
+        # the simulator at the same size, without churn (the real swarm has none), over the same rules
+        sim = run_sim(peers=args.real, steady=args.steady, churn=0.0, recover=args.recover, seed=args.seed,
+                      consensus=False)
+        result = {"peers": args.real, "real": real, "simulated": sim, "real_over_simulated": compare(real, sim)}
+        print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+        return 0
     result = run_sim(peers=args.peers, steady=args.steady, churn=args.churn, recover=args.recover, seed=args.seed,
                      consensus=not args.no_consensus, log=lambda what: _say(args, what))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

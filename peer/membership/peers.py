@@ -22,8 +22,9 @@ MAX_DIALS_IN_PROGRESS = 8
 """Outgoing dials at once, per daemon. Each holds a socket and a handshake for up to `handshake_timeout`;
 8 lets a joining daemon reach several peers at once, while records from others (whose addresses may
 name anyone) can make us hold no more than 8 attempts, whatever they list."""
-SECOND_HAND = frozenset({"pex", "cache"})
-"""Sources whose addresses another peer told us (directly or, for the cache, in an earlier run): these
+SECOND_HAND = frozenset({"pex", "cache", "view"})
+"""Sources whose addresses another peer told us (directly, in a partial view's entry, or, for the cache,
+in an earlier run): these
 are dialed with per-host backoff that new records do not reset, and never at private addresses unless
 `[discovery] private_addresses` allows it. mDNS, --join and a connecting peer's own address are first-hand."""
 OBSERVED_QUORUM = 2
