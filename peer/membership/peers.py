@@ -71,6 +71,7 @@ class PeerInfo:
     bytes_by_path: dict[str, int] = field(default_factory=dict)  # in + out of ended sessions, by path
     first_connected: float = 0.0  # wall clock of our first session with it
     connected_since: float = 0.0  # wall clock the current session started
+    ended_at: float = 0.0  # trio clock when its last session ended (partial views forget it a while later)
 
     def add_addresses(self, addrs) -> bool:
         """Put new addresses first, keep MAX_ADDRESSES. Linear: the input is cut to MAX_ADDRESSES before

@@ -279,6 +279,7 @@ class Membership:
                                                 + session.stats.bytes_in + session.stats.bytes_out)
             if info.session is session:
                 info.session = None
+                info.ended_at = trio.current_time()
                 info.state = "dead"
                 info.dead_reason = session.close_reason
                 info.next_attempt = trio.current_time() + self.dialer.backoff(0)

@@ -28,7 +28,7 @@ import trio
 
 from peer.membership.view_messages import MAX_ENTRY_ADDRESSES, BadMessage, Entry, ViewMessage, decode, encode, wire_size
 from peer.membership.views import EdgeDown, EdgeUp, NeedContact, Send, ViewConfig, Views
-from peer.nat.addresses import parse_address
+from peer.nat.addresses import format_hostport, parse_address
 from peer.nat.splice import TokenBucket
 from peer.session.transport import Session, SessionClosed
 from peer.topology.graph import LinkEstimate
@@ -54,6 +54,10 @@ VIEW_BYTES_PER_S = 4096
 """View-message bytes one session may send us per second, after a burst of the bucket's capacity (64 KiB).
 An honest neighbour sends a few hundred bytes a minute at steady state and a few kB while joining; a peer
 faster than this is flooding us with requests, and its session is closed."""
+DEAD_KEPT_S = 10.0
+"""A peer whose session ended stays in the peer table this long, so `peer status` shows why it ended (a bad
+message, a flood); then, with no session and no message waiting, it is forgotten."""
+MAX_DEAD_KEPT = 64  # and at most this many such peers (the oldest go first): sessions can end fast
 TICK_MAX = 1.0  # seconds between housekeeping rounds (outbox deadlines, idle sessions) at most
 TICK_MIN = 0.05  # and at least (a burst of timers is handled in one round)
 
@@ -92,13 +96,18 @@ class ViewDriver:
 
     # ---- queries ------------------------------------------------------------------------------------
     def _my_entry(self) -> Entry:
-        direct = [a for a in self.m.advertised_addresses() if parse_address(a) is not None]
-        return Entry(self.m.peer_id, tuple(direct[:MAX_ENTRY_ADDRESSES]))
+        """Us as others' views hold us: direct addresses first, and up to RELAYED_IN_ENTRY relayed ones (a
+        peer behind NAT advertises only those: its entry names its relays, and whoever dials it asks them)."""
+        addrs = self.m.advertised_addresses()
+        return Entry(self.m.peer_id, _entry_addresses([a for a in addrs if parse_address(a) is not None],
+                                                      [a for a in addrs if parse_address(a) is None]))
 
     def _entry_of(self, peer: str) -> Entry:
         info = self.m.peers.get(peer)
-        addrs = [f"{h}:{p}" for h, p in info.addresses] if info is not None else []
-        return Entry(peer, tuple(addrs[:MAX_ENTRY_ADDRESSES]))
+        if info is None:
+            return Entry(peer, ())
+        return Entry(peer, _entry_addresses([format_hostport(h, p) for h, p in info.addresses],
+                                            [str(r) for r in info.relayed]))
 
     def status(self) -> dict:
         v = self.views
@@ -298,13 +307,26 @@ class ViewDriver:
             self._nursery.start_soon(s.aclose, f"not in the partial view, and idle for {SESSION_IDLE_S:.0f} s")
 
     def _forget_unused(self) -> None:
-        """Forget peers with no session, no dial in flight and no message waiting (what a peer learned from
-        the views is in the views); mDNS and --join peers stay (a contact to join through again)."""
+        """Forget peers with no session (for DEAD_KEPT_S), no dial in flight and no message waiting (what a
+        peer learned from the views is in the views); mDNS and --join peers stay (contacts to join again)."""
         boot = {t.peer_id for t in self.m.dialer.bootstrap if t.peer_id}
-        for peer, info in list(self.m.peers.items()):
-            if (info.session is None and not info.dialing and peer not in self.outbox and peer not in boot
-                    and info.source != "mdns"):
+        now = trio.current_time()
+        unused = [(info.ended_at, peer) for peer, info in self.m.peers.items()
+                  if info.session is None and not info.dialing and peer not in self.outbox and peer not in boot
+                  and info.source != "mdns"]
+        unused.sort()
+        for i, (ended, peer) in enumerate(unused):
+            if now - ended >= DEAD_KEPT_S or len(unused) - i > MAX_DEAD_KEPT:
                 del self.m.peers[peer]
+
+
+RELAYED_IN_ENTRY = 2  # a peer holds `[nat] relays` (2) reservations: both, so one relay's loss leaves a way in
+
+
+def _entry_addresses(direct: list[str], relayed: list[str]) -> tuple[str, ...]:
+    """At most MAX_ENTRY_ADDRESSES: the direct ones, leaving room for up to RELAYED_IN_ENTRY relayed ones."""
+    room = MAX_ENTRY_ADDRESSES - min(len(relayed), RELAYED_IN_ENTRY)
+    return tuple(direct[:room] + relayed[:MAX_ENTRY_ADDRESSES - len(direct[:room])])
 
 
 def view_config(cfg) -> ViewConfig:
