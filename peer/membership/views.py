@@ -26,7 +26,8 @@ How edges change (messages in peer/membership/view_messages.py):
     which hands it an edge); a peer above the target hands an edge to a short neighbour, or sheds one.
   * leave -- a leaving peer pairs up its neighbours (`Disconnect(handoff=...)`), so their degrees stay.
 
-Sans-I/O: the daemon (later) and the simulator (peer/bench/scale_sim.py) drive a `Views` with events --
+Sans-I/O: the daemon (peer/membership/view_driver.py) and the simulator (peer/bench/scale_sim.py) drive a
+`Views` with events --
 `handle` a message from an authenticated peer, `link_down` (the session to a neighbour ended),
 `unreachable` (a peer could not be reached), `tick` at `next_tick` -- and carry out the actions each
 returns: `Send` a message (dialing the entry's addresses if there is no session), `EdgeUp` / `EdgeDown`
