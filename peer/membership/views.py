@@ -27,12 +27,11 @@ How edges change (messages in peer/membership/view_messages.py):
   * leave -- a leaving peer pairs up its neighbours (`Disconnect(handoff=...)`), so their degrees stay.
 
 Sans-I/O: the daemon (peer/membership/view_driver.py) and the simulator (peer/bench/scale_sim.py) drive a
-`Views` with events --
-`handle` a message from an authenticated peer, `link_down` (the session to a neighbour ended),
-`unreachable` (a peer could not be reached), `tick` at `next_tick` -- and carry out the actions each
-returns: `Send` a message (dialing the entry's addresses if there is no session), `EdgeUp` / `EdgeDown`
-(start or stop averaging with that peer, keep or release its session), `NeedContact` (join again
-through a bootstrap address). The driver tells it what links measure (`set_link`) and what the gap
+`Views` with events -- `handle` a message from an authenticated peer, `link_down` (the session to a
+neighbour ended), `unreachable` (a peer could not be reached), `tick` at `next_tick` -- and carry out
+the actions each returns: `Send` a message (dialing the entry's addresses if there is no session),
+`EdgeUp` / `EdgeDown` (start or stop averaging with that peer, keep or release its session),
+`NeedContact` (join again through a bootstrap address). The driver tells it what links measure (`set_link`) and what the gap
 estimator read (`gap`). It reads no clock and does no I/O: `now` comes with every call (seconds, any
 monotonic origin).
 
