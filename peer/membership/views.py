@@ -31,8 +31,8 @@ Sans-I/O: the daemon (peer/membership/view_driver.py) and the simulator (peer/be
 neighbour ended), `unreachable` (a peer could not be reached), `tick` at `next_tick` -- and carry out
 the actions each returns: `Send` a message (dialing the entry's addresses if there is no session),
 `EdgeUp` / `EdgeDown` (start or stop averaging with that peer, keep or release its session),
-`NeedContact` (join again through a bootstrap address). The driver tells it what links measure (`set_link`) and what the gap
-estimator read (`gap`). It reads no clock and does no I/O: `now` comes with every call (seconds, any
+`NeedContact` (join again through a bootstrap address). The driver tells it what links measure
+(`set_link`) and what the gap estimator read (`gap`). It reads no clock and does no I/O: `now` comes with every call (seconds, any
 monotonic origin).
 
 Hostile peers: every message is bounded by `view_messages.check` before it is handled; what a peer can
