@@ -5,6 +5,8 @@ too many view messages has its session closed, with the reason."""
 
 from __future__ import annotations
 
+import os
+import signal
 import statistics
 import time
 
@@ -59,6 +61,36 @@ def test_fourteen_daemons_form_a_connected_bounded_graph(cluster, tmp_path):
     # no full-view machinery ran: no peer exchange flood, no rewiring of the whole graph
     assert all(s["topology"]["moves"] == 0 for s in sts)
     print(f"{N} daemons: {g}, sessions {sorted(s['connected'] for s in sts)}")
+
+
+def test_the_survivors_of_killed_peers_repair_their_views(cluster, tmp_path):
+    """10 daemons, 3 frozen at once (SIGSTOP: no goodbye, no closed socket, and a dial to one hangs in its
+    handshake): the 7 left learn it when their sessions go silent (`dead_after`), pair up with their lost
+    neighbours' other neighbours, find the frozen ones in their passive views unreachable, and form one
+    connected graph again, degrees in bounds."""
+    n, killed = 10, 3
+    swarm = unique_swarm()
+    quick = {"heartbeat_interval": 0.3, "dead_after": 2.0}
+    first = cluster.start("k1", config=partial_config(swarm, [], membership=quick))
+    listen = first.wait_ready()["listen"]
+    ds = [first] + [cluster.start(f"k{i}", config=partial_config(swarm, [listen], membership=quick))
+                    for i in range(2, n + 1)]
+    for d in ds:
+        d.wait_ready()
+    cluster.wait(lambda sts: settled(sts, n, MIN_DEGREE, MAX_DEGREE), timeout=60, interval=0.5,
+                 what=f"{n} partial views to form one connected graph")
+    frozen, live = ds[-killed:], ds[:-killed]  # not the contact: the survivors repair without rejoining through it
+    try:
+        for d in frozen:
+            os.kill(d.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        wait_for(lambda: settled([d.try_status() for d in live], n - killed, MIN_DEGREE, MAX_DEGREE), timeout=45,
+                 interval=0.5, what=f"the {n - killed} survivors' views to form one connected graph again")
+        print(f"{n - killed} survivors connected again {time.monotonic() - t0:.1f} s after {killed} froze: "
+              f"{view_graph([d.try_status() for d in live])}")
+    finally:
+        for d in frozen:
+            d.kill()  # SIGKILL ends a stopped process too
 
 
 def test_a_digits_swarm_trains_with_partial_views(cluster, tmp_path):
