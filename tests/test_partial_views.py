@@ -1,10 +1,11 @@
 """Partial views in real daemons (`[membership] views = "partial"`, issue 30): a swarm on loopback forms one
 connected gossip graph with every degree in bounds, and what each daemon holds (sessions, known peers) does
-not grow to the full mesh; a digits swarm trains to its target on the views' edges; a peer sending bad or
-too many view messages has its session closed, with the reason."""
+not grow to the full mesh; survivors of frozen peers repair the graph; a digits swarm trains to its target
+on the views' edges; a peer sending bad or too many view messages has its session closed, with the reason."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import statistics
@@ -12,14 +13,16 @@ import time
 
 import pytest
 import trio
+from rich.console import Console
 
 from peer.bench.scale_real import partial_config, settled, view_graph
+from peer.cli.status_view import render_status
 from peer.membership.view_driver import SESSION_IDLE_S, VIEW_BYTES_PER_S
 from peer.membership.view_messages import Entry, NeighbourRequest, Shuffle, encode
 from peer.testing.attacker import attacker_session
 from peer.testing.attacks import dropped, my_id
-from peer.testing.swarm import write_config
 from peer.session.transport import SessionClosed
+from peer.testing.swarm import write_config
 from protocol.schema.views import ViewPacket
 from tests.daemons import rank_env, unique_swarm, wait_for
 from tests.test_training import digits_config, done, trainer
@@ -61,6 +64,9 @@ def test_fourteen_daemons_form_a_connected_bounded_graph(cluster, tmp_path):
     # no full-view machinery ran: no peer exchange flood, no rewiring of the whole graph
     assert all(s["topology"]["moves"] == 0 for s in sts)
     print(f"{N} daemons: {g}, sessions {sorted(s['connected'] for s in sts)}")
+    console = Console(file=io.StringIO(), width=160)
+    console.print(render_status(sts[0]))  # `peer status` shows the partial view
+    assert "partial view" in console.file.getvalue()
 
 
 def test_the_survivors_of_killed_peers_repair_their_views(cluster, tmp_path):
