@@ -69,7 +69,7 @@ def test_fourteen_daemons_form_a_connected_bounded_graph(cluster, tmp_path):
     assert "partial view" in console.file.getvalue()
 
 
-def test_the_survivors_of_killed_peers_repair_their_views(cluster, tmp_path):
+def test_the_survivors_of_frozen_peers_repair_their_views(cluster, tmp_path):
     """10 daemons, 3 frozen at once (SIGSTOP: no goodbye, no closed socket, and a dial to one hangs in its
     handshake): the 7 left learn it when their sessions go silent (`dead_after`), pair up with their lost
     neighbours' other neighbours, find the frozen ones in their passive views unreachable, and form one
