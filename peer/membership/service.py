@@ -159,7 +159,9 @@ class Membership:
                 log.debug("peer table full; ignoring %s", ident.short_id(peer_id))
                 return None
             info = self.peers[peer_id] = PeerInfo(peer_id=peer_id, source=source)
-            log.info("discovered %s via %s %s", ident.short_id(peer_id), source, where)
+            # a partial view's entries come and go every shuffle: worth a line only when debugging
+            log.log(logging.DEBUG if source == "view" else logging.INFO, "discovered %s via %s %s",
+                    ident.short_id(peer_id), source, where)
         return info
 
     def advertised_addresses(self) -> list[str]:
