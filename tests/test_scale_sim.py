@@ -97,3 +97,27 @@ def test_bench_scale_small_run_reports_every_figure(capsys):
     assert 0 < r["control_bits_per_s_per_peer"]
     assert 0.5 < r["gap_ratio_vs_random_regular"] < 1.5
     assert set(r["goals"]) == set(GOALS)
+
+
+def _status(pid: str, active: list[str], *, sent: int = 0, peers: int = 3, state: int = 1000) -> dict:
+    return {"peer_id": pid, "connected": len(active), "peers": [{"bytes_out": 0}] * peers,
+            "topology": {"views": {"active": active, "state_bytes": state, "passive": 5, "sent_bytes": sent}}}
+
+
+def test_the_real_bench_reads_the_graph_the_active_views_form():
+    """`peer bench scale --real`'s reading of daemons' statuses (peer/bench/scale_real.py): edges need both
+    ends; a one-sided edge, a missing daemon or a degree out of bounds is not settled."""
+    from peer.bench.scale_real import compare, settled, view_graph
+
+    ring = [_status(p, [q for q in "abcd" if abs(ord(q) - ord(p)) in (1, 3)]) for p in "abcd"]
+    g = view_graph(ring)
+    assert g["connected"] and g["edges"] == 4 and g["edges_one_sided"] == 0 and g["degree_min_max"] == [2, 2]
+    assert settled(ring, 4, 2, 8) and not settled(ring, 4, 3, 8) and not settled(ring[:3] + [None], 4, 2, 8)
+    split = [_status("a", ["b"]), _status("b", ["a"]), _status("c", ["d"]), _status("d", ["c", "a"])]
+    g = view_graph(split)
+    assert not g["connected"] and g["largest_component"] == 2 and g["edges_one_sided"] == 1
+    sim = {"peers": 4, "steady_seconds": 10.0, "state_bytes_views_only": 2000, "mean_degree": 2.0,
+           "steady_bytes_by_message": {"handshake": 10_000, "view_shuffle": 500, "gap_round": 99}}
+    r = compare({"state_bytes_per_peer": 1000, "control_bits_per_s_per_peer": 50.0, "mean_degree": 2.0}, sim)
+    assert r == {"simulated_view_message_bits_per_s_per_peer": 100.0, "state_bytes_per_peer": 0.5,
+                 "control_bits_per_s_per_peer": 0.5, "mean_degree": 1.0}

@@ -17,14 +17,14 @@ pytestmark = pytest.mark.slow
 TARGET = 0.95
 
 
-def digits_config(path, **options):
+def digits_config(path, *, membership: dict | None = None, **options):
     opts = {"model": "digits_cnn", "mode": "adpsgd", "world": 4, "target_accuracy": TARGET, "eval_every": 20,
             "join_wait": 30.0}
     opts.update(options)
     return config_file(path, swarm=unique_swarm(), trainer="trainers.gossip_sgd", options=opts,
                        topology={"kind": "rewired", "target_degree": 2, "min_degree": 1, "max_degree": 3,
                                  "rewire_interval": 1.0, "record_interval": 0.5},
-                       gossip={"exchange_timeout": 5.0})
+                       gossip={"exchange_timeout": 5.0}, membership=membership)
 
 
 def trainer(d) -> dict:

@@ -111,8 +111,9 @@ def test_messages_are_checked_against_their_sender_and_bounds():
 def test_wire_size_is_the_framed_envelope():
     msg = Shuffle(entry(1), 0, tuple(entry(i) for i in range(7)), 4)
     body = len(encode(msg))
-    assert body + 25 < wire_size(msg) < body + 60  # envelope keys, request id, frame header (9) and tag (16)
-    assert wire_size(Disconnect(None)) < 80
+    # envelope keys, request id, the ViewPacket's keys, kind and bin header, frame header (9) and tag (16)
+    assert body + 50 < wire_size(msg) < body + 90
+    assert wire_size(Disconnect(None)) < 110
 
 
 def test_a_join_into_a_regular_swarm_splits_edges_and_changes_no_other_degree():
@@ -284,3 +285,85 @@ def test_views_stay_bounded_under_any_joins_leaves_crashes_and_shuffles(ops, see
             sim.run_until(sim.now + k)  # shuffles every ~30 s, rewiring, repairs
         for p in sim.alive:
             assert_bounded(p.views)
+
+
+# ---- on the wire: a ViewPacket's body, decoded and checked (peer/membership/view_driver.py) ----------------
+
+def _one_of_each(me: Entry) -> list:
+    e = entry(7)
+    return [Join(me), JoinReply((e, entry(8))), JoinWalk(e, 3), WalkEnd(me), Seek(e, 2),
+            NeighbourRequest(me, 3, True, "peer0000000000000009"), NeighbourRequest(me, 0, False, None),
+            NeighbourReply(False, 4), SwapRequest(me, 4, e), SwapRequest(me, 4, None), SwapReply(True, 4, e),
+            SwapReply(False, 4, None), Disconnect(e), Disconnect(None), Shuffle(e, 0, (entry(8),), 4),
+            ShuffleReply((), 4), Status(4, (e,), 1.25e8), Status(0, (), None)]
+
+
+def test_every_view_message_survives_its_packet():
+    from peer.membership.view_messages import decode
+    from protocol.schema import DEFAULT_REGISTRY, ViewPacket
+    from protocol.limits import DEFAULT_LIMITS
+
+    me = entry(1)
+    for msg in _one_of_each(me):
+        wire = DEFAULT_REGISTRY.encode(ViewPacket(kind=msg.TYPE, body=encode(msg)))
+        pkt = DEFAULT_REGISTRY.decode(wire, DEFAULT_LIMITS).message
+        assert decode(pkt.kind, pkt.body, me.peer_id) == msg
+
+
+@pytest.mark.parametrize("kind, body, why", [
+    ("view_nope", {}, "unknown view message"),
+    ("view_join", [1, 2], "not a map"),
+    ("view_join", {}, "'entry' missing"),
+    ("view_join", {"entry": "peer0000000000000001"}, "not an entry"),
+    ("view_join", {"entry": ("peer0000000000000002", ())}, "not the sender"),
+    ("view_walk_end", {"entry": ("peer0000000000000001", ["a"] * 5)}, "more than 4 addresses"),
+    ("view_shuffle", {"origin": ("p", ()), "ttl": 0, "degree": 1, "entries": [("x", ())] * 33}, "more than 32"),
+    ("view_shuffle_reply", {"entries": [("x", ()), None], "degree": 1}, "an entry is missing"),
+    ("view_seek", {"origin": ("p", ()), "ttl": 17}, "ttl 17 outside"),
+    ("view_status", {"degree": 1, "neighbours": [], "fastest_bps": float("nan")}, "fastest_bps"),
+    ("view_neighbour_reply", {"accepted": 1, "degree": 1}, "not a bool"),
+])
+def test_a_body_out_of_bounds_is_a_bad_message(kind, body, why):
+    import msgpack
+
+    from peer.membership.view_messages import decode
+
+    with pytest.raises(BadMessage, match=why):
+        decode(kind, msgpack.packb(body, use_bin_type=True), "peer0000000000000001")
+    with pytest.raises(BadMessage, match="malformed"):
+        decode("view_join", b"\xc1", "peer0000000000000001")
+
+
+def test_a_packet_over_its_bounds_is_refused_by_the_wire():
+    from protocol.schema import ViewPacket
+    from protocol.schema.views import MAX_VIEW_BODY_BYTES
+
+    with pytest.raises(ValueError, match="body"):
+        ViewPacket(kind="view_join", body=bytes(MAX_VIEW_BODY_BYTES + 1))
+    with pytest.raises(ValueError, match="kind"):
+        ViewPacket(kind="v" * 33, body=b"")
+    # the largest honest body fits: a shuffle of 32 entries of maximal IDs and addresses, and its origin
+    big = Entry("p" * 256, tuple("a" * 262 for _ in range(4)))
+    assert len(encode(Shuffle(big, 16, (big,) * MAX_ENTRIES, 1 << 16))) <= MAX_VIEW_BODY_BYTES
+
+
+def test_an_entry_leaves_room_for_relayed_addresses():
+    from peer.membership.view_driver import _entry_addresses
+
+    direct = [f"198.51.100.{i}:7100" for i in range(6)]
+    relayed = [f"198.51.100.9:7100/relay/r{i}" for i in range(3)]
+    assert _entry_addresses(direct, []) == tuple(direct[:4])
+    assert _entry_addresses(direct, relayed) == (*direct[:2], *relayed[:2])
+    assert _entry_addresses([], relayed) == tuple(relayed)  # a peer behind NAT: its relays are its way in
+    assert _entry_addresses(direct[:1], relayed[:1]) == (direct[0], relayed[0])
+
+
+def test_a_refusing_token_bucket_takes_nothing_when_short():
+    from peer.nat.splice import TokenBucket
+
+    t = [0.0]
+    b = TokenBucket(1000, clock=lambda: t[0])
+    assert b.try_take(int(b.capacity))
+    assert not b.try_take(10)
+    t[0] += 0.5
+    assert b.try_take(400) and not b.try_take(200)  # 500 refilled, 400 taken: 100 left

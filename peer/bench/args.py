@@ -385,6 +385,17 @@ def scale_arguments(p: Parser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the links, churn and rules (default 0)")
     p.add_argument("--no-consensus", action="store_true",
                    help="skip the simulated averaging on the final graph and on a random regular one")
+    p.add_argument("--real", type=int, default=0, metavar="N",
+                   help="run N real daemons on loopback with [membership] views = 'partial' instead, and the "
+                        "simulator at N peers without churn beside them (peer/bench/scale_real.py)")
+    p.add_argument("--settle", type=float, default=30.0,
+                   help="with --real: seconds after the graph first connects before the steady window (default 30)")
+    p.add_argument("--real-steady", type=float, default=120.0,
+                   help="with --real: seconds of steady state over which control bytes are counted (default 120)")
+    p.add_argument("--real-timeout", type=float, default=300.0,
+                   help="with --real: seconds to wait for one connected graph within the degree bounds (default 300)")
+    p.add_argument("--logs", default=None, metavar="DIR",
+                   help="with --real: keep daemon homes and logs under DIR (default: a temp dir, removed)")
 
 
 @dataclass(frozen=True)

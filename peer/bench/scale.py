@@ -107,11 +107,12 @@ def _round(x, k=4):
 
 
 def run_sim(*, peers: int, steady: float, churn: float, recover: float, seed: int, consensus: bool = True,
-            log=lambda what: None) -> dict:
-    """Every phase (module docstring); the result as the bench's JSON object."""
+            log=lambda what: None, sim_cfg: SimConfig | None = None) -> dict:
+    """Every phase (module docstring); the result as the bench's JSON object. `sim_cfg`: the links (by
+    default SimConfig's internet-like spread, with `seed`)."""
     view_cfg = ViewConfig()
     gap_cfg = GapConfig()
-    sim_cfg = SimConfig(seed=seed)
+    sim_cfg = sim_cfg or SimConfig(seed=seed)
     sim = Simulator(view_cfg, gap_cfg, sim_cfg)
     wall0 = time.monotonic()
 
@@ -156,6 +157,7 @@ def run_sim(*, peers: int, steady: float, churn: float, recover: float, seed: in
         "peers": peers,
         "state_bytes_per_peer": max(state),
         "state_bytes_mean": round(statistics.mean(state)),
+        "state_bytes_views_only": max(p.views.state_bytes() for p in live),  # without the gap estimator's
         "control_bits_per_s_per_peer": round(statistics.mean(bits), 1),
         "control_bits_per_s_p99": round(float(np.percentile(bits, 99)), 1),
         "control_bits_per_s_views_only": round(statistics.mean(view_bits), 1),
@@ -265,6 +267,20 @@ def _met(value, op: str, bound: float) -> bool | None:
 
 
 def run(args) -> int:
+    if args.real:
+        from peer.bench.scale_real import compare, real_figures
+
+        real = real_figures(args)
+        # the simulator at the same size over the same rules, as the real swarm runs: no churn, and links
+        # like loopback's (all alike, no slow paths, sub-millisecond RTT, so no move is made for speed) and
+        # one address per peer, as each daemon advertises there
+        loopback = SimConfig(seed=args.seed, bandwidth_sigma=0.0, slow_pairs=0.0, rtt_min=0.0002, rtt_max=0.0002,
+                             dual_stack=False)
+        sim = run_sim(peers=args.real, steady=args.steady, churn=0.0, recover=args.recover, seed=args.seed,
+                      consensus=False, sim_cfg=loopback)
+        result = {"peers": args.real, "real": real, "simulated": sim, "real_over_simulated": compare(real, sim)}
+        print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+        return 0
     result = run_sim(peers=args.peers, steady=args.steady, churn=args.churn, recover=args.recover, seed=args.seed,
                      consensus=not args.no_consensus, log=lambda what: _say(args, what))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

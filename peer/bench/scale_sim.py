@@ -75,6 +75,9 @@ class SimConfig:
     detect_s: float = 6.0  # [membership] dead_after: a crashed neighbour is noticed this much later
     dial_timeout: float = 5.0  # [membership] handshake_timeout: a message to a dead peer fails this much later
     shard_bytes: int = 16 << 20  # what one averaging exchange moves each way (the topology service's)
+    dual_stack: bool = True
+    """Each host advertises an IPv4 and an IPv6 address, as a dual-stack host does; off: one IPv4 address, as
+    daemons on loopback do (`peer bench scale --real` compares with those)."""
 
 
 class LinkModel:
@@ -182,6 +185,7 @@ class Simulator:
         host = self.links.add_host()
         pid = f"{self.rng.getrandbits(100):020x}"[:20]  # a peer ID's length (20 characters)
         addresses = (f"198.51.{host // 250 % 250}.{host % 250 + 1}:7100", f"[2001:db8::{host:x}]:7100")
+        addresses = addresses if self.cfg.dual_stack else addresses[:1]
         entry = Entry(pid, addresses)
         rng = random.Random(self.rng.getrandbits(64))
         p = SimPeer(pid, host, entry, Views(entry, self.view_cfg, rng, self.now), GapEstimator(self.gap_cfg, rng))

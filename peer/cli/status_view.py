@@ -109,6 +109,10 @@ def render_status(st: dict):
         t.add_row("spectral gap", f"{topo.get('spectral_gap', 0):.3f}")
         if topo.get("last_move"):
             t.add_row("last move", topo["last_move"])
+        if topo.get("views"):  # [membership] views = "partial"
+            v = topo["views"]
+            t.add_row("partial view", f"{v['degree']} active, {v['passive']} passive, {v['state_bytes']} bytes; "
+                                      f"view messages {human_bytes(v['sent_bytes'])} out, {human_bytes(v['received_bytes'])} in")
         parts.append(Panel(t, title="topology", box=box.ROUNDED, expand=False))
 
     bans = st.get("bans") or []

@@ -75,6 +75,11 @@ def validate_semantics(cfg: Config) -> None:
                               "a-z and 2-7, as `peer id` prints it)")
     if m.dead_after <= m.heartbeat_interval:
         raise ConfigError("[membership] dead_after: must exceed heartbeat_interval, or every peer looks dead")
+    if m.views not in ("full", "partial"):
+        raise ConfigError(f"[membership] views: expected 'full' or 'partial', got {m.views!r}")
+    if m.views == "partial" and t.max_degree > 32:
+        raise ConfigError("[topology] max_degree: partial views carry at most 32 neighbours in a message; "
+                          f"at most 32 with [membership] views = 'partial', got {t.max_degree}")
     if m.reconnect_max < m.reconnect_min:
         raise ConfigError(f"[membership] reconnect_max: must be at least reconnect_min ({_num(m.reconnect_min)})")
     # protocol.limits.WireLimits' own rules, so a config that would stop the daemon at start fails here

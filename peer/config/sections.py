@@ -62,6 +62,12 @@ class MembershipSection:
     pex_interval: float = _f(5.0, "Seconds between peer-exchange (signed peer record) messages.",
                               lo=_TICK, hi=_HOUR, unit="s")
     peer_record_ttl: float = _f(600.0, "Seconds a signed peer record stays valid.", lo=1.0, hi=30 * _DAY, unit="s")
+    # "full" by default: a swarm of tens of peers mixes best as the full-view daemon has always run it (every
+    # peer known, rewiring planned on the whole graph, every test and benchmark measured so), and partial
+    # views are new in the daemon; "partial" is for swarms past a few hundred peers (docs/design.md, "Partial views")
+    views: str = _f("full", "'full': know, dial and keep a session with every peer (up to max_connections), flood "
+                    "peer records, rewire on the whole graph. 'partial': HyParView-style partial views: sessions with "
+                    "[topology] target_degree gossip neighbours and whom a message needs now, a bounded passive view.")
 
 
 @dataclass(frozen=True)

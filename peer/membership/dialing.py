@@ -55,6 +55,10 @@ class Dialer:
         self.bootstrap = bootstrap
         self.host_backoff: dict[str, HostBackoff] = {}  # at most MAX_PEERS hosts
         self.dial_relayed: DialRelayed | None = None  # set through Membership.dial_relayed
+        # partial views (peer/membership/view_driver.py): dial only the peers a view message waits for, and
+        # the bootstrap addresses only while the views need a contact; None / always under full views
+        self.wanted: Callable[[str], bool] | None = None
+        self.contact_wanted: Callable[[], bool] = lambda: True
         self._start_session = start_session
         self._wake = trio.Event()
         self._stopped = False
@@ -89,7 +93,7 @@ class Dialer:
             now = trio.current_time()
             n_sessions = sum(1 for p in self.peers.values() if p.session is not None)
             n_dials = sum(1 for p in self.peers.values() if p.dialing) + sum(1 for t in self.bootstrap if t.dialing)
-            for target in self.bootstrap:
+            for target in self.bootstrap if self.contact_wanted() else ():
                 if target.dialing or target.next_attempt > now or n_dials >= MAX_DIALS_IN_PROGRESS:
                     continue
                 if target.peer_id and self.peers.get(target.peer_id) and self.peers[target.peer_id].session:
@@ -102,6 +106,8 @@ class Dialer:
                         and not info.last_seen:
                     # learned second-hand (cache, peer exchange) and never reached: stop trying
                     del self.peers[info.peer_id]
+                    continue
+                if self.wanted is not None and not self.wanted(info.peer_id):
                     continue
                 if (info.session is None and not info.dialing and info.next_attempt <= now
                         and n_sessions < self.cfg.max_connections and n_dials < MAX_DIALS_IN_PROGRESS

@@ -22,8 +22,9 @@ MAX_DIALS_IN_PROGRESS = 8
 """Outgoing dials at once, per daemon. Each holds a socket and a handshake for up to `handshake_timeout`;
 8 lets a joining daemon reach several peers at once, while records from others (whose addresses may
 name anyone) can make us hold no more than 8 attempts, whatever they list."""
-SECOND_HAND = frozenset({"pex", "cache"})
-"""Sources whose addresses another peer told us (directly or, for the cache, in an earlier run): these
+SECOND_HAND = frozenset({"pex", "cache", "view"})
+"""Sources whose addresses another peer told us (directly, in a partial view's entry, or, for the cache,
+in an earlier run): these
 are dialed with per-host backoff that new records do not reset, and never at private addresses unless
 `[discovery] private_addresses` allows it. mDNS, --join and a connecting peer's own address are first-hand."""
 OBSERVED_QUORUM = 2
@@ -70,6 +71,7 @@ class PeerInfo:
     bytes_by_path: dict[str, int] = field(default_factory=dict)  # in + out of ended sessions, by path
     first_connected: float = 0.0  # wall clock of our first session with it
     connected_since: float = 0.0  # wall clock the current session started
+    ended_at: float = 0.0  # trio clock when its last session ended (partial views forget it a while later)
 
     def add_addresses(self, addrs) -> bool:
         """Put new addresses first, keep MAX_ADDRESSES. Linear: the input is cut to MAX_ADDRESSES before

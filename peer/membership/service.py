@@ -27,6 +27,7 @@ from peer.nat.addresses import format_hostport, parse_address, parse_relayed
 from peer.session.router import Router
 from peer.session.fanout import Fanout, send_to_each
 from peer.membership.dialing import Dialer, DialRelayed
+from peer.membership.view_driver import ViewDriver, view_config
 from peer.membership.peers import (IDLE_ROUNDS, MAX_ADDRESSES, MAX_OBSERVED_CANDIDATES, MAX_PEERS, MAX_RELAYED,
                                    OBSERVED_QUORUM, SECOND_HAND, BootstrapTarget, PeerInfo,
                                    is_public_address, pick_idle)
@@ -68,6 +69,11 @@ class Membership:
         router.register(Ping, self._on_ping)
         router.register(PeerExchange, self._on_pex)
         router.register(Goodbye, self._on_goodbye)
+        # `[membership] views = "partial"`: a bounded partial view drives whom we dial and keep, and peer
+        # records are not flooded (peer/membership/view_driver.py); None: the full view, as always
+        self.views: ViewDriver | None = None
+        if self.cfg.views == "partial":
+            self.views = ViewDriver(self, view_config(config))
 
     @property
     def dial_relayed(self) -> DialRelayed | None:
@@ -153,16 +159,22 @@ class Membership:
                 log.debug("peer table full; ignoring %s", ident.short_id(peer_id))
                 return None
             info = self.peers[peer_id] = PeerInfo(peer_id=peer_id, source=source)
-            log.info("discovered %s via %s %s", ident.short_id(peer_id), source, where)
+            # a partial view's entries come and go every shuffle: worth a line only when debugging
+            log.log(logging.DEBUG if source == "view" else logging.INFO, "discovered %s via %s %s",
+                    ident.short_id(peer_id), source, where)
         return info
 
-    def own_record(self) -> PeerRecord:
-        """Our signed, expiring peer record, as peer exchange forwards it."""
+    def advertised_addresses(self) -> list[str]:
+        """Where peers can reach us, best first: direct "host:port" ones, then relayed ones."""
         port = self._listen_port()
         hosts = list(dict.fromkeys(self.advertise_hosts + self.verified_hosts
                                    + (self.bound_hosts + self.observed_hosts if self.advertise_observed else [])))
+        return [format_hostport(h, port) for h in hosts][:MAX_ADDRESSES] + self.relayed_addresses[:MAX_RELAYED]
+
+    def own_record(self) -> PeerRecord:
+        """Our signed, expiring peer record, as peer exchange forwards it."""
         now = time.time()
-        addresses = [format_hostport(h, port) for h in hosts][:MAX_ADDRESSES] + self.relayed_addresses[:MAX_RELAYED]
+        addresses = self.advertised_addresses()
         rec = PeerRecord(peer_id=self.peer_id, public_key=ident.public_key_bytes(self.transport.identity),
                          swarm=self.swarm, addresses=addresses,
                          issued=now, expires=now + self.cfg.peer_record_ttl, signature=b"")
@@ -187,7 +199,10 @@ class Membership:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._pex_loop)
+            if self.views is None:
+                nursery.start_soon(self._pex_loop)
+            else:
+                nursery.start_soon(self.views.run)
             task_status.started()
             await self.dialer.run()
 
@@ -254,7 +269,8 @@ class Membership:
             async with trio.open_nursery() as n:
                 n.start_soon(self._heartbeat, session, info)
                 n.start_soon(self._dispatch, session)
-                n.start_soon(self._send_pex, session)
+                if self.views is None:  # partial views spread entries in their own messages, not records
+                    n.start_soon(self._send_pex, session)
                 await session.run()
                 n.cancel_scope.cancel()
         finally:
@@ -265,6 +281,7 @@ class Membership:
                                                 + session.stats.bytes_in + session.stats.bytes_out)
             if info.session is session:
                 info.session = None
+                info.ended_at = trio.current_time()
                 info.state = "dead"
                 info.dead_reason = session.close_reason
                 info.next_attempt = trio.current_time() + self.dialer.backoff(0)
@@ -367,6 +384,8 @@ class Membership:
             self._pex_fanout.send(self._nursery, list(self.connected().values()), PeerExchange(peers=self._pex_records()))
 
     async def _on_pex(self, session: Session, env) -> None:
+        if self.views is not None:
+            return  # a full-view peer's records: partial views learn peers only from view messages
         for rec in env.message.peers:
             why = self._valid_record(rec)
             if why is not None:
@@ -387,5 +406,7 @@ class Membership:
 
     async def say_goodbye(self, reason: str) -> None:
         """Tell every peer we are leaving (best effort, bounded), so they don't wait for a timeout."""
+        if self.views is not None:
+            await self.views.leave()  # first pair our neighbours up, so their degrees stay
         with trio.move_on_after(1.0):
             await send_to_each(list(self.connected().values()), Goodbye(reason=reason))

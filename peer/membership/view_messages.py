@@ -1,10 +1,10 @@
 """What peers send each other to keep partial views (peer/membership/views.py), and what each costs on the wire.
 
-Plain frozen dataclasses for now: the daemon does not speak them yet. When it does, each becomes a
-`protocol.messages.Message` in protocol/schema/ (its fields and bounds as here), and `check` moves into
-their `__post_init__`. Until then `wire_size` prices a message as `Registry.encode` would frame it (the
-msgpack envelope {"t", "v", "r", "q", "b"} with the fields as a map), plus a sealed frame's header and
-tag, so the simulator's control bytes are the bytes a daemon would send.
+Plain frozen dataclasses. On a session each travels in a `protocol.schema.views.ViewPacket` (its `TYPE`
+and its msgpack body, `encode`), which the wire bounds before anything is decoded; `decode` rebuilds the
+message from a packet and `check`s it. `wire_size` prices a message as the daemon frames it (the
+msgpack envelope {"t", "v", "r", "q", "b"} around the packet), plus a sealed frame's header and tag, so the
+simulator's control bytes are the bytes a daemon sends.
 
 Every field a peer sends is bounded here (`check`): how many entries, how long a walk, how long an id or
 address. A message that breaks a bound is `BadMessage`: the daemon closes that session with the reason.
@@ -252,7 +252,54 @@ def encode(obj: object) -> bytes:
     return msgpack.packb(obj, default=_wire, use_bin_type=True)
 
 
+_BY_TYPE: dict[str, type] = {cls.TYPE: cls for cls in _MESSAGES}
+_ENTRY_FIELDS = frozenset({"entry", "joiner", "origin", "drop", "partner", "handoff"})
+_ENTRIES_FIELDS = frozenset({"entries", "neighbours"})
+
+
+def _entry_from_wire(v: object, what: str) -> Entry | None:
+    if v is None:
+        return None
+    if type(v) is not tuple or len(v) != 2 or type(v[1]) is not tuple:
+        raise BadMessage(f"{what} is not an entry")
+    return Entry(v[0], v[1])  # its fields' types and sizes: `check`
+
+
+def decode(kind: str, body: bytes, sender: str) -> ViewMessage:
+    """The view message a `ViewPacket` from the authenticated `sender` carries, checked (`check`); BadMessage
+    if it is not one, or breaks a bound. The packet's size was bounded when it was decoded."""
+    cls = _BY_TYPE.get(kind)
+    if cls is None:
+        raise BadMessage(f"unknown view message {kind[:32]!r}")
+    try:
+        # arrays as tuples (the checks want tuples); no container can hold more than the body has bytes
+        obj = msgpack.unpackb(body, raw=False, use_list=False, strict_map_key=True, max_ext_len=0)
+    except Exception as e:  # msgpack raises a zoo of ValueError subclasses
+        raise BadMessage(f"{kind}: malformed body: {type(e).__name__}") from None
+    if type(obj) is not dict:
+        raise BadMessage(f"{kind}: body is not a map")
+    fields = {}
+    for name in _FIELDS[cls]:
+        if name not in obj:
+            raise BadMessage(f"{kind}: field {name!r} missing")
+        v = obj[name]
+        if name in _ENTRY_FIELDS:
+            v = _entry_from_wire(v, name)
+        elif name in _ENTRIES_FIELDS:
+            if type(v) is not tuple or len(v) > MAX_ENTRIES:
+                raise BadMessage(f"{kind}: {name}: more than {MAX_ENTRIES} entries")
+            v = tuple(_entry_from_wire(e, name) for e in v)
+            if None in v:
+                raise BadMessage(f"{kind}: {name}: an entry is missing")
+        fields[name] = v
+    msg = cls(**fields)
+    check(msg, sender)
+    return msg
+
+
 def wire_size(msg: object) -> int:
-    """Bytes `msg` takes on a session: its envelope as `Registry.encode` makes it, in one sealed frame."""
-    envelope = {"t": type(msg).TYPE, "v": 1, "r": REQUEST_ID, "q": 0, "b": msg}  # type: ignore[attr-defined]
+    """Bytes `msg` takes on a session: its `ViewPacket` in the envelope `Registry.encode` makes, in one
+    sealed frame."""
+    packet = {"kind": type(msg).TYPE, "body": encode(msg)}  # type: ignore[attr-defined]
+    envelope = {"t": "view", "v": 1, "r": REQUEST_ID, "q": 0, "b": packet}
     return len(encode(envelope)) + HEADER_SIZE + TAG_SIZE

@@ -26,13 +26,13 @@ How edges change (messages in peer/membership/view_messages.py):
     which hands it an edge); a peer above the target hands an edge to a short neighbour, or sheds one.
   * leave -- a leaving peer pairs up its neighbours (`Disconnect(handoff=...)`), so their degrees stay.
 
-Sans-I/O: the daemon (later) and the simulator (peer/bench/scale_sim.py) drive a `Views` with events --
-`handle` a message from an authenticated peer, `link_down` (the session to a neighbour ended),
-`unreachable` (a peer could not be reached), `tick` at `next_tick` -- and carry out the actions each
-returns: `Send` a message (dialing the entry's addresses if there is no session), `EdgeUp` / `EdgeDown`
-(start or stop averaging with that peer, keep or release its session), `NeedContact` (join again
-through a bootstrap address). The driver tells it what links measure (`set_link`) and what the gap
-estimator read (`gap`). It reads no clock and does no I/O: `now` comes with every call (seconds, any
+Sans-I/O: the daemon (peer/membership/view_driver.py) and the simulator (peer/bench/scale_sim.py) drive a
+`Views` with events -- `handle` a message from an authenticated peer, `link_down` (the session to a
+neighbour ended), `unreachable` (a peer could not be reached), `tick` at `next_tick` -- and carry out
+the actions each returns: `Send` a message (dialing the entry's addresses if there is no session),
+`EdgeUp` / `EdgeDown` (start or stop averaging with that peer, keep or release its session),
+`NeedContact` (join again through a bootstrap address). The driver tells it what links measure
+(`set_link`) and what the gap estimator read (`gap`). It reads no clock and does no I/O: `now` comes with every call (seconds, any
 monotonic origin).
 
 Hostile peers: every message is bounded by `view_messages.check` before it is handled; what a peer can

@@ -52,6 +52,8 @@ class NatService:
         self._outside_ips: list[str] = []  # those of them that differ from our end of the connection (a NAT)
         m.dial_relayed = self.client.dial_via
         m.watch(self._on_peer)
+        if m.views is not None:  # partial views close idle sessions: never those a relay reservation rides on
+            m.views.keep_session.append(lambda p: p in self.client.held or p in self.relay.reservations)
 
     def _offering(self) -> Refusal | None:
         """Why we do not relay for others now, or None while we do."""

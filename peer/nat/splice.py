@@ -29,6 +29,18 @@ class TokenBucket:
         self._clock = clock
         self._last: float | None = None
 
+    def try_take(self, n: int) -> bool:
+        """Take `n` now if the bucket holds them (True), else take nothing (False): for a limit that refuses
+        rather than waits (view messages per session, peer/membership/view_driver.py)."""
+        now = self._clock()
+        elapsed = 0.0 if self._last is None else now - self._last
+        self.tokens = min(self.capacity, self.tokens + elapsed * self.rate)
+        self._last = now
+        if self.tokens >= n:
+            self.tokens -= n
+            return True
+        return False
+
     async def take(self, n: int) -> None:
         while True:
             now = self._clock()

@@ -53,6 +53,7 @@ class Edges:
         self.neighbours: dict[str, Neighbour] = {}
         self.reserved: dict[str, tuple[float, int]] = {}  # accepted, not yet committed: (deadline, proposal rid)
         self.pending_out: set[str] = set()  # our proposals awaiting an answer
+        self.set_by_views = False  # partial views choose the edges: propose none, accept none (set_neighbour)
 
     @property
     def degree(self) -> int:
@@ -65,7 +66,7 @@ class Edges:
     async def add(self, peer_id: str, reason: str) -> bool:
         """Propose an edge; add it only if the peer accepts. A refusal or timeout changes nothing."""
         session = self._sessions().get(peer_id)
-        if session is None or peer_id in self.neighbours or peer_id in self.pending_out:
+        if self.set_by_views or session is None or peer_id in self.neighbours or peer_id in self.pending_out:
             return False
         if self._effective_degree() >= self.cfg.max_degree:
             return False
@@ -101,6 +102,18 @@ class Edges:
             except SessionClosed:
                 pass
 
+    def set_neighbour(self, peer_id: str, degree: int) -> None:
+        """Partial views made `peer_id` a neighbour (their own messages agreed the edge)."""
+        if peer_id not in self.neighbours:
+            self.neighbours[peer_id] = Neighbour(peer_id, since=time.time(), degree=degree)
+            self._changed()
+
+    def unset_neighbour(self, peer_id: str, reason: str) -> None:
+        """Partial views gave the edge to `peer_id` up."""
+        if self.neighbours.pop(peer_id, None) is not None:
+            log.debug("edge to %s gone (%s); degree %d", ident.short_id(peer_id), reason, self.degree)
+            self._changed()
+
     def session_ended(self, peer_id: str) -> None:
         """The session with `peer_id` ended: its edge, and any slot reserved for it, are gone."""
         if self.neighbours.pop(peer_id, None) is not None:
@@ -134,7 +147,7 @@ class Edges:
         await session.reply(env, EdgeAccept(degree=self.degree))
 
     def accepts(self, peer_id: str, their_degree: int = 0) -> bool:
-        if self._effective_degree() >= self.cfg.max_degree:
+        if self.set_by_views or self._effective_degree() >= self.cfg.max_degree:
             return False
         if self.cfg.kind != "rewired":
             return peer_id in self._wanted_fixed()

@@ -120,14 +120,17 @@ class RecordBook:
         reports[self.me] = {p: s.estimate() for p, s in my_links.items() if p in nodes and p != self.me}
         return GraphView.from_reports(nodes, edges, reports)
 
-    def broadcast_messages(self, own: TopologyRecord, max_message_bytes: int) -> list[TopologyRecords]:
-        """Our record and the fresh ones we hold, split into messages under the message limit.
+    def broadcast_messages(self, own: TopologyRecord, max_message_bytes: int,
+                           only: Callable[[TopologyRecord], bool] | None = None) -> list[TopologyRecords]:
+        """Our record and the fresh ones we hold (those `only` passes, if given), split into messages under
+        the message limit.
 
         A record's size is that of a message holding it alone, an upper bound on what it adds to a
         batch, so no batch can exceed the limit whatever records we hold."""
         now = trio.current_time()
         fresh = [(own, _wire_bytes(own))] + [(r, self.wire_bytes[pid]) for pid, r in self.records.items()
-                                             if now - self.seen.get(pid, -1e9) < RECORD_TTL]
+                                             if now - self.seen.get(pid, -1e9) < RECORD_TTL
+                                             and (only is None or only(r))]
         batches: list[list[TopologyRecord]] = [[]]
         size = 0
         for rec, n in fresh:

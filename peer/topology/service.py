@@ -85,6 +85,14 @@ class TopologyService:
         r.register(TopologyRecords, self._on_records)
         r.register(ProbeRequest, self._on_probe)
         self.membership.watch(self._on_peer)
+        # partial views (`[membership] views = "partial"`): the views choose the edges (peer/membership/views.py);
+        # this service takes them as they come, proposes and accepts none itself, and sends records to
+        # neighbours only (ours, and the stage records a pipeline finds its servers by)
+        self.views = self.membership.views
+        if self.views is not None:
+            self.edges.set_by_views = True
+            self.views.edge_watchers.append(self._on_view_edge)
+            self.views.link_of = lambda p: self.links[p].estimate() if p in self.links else None
 
     # ---- queries used by the gossip engine and status -----------------------------------------------
     @property
@@ -142,6 +150,13 @@ class TopologyService:
             self._changed.set()
         self._others_moved.set()
 
+    def _on_view_edge(self, peer_id: str, up: bool, reason: str) -> None:
+        """The partial views made `peer_id` a gossip neighbour, or no longer one."""
+        if up:
+            self.edges.set_neighbour(peer_id, self.views.views.neighbour_degrees().get(peer_id, 0))
+        else:
+            self.edges.unset_neighbour(peer_id, reason)
+
     def _bump(self) -> None:
         """Our edges changed: issue a newer record, and broadcast it early."""
         self.version += 1
@@ -153,8 +168,11 @@ class TopologyService:
                              links=self.links, stage=self.announce_stage(), groups=self.announce_groups())
 
     def broadcast_messages(self) -> list[TopologyRecords]:
-        """Our record and the fresh ones we hold, in messages under the message limit."""
-        return self.records.broadcast_messages(self.own_record(), self.daemon.transport.limits.max_message_bytes)
+        """Our record and the fresh ones we hold (under partial views, those that announce a pipeline
+        stage), in messages under the message limit."""
+        only = None if self.views is None else (lambda rec: rec.stage is not None)
+        return self.records.broadcast_messages(self.own_record(), self.daemon.transport.limits.max_message_bytes,
+                                               only=only)
 
     async def _record_loop(self) -> None:
         while True:
@@ -173,7 +191,10 @@ class TopologyService:
 
     async def _broadcast(self) -> None:
         # to every session at once, waiting on none: a peer that stops reading delays only itself (Fanout)
-        self._fanout.send(self._nursery, list(self.membership.connected().values()), *self.broadcast_messages())
+        sessions = self.membership.connected()
+        if self.views is not None:  # partial views: along gossip edges only (bounded fan-out)
+            sessions = {p: s for p, s in sessions.items() if p in self.neighbours}
+        self._fanout.send(self._nursery, list(sessions.values()), *self.broadcast_messages())
 
     async def _on_records(self, session, env) -> None:
         for rec in self.records.receive(env.message.records, session.peer_id):
@@ -194,6 +215,8 @@ class TopologyService:
     async def _maintain_loop(self) -> None:
         while True:
             self.edges.expire_reservations(trio.current_time())
+            if self.views is not None:
+                return  # the partial views keep the edges (and their rewiring rule moves them)
             try:
                 if self.cfg.kind == "rewired":
                     await self._rewire_once()
@@ -268,8 +291,8 @@ class TopologyService:
     # ---- probes -------------------------------------------------------------------------------------
     async def _probe_loop(self) -> None:
         """Measure throughput to candidates we have no figure for, one small probe at a time."""
-        if self.cfg.kind != "rewired":
-            return
+        if self.cfg.kind != "rewired" or self.views is not None:
+            return  # (partial views measure links by the averaging transfers over their edges)
         while True:
             await trio.sleep(random.uniform(0.5, 1.5))
             now = trio.current_time()
@@ -320,7 +343,7 @@ class TopologyService:
                 "view_nodes": len(view.nodes), "view_edges": len(view.edges), "spectral_gap": round(gap, 4),
                 "spectral_gap_current": gap_current, "records_unvouched": self.records.unvouched,
                 "connected_view": view.is_connected(), "moves": self.moves, "last_move": self.last_move,
-                "version": self.version}
+                "version": self.version, **({} if self.views is None else {"views": self.views.status()})}
 
     async def topology(self) -> dict:
         view = self.view()

@@ -56,6 +56,7 @@ from protocol.schema.topology import (
     TopologyRecords,
     topology_record_signing_bytes,
 )
+from protocol.schema.views import ViewPacket
 
 __all__ = [
     "DEFAULT_REGISTRY",
@@ -76,6 +77,7 @@ __all__ = [
     "RelayConnectReply", "RelayIncoming", "RelayReservation", "RelayReserve",
     "BlockProfile", "StageAck", "StageAckReply", "StageAnnouncement", "StageCall", "StageCopy", "StageReply", "StageStateReply",
     "StageStateRequest",
+    "ViewPacket",
 ]
 
 MESSAGES: tuple[type[Message], ...] = (
@@ -125,6 +127,8 @@ MESSAGES: tuple[type[Message], ...] = (
     RelayAck,
     PunchOffer,
     PunchSync,
+    # partial-view plane (peer/membership/views.py)
+    ViewPacket,
 )
 
 DEFAULT_REGISTRY = Registry(MESSAGES)

@@ -1,0 +1,161 @@
+"""`peer bench scale --real N`: the partial-view rules in N real daemons on loopback, beside the simulator's
+figures for the same N, so the two can be compared (issue 30 asks them to agree within 25%).
+
+Every daemon runs with `[membership] views = "partial"` and mDNS off, and joins through the first one
+(`--join`). The bench waits until the active views form one connected graph with every degree within
+`[topology] min_degree..max_degree` (`connect_seconds`), lets it settle, then counts each daemon's view
+bytes over a steady window. Per-peer figures, as the simulator reports them where they are measurable:
+
+  * `state_bytes_per_peer`: the largest `Views.state_bytes()` (the same function the simulator calls);
+  * `control_bits_per_s_per_peer`: view-message bits a daemon sends per second over the window (framed as
+    on the wire); the simulator's `control_bits_per_s_views_only` is the figure to compare (the daemon has
+    no gap-estimate rounds yet); `session_bits_per_s_per_peer` is everything a daemon sends (heartbeats and
+    topology records included), for scale;
+  * connectivity and degrees of the graph the active views form; `known_peers_max` and `sessions_max`,
+    what a daemon holds of the swarm (its peer table and its open sessions).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from peer.config import Config
+from peer.testing.swarm import LocalSwarm, swarm_config, unique_swarm
+
+READY_TIMEOUT = 120.0  # N daemons importing torch at once on 2 cores: tens of seconds
+MEMBERSHIP = {"views": "partial"}
+
+
+def partial_config(swarm: str, join: list[str], **kw) -> Config:
+    """A daemon on loopback with partial views, joining through `join` (mDNS off: the views find the rest)."""
+    membership = {**MEMBERSHIP, **kw.pop("membership", {})}
+    return swarm_config(swarm=swarm, mdns=False, join=join, membership=membership, **kw)
+
+
+def view_graph(statuses: list[dict | None]) -> dict:
+    """The graph the daemons' active views form, and what each holds: from their statuses."""
+    sts = [s for s in statuses if s]
+    ids = [s["peer_id"] for s in sts]
+    active = {s["peer_id"]: set(s["topology"]["views"]["active"]) for s in sts}
+    edges = {frozenset((a, b)) for a, bs in active.items() for b in bs if b in active and a in active[b]}
+    one_sided = sum(1 for a, bs in active.items() for b in bs if b not in active or a not in active[b])
+    degree = {p: len(active[p]) for p in ids}
+    seen, stack = set(ids[:1]), list(ids[:1])
+    adj: dict[str, set[str]] = {p: set() for p in ids}
+    for e in edges:
+        a, b = tuple(e)
+        adj[a].add(b)
+        adj[b].add(a)
+    while stack:
+        for q in adj[stack.pop()] - seen:
+            seen.add(q)
+            stack.append(q)
+    views = [s["topology"]["views"] for s in sts]
+    return {"daemons": len(sts), "edges": len(edges), "edges_one_sided": one_sided,
+            "connected": len(ids) > 0 and len(seen) == len(ids), "largest_component": len(seen),
+            "degree_min_max": [min(degree.values(), default=0), max(degree.values(), default=0)],
+            "mean_degree": round(statistics.mean(degree.values()), 3) if degree else 0.0,
+            "state_bytes_max": max((v["state_bytes"] for v in views), default=0),
+            "passive_max": max((v["passive"] for v in views), default=0),
+            "known_peers_max": max((len(s["peers"]) for s in sts), default=0),
+            "sessions_max": max((s["connected"] for s in sts), default=0)}
+
+
+def settled(statuses: list[dict | None], n: int, min_degree: int, max_degree: int) -> bool:
+    """Every daemon answers, the active views form one connected graph of n, degrees within bounds."""
+    if len(statuses) != n or not all(statuses):
+        return False
+    g = view_graph(statuses)
+    lo, hi = g["degree_min_max"]
+    return g["connected"] and g["edges_one_sided"] == 0 and min_degree <= lo and hi <= max_degree
+
+
+def _sent(statuses: list[dict]) -> dict[str, tuple[int, int]]:
+    """Per daemon: view bytes sent, and all session bytes sent (to every peer, live and ended sessions)."""
+    return {s["peer_id"]: (s["topology"]["views"]["sent_bytes"], sum(p["bytes_out"] for p in s["peers"]))
+            for s in statuses}
+
+
+def run_real(n: int, root: Path, *, settle: float, steady: float, timeout: float,
+             log: Callable[[str], None] = lambda what: None) -> dict:
+    cfg0 = Config()
+    lo, hi = cfg0.topology.min_degree, cfg0.topology.max_degree
+    swarm = unique_swarm("scale")
+    with LocalSwarm(root) as ls:
+        t0 = time.monotonic()
+        first = ls.start("node1", config=partial_config(swarm, []))
+        listen = first.wait_ready(timeout=READY_TIMEOUT)["listen"]
+        for i in range(2, n + 1):
+            ls.start(f"node{i}", config=partial_config(swarm, [listen]))
+        ls.wait(lambda sts: all(sts), timeout=READY_TIMEOUT, what=f"{n} daemons to answer", interval=1.0)
+        started = time.monotonic() - t0
+        log(f"{n} daemons up in {started:.0f} s")
+        t1 = time.monotonic()
+        ls.wait(lambda sts: settled(sts, n, lo, hi), timeout=timeout, interval=1.0,
+                what=f"{n} daemons' partial views to form one connected graph, degrees {lo}..{hi}")
+        connect = time.monotonic() - t1
+        log(f"connected graph after {connect:.0f} s more")
+        time.sleep(settle)
+        before = ls.statuses()
+        tw = time.monotonic()
+        time.sleep(steady)
+        after = ls.statuses()
+        window = time.monotonic() - tw
+        s0, s1 = _sent([s for s in before if s]), _sent([s for s in after if s])
+        common = [p for p in s1 if p in s0]
+        view_bits = [8 * (s1[p][0] - s0[p][0]) / window for p in common]
+        all_bits = [8 * (s1[p][1] - s0[p][1]) / window for p in common]
+        g = view_graph(after)
+        states = [s["topology"]["views"]["state_bytes"] for s in after if s]
+        return {
+            "daemons": n,
+            "start_seconds": round(started, 1),
+            "connect_seconds": round(connect, 1),
+            "state_bytes_per_peer": g["state_bytes_max"],
+            "state_bytes_mean": round(statistics.mean(states)) if states else None,
+            "control_bits_per_s_per_peer": round(statistics.mean(view_bits), 1) if view_bits else None,
+            "control_bits_per_s_max": round(max(view_bits), 1) if view_bits else None,
+            "session_bits_per_s_per_peer": round(statistics.mean(all_bits), 1) if all_bits else None,
+            "steady_window_seconds": round(window, 1),
+            "connected_at_end": g["connected"],
+            "largest_component": g["largest_component"],
+            "mean_degree": g["mean_degree"],
+            "degree_min_max": g["degree_min_max"],
+            "edges_one_sided": g["edges_one_sided"],
+            "passive_max": g["passive_max"],
+            "known_peers_max": g["known_peers_max"],
+            "sessions_max": g["sessions_max"],
+        }
+
+
+def compare(real: dict, sim: dict) -> dict:
+    """real / simulated for the figures both measure alike (1.0: the same). The daemon runs no gap-estimate
+    rounds yet, so the simulator's state is taken without the estimator's (`state_bytes_views_only`) and
+    its traffic as view messages only: its `control_bits_per_s_views_only` also prices each dial's
+    handshake, which the daemon's view-byte counters do not see, so those bytes are taken out here."""
+    by_type = sim.get("steady_bytes_by_message", {})
+    peers, steady = sim.get("peers") or 0, sim.get("steady_seconds") or 0
+    messages = sum(v for k, v in by_type.items() if k.startswith("view_"))
+    sim_bits = 8 * messages / (peers * steady) if peers and steady else None
+    pairs = {"state_bytes_per_peer": sim.get("state_bytes_views_only"),
+             "control_bits_per_s_per_peer": sim_bits, "mean_degree": sim.get("mean_degree")}
+    out: dict = {"simulated_view_message_bits_per_s_per_peer": None if sim_bits is None else round(sim_bits, 1)}
+    for name, b in pairs.items():
+        a = real.get(name)
+        out[name] = round(a / b, 3) if a is not None and b else None
+    return out
+
+
+def real_figures(args) -> dict:
+    """The real run of `peer bench scale --real N`, in --logs or a temp dir (removed)."""
+    say = (lambda what: None) if args.json else (lambda what: print(f"[{time.strftime('%H:%M:%S')}] {what}", flush=True))
+    if args.logs:
+        return run_real(args.real, Path(args.logs), settle=args.settle, steady=args.real_steady,
+                        timeout=args.real_timeout, log=say)
+    with tempfile.TemporaryDirectory(prefix="peer-bench-scale-") as d:
+        return run_real(args.real, Path(d), settle=args.settle, steady=args.real_steady,
+                        timeout=args.real_timeout, log=say)

@@ -1,0 +1,338 @@
+"""The daemon's driver of partial views: one `Views` (peer/membership/views.py) run with real sessions.
+
+Under `[membership] views = "partial"` membership owns a `ViewDriver`. It carries out what the rules
+return: a `Send` goes as a `ViewPacket` over the authenticated session with that peer, and without one the
+message waits (`outbox`, bounded) while the dialer reaches the entry's addresses (the dialer's limits and
+backoff: peer/membership/dialing.py; it dials nobody else); `EdgeUp`/`EdgeDown` go to the edge watchers
+(the topology service sets the gossip neighbours the averaging engine reads from them); `NeedContact`
+joins again through a `--join` address or an mDNS peer. Sessions are kept with the active view, with peers a
+message waits for, and with whom the other services say they need (`keep_session`: relays we hold
+reservations with); any other session idle (no message but heartbeats) for `SESSION_IDLE_S` is closed,
+and a peer with neither a session nor a message waiting is forgotten (mDNS and `--join` peers stay), so
+what a daemon holds does not grow with the swarm. See docs/design.md, "Partial views".
+
+Hostile peers: a packet is bounded by its schema (protocol/schema/views.py), then decoded and checked by
+`view_messages.decode`; one that breaks a bound closes its session with the reason, and so does a session
+that sends view messages faster than `VIEW_BYTES_PER_S` (a token bucket per session, the relay's).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+
+from peer.membership.view_messages import MAX_ENTRY_ADDRESSES, BadMessage, Entry, ViewMessage, decode, encode, wire_size
+from peer.membership.views import EdgeDown, EdgeUp, NeedContact, Send, ViewConfig, Views
+from peer.nat.addresses import format_hostport, parse_address
+from peer.nat.splice import TokenBucket
+from peer.session.transport import Session, SessionClosed
+from peer.topology.graph import LinkEstimate
+from protocol import identity as ident
+from protocol.schema.views import ViewPacket
+
+if TYPE_CHECKING:
+    from peer.membership.service import Membership
+
+log = logging.getLogger("peertrain.membership")
+
+SESSION_IDLE_S = 30.0
+"""A session outside the active view is closed after this long without a message (heartbeats aside):
+long enough for a view exchange's replies, a few averaging or pipeline calls and a shuffle's answer, short
+enough that sessions made for one message do not pile up. The simulator uses the same figure
+(peer/bench/scale_sim.py)."""
+SEND_TIMEOUT = 5.0  # a view message not written within this (the peer does not read) is undelivered
+MAX_QUEUED = 8  # view messages waiting for one peer's session (a swap sends it two at most)
+MAX_OUTBOX_PEERS = 64
+"""Peers with messages waiting for a session: a shuffle, a few edge requests and walks' answers at once;
+one dial each (the dialer makes MAX_DIALS_IN_PROGRESS at a time)."""
+VIEW_BYTES_PER_S = 4096
+"""View-message bytes one session may send us per second, after a burst of the bucket's capacity (64 KiB).
+An honest neighbour sends a few hundred bytes a minute at steady state and a few kB while joining; a peer
+faster than this is flooding us with requests, and its session is closed."""
+DEAD_KEPT_S = 10.0
+"""A peer whose session ended stays in the peer table this long, so `peer status` shows why it ended (a bad
+message, a flood); then, with no session and no message waiting, it is forgotten."""
+MAX_DEAD_KEPT = 64  # and at most this many such peers (the oldest go first): sessions can end fast
+TICK_MAX = 1.0  # seconds between housekeeping rounds (outbox deadlines, idle sessions) at most
+TICK_MIN = 0.05  # and at least (a burst of timers is handled in one round)
+
+
+@dataclass
+class Outgoing:
+    """Messages for a peer we have no session with, until `deadline` (trio clock)."""
+
+    deadline: float
+    messages: list[ViewMessage] = field(default_factory=list)
+
+
+class ViewDriver:
+    """Runs `views` for membership `m` (see the module docstring)."""
+
+    def __init__(self, m: Membership, cfg: ViewConfig, *, rng: random.Random | None = None):
+        self.m = m
+        self.cfg = cfg
+        self.views = Views(self._my_entry(), cfg, rng or random.Random(), now=trio.current_time())
+        self.outbox: dict[str, Outgoing] = {}
+        self.edge_watchers: list[Callable[[str, bool, str], None]] = []  # (peer, up, reason)
+        self.keep_session: list[Callable[[str], bool]] = []  # sessions other services need now
+        self.link_of: Callable[[str], LinkEstimate | None] = lambda peer: None  # set by the topology service
+        self.contact_wanted = True  # the dialer dials --join addresses while this holds
+        self.sent_bytes = self.received_bytes = 0  # view messages, as framed on the wire
+        self.sent_messages = self.received_messages = 0
+        self.closed_sessions = 0  # idle sessions outside the active view that we closed
+        self._buckets: dict[str, TokenBucket] = {}  # per session (one per peer), dropped when it ends
+        self._nursery: trio.Nursery | None = None
+        self._wake = trio.Event()
+        self._next_mdns_contact = 0.0
+        m.router.register(ViewPacket, self._on_packet)
+        m.watch(self._on_session)
+        m.dialer.wanted = lambda peer: peer in self.outbox
+        m.dialer.contact_wanted = lambda: self.contact_wanted
+
+    # ---- queries ------------------------------------------------------------------------------------
+    def _my_entry(self) -> Entry:
+        """Us as others' views hold us: direct addresses first, and up to RELAYED_IN_ENTRY relayed ones (a
+        peer behind NAT advertises only those: its entry names its relays, and whoever dials it asks them)."""
+        addrs = self.m.advertised_addresses()
+        return Entry(self.m.peer_id, _entry_addresses([a for a in addrs if parse_address(a) is not None],
+                                                      [a for a in addrs if parse_address(a) is None]))
+
+    def _entry_of(self, peer: str) -> Entry:
+        info = self.m.peers.get(peer)
+        if info is None:
+            return Entry(peer, ())
+        return Entry(peer, _entry_addresses([format_hostport(h, p) for h, p in info.addresses],
+                                            [str(r) for r in info.relayed]))
+
+    def status(self) -> dict:
+        v = self.views
+        return {"active": sorted(v.active), "degree": v.degree, "passive": len(v.passive), "pending": len(v.pending),
+                "outbox": len(self.outbox), "state_bytes": v.state_bytes(), "sent_bytes": self.sent_bytes,
+                "received_bytes": self.received_bytes, "sent_messages": self.sent_messages,
+                "received_messages": self.received_messages, "idle_sessions_closed": self.closed_sessions,
+                "moves": dict(v.moves), "contact_wanted": self.contact_wanted}
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Tick the views at their `next_tick` (and at least every TICK_MAX), until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            while True:
+                now = trio.current_time()
+                try:
+                    self.views.me = self._my_entry()  # our addresses change (observed, relayed)
+                    self._apply(self.views.tick(now))
+                    self._housekeeping(now)
+                except Exception:  # a bug here must not end the daemon: the next round tries again
+                    log.exception("partial views: a round failed; retrying")
+                delay = min(max(self.views.next_tick() - now, TICK_MIN), TICK_MAX)
+                self._wake = trio.Event()
+                with trio.move_on_after(delay):
+                    await self._wake.wait()
+
+    async def leave(self) -> None:
+        """We are leaving: pair our neighbours up (`Views.leave`) over the sessions we have (bounded)."""
+        sends = [a for a in self.views.leave(trio.current_time()) if isinstance(a, Send)]
+        sessions = self.m.connected()
+        with trio.move_on_after(1.0):
+            for a in sends:
+                s = sessions.get(a.to.peer_id)
+                if s is not None:
+                    await self._write(s, a.msg)
+
+    # ---- carrying out actions -----------------------------------------------------------------------
+    def _apply(self, actions) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                self._send(a.to, a.msg)
+            elif isinstance(a, EdgeUp):
+                log.info("partial view: %s is a neighbour; degree %d", ident.short_id(a.peer), self.views.degree)
+                self._tell(a.peer, True, "partial view")
+            elif isinstance(a, EdgeDown):
+                log.info("partial view: %s is no neighbour (%s); degree %d", ident.short_id(a.peer), a.reason,
+                         self.views.degree)
+                self._tell(a.peer, False, a.reason)
+            elif isinstance(a, NeedContact):
+                self._need_contact(a.reason)
+
+    def _tell(self, peer: str, up: bool, reason: str) -> None:
+        for cb in self.edge_watchers:
+            try:
+                cb(peer, up, reason)
+            except Exception:
+                log.exception("partial views: edge watcher failed")
+
+    def _send(self, to: Entry, msg: ViewMessage) -> None:
+        peer = to.peer_id
+        if peer == self.m.peer_id or self._nursery is None:
+            return
+        session = self.m.connected().get(peer)
+        if session is not None and peer not in self.outbox:
+            self._nursery.start_soon(self._deliver, session, [msg])
+            return
+        out = self.outbox.get(peer)
+        if out is None:
+            if len(self.outbox) >= MAX_OUTBOX_PEERS:
+                log.debug("partial views: outbox full; a %s for %s is dropped", msg.TYPE, ident.short_id(peer))
+                return  # the rules time out what they wait for
+            out = self.outbox[peer] = Outgoing(deadline=trio.current_time() + self.cfg.request_timeout)
+            self.m.learn_addresses(peer, list(to.addresses), source="view")
+        if len(out.messages) < MAX_QUEUED:
+            out.messages.append(msg)
+        if session is not None:
+            self._flush(peer, session)
+        else:
+            self.m.dialer.wake()
+
+    def _flush(self, peer: str, session: Session) -> None:
+        out = self.outbox.pop(peer, None)
+        if out is not None and out.messages and self._nursery is not None:
+            self._nursery.start_soon(self._deliver, session, out.messages)
+
+    async def _deliver(self, session: Session, messages: list[ViewMessage]) -> None:
+        """Write `messages` in order; a peer that does not take them is unreachable for the views."""
+        ok = False
+        with trio.move_on_after(SEND_TIMEOUT):
+            try:
+                for msg in messages:
+                    await self._write(session, msg)
+                ok = True
+            except SessionClosed:
+                pass
+        if not ok:
+            self._apply(self.views.unreachable(session.peer_id, trio.current_time()))
+            self._wake.set()
+
+    async def _write(self, session: Session, msg: ViewMessage) -> None:
+        await session.send_message(ViewPacket(kind=msg.TYPE, body=encode(msg)))
+        self.sent_messages += 1
+        self.sent_bytes += wire_size(msg)
+
+    def _need_contact(self, reason: str) -> None:
+        """Join again: through a --join peer we have a session with, else dial the --join addresses (the
+        join goes out when a session comes up: `_on_session`), else through an mDNS peer."""
+        log.info("partial views need a contact: %s", reason)
+        sessions = self.m.connected()
+        targets = self.m.dialer.bootstrap
+        for t in targets:
+            if t.peer_id and t.peer_id in sessions:
+                self._apply(self.views.join(self._entry_of(t.peer_id), trio.current_time()))
+                return
+        if targets:
+            self.contact_wanted = True
+            for t in targets:
+                t.next_attempt = 0.0
+            self.m.dialer.wake()
+            return
+        self._mdns_contact(force=True)
+
+    def _mdns_contact(self, *, force: bool = False) -> None:
+        now = trio.current_time()
+        if not force and now < self._next_mdns_contact:
+            return
+        found = [p for p, i in self.m.peers.items() if i.source == "mdns" and p not in self.views.active]
+        if found:
+            self._next_mdns_contact = now + self.cfg.retry_after
+            self.contact_wanted = False
+            self._apply(self.views.join(self._entry_of(random.choice(found)), now))
+
+    # ---- events -------------------------------------------------------------------------------------
+    def _on_session(self, peer: str, session: Session | None) -> None:
+        """Membership's watcher: a session came up (flush what waits for it; join through a contact) or ended."""
+        now = trio.current_time()
+        if session is None:
+            self._buckets.pop(peer, None)
+            if peer in self.views.active:
+                self._apply(self.views.link_down(peer, now))
+            self._wake.set()
+            return
+        self._flush(peer, session)
+        if self.contact_wanted and session.initiator and any(t.peer_id == peer for t in self.m.dialer.bootstrap):
+            self.contact_wanted = False
+            self._apply(self.views.join(self._entry_of(peer), now))
+            self._wake.set()
+
+    async def _on_packet(self, session: Session, env) -> None:
+        pkt: ViewPacket = env.message
+        peer = session.peer_id
+        bucket = self._buckets.get(peer)
+        if bucket is None:
+            bucket = self._buckets[peer] = TokenBucket(VIEW_BYTES_PER_S)
+        if not bucket.try_take(len(pkt.body)):
+            reason = f"view messages faster than {VIEW_BYTES_PER_S} bytes/s"
+            log.warning("closing session with %s: %s", session.short, reason)
+            await session.aclose(reason)
+            return
+        try:
+            msg = decode(pkt.kind, pkt.body, peer)
+        except BadMessage as e:
+            log.warning("closing session with %s: bad view message: %s", session.short, e)
+            await session.aclose(f"bad view message: {e}")
+            return
+        self.received_messages += 1
+        self.received_bytes += wire_size(msg)
+        self._apply(self.views.handle(peer, msg, trio.current_time()))
+        self._wake.set()  # its timers may have moved closer
+
+    # ---- housekeeping -------------------------------------------------------------------------------
+    def _housekeeping(self, now: float) -> None:
+        for peer, out in list(self.outbox.items()):
+            if out.deadline <= now and self.outbox.get(peer) is out:
+                del self.outbox[peer]
+                self._apply(self.views.unreachable(peer, now))
+        for peer in self.views.active:
+            est = self.link_of(peer)
+            if est is not None:
+                self.views.set_link(peer, est)
+        self._close_idle(now)
+        self._forget_unused()
+        if self.contact_wanted and not self.m.dialer.bootstrap:
+            self._mdns_contact()
+
+    def _needed(self, peer: str) -> bool:
+        return peer in self.views.active or peer in self.outbox or any(k(peer) for k in self.keep_session)
+
+    def _close_idle(self, now: float) -> None:
+        if self._nursery is None:
+            return
+        for peer, s in self.m.connected().items():
+            if self._needed(peer) or now - max(s.stats.last_useful, s.opened_at) < SESSION_IDLE_S:
+                continue
+            self.closed_sessions += 1
+            self._nursery.start_soon(s.aclose, f"not in the partial view, and idle for {SESSION_IDLE_S:.0f} s")
+
+    def _forget_unused(self) -> None:
+        """Forget peers with no session (for DEAD_KEPT_S), no dial in flight and no message waiting (what a
+        peer learned from the views is in the views); mDNS and --join peers stay (contacts to join again)."""
+        boot = {t.peer_id for t in self.m.dialer.bootstrap if t.peer_id}
+        now = trio.current_time()
+        unused = [(info.ended_at, peer) for peer, info in self.m.peers.items()
+                  if info.session is None and not info.dialing and peer not in self.outbox and peer not in boot
+                  and info.source != "mdns"]
+        unused.sort()
+        for i, (ended, peer) in enumerate(unused):
+            if now - ended >= DEAD_KEPT_S or len(unused) - i > MAX_DEAD_KEPT:
+                del self.m.peers[peer]
+
+
+RELAYED_IN_ENTRY = 2  # a peer holds `[nat] relays` (2) reservations: both, so one relay's loss leaves a way in
+
+
+def _entry_addresses(direct: list[str], relayed: list[str]) -> tuple[str, ...]:
+    """At most MAX_ENTRY_ADDRESSES: the direct ones, leaving room for up to RELAYED_IN_ENTRY relayed ones."""
+    room = MAX_ENTRY_ADDRESSES - min(len(relayed), RELAYED_IN_ENTRY)
+    return tuple(direct[:room] + relayed[:MAX_ENTRY_ADDRESSES - len(direct[:room])])
+
+
+def view_config(cfg) -> ViewConfig:
+    """The views' bounds from a daemon's config: the active view is the gossip graph (`[topology]`'s
+    degrees); a request waits for a dial (`handshake_timeout`) plus a round trip."""
+    t, m = cfg.topology, cfg.membership
+    return ViewConfig(target_degree=t.target_degree, min_degree=t.min_degree, max_degree=t.max_degree,
+                      request_timeout=max(ViewConfig.request_timeout, m.handshake_timeout + 3.0))
+
