@@ -175,8 +175,9 @@ class SharedTensors:
 
         s is 1, or less where the distance is past the smaller of the two sides' announced `radii`
         (peer/averaging/bounds.py; None: never clipped, the bench's switch). Both sides compute the same s
-        from the same pair: the distance comes from norms.diff_sq over the wire values `others` and `own`,
-        whatever the tensors are (numpy, torch, CUDA, bfloat16), so the pair's updates cancel. Why two
+        from the same pair: the distance and the product (for `opposed`) come from norms.diff_sq_and_dot over
+        the wire values `others` and `own`, whatever the tensors are (numpy, torch, CUDA, bfloat16), so the
+        pair's updates cancel. Why two
         passes: s must be known before anything is added (a trainer step may read the tensors meanwhile),
         so a first read-only pass takes the distance; a second adds, block by block, the difference going
         to one small scratch block that stays in cache, so `others` (the received copy) is only read; our
@@ -349,7 +350,7 @@ class Applied(NamedTuple):
 def _sum_sq(v: np.ndarray) -> float:
     """Sum of squares of a block in cache, for what only this side reads (our norm, the distance status shows
     without the clip); float16 is widened first (its own dot product overflows past 65504). What both sides
-    must agree on is norms.diff_sq's."""
+    must agree on is norms.diff_sq_and_dot's."""
     if v.dtype.itemsize < 4:
         v = v.astype(np.float64)
     with np.errstate(over="ignore"):  # values near the dtype's limit square to inf: radius.py takes nothing then
