@@ -23,6 +23,8 @@ from peer.testing.attacker import attacker_session
 from peer.testing.attacks import dropped, my_id
 from peer.session.transport import SessionClosed
 from peer.testing.swarm import write_config
+from peer.topology.graph import GraphView
+from peer.topology.mixing import graph_spectral_gap
 from protocol.schema.views import ViewPacket
 from tests.daemons import rank_env, unique_swarm, wait_for
 from tests.test_training import digits_config, done, trainer
@@ -35,9 +37,11 @@ MIN_DEGREE, MAX_DEGREE = 2, 8  # [topology]'s defaults, which these daemons run 
 
 def test_fourteen_daemons_form_a_connected_bounded_graph(cluster, tmp_path):
     swarm = unique_swarm()
-    first = cluster.start("v1", config=partial_config(swarm, []))
+    # the gap estimate every 20 s, 60 rounds of 0.25 s: a reading comes while the sessions settle below
+    gap = {"membership": {"gap_every": 20.0, "gap_round": 0.25}}
+    first = cluster.start("v1", config=partial_config(swarm, [], **gap))
     listen = first.wait_ready()["listen"]
-    ds = [first] + [cluster.start(f"v{i}", config=partial_config(swarm, [listen])) for i in range(2, N + 1)]
+    ds = [first] + [cluster.start(f"v{i}", config=partial_config(swarm, [listen], **gap)) for i in range(2, N + 1)]
     for d in ds:
         d.wait_ready()
     cluster.wait(lambda sts: settled(sts, N, MIN_DEGREE, MAX_DEGREE), timeout=60, interval=0.5,
@@ -64,9 +68,23 @@ def test_fourteen_daemons_form_a_connected_bounded_graph(cluster, tmp_path):
     # no full-view machinery ran: no peer exchange flood, no rewiring of the whole graph
     assert all(s["topology"]["moves"] == 0 for s in sts)
     print(f"{N} daemons: {g}, sessions {sorted(s['connected'] for s in sts)}")
+    # every daemon estimated the gap with its neighbours (peer/membership/gap_driver.py): a reading the local
+    # rewiring reads, near a random regular graph's (one epoch's reading is within about +-15% on large
+    # graphs; 14 peers on a loaded host miss some round values, so only a loose band is checked)
+    def gap_read(sts) -> bool:
+        return all((s["topology"]["views"]["gap"] or {}).get("reading") for s in sts)
+    cluster.wait(gap_read, timeout=60, interval=1.0, what="every daemon to read the gap")
+    sts = cluster.statuses()
+    readings = sorted(s["topology"]["views"]["gap"]["reading"]["gap"] for s in sts)
+    ids = [s["peer_id"] for s in sts]
+    edges = {tuple(sorted((s["peer_id"], p))) for s in sts for p in s["topology"]["views"]["active"] if p in ids}
+    exact = graph_spectral_gap(GraphView.from_edges(ids, sorted(edges)))
+    print(f"local gap readings {readings}; the graph's gap {exact:.4f}")
+    # 60 rounds read a little above the gap (local_gap's docstring), and the graph may have changed meanwhile
+    assert 0.7 * exact < statistics.median(readings) < 1.5 * exact, (readings, exact)
     console = Console(file=io.StringIO(), width=160)
-    console.print(render_status(sts[0]))  # `peer status` shows the partial view
-    assert "partial view" in console.file.getvalue()
+    console.print(render_status(sts[0]))  # `peer status` shows the partial view and its gap reading
+    assert "partial view" in console.file.getvalue() and "local gap" in console.file.getvalue()
 
 
 def test_the_survivors_of_frozen_peers_repair_their_views(cluster, tmp_path):

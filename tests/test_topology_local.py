@@ -170,3 +170,81 @@ def test_local_rewire_config_is_range_checked():
                 dict(default_bandwidth_bps=0.0), dict(shard_bytes=-1)):
         with pytest.raises(ValueError):
             LocalRewireConfig(**bad)
+
+
+# ---- the daemon's driver of the estimate (peer/membership/gap_driver.py) ----------------------------------
+
+def test_the_gap_driver_follows_the_wall_clock_and_reads_what_the_estimator_does():
+    """Drivers that start at different moments meet at the next epoch boundary of the wall clock, deliver
+    every round's value in its slot and read exactly what the estimators read when run in lock step."""
+    import types
+
+    import trio
+    import trio.testing
+
+    from peer.membership.gap_driver import GapDriver
+
+    cfg = GapConfig(rounds=16, round_interval=0.2, epoch_interval=5.0)
+    n, degree = 10, 3
+    pairs = random_regular(names(n), degree, 3)
+    idx = {name: i for i, name in enumerate(names(n))}
+    pairs_idx = np.array([(idx[a], idx[b]) for a, b in pairs])
+    expected = run_epoch(n, pairs_idx, cfg, seed=5)
+
+    nbrs = {str(i): set() for i in range(n)}
+    for a, b in pairs_idx.tolist():
+        nbrs[str(a)].add(str(b))
+        nbrs[str(b)].add(str(a))
+    rng = random.Random(5)
+    drivers: dict[str, GapDriver] = {}
+    offset = 1_000_003.7  # the wall clock, mid-epoch when the test starts
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                me = str(i)
+                views = types.SimpleNamespace(active=nbrs[me], degree=len(nbrs[me]), gap=None)
+
+                async def send(session, msg, me=me):
+                    drivers[session].receive(me, msg)
+
+                drivers[me] = GapDriver(cfg, views, random.Random(rng.getrandbits(64)),
+                                        sessions=lambda: {p: p for p in drivers}, send=send,
+                                        wall_clock=lambda: trio.current_time() + offset)
+                nursery.start_soon(drivers[me].run)
+                await trio.sleep(0.1)  # each starts a little later, all before the first boundary (1.3 s)
+            await trio.sleep(1.3 + cfg.rounds * cfg.round_interval)  # to the end of that epoch, not the next
+
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    for i in range(n):
+        d = drivers[str(i)]
+        assert d.epochs == 1 and d.views.gap is not None, d.status()
+        assert d.views.gap.gap == pytest.approx(expected[i].gap) and d.status()["reading"]["ratio"] > 0
+
+
+@pytest.mark.parametrize("body, why", [
+    (b"\xc1", "malformed"),
+    (b"\x93\x01\x02\x03", "not a map"),
+    ({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, 0.5]}, "'slope' missing"),
+    ({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, "x"], "slope": None}, "finite values"),
+    ({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, float("nan")], "slope": None}, "finite values"),
+    ({"epoch": 1, "round": 0, "degree": 3, "values": [0.5] * 9, "slope": None}, "finite values"),
+    ({"epoch": 1, "round": 99, "degree": 3, "values": [0.5, 0.5], "slope": None}, "out of range"),
+    ({"epoch": -1, "round": 0, "degree": 3, "values": [0.5, 0.5], "slope": None}, "out of range"),
+    ({"epoch": 1, "round": 0, "degree": 3.0, "values": [0.5, 0.5], "slope": None}, "integers"),
+    ({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, 0.5], "slope": 0.5}, "slope"),
+    ({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, 0.5], "slope": "0"}, "slope"),
+])
+def test_a_hostile_gap_round_is_refused_with_the_reason(body, why):
+    import msgpack
+
+    from peer.membership.gap_driver import decode_round
+    from peer.membership.view_messages import BadMessage
+
+    raw = body if isinstance(body, bytes) else msgpack.packb(body)
+    with pytest.raises(BadMessage, match=why):
+        decode_round(raw, GapConfig(rounds=16, round_interval=0.2, epoch_interval=5.0))
+    good = msgpack.packb({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, -0.5], "slope": -0.1})
+    assert decode_round(good, GapConfig(rounds=16, round_interval=0.2, epoch_interval=5.0)).values == (0.5, -0.5)

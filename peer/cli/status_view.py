@@ -113,6 +113,10 @@ def render_status(st: dict):
             v = topo["views"]
             t.add_row("partial view", f"{v['degree']} active, {v['passive']} passive, {v['state_bytes']} bytes; "
                                       f"view messages {human_bytes(v['sent_bytes'])} out, {human_bytes(v['received_bytes'])} in")
+            reading = (v.get("gap") or {}).get("reading")
+            if reading:
+                t.add_row("local gap", f"{reading['gap']:.4f}, {reading['ratio']:.2f}x a random "
+                                       f"{reading['degree']:.1f}-regular graph's (epoch {reading['epoch']})")
         parts.append(Panel(t, title="topology", box=box.ROUNDED, expand=False))
 
     bans = st.get("bans") or []

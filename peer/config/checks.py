@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from peer.config.keys import ConfigError, Range, _check_type, _num, _type_name
 from protocol import identity as ident
 from peer.topology.fixed import FIXED_KINDS
+from peer.topology.local_gap import GapConfig
 from protocol.cipher import CIPHERS
 
 if TYPE_CHECKING:
@@ -80,6 +81,9 @@ def validate_semantics(cfg: Config) -> None:
     if m.views == "partial" and t.max_degree > 32:
         raise ConfigError("[topology] max_degree: partial views carry at most 32 neighbours in a message; "
                           f"at most 32 with [membership] views = 'partial', got {t.max_degree}")
+    if m.gap_every and m.gap_every < GapConfig.rounds * m.gap_round:
+        raise ConfigError(f"[membership] gap_every: an estimate takes {GapConfig.rounds} rounds of gap_round "
+                          f"({_num(m.gap_round)} s), so 0 or at least {_num(GapConfig.rounds * m.gap_round)} s")
     if m.reconnect_max < m.reconnect_min:
         raise ConfigError(f"[membership] reconnect_max: must be at least reconnect_min ({_num(m.reconnect_min)})")
     # protocol.limits.WireLimits' own rules, so a config that would stop the daemon at start fails here

@@ -9,6 +9,7 @@ from typing import Any
 
 from peer.config.checks import validate_semantics
 from peer.config.keys import _f
+from peer.topology.local_gap import GapConfig
 from protocol.limits import DEFAULT_CHUNK_SIZE, DEFAULT_LIMITS, KiB, MiB
 from protocol.schema.topology import MAX_RECORD_NEIGHBOURS
 
@@ -68,6 +69,13 @@ class MembershipSection:
     views: str = _f("full", "'full': know, dial and keep a session with every peer (up to max_connections), flood "
                     "peer records, rewire on the whole graph. 'partial': HyParView-style partial views: sessions with "
                     "[topology] target_degree gossip neighbours and whom a message needs now, a bounded passive view.")
+    # The estimator's own defaults (peer/topology/local_gap.py, GapConfig, where they are argued).
+    gap_every: float = _f(GapConfig.epoch_interval, "With views = 'partial': seconds between estimates of the "
+                          "spectral gap, made with the gossip neighbours (each costs 60 rounds of small messages); "
+                          "0 turns them off (local rewiring then reads no gap).", lo=0.0, hi=_DAY, unit="s")
+    gap_round: float = _f(GapConfig.round_interval, "Seconds per round of the gap estimate: a round's message must "
+                          "reach every neighbour within a quarter of it; hosts' clocks must agree that closely.",
+                          lo=_TICK, hi=60.0, unit="s")
 
 
 @dataclass(frozen=True)

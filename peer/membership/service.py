@@ -27,7 +27,7 @@ from peer.nat.addresses import format_hostport, parse_address, parse_relayed
 from peer.session.router import Router
 from peer.session.fanout import Fanout, send_to_each
 from peer.membership.dialing import Dialer, DialRelayed
-from peer.membership.view_driver import ViewDriver, view_config
+from peer.membership.view_driver import ViewDriver, gap_config, view_config
 from peer.membership.peers import (IDLE_ROUNDS, MAX_ADDRESSES, MAX_OBSERVED_CANDIDATES, MAX_PEERS, MAX_RELAYED,
                                    OBSERVED_QUORUM, SECOND_HAND, BootstrapTarget, PeerInfo,
                                    is_public_address, pick_idle)
@@ -73,7 +73,7 @@ class Membership:
         # records are not flooded (peer/membership/view_driver.py); None: the full view, as always
         self.views: ViewDriver | None = None
         if self.cfg.views == "partial":
-            self.views = ViewDriver(self, view_config(config))
+            self.views = ViewDriver(self, view_config(config), gap=gap_config(config))
 
     @property
     def dial_relayed(self) -> DialRelayed | None:
@@ -328,15 +328,23 @@ class Membership:
             await self.router.dispatch(session, env)
 
     async def _heartbeat(self, session: Session, info: PeerInfo) -> None:
-        """Ping on a fixed interval; no pong for `dead_after` closes the session (the peer is dead).
+        """Ping on a fixed interval a session that answered none of our requests within it; no answer for
+        `dead_after` closes the session (the peer is dead).
 
-        Pongs, not received bytes: a peer that keeps sending but never reads our pings (or never answers
-        them) once counted as alive and stalled everything we sent it."""
+        Answers, not received bytes: a peer that keeps sending but never reads our pings (or never answers
+        them) once counted as alive and stalled everything we sent it. Any reply proves what a pong does (it
+        read our request and answered), so a session busy with averaging or pipeline calls is not pinged: at
+        a swarm's scale pings were most of a peer's control traffic (docs/benchmarks.md, 2026-11-27). Its RTT
+        then keeps the last ping's figure."""
         dead_after = self.cfg.dead_after
         last_pong = trio.current_time()
         while True:
             await trio.sleep(self.cfg.heartbeat_interval)
             t0 = trio.current_time()
+            last_pong = max(last_pong, session.stats.last_answered)
+            if t0 - last_pong < self.cfg.heartbeat_interval:
+                info.last_seen = time.time()
+                continue
             wait = last_pong + dead_after - t0
             if wait > 0:
                 try:

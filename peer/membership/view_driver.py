@@ -26,12 +26,14 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from peer.membership.gap_driver import GapDriver, decode_round
 from peer.membership.view_messages import MAX_ENTRY_ADDRESSES, BadMessage, Entry, ViewMessage, decode, encode, wire_size
 from peer.membership.views import EdgeDown, EdgeUp, NeedContact, Send, ViewConfig, Views
 from peer.nat.addresses import format_hostport, parse_address
 from peer.nat.splice import TokenBucket
 from peer.session.transport import Session, SessionClosed
 from peer.topology.graph import LinkEstimate
+from peer.topology.local_gap import GapConfig, GapRound
 from protocol import identity as ident
 from protocol.schema.views import ViewPacket
 
@@ -73,10 +75,14 @@ class Outgoing:
 class ViewDriver:
     """Runs `views` for membership `m` (see the module docstring)."""
 
-    def __init__(self, m: Membership, cfg: ViewConfig, *, rng: random.Random | None = None):
+    def __init__(self, m: Membership, cfg: ViewConfig, *, gap: GapConfig | None = None,
+                 rng: random.Random | None = None):
         self.m = m
         self.cfg = cfg
-        self.views = Views(self._my_entry(), cfg, rng or random.Random(), now=trio.current_time())
+        rng = rng or random.Random()
+        self.views = Views(self._my_entry(), cfg, rng, now=trio.current_time())
+        # the local gap estimate the rewiring rule reads (None: not estimated; the rule then reads no gap)
+        self.gap = None if gap is None else GapDriver(gap, self.views, rng, sessions=m.connected, send=self._write)
         self.outbox: dict[str, Outgoing] = {}
         self.edge_watchers: list[Callable[[str, bool, str], None]] = []  # (peer, up, reason)
         self.keep_session: list[Callable[[str], bool]] = []  # sessions other services need now
@@ -115,13 +121,16 @@ class ViewDriver:
                 "outbox": len(self.outbox), "state_bytes": v.state_bytes(), "sent_bytes": self.sent_bytes,
                 "received_bytes": self.received_bytes, "sent_messages": self.sent_messages,
                 "received_messages": self.received_messages, "idle_sessions_closed": self.closed_sessions,
-                "moves": dict(v.moves), "contact_wanted": self.contact_wanted}
+                "moves": dict(v.moves), "contact_wanted": self.contact_wanted,
+                "gap": None if self.gap is None else self.gap.status()}
 
     # ---- the loop -----------------------------------------------------------------------------------
     async def run(self) -> None:
         """Tick the views at their `next_tick` (and at least every TICK_MAX), until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            if self.gap is not None:
+                nursery.start_soon(self.gap.run)
             while True:
                 now = trio.current_time()
                 try:
@@ -208,7 +217,7 @@ class ViewDriver:
             self._apply(self.views.unreachable(session.peer_id, trio.current_time()))
             self._wake.set()
 
-    async def _write(self, session: Session, msg: ViewMessage) -> None:
+    async def _write(self, session: Session, msg: ViewMessage | GapRound) -> None:
         await session.send_message(ViewPacket(kind=msg.TYPE, body=encode(msg)))
         self.sent_messages += 1
         self.sent_bytes += wire_size(msg)
@@ -269,6 +278,9 @@ class ViewDriver:
             await session.aclose(reason)
             return
         try:
+            if pkt.kind == GapRound.TYPE and self.gap is not None:
+                self.gap.receive(peer, decode_round(pkt.body, self.gap.cfg))
+                return
             msg = decode(pkt.kind, pkt.body, peer)
         except BadMessage as e:
             log.warning("closing session with %s: bad view message: %s", session.short, e)
@@ -327,6 +339,14 @@ def _entry_addresses(direct: list[str], relayed: list[str]) -> tuple[str, ...]:
     """At most MAX_ENTRY_ADDRESSES: the direct ones, leaving room for up to RELAYED_IN_ENTRY relayed ones."""
     room = MAX_ENTRY_ADDRESSES - min(len(relayed), RELAYED_IN_ENTRY)
     return tuple(direct[:room] + relayed[:MAX_ENTRY_ADDRESSES - len(direct[:room])])
+
+
+def gap_config(cfg) -> GapConfig | None:
+    """The gap estimate's timing from a daemon's config (None: `[membership] gap_every` is 0, not estimated)."""
+    m = cfg.membership
+    if m.gap_every == 0:
+        return None
+    return GapConfig(round_interval=m.gap_round, epoch_interval=m.gap_every)
 
 
 def view_config(cfg) -> ViewConfig:

@@ -91,6 +91,7 @@ class SessionStats:
     tensors_in: int = 0
     tensors_out: int = 0
     last_useful: float = 0.0  # trio.current_time() of the last message or tensor chunk that is not a heartbeat (HEARTBEATS)
+    last_answered: float = 0.0  # trio.current_time() of the last reply to one of our requests (the peer reads and answers)
 
 
 async def send_all(sock: trio.socket.SocketType, data: memoryview) -> None:
@@ -342,6 +343,7 @@ class Session:
         if env.reply_to:
             pending = self._requests.get(env.reply_to)
             if pending is not None:
+                self.stats.last_answered = trio.current_time()
                 pending.set(env)
             else:
                 log.debug("late reply %d from %s ignored", env.reply_to, self.short)

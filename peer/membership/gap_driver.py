@@ -1,0 +1,137 @@
+"""The daemon's driver of the local spectral-gap estimate: one `GapEstimator` (peer/topology/local_gap.py)
+run over the partial views' active neighbours with real sessions.
+
+The estimator's rounds must line up across peers without anyone leading them, so they follow the wall
+clock: epoch e starts at e x `epoch_interval` seconds since the Unix epoch, round r of it fills the slot
+[start + r x R, start + (r + 1) x R) with R = `round_interval`. A peer sends its round message a quarter
+into the slot and mixes what arrived at the slot's end, so clocks may disagree by up to R/4 (NTP keeps
+hosts within milliseconds) before a round's values are missed; a missed value only leaves that neighbour
+out of that round (an estimate, not an invariant). A daemon that starts mid-epoch waits for the next one.
+At an epoch's end the reading goes to `Views.gap`, which the local rewiring rule reads
+(peer/topology/local_rewire.py). See docs/design.md, "Partial views".
+
+Round messages go only to neighbours we already have a session with (nothing is dialed for them), in a
+`ViewPacket` of kind `gap_round`, inside the same per-session byte budget as the views' messages. What a
+peer sends is bounded before the estimator reads it (`decode_round`: the schema's size, then
+`local_gap.check_round`); a message out of range closes the session with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
+
+import msgpack
+import trio
+
+from peer.membership.view_messages import BadMessage
+from peer.session.transport import SessionClosed
+from peer.topology.local_gap import GapConfig, GapEstimator, GapRound, check_round
+
+if TYPE_CHECKING:
+    import random
+
+    from peer.membership.views import Views
+    from peer.session.transport import Session
+
+log = logging.getLogger("peertrain.membership")
+
+SEND_TIMEOUT_FRACTION = 0.5
+"""A round message not written within this fraction of a round is dropped: it would arrive after the
+slot it belongs to, where the receiver ignores it."""
+
+
+def decode_round(body: bytes, cfg: GapConfig) -> GapRound:
+    """A neighbour's round message from a `ViewPacket` body, checked (BadMessage names what is wrong)."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, use_list=False, strict_map_key=True, max_ext_len=0)
+    except Exception as e:  # msgpack raises a zoo of ValueError subclasses
+        raise BadMessage(f"gap_round: malformed body: {type(e).__name__}") from None
+    if type(obj) is not dict:
+        raise BadMessage("gap_round: body is not a map")
+    try:
+        epoch, rnd, degree, values, slope = (obj[k] for k in ("epoch", "round", "degree", "values", "slope"))
+    except KeyError as e:
+        raise BadMessage(f"gap_round: field {e.args[0]!r} missing") from None
+    if not (type(epoch) is int and type(rnd) is int and type(degree) is int and type(values) is tuple):
+        raise BadMessage("gap_round: epoch, round and degree must be integers and values an array")
+    if slope is not None and type(slope) is not float:
+        raise BadMessage("gap_round: slope must be a number or nil")
+    msg = GapRound(epoch, rnd, degree, values, slope)
+    try:
+        check_round(msg, cfg)
+    except ValueError as e:
+        raise BadMessage(str(e)) from None
+    return msg
+
+
+class GapDriver:
+    """Runs the estimator for `views` (see the module docstring). `sessions()` gives the sessions we have,
+    by peer; `send(session, message)` writes one `gap_round` packet."""
+
+    def __init__(self, cfg: GapConfig, views: Views, rng: random.Random, *,
+                 sessions: Callable[[], Mapping[str, Session]],
+                 send: Callable[[Session, GapRound], Awaitable[None]],
+                 wall_clock: Callable[[], float] = time.time):
+        self.cfg = cfg
+        self.views = views
+        self.estimator = GapEstimator(cfg, rng)
+        self._sessions = sessions
+        self._send = send
+        self._wall_clock = wall_clock
+        self.epochs = 0  # epochs finished with a reading
+        self.sent = self.received = 0  # round messages
+
+    def status(self) -> dict:
+        r = self.views.gap
+        return {"epochs": self.epochs, "running": self.estimator.running, "round": self.estimator.round,
+                "reading": None if r is None else {"epoch": r.epoch, "gap": round(r.gap, 5),
+                                                   "reference": round(r.reference, 5), "ratio": round(r.ratio, 4),
+                                                   "degree": round(r.degree, 2)}}
+
+    def receive(self, sender: str, msg: GapRound) -> None:
+        self.received += 1
+        self.estimator.receive(sender, msg)
+
+    async def run(self) -> None:
+        """Epoch after epoch, until cancelled."""
+        cfg = self.cfg
+        async with trio.open_nursery() as nursery:
+            while True:
+                epoch = math.floor(self._wall_clock() / cfg.epoch_interval) + 1
+                start = epoch * cfg.epoch_interval
+                await self._sleep_until(start)
+                self.estimator.begin(epoch)
+                for r in range(cfg.rounds):
+                    slot = start + r * cfg.round_interval
+                    await self._sleep_until(slot + cfg.round_interval / 4)
+                    msg = self.estimator.message(self.views.degree)
+                    sessions = self._sessions()
+                    for peer in list(self.views.active):
+                        session = sessions.get(peer)
+                        if msg is not None and session is not None:
+                            nursery.start_soon(self._send_one, session, msg)
+                    await self._sleep_until(slot + cfg.round_interval)
+                    self.estimator.advance(set(self.views.active))
+                self.views.gap = self.estimator.reading
+                if self.estimator.reading is not None:
+                    self.epochs += 1
+                    r = self.estimator.reading
+                    log.info("gap estimate, epoch %d: %.4f (%.2fx a random %.1f-regular graph's)",
+                             r.epoch, r.gap, r.ratio, r.degree)
+
+    async def _send_one(self, session: Session, msg: GapRound) -> None:
+        with trio.move_on_after(self.cfg.round_interval * SEND_TIMEOUT_FRACTION):
+            try:
+                await self._send(session, msg)
+                self.sent += 1
+            except SessionClosed:
+                pass
+
+    async def _sleep_until(self, wall: float) -> None:
+        """Sleep until the wall clock reads `wall` (trio's clock is monotonic, not the wall's)."""
+        await trio.sleep(max(0.0, wall - self._wall_clock()))
+
