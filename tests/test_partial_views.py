@@ -117,6 +117,29 @@ def test_the_survivors_of_frozen_peers_repair_their_views(cluster, tmp_path):
             d.kill()  # SIGKILL ends a stopped process too
 
 
+def test_a_restarted_daemon_without_join_finds_the_swarm_through_its_peer_cache(cluster, tmp_path):
+    """No --join and no mDNS at the second start: the peers it had sessions with (the peer cache, saved
+    when it stopped) are its contacts to join again (view_driver.CACHE_CONTACTS); its old contact is gone."""
+    swarm, n = unique_swarm(), 5
+    first = cluster.start("c1", config=partial_config(swarm, []))
+    listen = first.wait_ready()["listen"]
+    ds = [first] + [cluster.start(f"c{i}", config=partial_config(swarm, [listen])) for i in range(2, n + 1)]
+    for d in ds:
+        d.wait_ready()
+    cluster.wait(lambda sts: settled(sts, n, MIN_DEGREE, MAX_DEGREE), timeout=60, interval=0.5,
+                 what=f"{n} partial views to form one connected graph")
+    leaver = ds[-1]
+    assert leaver.stop() == 0
+    first.stop()  # the --join contact is gone too
+    live = ds[1:-1]
+    wait_for(lambda: settled([d.try_status() for d in live], n - 2, MIN_DEGREE, MAX_DEGREE), timeout=45,
+             interval=0.5, what="the three left to reconnect")
+    cluster.restart(leaver, config=partial_config(swarm, []))
+    leaver.wait_ready()
+    wait_for(lambda: settled([d.try_status() for d in [*live, leaver]], n - 1, MIN_DEGREE, MAX_DEGREE), timeout=45,
+             interval=0.5, what="the restarted daemon to join again through its peer cache")
+
+
 def test_a_digits_swarm_trains_with_partial_views(cluster, tmp_path):
     """The 4-peer digits swarm of tests/test_training.py, with partial views (and mDNS, its contacts)."""
     cfg = digits_config(tmp_path / "c.toml", membership={"views": "partial"})

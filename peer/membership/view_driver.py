@@ -5,10 +5,10 @@ return: a `Send` goes as a `ViewPacket` over the authenticated session with that
 message waits (`outbox`, bounded) while the dialer reaches the entry's addresses (the dialer's limits and
 backoff: peer/membership/dialing.py; it dials nobody else); `EdgeUp`/`EdgeDown` go to the edge watchers
 (the topology service sets the gossip neighbours the averaging engine reads from them); `NeedContact`
-joins again through a `--join` address or an mDNS peer. Sessions are kept with the active view, with peers a
+joins again through a `--join` address, an mDNS peer or one of the peer cache (`CACHE_CONTACTS`). Sessions are kept with the active view, with peers a
 message waits for, and with whom the other services say they need (`keep_session`: relays we hold
 reservations with); any other session idle (no message but heartbeats) for `SESSION_IDLE_S` is closed,
-and a peer with neither a session nor a message waiting is forgotten (mDNS and `--join` peers stay), so
+and a peer with neither a session nor a message waiting is forgotten (mDNS, `--join` and a few cached peers stay), so
 what a daemon holds does not grow with the swarm. See docs/design.md, "Partial views".
 
 Hostile peers: a packet is bounded by its schema (protocol/schema/views.py), then decoded and checked by
@@ -60,6 +60,10 @@ DEAD_KEPT_S = 10.0
 """A peer whose session ended stays in the peer table this long, so `peer status` shows why it ended (a bad
 message, a flood); then, with no session and no message waiting, it is forgotten."""
 MAX_DEAD_KEPT = 64  # and at most this many such peers (the oldest go first): sessions can end fast
+CACHE_CONTACTS = 16
+"""Peers of the peer cache (peer/membership/store.py: sessions of an earlier run, most recent first) kept as
+contacts to join through when no --join or mDNS peer is at hand; the rest are forgotten like any unused
+peer. A few suffice: any live member of the swarm lets us in."""
 TICK_MAX = 1.0  # seconds between housekeeping rounds (outbox deadlines, idle sessions) at most
 TICK_MIN = 0.05  # and at least (a burst of timers is handled in one round)
 
@@ -94,7 +98,7 @@ class ViewDriver:
         self._buckets: dict[str, TokenBucket] = {}  # per session (one per peer), dropped when it ends
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
-        self._next_mdns_contact = 0.0
+        self._next_local_contact = 0.0
         m.router.register(ViewPacket, self._on_packet)
         m.watch(self._on_session)
         m.dialer.wanted = lambda peer: peer in self.outbox
@@ -238,17 +242,21 @@ class ViewDriver:
                 t.next_attempt = 0.0
             self.m.dialer.wake()
             return
-        self._mdns_contact(force=True)
+        self._local_contact(force=True)
 
-    def _mdns_contact(self, *, force: bool = False) -> None:
+    def _local_contact(self, *, force: bool = False) -> None:
+        """Join through a peer mDNS found, else through one from the peer cache (our sessions of an earlier
+        run: a restarted daemon without --join finds the swarm again through them)."""
         now = trio.current_time()
-        if not force and now < self._next_mdns_contact:
+        if not force and now < self._next_local_contact:
             return
-        found = [p for p, i in self.m.peers.items() if i.source == "mdns" and p not in self.views.active]
-        if found:
-            self._next_mdns_contact = now + self.cfg.retry_after
-            self.contact_wanted = False
-            self._apply(self.views.join(self._entry_of(random.choice(found)), now))
+        for source in ("mdns", "cache"):
+            found = [p for p, i in self.m.peers.items() if i.source == source and p not in self.views.active]
+            if found:
+                self._next_local_contact = now + self.cfg.retry_after
+                self.contact_wanted = False
+                self._apply(self.views.join(self._entry_of(random.choice(found)), now))
+                return
 
     # ---- events -------------------------------------------------------------------------------------
     def _on_session(self, peer: str, session: Session | None) -> None:
@@ -304,7 +312,7 @@ class ViewDriver:
         self._close_idle(now)
         self._forget_unused()
         if self.contact_wanted and not self.m.dialer.bootstrap:
-            self._mdns_contact()
+            self._local_contact()
 
     def _needed(self, peer: str) -> bool:
         return peer in self.views.active or peer in self.outbox or any(k(peer) for k in self.keep_session)
@@ -322,6 +330,8 @@ class ViewDriver:
         """Forget peers with no session (for DEAD_KEPT_S), no dial in flight and no message waiting (what a
         peer learned from the views is in the views); mDNS and --join peers stay (contacts to join again)."""
         boot = {t.peer_id for t in self.m.dialer.bootstrap if t.peer_id}
+        cached = [peer for peer, info in self.m.peers.items() if info.source == "cache"]
+        boot.update(cached[:CACHE_CONTACTS])
         now = trio.current_time()
         unused = [(info.ended_at, peer) for peer, info in self.m.peers.items()
                   if info.session is None and not info.dialing and peer not in self.outbox and peer not in boot

@@ -42,17 +42,27 @@ def rank_env(rank: int, world: int) -> dict[str, str]:
     return {RANK_ENV: str(rank), WORLD_ENV: str(world)}
 
 
+TEST_VIEWS_ENV = "PEERTRAIN_TEST_VIEWS"
+
+
 def swarm_config(*, swarm: str, listen: str = "127.0.0.1:0", mdns: bool = True,
                  interfaces: list[str] | None = None, join: list[str] | None = None,
                  topology: dict | None = None, gossip: dict | None = None, trainer: str = "",
                  options: dict | None = None, membership: dict | None = None, pipeline: dict | None = None,
                  log_level: str = "info") -> Config:
-    """A validated config for daemons on one host (mDNS on loopback) or in namespaces (`interfaces=[]`)."""
+    """A validated config for daemons on one host (mDNS on loopback) or in namespaces (`interfaces=[]`).
+
+    `PEERTRAIN_TEST_VIEWS=partial` in the environment runs every swarm that does not choose its
+    `[membership] views` with partial views: how the membership, topology, NAT and training tests were run
+    against them (docs/design.md, "Partial views")."""
+    membership = {**FAST_MEMBERSHIP, **(membership or {})}
+    if os.environ.get(TEST_VIEWS_ENV) and "views" not in membership:
+        membership["views"] = os.environ[TEST_VIEWS_ENV]
     return Config().replace(
         daemon={"swarm": swarm, "listen": listen, "join": list(join or []), "log_level": log_level},
         discovery={"mdns": mdns, "interfaces": list(interfaces if interfaces is not None else ["127.0.0.1"]),
                    "private_addresses": True},  # one host or private namespace addresses: dial them
-        membership={**FAST_MEMBERSHIP, **(membership or {})},
+        membership=membership,
         topology=dict(topology or {}),
         gossip=dict(gossip or {}),
         pipeline=dict(pipeline or {}),
