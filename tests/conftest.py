@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from peer.testing.swarm import LocalSwarm
+from peer.testing.swarm import TEST_VIEWS_ENV, LocalSwarm
 
 TESTS = Path(__file__).resolve().parent
 
@@ -137,6 +137,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker("serial")
         if fast:
             cap_examples(item)
+        full_view = item.get_closest_marker("full_view")
+        if full_view is not None and os.environ.get(TEST_VIEWS_ENV) == "partial":
+            item.add_marker(pytest.mark.skip(reason=f"full views only: {full_view.args[0]}"))
 
 
 def cap_examples(item: pytest.Item) -> None:

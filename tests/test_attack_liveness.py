@@ -60,6 +60,7 @@ def test_a_peer_that_sends_but_never_reads_is_dropped_within_dead_after(cluster,
     assert d.running
 
 
+@pytest.mark.full_view("records broadcast to every session")
 def test_an_honest_peer_gets_records_on_time_while_a_peer_stops_reading(cluster, tmp_path):
     """The mute peer asks for 64 probes (16 MiB of replies) and reads none: the daemon's sends to it
     block, and before issue 15 its record broadcast, one session after another, stalled on it."""

@@ -55,6 +55,7 @@ def test_a_peer_record_with_90000_addresses_is_refused_at_once(cluster, tmp_path
     assert "90000 addresses" in st["peers"][0]["reason"]
 
 
+@pytest.mark.full_view("peer exchange")
 def test_records_naming_a_third_party_cause_no_flood_of_dials(cluster, tmp_path):
     """300 throwaway identities, each at 8 refused ports on 127.0.0.1: the daemon holds at most 8 dials
     at once and backs off per host, so over 6 s it makes dozens of attempts, not thousands."""
@@ -88,6 +89,7 @@ def test_records_naming_a_third_party_cause_no_flood_of_dials(cluster, tmp_path)
     assert d.running
 
 
+@pytest.mark.full_view("peer exchange")
 def test_private_addresses_from_peers_are_not_dialed_unless_allowed(cluster, tmp_path):
     swarm = unique_swarm()
     cfg = swarm_config(swarm=swarm, mdns=False).replace(discovery={"private_addresses": False})
@@ -115,6 +117,7 @@ def _membership(advertise: list[str]):
     return Membership(config=cfg, transport=t, peer_id="me", router=Router(), listen_port=lambda: 4000)
 
 
+@pytest.mark.full_view("a Membership made outside trio, which partial views need")
 def test_an_observed_address_is_advertised_only_when_peers_at_distinct_ips_agree():
     m = _membership([])
     m.vote_observed("6.6.6.6", reporter_ip="1.1.1.1", reporter="evil1")

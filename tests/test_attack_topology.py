@@ -55,6 +55,7 @@ def test_poisoned_topology_records_close_the_sender_and_the_daemon_keeps_serving
     assert d.status()["topology"]["view_nodes"] == 2 and d.running
 
 
+@pytest.mark.full_view("record flooding")
 def test_many_large_records_never_make_a_broadcast_exceed_the_message_limit(cluster, tmp_path):
     """Hundreds of records of the largest allowed size from throwaway identities, relayed by a neighbour
     (the only sender whose records of unknown origins are admitted): the daemon holds a bounded view, keeps
@@ -109,6 +110,7 @@ def test_records_of_unknown_origins_from_a_non_neighbour_never_enter_the_view(cl
     assert d.running and d.status()["topology"]["view_nodes"] <= 2  # us and at most the attacker's own record
 
 
+@pytest.mark.full_view("edge proposals")
 def test_an_edge_commit_without_a_proposal_makes_no_neighbour(cluster, tmp_path):
     d, status = start_victim(cluster, tmp_path)
     obs = run_scenario("edge_commit_without_proposal", status)

@@ -102,6 +102,8 @@ def test_out_of_range_nan_and_infinite_values_fail_at_load_with_file_line_and_ke
     ("[limits]\nmax_frame_kib = 64\nmax_message_kib = 16\n[gossip]\nchunk_kib = 1024\n", ":5: [gossip] chunk_kib: a chunk is one frame"),
     ("[membership]\nreconnect_min = 5.0\nreconnect_max = 1.0\n", ":3: [membership] reconnect_max: must be at least"),
     ("[membership]\nheartbeat_interval = 2.0\ndead_after = 2.0\n", ":3: [membership] dead_after: must exceed"),
+    ('[membership]\nviews = "partial"\n[topology]\nkind = "ring"\n', ":4: [topology] kind: 'ring' lays its graph"),
+    ("[membership]\ngap_round = 1.0\ngap_every = 30.0\n", ":3: [membership] gap_every: an estimate takes 60 rounds"),
     ("[membership]\nhandshake_timeout = inf\n", ":2: [membership] handshake_timeout: expected 0.1 to 120 s, got inf"),
     ("[membership]\ndead_after = 1e400\n", ":2: [membership] dead_after: expected"),  # TOML reads inf
     ("[membership]\ndead_after = 100000000000000000000000000000\n", ":2: [membership] dead_after: expected"),

@@ -71,6 +71,7 @@ def test_two_swarms_on_one_host_never_connect(cluster, tmp_path):
         assert {p["peer_id"] for p in d.status()["peers"]} <= b_ids
 
 
+@pytest.mark.full_view("peer exchange")
 def test_join_only_learns_everyone_by_peer_exchange(cluster, tmp_path):
     cfg = quick_config(tmp_path / "c.toml", swarm=unique_swarm(), mdns=False)
     seed = cluster.start("seed", config=cfg)
@@ -161,6 +162,7 @@ def test_stale_control_socket_is_replaced_and_second_daemon_refused(cluster, tmp
     assert code == 2 and "already running" in out
 
 
+@pytest.mark.full_view("bandwidth probes of neighbours")
 def test_status_json_and_rich_output(cluster, tmp_path):
     cfg = quick_config(tmp_path / "c.toml", swarm=unique_swarm())
     a, b = cluster.start("a", config=cfg), cluster.start("b", config=cfg)

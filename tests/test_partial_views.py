@@ -15,7 +15,8 @@ import pytest
 import trio
 from rich.console import Console
 
-from peer.bench.scale_real import partial_config, settled, view_graph
+from peer.bench.scale_real import partial_config
+from peer.testing.views import settled, view_graph
 from peer.cli.status_view import render_status
 from peer.membership.view_driver import SESSION_IDLE_S, VIEW_BYTES_PER_S
 from peer.membership.view_messages import Entry, NeighbourRequest, Shuffle, encode

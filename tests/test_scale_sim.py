@@ -107,7 +107,8 @@ def _status(pid: str, active: list[str], *, sent: int = 0, peers: int = 3, state
 def test_the_real_bench_reads_the_graph_the_active_views_form():
     """`peer bench scale --real`'s reading of daemons' statuses (peer/bench/scale_real.py): edges need both
     ends; a one-sided edge, a missing daemon or a degree out of bounds is not settled."""
-    from peer.bench.scale_real import compare, settled, view_graph
+    from peer.bench.scale_real import compare
+    from peer.testing.views import settled, view_graph
 
     ring = [_status(p, [q for q in "abcd" if abs(ord(q) - ord(p)) in (1, 3)]) for p in "abcd"]
     g = view_graph(ring)

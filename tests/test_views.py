@@ -367,3 +367,47 @@ def test_a_refusing_token_bucket_takes_nothing_when_short():
     assert not b.try_take(10)
     t[0] += 0.5
     assert b.try_take(400) and not b.try_take(200)  # 500 refilled, 400 taken: 100 left
+
+
+def test_groups_that_joined_through_different_contacts_merge_once_they_learn_of_each_other():
+    """Peers found by mDNS at once may join through different contacts and settle into separate groups at
+    their target degree; what the driver hands `Views.learn` (the mDNS peers) lets shuffles and mixes join
+    them into one graph."""
+    sim = Simulator(CFG, GapConfig(), SimConfig(seed=9))
+    groups: list[list] = [[], []]
+    for g in groups:
+        first = sim.spawn()
+        sim.join(first, None, measure=False)
+        g.append(first)
+        for _ in range(5):
+            sim.run_until(sim.now + 0.2)
+            p = sim.spawn()
+            sim.join(p, first, measure=False)
+            g.append(p)
+    sim.run_until(sim.now + 60)
+
+    def components() -> int:
+        seen: set[str] = set()
+        count = 0
+        for p in sim.alive:
+            if p.pid in seen:
+                continue
+            count += 1
+            stack = [p.pid]
+            seen.add(p.pid)
+            while stack:
+                for q in sim.peers[stack.pop()].views.active:
+                    if q not in seen:
+                        seen.add(q)
+                        stack.append(q)
+        return count
+    assert components() == 2  # nothing joins them on their own
+    for g, other in ((groups[0], groups[1]), (groups[1], groups[0])):
+        for p in g:
+            p.views.learn(sim.rng.choice(other).entry)
+    end = sim.now + 600
+    while components() > 1 and sim.now < end:
+        sim.run_until(sim.now + 5)
+    assert components() == 1 and consistent(sim)
+    for p in sim.alive:
+        assert_bounded(p.views)

@@ -78,6 +78,9 @@ def validate_semantics(cfg: Config) -> None:
         raise ConfigError("[membership] dead_after: must exceed heartbeat_interval, or every peer looks dead")
     if m.views not in ("full", "partial"):
         raise ConfigError(f"[membership] views: expected 'full' or 'partial', got {m.views!r}")
+    if m.views == "partial" and t.kind != "rewired":
+        raise ConfigError(f"[topology] kind: {t.kind!r} lays its graph over every peer's ID, which partial views "
+                          "do not know; use kind = 'rewired' with [membership] views = 'partial' (or views = 'full')")
     if m.views == "partial" and t.max_degree > 32:
         raise ConfigError("[topology] max_degree: partial views carry at most 32 neighbours in a message; "
                           f"at most 32 with [membership] views = 'partial', got {t.max_degree}")

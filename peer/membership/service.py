@@ -37,6 +37,12 @@ from protocol.schema import Goodbye, PeerExchange, PeerRecord, Ping, Pong, peer_
 
 log = logging.getLogger("peertrain.membership")
 
+REPLACED_DRAIN_S = 2.0
+"""A relayed session replaced by a direct one (a hole punch) stays open this long, unused for anything new,
+so a request or a reply already on its way over it still arrives: closing it at once lost them (a view's
+edge request, then its answer), and the peers gave up on each other for a retry interval."""
+
+
 class Membership:
     def __init__(self, *, config: Config, transport: TransportConfig, peer_id: str, router: Router,
                  listen_port: Callable[[], int]):
@@ -252,7 +258,10 @@ class Membership:
             if keep is info.session:
                 await session.aclose("duplicate session")
                 return
-            await info.session.aclose(why)
+            if why == "duplicate session" or self._nursery is None:
+                await info.session.aclose(why)
+            else:  # what is in flight on the relayed session (a request, its reply) still arrives
+                self._nursery.start_soon(self._close_after, info.session, REPLACED_DRAIN_S, why)
         info.session = session
         session.send_timeout = self.cfg.dead_after  # a peer that takes no frame for this long is as dead as a silent one
         info.state = "connected"
@@ -288,6 +297,11 @@ class Membership:
                 log.info("peer %s is dead: %s", session.short, session.close_reason)
                 self._notify(pid, None)
                 self.dialer.wake()
+
+    @staticmethod
+    async def _close_after(session: Session, seconds: float, reason: str) -> None:
+        await trio.sleep(seconds)
+        await session.aclose(reason)
 
     def _learn_from_handshake(self, info: PeerInfo, session: Session) -> None:
         app = session.remote_app if isinstance(session.remote_app, dict) else {}

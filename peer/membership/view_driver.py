@@ -64,6 +64,10 @@ CACHE_CONTACTS = 16
 """Peers of the peer cache (peer/membership/store.py: sessions of an earlier run, most recent first) kept as
 contacts to join through when no --join or mDNS peer is at hand; the rest are forgotten like any unused
 peer. A few suffice: any live member of the swarm lets us in."""
+LINK_GRACE_S = 2.0
+"""A neighbour's session that ends stays an edge this long: a session replaced by another (a hole punch
+swapping the relayed session for a direct one) ends just before its successor comes up, and the edge
+should survive the swap. A dead peer's edge goes down this much later, after `dead_after` (6 s) anyway."""
 TICK_MAX = 1.0  # seconds between housekeeping rounds (outbox deadlines, idle sessions) at most
 TICK_MIN = 0.05  # and at least (a burst of timers is handled in one round)
 
@@ -95,6 +99,7 @@ class ViewDriver:
         self.sent_bytes = self.received_bytes = 0  # view messages, as framed on the wire
         self.sent_messages = self.received_messages = 0
         self.closed_sessions = 0  # idle sessions outside the active view that we closed
+        self._lost: dict[str, float] = {}  # neighbours whose session ended: until when a successor may replace it
         self._buckets: dict[str, TokenBucket] = {}  # per session (one per peer), dropped when it ends
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
@@ -255,7 +260,10 @@ class ViewDriver:
             if found:
                 self._next_local_contact = now + self.cfg.retry_after
                 self.contact_wanted = False
-                self._apply(self.views.join(self._entry_of(random.choice(found)), now))
+                # mDNS peers that start together all see much the same peers: joining through the same one
+                # (the smallest ID) keeps them from splitting into groups that joined through different ones
+                contact = min(found) if source == "mdns" else random.choice(found)
+                self._apply(self.views.join(self._entry_of(contact), now))
                 return
 
     # ---- events -------------------------------------------------------------------------------------
@@ -264,10 +272,11 @@ class ViewDriver:
         now = trio.current_time()
         if session is None:
             self._buckets.pop(peer, None)
-            if peer in self.views.active:
-                self._apply(self.views.link_down(peer, now))
+            if peer in self.views.active:  # lost, unless a successor comes up within LINK_GRACE_S (housekeeping)
+                self._lost.setdefault(peer, now + LINK_GRACE_S)
             self._wake.set()
             return
+        self._lost.pop(peer, None)
         self._flush(peer, session)
         if self.contact_wanted and session.initiator and any(t.peer_id == peer for t in self.m.dialer.bootstrap):
             self.contact_wanted = False
@@ -301,6 +310,13 @@ class ViewDriver:
 
     # ---- housekeeping -------------------------------------------------------------------------------
     def _housekeeping(self, now: float) -> None:
+        sessions = self.m.connected()
+        for peer, deadline in list(self._lost.items()):
+            if peer in sessions or peer not in self.views.active:
+                del self._lost[peer]
+            elif deadline <= now:
+                del self._lost[peer]
+                self._apply(self.views.link_down(peer, now))
         for peer, out in list(self.outbox.items()):
             if out.deadline <= now and self.outbox.get(peer) is out:
                 del self.outbox[peer]
@@ -313,6 +329,12 @@ class ViewDriver:
         self._forget_unused()
         if self.contact_wanted and not self.m.dialer.bootstrap:
             self._local_contact()
+        # what mDNS finds is a passive candidate (Views.learn): one a round, so a LAN of hundreds does not
+        # flush what the shuffles brought
+        unseen = [p for p, i in self.m.peers.items()
+                  if i.source == "mdns" and p not in self.views.active and p not in self.views.passive]
+        if unseen:
+            self.views.learn(self._entry_of(random.choice(unseen)))
 
     def _needed(self, peer: str) -> bool:
         return peer in self.views.active or peer in self.outbox or any(k(peer) for k in self.keep_session)

@@ -294,6 +294,12 @@ class Views:
             self._next_retry = max(self._next_retry, now + self.cfg.retry_interval)
         return self._take()
 
+    def learn(self, entry: Entry) -> None:
+        """A peer found outside the views' messages (mDNS on the local link): a candidate in the passive view,
+        so shuffles and mixes can reach it. Without it, peers that joined through different mDNS contacts at
+        once could settle into cliques at the target degree that never hear of each other."""
+        self._to_passive(entry)
+
     def leave(self, now: float) -> list[Action]:
         """I am leaving: pair my neighbours up so that each keeps its degree, and forget everything."""
         self._out = []

@@ -51,6 +51,9 @@ class NatService:
         self._seen_ips: list[str] = []  # our IPs as peers we dialed report them, newest last
         self._outside_ips: list[str] = []  # those of them that differ from our end of the connection (a NAT)
         m.dial_relayed = self.client.dial_via
+        # from the start, not the run loop's first pass: a peer set to `private` once advertised its direct
+        # addresses in the entry partial views sent while joining, and peers dialed them
+        m.advertise_observed = self.reach.verdict != "nat"
         m.watch(self._on_peer)
         if m.views is not None:  # partial views close idle sessions: never those a relay reservation rides on
             m.views.keep_session.append(lambda p: p in self.client.held or p in self.relay.reservations)

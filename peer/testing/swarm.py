@@ -18,6 +18,7 @@ from typing import Any, Callable
 from peer.config import Config, to_toml
 from peer.home import Home, atomic_write
 from peer.testing.daemon import DaemonProcess
+from peer.testing.views import view_graph
 from peer.testing.process import stop_all, wait_for
 from peertrain.swarm import RANK_ENV, WORLD_ENV
 
@@ -56,14 +57,17 @@ def swarm_config(*, swarm: str, listen: str = "127.0.0.1:0", mdns: bool = True,
     `[membership] views` with partial views: how the membership, topology, NAT and training tests were run
     against them (docs/design.md, "Partial views")."""
     membership = {**FAST_MEMBERSHIP, **(membership or {})}
+    topology = dict(topology or {})
     if os.environ.get(TEST_VIEWS_ENV) and "views" not in membership:
         membership["views"] = os.environ[TEST_VIEWS_ENV]
+        if membership["views"] == "partial" and topology.get("kind") == "full":
+            del topology["kind"]  # the few peers of a test: partial views link them all (target_degree)
     return Config().replace(
         daemon={"swarm": swarm, "listen": listen, "join": list(join or []), "log_level": log_level},
         discovery={"mdns": mdns, "interfaces": list(interfaces if interfaces is not None else ["127.0.0.1"]),
                    "private_addresses": True},  # one host or private namespace addresses: dial them
         membership=membership,
-        topology=dict(topology or {}),
+        topology=topology,
         gossip=dict(gossip or {}),
         pipeline=dict(pipeline or {}),
         trainer={"name": trainer, "options": dict(options or {})},
@@ -144,10 +148,19 @@ class LocalSwarm:
         return time.monotonic() - t0
 
     def wait_connected(self, timeout: float = CONNECT_TIMEOUT) -> float:
-        """Until every daemon has a session to every other one."""
+        """Until the swarm has formed: every daemon has a session to every other one (full views), or, for
+        daemons with partial views, their active views form one connected graph, every edge listed by both
+        ends (sessions then come and go with the views)."""
         n = len(self.daemons)
-        return self.wait(lambda sts: all(s and s["connected"] >= n - 1 for s in sts), timeout=timeout,
-                         what=f"{n} daemons to connect")
+
+        def formed(sts: list[dict | None]) -> bool:
+            if not all(sts):
+                return False
+            if all((s.get("topology") or {}).get("views") for s in sts):
+                g = view_graph(sts)
+                return g["connected"] and g["edges_one_sided"] == 0
+            return all(s["connected"] >= n - 1 for s in sts)
+        return self.wait(formed, timeout=timeout, what=f"{n} daemons to connect")
 
     def log_tails(self, lines: int = 40) -> str:
         return "\n".join(f"===== {d.name} ({d.log_path}) =====\n{d.log_tail(lines)}" for d in self.daemons)
