@@ -172,7 +172,7 @@ def test_the_server_answers_get_metrics_and_nothing_else():
         for bad in (b"GET /metrics\r\n\r\n", b"get /metrics HTTP/1.1\r\n\r\n", b"\r\n\r\n", b"GET  HTTP/1.1\r\n\r\n",
                     b"GET /metrics HTTP/1.1 extra\r\n\r\n", bytes(range(256)) + b"\r\n\r\n"):
             assert (await _exchange(s, bad)).startswith(b"HTTP/1.0 400 "), bad
-        assert s.stats.scrapes == 2 and s.stats.errors == 8
+        assert s.stats.ok == 2 and s.stats.errors == 8
     trio.run(main)
 
 
