@@ -303,7 +303,7 @@ class TrainerHost:
                 self.metrics["state"] = "done"
                 if isinstance(result, dict):
                     self.metrics.update(result)
-                log.info("trainer finished: %s", json.dumps({k: v for k, v in self.metrics.items() if k != "loss_history"}, default=str)[:500])
+                log.info("trainer finished: %s", json.dumps({k: v for k, v in self.metrics.items() if k not in ("loss_history", "curve")}, default=str)[:500])
             except TrainerStopped:
                 self.metrics["state"] = "stopped"
             except Exception as exc:
