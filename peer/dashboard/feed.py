@@ -156,6 +156,11 @@ def training(st: dict) -> dict | None:
             "curves": {_text(st.get("peer_id")): curve}}
 
 
+def _stage(v: Any) -> int | None:
+    """A stage number, or None (the status says -1 or None for none)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
 def _move(m: Any) -> dict:
     """One of this daemon's stage moves: its first few fields, each as short text (when, what, why)."""
     if not isinstance(m, dict):
@@ -175,12 +180,12 @@ def pipeline(st: dict) -> dict | None:
                      "peers_total": len(ps),
                      "peers": [{"peer_id": _text(x.get("peer_id")), "samples_per_s": _num(x.get("samples_per_s"), 3),
                                 "queue": _int(x.get("queue")), "me": bool(x.get("me")),
-                                "moving_to": x.get("moving_to") if isinstance(x.get("moving_to"), int) else None}
+                                "moving_to": _stage(x.get("moving_to"))}
                                for x in ps[:MAX_STAGE_PEERS]]})
     d, srv = p.get("driver") or {}, p.get("server") or {}
     moves = p.get("moves") or []
-    return {"pipeline": _text(p.get("pipeline")), "stages": _int(p.get("stages")), "my_stage": p.get("my_stage"),
-            "role": _text(p.get("role")), "bottleneck": p.get("bottleneck") if isinstance(p.get("bottleneck"), int) else None,
+    return {"pipeline": _text(p.get("pipeline")), "stages": _int(p.get("stages")), "my_stage": _stage(p.get("my_stage")),
+            "role": _text(p.get("role")), "bottleneck": _stage(p.get("bottleneck")),
             "stage_map": smap, "moves_total": len(moves), "moves": [_move(m) for m in moves[-MAX_MOVES:]],
             "driver": {k: _int(d.get(k)) for k in ("done", "retried", "failed", "resent", "in_flight")} if d else None,
             "server": {"served": _int(srv.get("served")), "failed": _int(srv.get("failed")), "queue": _int(srv.get("queue"))}}
