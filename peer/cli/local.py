@@ -199,6 +199,13 @@ def _dashboard_url(swarm: LocalSwarm) -> str | None:
         return None
 
 
+def _stay(swarm: LocalSwarm) -> None:
+    """`--stay`: the demo is over; keep its daemons (and node1's dashboard) up until Ctrl-C or until they exit."""
+    print("the daemons stay up (--stay), node1's dashboard too; Ctrl-C stops them", flush=True)
+    while any(d.running for d in swarm.daemons):
+        time.sleep(0.5)
+
+
 def main(args) -> int:
     root = Path(args.root)
     if args.action == "status":
@@ -268,6 +275,8 @@ def main(args) -> int:
                 _print_result(rows)
             else:
                 _print_end(end, rows)
+            if getattr(args, "stay", False):
+                _stay(swarm)
         else:
             while deadline is None or time.monotonic() < deadline:
                 time.sleep(0.5)
