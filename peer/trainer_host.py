@@ -277,6 +277,7 @@ class TrainerHost:
         self.cfg = daemon.config.trainer
         self.report = TrainingReport(daemon.peer_id, daemon.home.metrics_file, {"trainer": self.cfg.name, "state": "starting"})
         self.metrics = self.report.metrics
+        topology.announce_training = self.report.figures  # our record carries them to the others' dashboards
         self.events: deque[tuple[str, str]] = deque(maxlen=1000)
         self.stopping = threading.Event()
         self.token: trio.lowlevel.TrioToken | None = None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from peer.training_curve import TrainingCurve
+from protocol.schema.training import TrainingFigures
 
 log = logging.getLogger("peertrain.trainer")
 
@@ -46,6 +47,10 @@ class TrainingReport:
                 f.write(json.dumps(line, default=float) + "\n")
         except OSError as exc:
             log.warning("cannot append metrics: %s", exc)
+
+    def figures(self) -> TrainingFigures | None:
+        """The latest figures our topology record carries to every peer's dashboard (those in range)."""
+        return TrainingFigures.from_metrics(self.metrics)
 
     def status(self) -> dict:
         return dict(self.metrics, loss_history=list(self.loss_history), curve=self.curve.status())
