@@ -19,7 +19,8 @@ GRAPH = {"kind": str, "nodes_total": int, "edges_total": int, "nodes": list, "ed
 NODE = {"id": str, "me": bool, "neighbour": bool, "state": str, "stage": (int, type(None)), "degree": int}
 EDGE = {"a": str, "b": str, "bandwidth_bps": OPT_NUM, "rtt_s": OPT_NUM, "weight": NUM}
 TRAINING = {"trainer": str, "state": str, "step": OPT_NUM, "loss": OPT_NUM, "accuracy": OPT_NUM,
-            "samples_per_s": OPT_NUM, "target_accuracy": OPT_NUM, "curves": dict}
+            "samples_per_s": OPT_NUM, "target_accuracy": OPT_NUM, "curves": dict,
+            "curves_total": int}
 PIPELINE = {"pipeline": str, "stages": int, "my_stage": (int, type(None)), "role": str, "bottleneck": (int, type(None)),
             "stage_map": list, "moves_total": int, "moves": list, "driver": (dict, type(None)), "server": dict}
 STAGE = {"stage": int, "capacity": OPT_NUM, "peers_total": int, "peers": list}
@@ -54,6 +55,7 @@ def check_feed(f: dict) -> None:
         assert e["a"] in ids and e["b"] in ids and 0 < e["weight"] <= 1, e
     if f["training"] is not None:
         _keys("training", f["training"], TRAINING)
+        assert len(f["training"]["curves"]) <= f["training"]["curves_total"]
         for points in f["training"]["curves"].values():
             for p in points:
                 assert len(p) == 3 and isinstance(p[0], NUM) and all(isinstance(v, OPT_NUM) for v in p[1:]), p

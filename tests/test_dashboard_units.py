@@ -17,7 +17,9 @@ from peer.config import Config, ConfigError
 from peer.dashboard import feed
 from peer.dashboard.service import page
 from peer.metrics.http import MAX_HEAD_BYTES, READ_DEADLINE_S, HttpServer, Reply, fixed
+from peer.peer_curves import PEER_CURVE_POINTS, PeerCurves
 from peer.training_curve import MAX_POINTS, TrainingCurve
+from protocol.schema.training import TrainingFigures
 from tests.dashboard_feed import check_feed
 
 TOKEN = "s3cret-token-0123456789"
@@ -43,7 +45,12 @@ def big_status(n: int) -> tuple[dict, dict]:
           "gossip": {"by_peer": {_pid(i): {"exchanges": i, "clip_rate": 0.5} for i in range(1, n)}},
           "bans": [{"peer": _pid(i), "until": 1.0, "reason": "lied " * 200} for i in range(1, n, 10)],
           "topology": {"kind": "rewired", "degree": 4, "spectral_gap": 0.2, "moves": 9, "last_move": "m" * 5000,
-                       "connected_view": True, "neighbours": [{"peer_id": _pid(i)} for i in range(1, 5)]},
+                       "connected_view": True, "neighbours": [{"peer_id": _pid(i)} for i in range(1, 5)],
+                       # more peers and points than a daemon holds (peer/peer_curves.py), as if its bounds broke
+                       "peer_training": {"total": n - 1, "peers": {
+                           _pid(i): {"step": 9, "loss": 1.0, "curve": [[1.0 + k, float("nan") if k == 3 else 1 / (k + 1), None]
+                                                                      for k in range(1000)]}
+                           for i in range(1, min(n, 200))}}},
           "trainer": {"trainer": "t", "state": "running", "step": 5, "loss": float("inf"), "accuracy": 0.5,
                       "curve": [[1.0 + i, 2.0 / (i + 1), None] for i in range(10_000)] + [[2e4, float("nan"), 0.9]]},
           "pipeline": {"pipeline": "p", "stages": 4, "my_stage": 0, "role": "server+driver", "bottleneck": 2,
@@ -71,6 +78,10 @@ def test_the_feed_is_bounded_strict_json_with_counts_whatever_the_swarm(n):
     assert f["graph"]["nodes_total"] == n and len(f["graph"]["nodes"]) == min(n, feed.MAX_GRAPH_NODES)
     assert len(f["graph"]["edges"]) <= feed.MAX_GRAPH_EDGES
     assert f["training"]["loss"] is None and len(f["training"]["curves"][_pid(0)]) <= MAX_POINTS + 1
+    curves = f["training"]["curves"]
+    assert list(curves)[0] == _pid(0) and len(curves) == min(n, feed.MAX_CURVES)  # this daemon's first
+    assert f["training"]["curves_total"] == min(n, 200)
+    assert all(len(c) <= PEER_CURVE_POINTS + 1 for pid, c in curves.items() if pid != _pid(0))
     assert all(len(s) <= feed.MAX_TEXT for s in (f["reachability"]["reason"], f["graph"]["last_move"]))
     assert f["pipeline"]["bottleneck"] == 2 and len(f["pipeline"]["stage_map"]) == 4
     assert all(len(s["peers"]) <= feed.MAX_STAGE_PEERS for s in f["pipeline"]["stage_map"])
@@ -110,6 +121,59 @@ def test_the_curve_keeps_the_whole_run_within_its_bound():
     c.add(1001.0, None, float("inf"))
     assert c.status()[-1][0] == 999.0
     assert len(TrainingCurve().status()) == 0 and MAX_POINTS >= 100
+
+
+def test_a_daemon_without_a_trainer_draws_the_others_curves():
+    st = {"peer_id": "me", "peers": [], "topology": {"peer_training": {"peers": {
+        "a": {"curve": [[1.0, 2.0, None], [2.0, 1.0, 0.5]]}, "me": {"curve": [[1.0, 9.0, None]]}}}}}
+    f = json.loads(feed.encode(feed.build(st, {})))
+    check_feed(f)
+    assert f["training"]["curves"] == {"a": [[1.0, 2.0, None], [2.0, 1.0, 0.5]]}  # never a curve under my ID from others
+
+
+# ---- other peers' curves (peer/peer_curves.py) ----------------------------------------------------------------
+
+def _figures(step: int, loss: float | None = 1.0) -> TrainingFigures:
+    return TrainingFigures(step=step, loss=loss, accuracy=None, samples_per_s=None)
+
+
+def test_a_peer_curve_gains_a_point_only_at_a_newer_step():
+    c = PeerCurves()
+    c.heard("a", None, now=1.0)  # a record without figures holds nothing
+    assert "a" not in c
+    c.heard("a", _figures(1, 2.0), now=1.0)
+    c.heard("a", _figures(1, 2.0), now=2.0)  # the same figures, re-broadcast: no point
+    c.heard("a", _figures(2, 1.0), now=3.0)
+    st = c.status(now=4.0)["peers"]["a"]
+    assert st["curve"] == [[1.0, 2.0, None], [3.0, 1.0, None]] and st["step"] == 2 and st["heard_s"] == 1.0
+    c.heard("a", _figures(0, 5.0), now=5.0)  # an earlier step: a new run, a new curve
+    assert c.status(now=5.0)["peers"]["a"]["curve"] == [[5.0, 5.0, None]]
+
+
+def test_peer_curves_are_bounded_in_peers_and_points_and_released_with_their_record():
+    c = PeerCurves(max_peers=4, max_points=8, stale_after=100.0)
+    for step in range(1, 500):  # six training peers, room for four: the first four keep theirs whole
+        for i in range(6):
+            c.heard(_pid(i), _figures(step, 1.0 / step), now=float(step + i / 10))
+    st = c.status(now=500.0)
+    assert list(st["peers"]) == [_pid(3), _pid(2), _pid(1), _pid(0)]  # most recently heard first
+    assert st["refused"] == 2 * 499 and st["dropped"] == 0
+    assert all(1 < len(p["curve"]) <= 9 and p["curve"][0][0] < 2 for p in st["peers"].values())  # from step 1
+    for step in range(500, 700):  # peer 0 falls silent: past stale_after, a newcomer takes its place
+        for i in range(1, 6):
+            c.heard(_pid(i), _figures(step), now=float(step))
+    assert _pid(0) not in c and _pid(4) in c and c.dropped == 1 and len(c) == 4
+    c.retain({_pid(1), _pid(4)})  # the record book forgot the others
+    assert len(c) == 2 and set(c.status()["peers"]) == {_pid(1), _pid(4)}
+
+
+def test_a_peer_status_of_full_curves_stays_small():
+    c = PeerCurves()
+    for step in range(1, 2000):
+        for i in range(c.max_peers + 10):  # the last ten are refused: every curve is live
+            c.heard(_pid(i), TrainingFigures(step, 1.0 / step + 1e-9 * i, 0.123456789, 123.456), now=1.7e9 + step)
+    body = json.dumps(c.status(now=1.8e9))
+    assert len(c) == c.max_peers and len(body) < 256 * 1024, len(body)
 
 
 # ---- the HTTP server with a token -----------------------------------------------------------------------------

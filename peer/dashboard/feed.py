@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from peer.topology.mixing import metropolis_weight
+from peer.peer_curves import PEER_CURVE_POINTS
 from peer.training_curve import MAX_POINTS
 
 SCHEMA = 1  # bumped when a key changes meaning; the page checks it
@@ -31,6 +32,9 @@ MAX_STAGES = 64
 MAX_MOVES = 8
 MAX_BANS = 16
 MAX_ADDRESSES = 8
+# Curves drawn: this daemon's and the others' most recently heard (peer/peer_curves.py holds up to 64); a
+# chart of more lines is unreadable. Each other peer's curve is at most PEER_CURVE_POINTS + 1 points.
+MAX_CURVES = 12
 # Characters of any string taken from the status (a reason, a move's explanation, an address).
 MAX_TEXT = 240
 # What the feed stays under by construction (checked by the tests with a status of thousands of peers).
@@ -144,16 +148,33 @@ def graph(st: dict, topo: dict) -> dict:
             "connected_view": bool(t.get("connected_view"))}
 
 
+def _curve(points: Any, most: int) -> list[list[float | None]]:
+    """A curve's last `most` [time, loss, accuracy] points, each number finite or null."""
+    return [[_num(x) for x in p[:3]] for p in (points if isinstance(points, list) else [])[-most:]
+            if isinstance(p, list) and len(p) >= 3]
+
+
 def training(st: dict) -> dict | None:
+    """This daemon's trainer's figures, and the loss curves to draw: its own and those of the peers most
+    recently heard, from the figures their signed records carry (`topology.peer_training`)."""
     tr = st.get("trainer")
-    if not isinstance(tr, dict):
+    others = ((st.get("topology") or {}).get("peer_training") or {}).get("peers")
+    others = others if isinstance(others, dict) else {}
+    if not isinstance(tr, dict) and not others:
         return None
-    curve = [[_num(x) for x in p[:3]] for p in (tr.get("curve") or [])[-(MAX_POINTS + 1):] if isinstance(p, list)]
+    tr = tr if isinstance(tr, dict) else {}
+    me = str(st.get("peer_id", ""))
+    curves = {_text(me): _curve(tr.get("curve"), MAX_POINTS + 1)} if tr else {}
+    for pid, p in others.items():
+        if len(curves) >= MAX_CURVES:
+            break
+        if isinstance(p, dict) and str(pid) != me:
+            curves[_text(pid)] = _curve(p.get("curve"), PEER_CURVE_POINTS + 1)
     return {"trainer": _text(tr.get("trainer")), "state": _text(tr.get("state")), "step": _num(tr.get("step")),
             "loss": _num(tr.get("loss")), "accuracy": _num(tr.get("accuracy")),
             "samples_per_s": _num(tr.get("samples_per_s"), 3), "target_accuracy": _num(tr.get("target_accuracy")),
-            # this daemon's job only: a daemon knows no other peer's figures (peers do not send them)
-            "curves": {_text(st.get("peer_id")): curve}}
+            # this daemon's curve first (when it trains), then the others' (`curves_total` counts them all)
+            "curves": curves, "curves_total": len(others) + (1 if tr else 0)}
 
 
 def _stage(v: Any) -> int | None:
