@@ -1,7 +1,7 @@
 """The dashboard in a real browser: headless Chromium (Debian's chromium and chromium-driver; `./dev` installs
 them when it can) driven by Selenium opens node1's page while real daemons train, and waits, bounded, until
-the page shows what the swarm is: 4 peers, the gossip graph's 4 nodes and 4 edges (a ring), a loss curve of
-at least 3 points; for a 4-stage pipeline, 4 stage boxes and a bottleneck. A screenshot of each is saved
+the page shows what the swarm is: 4 peers, the gossip graph's 4 nodes and 4 edges (a ring), loss curves of
+at least 3 points for at least 2 peers (its own and others', from their signed records); for a 4-stage pipeline, 4 stage boxes and a bottleneck. A screenshot of each is saved
 under the test's tmp_path (its path is printed). Without a browser these tests still check the feed's
 schema and the Grafana board's metrics against the running daemons, then skip, saying why.
 
@@ -51,7 +51,9 @@ PIPE = dict(d_model=32, n_layers=2, n_heads=2, block=16, microbatch=8, batch_siz
 PAGE_STATE_JS = """
 const d = (id, k) => document.getElementById(id).dataset[k];
 return {updates: Number(document.body.dataset.updates || 0), nodes: Number(d("graph", "nodes")),
-        edges: Number(d("graph", "edges")), points: Number(d("loss", "points")),
+        edges: Number(d("graph", "edges")), points: Number(d("loss", "points")), curves: Number(d("loss", "curves")),
+        loss_lines: new Set(Array.from(document.querySelectorAll("#loss polyline.loss-line"), (e) => e.dataset.peer)).size,
+        legend: document.querySelectorAll("#loss-legend .curve-key").length,
         rows: document.querySelectorAll("tr.peer-row").length, total: Number(d("peer-count", "total")),
         stages: Number(d("stages", "stages")), bottleneck: d("stages", "bottleneck"),
         bottleneck_boxes: document.querySelectorAll(".stage.bottleneck").length,
@@ -135,6 +137,11 @@ def curve(st: dict | None) -> list:
     return ((st or {}).get("trainer") or {}).get("curve") or []
 
 
+def others_curves(st: dict | None) -> dict:
+    """Other peers' curves node1 holds, from the figures their topology records carry."""
+    return (((st or {}).get("topology") or {}).get("peer_training") or {}).get("peers") or {}
+
+
 def test_four_training_daemons_on_node1s_dashboard(cluster, tmp_path):
     cfg = swarm_config(swarm=unique_swarm("dash"), trainer="trainers.gossip_sgd", options=DIGITS,
                        topology={"kind": "ring"})
@@ -144,14 +151,23 @@ def test_four_training_daemons_on_node1s_dashboard(cluster, tmp_path):
     metrics = f"http://{listening(ds[0], 'metrics')}/metrics"
     cluster.wait_connected()
     cluster.wait(lambda sts: sts[0]["topology"]["view_edges"] == 4 and len(curve(sts[0])) >= 3
-                 and sts[0].get("gossip", {}).get("exchanges", 0) >= 1,
-                 timeout=START_S, what="node1 to know the ring, average and publish 3 figures", interval=0.5)
+                 and sts[0].get("gossip", {}).get("exchanges", 0) >= 1
+                 and any(len(c["curve"]) >= 2 for c in others_curves(sts[0]).values()),
+                 timeout=START_S, what="node1 to know the ring, average, publish 3 figures and hear another peer's 2",
+                 interval=0.5)
+    # peer status --json: the others' figures, each in range, none under node1's own ID
+    mine = ds[0].status()
+    theirs = others_curves(mine)
+    assert theirs and mine["peer_id"] not in theirs and set(theirs) <= {d.status()["peer_id"] for d in ds[1:]}
+    for c in theirs.values():
+        assert c["step"] >= 0 and (c["loss"] is None or c["loss"] >= 0) and c["heard_s"] >= 0
 
     code, headers, body = get(base + "/api/status")
     assert code == 200 and headers["Content-Type"] == "application/json"
     feed = json.loads(body)
     check_feed(feed)
     assert feed["peers"]["total"] == 3 and feed["graph"]["nodes_total"] == 4 and feed["graph"]["edges_total"] == 4
+    assert feed["training"]["curves_total"] >= 2 and list(feed["training"]["curves"])[0] == feed["me"]["peer_id"]
     code, headers, body = get(base + "/")
     assert code == 200 and b"peertrain dashboard" in body and "default-src 'none'" in headers["Content-Security-Policy"]
 
@@ -165,7 +181,8 @@ def test_four_training_daemons_on_node1s_dashboard(cluster, tmp_path):
     with chromium() as drv:
         drv.get(base + "/")
         state = wait_page(drv, lambda s: s["nodes"] == 4 and s["edges"] == 4 and s["points"] >= 3 and s["rows"] == 3
-                          and s["total"] == 3, what="4 peers (node1 and 3 rows), a ring of 4 and a loss curve",
+                          and s["total"] == 3 and s["curves"] >= 2 and s["loss_lines"] >= 2 and s["legend"] >= 2,
+                          what="4 peers (node1 and 3 rows), a ring of 4 and loss curves of 2 peers or more",
                           shot=tmp_path / "dashboard-digits.png")
         assert state["error"] == "" and state["me"] == feed["me"]["peer_id"], state
         assert drv.find_elements("css selector", "circle.loss-point")  # the curve's points are drawn

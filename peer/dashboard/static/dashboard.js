@@ -150,26 +150,64 @@
     facts.appendChild(last);
   }
 
-  function renderTraining(t) {
+  // One colour per peer's curve, from its ID (so a peer keeps its colour between polls); this daemon's is
+  // the loss orange it always had.
+  const OWN_CURVE = "#f0b45a";
+  const CURVE_COLOURS = ["#5aa9ff", "#4cc38a", "#da77f2", "#36c5d6", "#ff6b6b", "#94d82d", "#9b7bff", "#f06595",
+    "#ffd43b", "#63e6be", "#a9b4c2"];
+
+  function curveColour(id, mine) {
+    if (mine) return OWN_CURVE;
+    let h = 0;
+    for (const ch of String(id)) h = (h * 31 + ch.charCodeAt(0)) >>> 0;
+    return CURVE_COLOURS[h % CURVE_COLOURS.length];
+  }
+
+  function renderLegend(curves, me, total) {
+    const box = $("loss-legend");
+    clear(box);
+    for (const [id, pts] of curves) {
+      const item = el("span", null, "curve-key");
+      item.dataset.peer = id;
+      const sw = svg("svg", { width: 12, height: 12, viewBox: "0 0 12 12", class: "swatch" });
+      sw.appendChild(svg("rect", { x: 1, y: 1, width: 10, height: 10, rx: 2, fill: curveColour(id, id === me) }));
+      item.appendChild(sw);
+      const last = pts.filter((p) => p[1] !== null).pop();
+      item.appendChild(document.createTextNode(" " + short(id) + (id === me ? " (us)" : "") +
+        (last ? " " + num(last[1], 3) : "")));
+      box.appendChild(item);
+    }
+    if (total > curves.length) box.appendChild(el("span", "+" + (total - curves.length) + " more peers", "dim"));
+  }
+
+  function renderTraining(t, me) {
     const area = $("loss");
     clear(area);
     const facts = $("training-facts");
     clear(facts);
+    clear($("loss-legend"));
     if (!t) {
       $("training-state").textContent = "no trainer";
       area.dataset.points = "0";
+      area.dataset.curves = "0";
       return;
     }
-    $("training-state").textContent = t.trainer + ": " + t.state;
-    fact(facts, "step", t.step === null ? "–" : t.step);
-    fact(facts, "loss", num(t.loss, 4)).id = "loss-now";
-    if (t.accuracy !== null) fact(facts, "accuracy", (100 * t.accuracy).toFixed(1) + "%");
-    if (t.samples_per_s !== null) fact(facts, "samples/s", num(t.samples_per_s, 1));
+    $("training-state").textContent = t.trainer ? t.trainer + ": " + t.state : "other peers' figures";
+    if (t.trainer) {
+      fact(facts, "step", t.step === null ? "–" : t.step);
+      fact(facts, "loss", num(t.loss, 4)).id = "loss-now";
+      if (t.accuracy !== null) fact(facts, "accuracy", (100 * t.accuracy).toFixed(1) + "%");
+      if (t.samples_per_s !== null) fact(facts, "samples/s", num(t.samples_per_s, 1));
+    }
+    // this daemon's curve first, then the other peers' (from their signed records), as the feed orders them
+    const curves = Object.entries(t.curves);
+    renderLegend(curves, me, t.curves_total);
     const W = 520, H = 220, L = 52, Rm = 40, T = 24, B = 26;
-    const points = Object.values(t.curves).flat();
+    const points = curves.map(([, pts]) => pts).flat();
     const loss = points.filter((p) => p[1] !== null);
     const acc = points.filter((p) => p[2] !== null);
     area.dataset.points = String(loss.length);
+    area.dataset.curves = String(curves.filter(([, pts]) => pts.some((p) => p[1] !== null)).length);
     if (!points.length) {
       area.appendChild(svg("text", { x: W / 2, y: H / 2, "text-anchor": "middle", fill: "#8a96a3" }, "no figures yet"));
       return;
@@ -189,17 +227,28 @@
     area.appendChild(svg("text", { x: L - 4, y: H - B, "text-anchor": "end" }, loss.length ? tick(lmin) : ""));
     area.appendChild(svg("text", { x: L, y: H - 8 }, "0 s"));
     area.appendChild(svg("text", { x: W - Rm, y: H - 8, "text-anchor": "end" }, span.toFixed(1) + " s"));
-    area.appendChild(svg("text", { x: 4, y: 12, fill: "#f0b45a" }, "loss" + (logScale ? " (log scale)" : "")));
+    area.appendChild(svg("text", { x: 4, y: 12, fill: OWN_CURVE }, "loss" + (logScale ? " (log scale)" : "")));
     if (acc.length) {
-      area.appendChild(svg("text", { x: W - Rm, y: 12, fill: "#4cc38a", "text-anchor": "end" }, "held-out accuracy"));
+      area.appendChild(svg("text", { x: W - Rm, y: 12, fill: "#4cc38a", "text-anchor": "end" }, "held-out accuracy (dashed)"));
       area.appendChild(svg("text", { x: W - Rm + 4, y: T + 8 }, "100%"));
       area.appendChild(svg("text", { x: W - Rm + 4, y: H - B }, "0%"));
-      area.appendChild(svg("polyline", { class: "acc-line", points: acc.map((p) => x(p[0]) + "," + ya(p[2])).join(" ") }));
-      for (const p of acc) area.appendChild(svg("circle", { cx: x(p[0]), cy: ya(p[2]), r: 2.5, class: "acc-point" }));
     }
-    if (loss.length) {
-      area.appendChild(svg("polyline", { class: "loss-line", points: loss.map((p) => x(p[0]) + "," + yl(p[1])).join(" ") }));
-      for (const p of loss) area.appendChild(svg("circle", { cx: x(p[0]), cy: yl(p[1]), r: 2.5, class: "loss-point" }));
+    // the others' lines under this daemon's, which is drawn last (on top)
+    for (const [id, pts] of curves.slice().reverse()) {
+      const mine = id === me, colour = curveColour(id, mine), r = mine ? 2.5 : 1.8;
+      const a = pts.filter((p) => p[2] !== null), l = pts.filter((p) => p[1] !== null);
+      if (a.length) {
+        area.appendChild(svg("polyline", { class: "acc-line", stroke: colour, "data-peer": id,
+          points: a.map((p) => x(p[0]) + "," + ya(p[2])).join(" ") }));
+        for (const p of a) area.appendChild(svg("circle", { cx: x(p[0]), cy: ya(p[2]), r, fill: colour, class: "acc-point" }));
+      }
+      if (l.length) {
+        const line = svg("polyline", { class: "loss-line" + (mine ? " mine" : ""), stroke: colour, "data-peer": id,
+          points: l.map((p) => x(p[0]) + "," + yl(p[1])).join(" ") });
+        line.appendChild(svg("title", {}, id + (mine ? " (this daemon)" : "") + ": loss " + num(l[l.length - 1][1], 4)));
+        area.appendChild(line);
+        for (const p of l) area.appendChild(svg("circle", { cx: x(p[0]), cy: yl(p[1]), r, fill: colour, class: "loss-point" }));
+      }
     }
   }
 
@@ -292,7 +341,7 @@
     renderMe(f);
     renderReach(f.reachability);
     renderGraph(f.graph);
-    renderTraining(f.training);
+    renderTraining(f.training, f.me.peer_id);
     renderPipeline(f.pipeline);
     renderPeers(f.peers);
     renderBans(f.bans);
