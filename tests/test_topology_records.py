@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -175,6 +176,7 @@ def test_the_signature_covers_the_training_figures():
     ({"step": "7", "loss": 0.5}, None),
     ({"step": 1, "loss": "0.5"}, None),
     ({"state": "starting"}, None),
+    ({"step": np.int64(4), "loss": np.float32(0.5), "accuracy": True}, TrainingFigures(4, 0.5, None, None)),  # numpy
 ])
 def test_an_owner_signs_only_figures_in_range(metrics, expected):
     """A trainer may publish anything: what goes into our record always passes the receivers' checks."""

@@ -49,11 +49,16 @@ class TrainingFigures:
         """The figures a trainer's published metrics hold, each dropped (None) where out of range, so what
         we sign always passes the checks above; None without a step or without a loss or an accuracy."""
         step = metrics.get("step")
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or not 0 <= step <= MAX_STEP:
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            return None
+        step = int(step)  # a numpy integer too
+        if not 0 <= step <= MAX_STEP:
             return None
 
         def kept(key: str, high: float) -> float | None:
             v = metrics.get(key)
+            if isinstance(v, numbers.Real) and not isinstance(v, bool):
+                v = float(v)  # a numpy float too
             try:
                 _check_number(key, v, high)
             except ValueError:
@@ -63,7 +68,7 @@ class TrainingFigures:
         loss, accuracy = kept("loss", MAX_FIGURE_LOSS), kept("accuracy", 1.0)
         if loss is None and accuracy is None:
             return None
-        return cls(step=int(step), loss=loss, accuracy=accuracy, samples_per_s=kept("samples_per_s", MAX_SAMPLES_PER_S))
+        return cls(step=step, loss=loss, accuracy=accuracy, samples_per_s=kept("samples_per_s", MAX_SAMPLES_PER_S))
 
 
 def training_figures_signing_list(f: TrainingFigures) -> list:
