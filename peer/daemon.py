@@ -289,6 +289,10 @@ def load_services(daemon: DaemonContext) -> Services:
         from peer.metrics.service import MetricsService  # prometheus_client is only imported when asked for
 
         services.add(MetricsService(daemon))
+    if daemon.config.dashboard.listen:
+        from peer.dashboard.service import DashboardService
+
+        services.add(DashboardService(daemon, topology))
     return services
 
 

@@ -277,6 +277,7 @@ class TrainerHost:
         self.cfg = daemon.config.trainer
         self.report = TrainingReport(daemon.peer_id, daemon.home.metrics_file, {"trainer": self.cfg.name, "state": "starting"})
         self.metrics = self.report.metrics
+        topology.announce_training = self.report.figures  # our record carries them to the others' dashboards
         self.events: deque[tuple[str, str]] = deque(maxlen=1000)
         self.stopping = threading.Event()
         self.token: trio.lowlevel.TrioToken | None = None
@@ -303,7 +304,7 @@ class TrainerHost:
                 self.metrics["state"] = "done"
                 if isinstance(result, dict):
                     self.metrics.update(result)
-                log.info("trainer finished: %s", json.dumps({k: v for k, v in self.metrics.items() if k != "loss_history"}, default=str)[:500])
+                log.info("trainer finished: %s", json.dumps({k: v for k, v in self.metrics.items() if k not in ("loss_history", "curve")}, default=str)[:500])
             except TrainerStopped:
                 self.metrics["state"] = "stopped"
             except Exception as exc:

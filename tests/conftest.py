@@ -92,6 +92,7 @@ UNIT_MODULES = frozenset({
     "test_views.py",
     "test_topology_local.py",
     "test_heartbeat_units.py",
+    "test_dashboard_units.py",
 })
 
 # Whole modules in the serial tier: their tests measure rates or race timers that a second test on the same

@@ -16,6 +16,7 @@ from protocol.identity import generate_identity, public_key_bytes
 from protocol.limits import KiB
 from protocol.schema import DEFAULT_REGISTRY, PeerExchange, PeerRecord, TopologyRecord, TopologyRecords
 from protocol.schema.topology import LinkReport
+from protocol.schema.training import TrainingFigures
 
 from tests.test_fuzz_wire import decode_bounded, peak
 
@@ -23,18 +24,23 @@ FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 KEY = public_key_bytes(generate_identity())
 PEER = PeerRecord(peer_id="p" * 20, public_key=KEY, swarm="s", addresses=["10.0.0.1:7000"], issued=1.0,
                   expires=2.0, signature=b"s" * 64)
+FIGURES = TrainingFigures(step=10, loss=0.5, accuracy=0.9, samples_per_s=100.0)
 TOPO = TopologyRecord(peer_id="p" * 20, public_key=KEY, version=3, issued=1.0, neighbours=["n" * 20],
-                      links=[LinkReport("n" * 20, 1e9, 0.01)], signature=b"s" * 64)
+                      links=[LinkReport("n" * 20, 1e9, 0.01)], signature=b"s" * 64, training=FIGURES)
 
 addresses = st.lists(st.text(max_size=300) | st.sampled_from(["127.0.0.1:1", "[::1]:7000", "host:99999"]), max_size=20)
 peer_changes = st.fixed_dictionaries({}, optional={
     "public_key": st.binary(max_size=40), "signature": st.binary(max_size=80), "addresses": addresses,
     "expires": st.sampled_from([1e300, -1.0, 0.0, 2.0**63]), "issued": st.floats(-1e300, 1e300),
     "peer_id": st.text(max_size=300), "swarm": st.text(max_size=300)})
+hostile_numbers = st.none() | st.floats() | st.integers(-2**64, 2**64) | st.booleans() | st.text(max_size=4)
+training_changes = st.fixed_dictionaries({}, optional={
+    "step": hostile_numbers, "loss": hostile_numbers, "accuracy": hostile_numbers, "samples_per_s": hostile_numbers})
 topo_changes = st.fixed_dictionaries({}, optional={
     "public_key": st.binary(max_size=40), "signature": st.binary(max_size=80), "version": st.integers(-1, 2**63),
     "neighbours": st.lists(st.text(max_size=70), max_size=70), "peer_id": st.text(max_size=70),
-    "issued": st.sampled_from([1e300, -1.0, 2.0**63])})
+    "issued": st.sampled_from([1e300, -1.0, 2.0**63]), "training": st.none() | st.builds(
+        lambda c: bypassing_checks(FIGURES, c), training_changes)})
 
 
 def bypassing_checks(record, changes: dict):

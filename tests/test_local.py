@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -68,6 +69,7 @@ def test_peer_local_demo_trains_to_the_target_and_exits(tmp_path):
     out = local.log_path.read_text(errors="replace")
     assert code == 0, out[-3000:]
     assert "training finished" in out and "2/2 peers reached the 95% target" in out, out[-3000:]
+    assert re.search(r"dashboard: +http://127\.0\.0\.1:\d+/ ", out), out[:2000]  # node1's, printed at start
 
 
 def test_peer_local_demo_stops_at_once_when_every_trainer_fails(tmp_path):

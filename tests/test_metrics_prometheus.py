@@ -172,7 +172,7 @@ def test_the_server_answers_get_metrics_and_nothing_else():
         for bad in (b"GET /metrics\r\n\r\n", b"get /metrics HTTP/1.1\r\n\r\n", b"\r\n\r\n", b"GET  HTTP/1.1\r\n\r\n",
                     b"GET /metrics HTTP/1.1 extra\r\n\r\n", bytes(range(256)) + b"\r\n\r\n"):
             assert (await _exchange(s, bad)).startswith(b"HTTP/1.0 400 "), bad
-        assert s.stats.scrapes == 2 and s.stats.errors == 8
+        assert s.stats.ok == 2 and s.stats.errors == 8
     trio.run(main)
 
 
@@ -234,3 +234,21 @@ def test_the_collector_leaves_out_what_the_status_lacks():
     assert value(m, "peertrain_trainer_step") == 7 and value(m, "peertrain_trainer_accuracy_ratio") == 0.5
     assert math.isnan(value(m, "peertrain_trainer_samples_per_second"))  # a diverged figure shows as it is
     assert "peertrain_trainer_loss" not in m and "peertrain_trainer_consensus_distance" not in m
+
+
+def test_paths_clips_and_the_pipeline_are_exported_from_the_status():
+    st = {"peer_id": "p", "swarm": "s", "version": "0.1.0", "connected": 2,
+          "peers": [{"peer_id": "a", "state": "connected", "bytes_by_path": {"direct": 10, "relayed": 5}},
+                    {"peer_id": "b", "state": "dead", "bytes_by_path": {"direct": 7, "punched": "x"}}],
+          "gossip": {"exchanges": 3, "clipped": {"a": 2, "b": 1}},
+          "pipeline": {"stage_map": [{"stage": 0, "capacity": 12.5}, {"stage": 1, "capacity": 3.0}], "bottleneck": 1,
+                       "server": {"queue": 4, "served": 9}, "driver": {"done": 6, "failed": 1, "retried": 2}}}
+    m = _render(st)
+    assert value(m, "peertrain_path_bytes_total", path="direct") == 17
+    assert value(m, "peertrain_path_bytes_total", path="relayed") == 5 and "punched" not in str(m["peertrain_path_bytes_total"])
+    assert value(m, "peertrain_exchanges_clipped_total") == 3
+    assert value(m, "peertrain_pipeline_queue") == 4 and value(m, "peertrain_pipeline_calls_served_total") == 9
+    assert [value(m, "peertrain_pipeline_microbatches_total", result=r) for r in ("done", "failed", "retried")] == [6, 1, 2]
+    assert value(m, "peertrain_pipeline_stage_capacity", stage="1") == 3.0
+    assert value(m, "peertrain_pipeline_bottleneck_stage") == 1
+    assert not any(n.startswith("peertrain_pipeline") for n in _render(dict(st, pipeline={})))

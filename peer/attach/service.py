@@ -28,6 +28,7 @@ from peer.attach.shm import Segment, layout
 from peer.averaging.shared import SharedTensors
 from peer.control import pack
 from peer.training_report import TrainingReport
+from protocol.schema.training import TrainingFigures
 from protocol.errors import LimitExceeded
 from protocol.frames import LengthPrefixedReader
 
@@ -124,6 +125,8 @@ class AttachService:
         self._next_id = 1
         self._nursery: trio.Nursery | None = None
         daemon.membership.watch(self._on_membership)
+        # our record carries an attached process's figures (a hosted trainer, built later, takes this over)
+        gossip.topology.announce_training = self._figures
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as n:
@@ -280,6 +283,13 @@ class AttachService:
                              "metrics": c.report.status()} for c in self.clients.values()],
                 "refused": self.refused, "ended": list(self.ended),
                 "max_clients": self.cfg.max_clients, "max_shared_mib": self.cfg.max_shared_mib}
+
+    def _figures(self) -> TrainingFigures | None:
+        """The figures of the first attached process that published some in range, as `training` picks."""
+        for c in self.clients.values():
+            if (figures := c.report.figures()) is not None:
+                return figures
+        return None
 
     def training(self) -> dict | None:
         """The training figures of the first attached process that published any, for `peer status`'s training

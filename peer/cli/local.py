@@ -18,10 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from peer.home import Home
-from peer.testing.swarm import LocalSwarm, node_homes
+from peer.testing.swarm import NODE_PREFIX, LocalSwarm, node_homes, rank_env
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.toml"
-PIPELINE_TRAINER = "trainers.swarm_pipeline"  # the trainer whose peers keep serving once they are done driving
+PIPELINE_TRAINER = "trainers.swarm_pipeline"
+# node1's dashboard in a demo: a fixed port, so the README's SSH tunnel line works as written; a busy one
+# falls back to a free port (printed either way)
+DEMO_DASHBOARD_PORT = 8470
+DASHBOARD_WAIT_S = 30.0  # node1 answers with its dashboard's address within seconds; past this, the demo goes on without  # the trainer whose peers keep serving once they are done driving
 
 
 def collect(root: Path, names: set[str] | None = None) -> list[dict]:
@@ -156,6 +160,52 @@ def _print_result(rows: list[dict]) -> None:
     console.print(f"export a model with: peer export --home {live[0]['home']} model.pt")
 
 
+def _demo_dashboard_listen() -> str:
+    """127.0.0.1:DEMO_DASHBOARD_PORT if it is free now, else 127.0.0.1:0 (the daemon picks one)."""
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", DEMO_DASHBOARD_PORT))
+        except OSError:
+            return "127.0.0.1:0"
+    return f"127.0.0.1:{DEMO_DASHBOARD_PORT}"
+
+
+def _start_demo_nodes(swarm: LocalSwarm, n: int, config: Path) -> None:
+    """`n` daemons on `config`; node1 with its dashboard on (unless the config sets `[dashboard] listen`)."""
+    from peer.config import load
+
+    cfg = load(config)
+    key = cfg.security.swarm_key_file
+    if key and not Path(key).is_absolute():  # node1's copy of the config lives in its home, not beside the key
+        cfg = cfg.replace(security={"swarm_key_file": str((config.parent / key).resolve())})
+    if not cfg.dashboard.listen:
+        cfg = cfg.replace(dashboard={"listen": _demo_dashboard_listen()})
+    swarm.start(f"{NODE_PREFIX}1", config=cfg, env=rank_env(0, n))
+    for i in range(1, n):
+        swarm.start(f"{NODE_PREFIX}{i + 1}", config=config, env=rank_env(i, n))
+
+
+def _dashboard_url(swarm: LocalSwarm) -> str | None:
+    """node1's dashboard address, once it serves (None if it does not within DASHBOARD_WAIT_S)."""
+    from peer.testing.process import ProcessExited
+
+    try:
+        return swarm.daemons[0].wait_until(lambda st: (st.get("dashboard") or {}).get("url"), timeout=DASHBOARD_WAIT_S,
+                                           what="its dashboard to listen", interval=0.2)
+    except (TimeoutError, ProcessExited) as exc:
+        print(f"note: node1's dashboard is not up: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return None
+
+
+def _stay(swarm: LocalSwarm) -> None:
+    """`--stay`: the demo is over; keep its daemons (and node1's dashboard) up until Ctrl-C or until they exit."""
+    print("the daemons stay up (--stay), node1's dashboard too; Ctrl-C stops them", flush=True)
+    while any(d.running for d in swarm.daemons):
+        time.sleep(0.5)
+
+
 def main(args) -> int:
     root = Path(args.root)
     if args.action == "status":
@@ -193,10 +243,17 @@ def main(args) -> int:
     deadline = time.monotonic() + args.timeout if args.timeout else None
     end: DemoEnd | None = None
     try:
-        swarm.start_nodes(args.n, config)
+        if args.demo:
+            _start_demo_nodes(swarm, args.n, config)
+        else:
+            swarm.start_nodes(args.n, config)
         print(f"started {args.n} daemons under {root} (config {config}); Ctrl-C stops them all.\n"
               f"  watch one:   peer status --home {root}/node1 --watch\n"
               f"  summary:     peer local status --root {root}", flush=True)
+        if args.demo and (url := _dashboard_url(swarm)):
+            port = url.rstrip("/").rsplit(":", 1)[-1]
+            print(f"  dashboard:   {url}   (node1's, open while the demo runs; from another machine: "
+                  f"ssh -L {port}:127.0.0.1:{port} THIS_HOST)", flush=True)
         if args.demo:
             from rich.console import Console
             from rich.live import Live
@@ -218,6 +275,8 @@ def main(args) -> int:
                 _print_result(rows)
             else:
                 _print_end(end, rows)
+            if getattr(args, "stay", False):
+                _stay(swarm)
         else:
             while deadline is None or time.monotonic() < deadline:
                 time.sleep(0.5)

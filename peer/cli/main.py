@@ -193,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", default=None, help="config for every daemon (default configs/local.toml)")
     p.add_argument("--root", metavar="DIR", default="runs/local", help="folder holding node homes (default runs/local)")
     p.add_argument("--demo", action="store_true", help="show a live summary table instead of raw logs; exit 0 when training reaches its target, 1 when "
-                        "every trainer failed or --timeout passed first")
+                        "every trainer failed or --timeout passed first; node1 serves the dashboard (its URL is printed)")
+    p.add_argument("--stay", action="store_true", help="with --demo: once training ends, keep the daemons and node1's "
+                        "dashboard up until Ctrl-C (the exit status is still the demo's)")
     p.add_argument("--json", action="store_true", help="with status: machine-readable output")
     p.add_argument("--timeout", type=float, default=0, help="stop everything after this many seconds (0 = never); with --demo, a failure (exit 1)")
     p.set_defaults(fn=cmd_local)

@@ -78,6 +78,9 @@ def render_status(st: dict):
     if (st.get("metrics") or {}).get("listen"):
         head.add_row("metrics", f"http://{st['metrics']['listen']}{st['metrics'].get('path', '')}   "
                                 f"{st['metrics'].get('scrapes', 0)} scrapes")
+    if (dash := st.get("dashboard") or {}).get("url"):
+        head.add_row("dashboard", f"{dash['url']}{'   (token required)' if dash.get('token') else ''}   "
+                                  f"{dash.get('pages', 0)} pages and feeds served")
     parts = [Panel(head, title="peertrain daemon", box=box.ROUNDED, expand=False)]
 
     topo = st.get("topology") or {}

@@ -14,11 +14,11 @@ from peer.config.keys import ConfigError, Range
 from peer.config.loading import from_mapping, load
 from peer.config.rendering import docs_markdown, to_toml
 from peer.config.sections import (
-    AttachSection, Config, DaemonSection, DiscoverySection, GossipSection, LimitsSection, MembershipSection,
+    AttachSection, Config, DaemonSection, DashboardSection, DiscoverySection, GossipSection, LimitsSection, MembershipSection,
     MetricsSection, NatSection, PipelineSection, RelaySection, SecuritySection, TopologySection, TrainerSection)
 
 __all__ = [
-    "AttachSection", "Config", "ConfigError", "DaemonSection", "DiscoverySection", "GossipSection", "LimitsSection",
+    "AttachSection", "Config", "ConfigError", "DaemonSection", "DashboardSection", "DiscoverySection", "GossipSection", "LimitsSection",
     "MembershipSection", "MetricsSection", "NatSection", "PipelineSection", "Range", "RelaySection",
     "SecuritySection", "TopologySection", "TrainerSection", "docs_markdown", "from_mapping", "load", "parse_hostport",
     "to_toml", "validate_semantics",

@@ -50,6 +50,44 @@ def check_ranges(cfg: Config) -> None:
                 raise ConfigError(f"[{sec.name}] {f.name}: expected {rng.describe()}, got {v!r}")
 
 
+# A token shorter than this is guessable by whoever can reach the port (the server answers as fast as asked).
+MIN_DASHBOARD_TOKEN_CHARS = 16
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an IP or a name) only ever means this machine."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def check_dashboard(cfg: Config) -> None:
+    """`[dashboard] listen` parses and does not take another listener's port; one that is not loopback needs a
+    token, since the page tells whoever reaches it about this daemon and its peers."""
+    dash = cfg.dashboard
+    if dash.token and (len(dash.token) < MIN_DASHBOARD_TOKEN_CHARS or not dash.token.isprintable()
+                       or any(c.isspace() for c in dash.token)):
+        raise ConfigError(f"[dashboard] token: use at least {MIN_DASHBOARD_TOKEN_CHARS} printable characters "
+                          f"without spaces (got {len(dash.token)} characters)")
+    if not dash.listen:
+        return
+    host, port = parse_hostport(dash.listen, what="[dashboard] listen")
+    taken = {"[daemon] listen": parse_hostport(cfg.daemon.listen, what="[daemon] listen")[1]}
+    if cfg.metrics.listen:
+        taken["[metrics] listen"] = parse_hostport(cfg.metrics.listen, what="[metrics] listen")[1]
+    for key, other in taken.items():
+        if port and port == other:
+            raise ConfigError(f"[dashboard] listen: port {port} is {key}'s; pick another (or 0)")
+    if not is_loopback(host) and not dash.token:
+        raise ConfigError(f"[dashboard] token: [dashboard] listen = {dash.listen!r} is not a loopback address, so "
+                          "the dashboard needs a token (or listen on 127.0.0.1 and use an SSH tunnel)")
+
+
 def validate_semantics(cfg: Config) -> None:
     """Checks that need more than a type: the declared ranges, rules between keys, enums, address syntax."""
     check_ranges(cfg)
@@ -63,6 +101,7 @@ def validate_semantics(cfg: Config) -> None:
         _, metrics_port = parse_hostport(cfg.metrics.listen, what="[metrics] listen")
         if metrics_port and metrics_port == parse_hostport(d.listen, what="[daemon] listen")[1]:
             raise ConfigError(f"[metrics] listen: port {metrics_port} is [daemon] listen's; pick another (or 0)")
+    check_dashboard(cfg)
     if d.log_format not in ("text", "json"):
         raise ConfigError(f"[daemon] log_format: expected 'text' or 'json', got {d.log_format!r}")
     if d.log_level.lower() not in ("debug", "info", "warning", "error"):

@@ -227,6 +227,18 @@ class MetricsSection:
 
 
 @dataclass(frozen=True)
+class DashboardSection:
+    """A read-only web page of this daemon's status (peer/dashboard/): off unless an address is given."""
+
+    listen: str = _f("", "HOST:PORT serving the dashboard (a page at / and its JSON feed at /api/status); empty: "
+                     "off. Port 0 picks a free port (shown in `peer status` as dashboard.listen). On an address "
+                     "other than loopback it needs `token`; else reach it through an SSH tunnel.")
+    token: str = _f("", "Secret a client must send (`Authorization: Bearer TOKEN`, or `?token=TOKEN` in the page's "
+                    "URL) to see the dashboard; required when `listen` is not a loopback address (at least "
+                    "16 characters, e.g. 24 random bytes in base64).")
+
+
+@dataclass(frozen=True)
 class TrainerSection:
     name: str = _f("", "Trainer module the daemon hosts (e.g. trainers.gossip_sgd); empty: no training.")
     options: dict = _f({}, "Trainer options (see the trainer's docs).")
@@ -245,6 +257,7 @@ class Config:
     nat: NatSection = field(default_factory=NatSection)
     relay: RelaySection = field(default_factory=RelaySection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    dashboard: DashboardSection = field(default_factory=DashboardSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     attach: AttachSection = field(default_factory=AttachSection)
     source: str = field(default="", compare=False)  # file it came from, for messages

@@ -65,6 +65,7 @@ class DaemonCollector(Collector):
         yield from gossip_families(st.get("gossip") or {})
         yield from topology_families(st.get("topology") or {})
         yield from trainer_families(st.get("trainer") or {})
+        yield from pipeline_families(st.get("pipeline") or {})
 
 
 def daemon_families(st: dict) -> Iterator[Metric]:
@@ -114,7 +115,16 @@ def peer_families(peers: list[dict]) -> Iterator[Metric]:
         ms = number(p.get("rtt_ms"))
         if ms is not None and p.get("state") == "connected":
             rtt.add_metric([pid], ms / 1000)
-    yield from (sent, received, rtt)
+    by_path = CounterMetricFamily("peertrain_path_bytes", "Bytes sent and received with all peers, by the path "
+                                  "their sessions took (direct, relayed, punched).", labels=["path"])
+    totals: dict[str, float] = {}
+    for p in peers:
+        for path, n in (p.get("bytes_by_path") or {}).items():
+            if (v := number(n)) is not None:
+                totals[str(path)] = totals.get(str(path), 0.0) + v
+    for path, n in sorted(totals.items()):
+        by_path.add_metric([path], n)
+    yield from (sent, received, rtt, by_path)
 
 
 def gossip_families(g: dict) -> Iterator[Metric]:
@@ -126,6 +136,11 @@ def gossip_families(g: dict) -> Iterator[Metric]:
             ("failed", "failed", "Averaging exchanges that failed (deadline, closed session, abort, bad message)."),
             ("rejected", "rejected", "Averaging offers refused, ours by peers and theirs by us.")):
         yield from _counter(f"peertrain_exchanges_{name}_total", doc, g.get(key))
+    clipped = g.get("clipped")
+    if isinstance(clipped, dict):
+        yield from _counter("peertrain_exchanges_clipped_total", "Averaging exchanges whose download was clipped "
+                            "to the robust radius (a peer's model too far from ours).",
+                            sum(v for v in map(number, clipped.values()) if v is not None))
     yield from _counter("peertrain_exchange_sent_bytes_total", "Tensor bytes sent in completed averaging "
                         "exchanges (as many arrive: exchanges are symmetric).", g.get("bytes_sent"))
     yield from _gauge("peertrain_exchanges_in_flight", "Averaging exchanges under way.", g.get("inflight"))
@@ -150,3 +165,30 @@ def topology_families(t: dict) -> Iterator[Metric]:
 def trainer_families(tr: dict) -> Iterator[Metric]:
     for key, (name, doc) in TRAINER_GAUGES.items():
         yield from _gauge(name, doc, tr.get(key))
+
+
+def pipeline_families(p: dict) -> Iterator[Metric]:
+    """The swarm pipeline as this daemon sees it: its stage server's queue and work, its driver's microbatches,
+    each stage's capacity and which is the bottleneck."""
+    if not p:
+        return
+    srv = p.get("server") or {}
+    yield from _gauge("peertrain_pipeline_queue", "Stage calls this daemon holds now (received, queued or computing).",
+                      srv.get("queue"))
+    yield from _counter("peertrain_pipeline_calls_served_total", "Stage calls this daemon's stage answered.",
+                        srv.get("served"))
+    d = p.get("driver") or {}
+    if d:
+        mbs = CounterMetricFamily("peertrain_pipeline_microbatches", "Microbatches this daemon drove, by result "
+                                  "(done; failed after every retry; retried: re-sent at least once).", labels=["result"])
+        for key in ("done", "failed", "retried"):
+            if (v := number(d.get(key))) is not None:
+                mbs.add_metric([key], v)
+        yield mbs
+    cap = GaugeMetricFamily("peertrain_pipeline_stage_capacity", "Samples per second a stage can take, from its "
+                            "peers' measured rates (label stage).", labels=["stage"])
+    for entry in p.get("stage_map") or []:
+        if (v := number(entry.get("capacity"))) is not None:
+            cap.add_metric([str(entry.get("stage"))], v)
+    yield cap
+    yield from _gauge("peertrain_pipeline_bottleneck_stage", "The stage with the least capacity.", p.get("bottleneck"))

@@ -1,49 +1,81 @@
-"""A minimal HTTP/1.0 server for one resource, `GET /metrics`, in trio.
+"""A minimal HTTP/1.0 server for a fixed table of read-only resources, in trio: `GET /metrics` for
+Prometheus (peer/metrics/service.py) and the dashboard's page and feed (peer/dashboard/service.py), each on
+its own listener with its own route table, all under the one set of limits below.
 
-Why not prometheus_client's `start_http_server`: it runs a thread the daemon's nursery does not own (no
-structured stop, no deadlines), and its server has no bound on a request's size, time or connections. This
-one answers one request per connection and closes it (Connection: close), which is all a scraper needs, and
-holds what a client can make it hold to the limits below. The body is made by `render()` on the trio thread,
-so it reads the daemon's state without locks. A bad or hostile request gets an error status or a closed
-connection; nothing it does escapes the connection's task.
+Why not prometheus_client's `start_http_server` or an HTTP framework: they run threads the daemon's nursery
+does not own (no structured stop, no deadlines), and bound neither a request's size, its time nor the
+connections. This one answers one request per connection and closes it (Connection: close), which is all a
+scraper or a polling page needs, and holds what a client can make it hold to the limits below. Handlers run
+on the trio thread, so they read the daemon's state without locks. A bad or hostile request gets an error
+status or a closed connection; nothing it does escapes the connection's task. Only GET exists: nothing a
+client sends can change the daemon.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from http import HTTPStatus
+from urllib.parse import parse_qs
 
 import trio
 
-log = logging.getLogger("peertrain.metrics")
+log = logging.getLogger("peertrain.http")
 
-# A scraper's request is a few hundred bytes; a longer head (request line and headers) is not a scraper.
+# A scraper's or a browser's request is a few hundred bytes (a browser's up to ~2 KB with its cookies for
+# the host); a longer head (request line and headers) is neither.
 MAX_HEAD_BYTES = 8 * 1024
-# A scraper sends its whole request at once; one that trickles it (slowloris) loses its slot after this.
+# A client sends its whole request at once; one that trickles it (slowloris) loses its slot after this.
 READ_DEADLINE_S = 5.0
-# The body is tens of KB; a client that stops reading it is dropped after this.
+# The body is tens of KB; a client that stops reading it is dropped after this. A handler that takes longer
+# to make its body (it should take milliseconds) answers 503 instead.
 SEND_DEADLINE_S = 10.0
-# Prometheus scrapes one at a time; room for a few curls besides, and no more work for a flood.
+# Prometheus scrapes one at a time, a dashboard polls one request at a time per open tab: room for a few
+# curls and tabs besides, and no more work for a flood.
 MAX_CONNECTIONS = 8
+# Query fields one request may carry (the dashboard's page sends one, its token): more is not a client of ours.
+MAX_QUERY_FIELDS = 16
 METRICS_PATH = "/metrics"
 _REQUEST_LINE = re.compile(r"([A-Z]{1,16}) (\S{1,2048}) HTTP/\d\.\d")
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
 
 
 @dataclass
 class ServerStats:
-    """For `peer status` (under `metrics`): what clients asked of the server and what it refused."""
+    """For `peer status` (under the service's name): what clients asked of the server and what it refused."""
 
-    scrapes: int = 0  # 200s
+    ok: int = 0  # 200s
     errors: int = 0  # 4xx and 5xx answered
     refused: int = 0  # connections closed unanswered: over MAX_CONNECTIONS
     dropped: int = 0  # connections closed unanswered: deadline passed, closed early, or a head past the bound
+    unauthorized: int = 0  # 401s: no token, or a wrong one (also counted in errors)
 
 
-class _Answer(Exception):
-    """Ends a request early with an error status."""
+@dataclass(frozen=True)
+class Request:
+    """A parsed request head: what a handler may read (all of it within MAX_HEAD_BYTES)."""
+
+    method: str
+    path: str
+    query: dict[str, str] = field(default_factory=dict)  # each field's first value
+    headers: dict[str, str] = field(default_factory=dict)  # lower-case names; a repeated one keeps its last
+
+
+@dataclass(frozen=True)
+class Reply:
+    body: bytes
+    content_type: str
+    headers: tuple[str, ...] = ()
+
+
+Handler = Callable[[Request], Awaitable[Reply]]
+
+
+class Answer(Exception):
+    """Ends a request early with an error status (raised by the parser or a handler)."""
 
     def __init__(self, status: HTTPStatus, headers: tuple[str, ...] = ()):
         super().__init__(status.phrase)
@@ -52,7 +84,7 @@ class _Answer(Exception):
 
 def response(status: HTTPStatus, body: bytes, content_type: str, headers: tuple[str, ...] = ()) -> bytes:
     lines = [f"HTTP/1.0 {status.value} {status.phrase}", f"Content-Type: {content_type}",
-             f"Content-Length: {len(body)}", "Connection: close", *headers]
+             f"Content-Length: {len(body)}", "Connection: close", "Cache-Control: no-store", *headers]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
@@ -64,32 +96,67 @@ async def read_head(stream: trio.abc.ReceiveStream) -> bytes:
         if ends:
             return bytes(buf[:min(ends)])
         if len(buf) >= MAX_HEAD_BYTES:
-            raise _Answer(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
+            raise Answer(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
         chunk = await stream.receive_some(MAX_HEAD_BYTES - len(buf))
         if not chunk:
             raise EOFError("closed before the end of the request head")
         buf += chunk
 
 
-def route(head: bytes) -> None:
-    """Check the request line: only GET /metrics passes (a query string is ignored); raises _Answer."""
-    line = head.split(b"\n", 1)[0].rstrip(b"\r").decode("latin-1")
-    m = _REQUEST_LINE.fullmatch(line)
+def parse(head: bytes) -> Request:
+    """The request line and headers; raises Answer(400) for anything malformed."""
+    lines = head.decode("latin-1").replace("\r\n", "\n").split("\n")
+    m = _REQUEST_LINE.fullmatch(lines[0])
     if m is None:
-        raise _Answer(HTTPStatus.BAD_REQUEST)
-    method, target = m.group(1), m.group(2)
-    if target.split("?", 1)[0] != METRICS_PATH:
-        raise _Answer(HTTPStatus.NOT_FOUND)
-    if method != "GET":
-        raise _Answer(HTTPStatus.METHOD_NOT_ALLOWED, ("Allow: GET",))
+        raise Answer(HTTPStatus.BAD_REQUEST)
+    path, _, qs = m.group(2).partition("?")
+    try:
+        query = {k: v[0] for k, v in parse_qs(qs, max_num_fields=MAX_QUERY_FIELDS).items()}
+    except ValueError:  # more fields than MAX_QUERY_FIELDS
+        raise Answer(HTTPStatus.BAD_REQUEST) from None
+    headers = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or _HEADER_NAME.fullmatch(name) is None:
+            raise Answer(HTTPStatus.BAD_REQUEST)
+        headers[name.lower()] = value.strip()
+    return Request(m.group(1), path, query, headers)
 
 
-class MetricsServer:
-    """Serves `render()` (bytes of `content_type`) at GET /metrics on the given listeners until cancelled."""
+def route(head: bytes, routes: dict[str, Handler]) -> tuple[Request, Handler]:
+    """The request and the handler of its path: 404 for a path not in `routes` (a query string is not part
+    of the path), 405 for a method other than GET; raises Answer."""
+    req = parse(head)
+    handler = routes.get(req.path)
+    if handler is None:
+        raise Answer(HTTPStatus.NOT_FOUND)
+    if req.method != "GET":
+        raise Answer(HTTPStatus.METHOD_NOT_ALLOWED, ("Allow: GET",))
+    return req, handler
 
-    def __init__(self, render: Callable[[], bytes], content_type: str):
-        self.render = render
-        self.content_type = content_type
+
+def bearer_token(req: Request) -> str:
+    """The token a request carries: `Authorization: Bearer TOKEN`, else `?token=TOKEN` (a browser opening a
+    link can send no header)."""
+    scheme, _, value = req.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return req.query.get("token", "")
+
+
+def token_matches(given: str, expected: str) -> bool:
+    """Constant time in the token's contents: a wrong guess says nothing about how much of it was right."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode("utf-8", "surrogateescape"))
+
+
+class HttpServer:
+    """Serves `routes` (path -> handler) to GET requests on the given listeners until cancelled; with a
+    `token`, only to requests that carry it (bearer_token)."""
+
+    def __init__(self, routes: dict[str, Handler], *, token: str = "", name: str = "http"):
+        self.routes = dict(routes)
+        self.token = token
+        self.name = name  # in log lines: which server failed
         self.stats = ServerStats()
         self.active = 0
 
@@ -110,29 +177,54 @@ class MetricsServer:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             self.stats.dropped += 1
         except Exception:  # a bug must not take the daemon down: this connection just ends
-            log.exception("metrics request failed unexpectedly")
+            log.exception("%s request failed unexpectedly", self.name)
         finally:
             self.active -= 1
             await trio.aclose_forcefully(stream)
+
+    def _error(self, ans: Answer) -> bytes:
+        self.stats.errors += 1
+        if ans.status == HTTPStatus.UNAUTHORIZED:
+            self.stats.unauthorized += 1
+        return response(ans.status, f"{ans.status.value} {ans.status.phrase}\n".encode(),
+                        "text/plain; charset=utf-8", ans.headers)
 
     async def _answer(self, stream: trio.abc.Stream) -> bytes | None:
         """The bytes to send back, or None to close without a word."""
         try:
             with trio.fail_after(READ_DEADLINE_S):
-                route(await read_head(stream))
-        except _Answer as ans:
-            self.stats.errors += 1
-            return response(ans.status, f"{ans.status.value} {ans.status.phrase}\n".encode(),
-                            "text/plain; charset=utf-8", ans.headers)
+                req, handler = route(await read_head(stream), self.routes)
+            if self.token and not token_matches(bearer_token(req), self.token):
+                raise Answer(HTTPStatus.UNAUTHORIZED, ('WWW-Authenticate: Bearer realm="peertrain"',))
+        except Answer as ans:
+            return self._error(ans)
         except (trio.TooSlowError, EOFError):
             self.stats.dropped += 1
             return None
         try:
-            body = self.render()
+            with trio.fail_after(SEND_DEADLINE_S):
+                reply = await handler(req)
+        except Answer as ans:
+            return self._error(ans)
+        except trio.TooSlowError:
+            log.warning("%s: %s took over %.0f s to answer", self.name, req.path, SEND_DEADLINE_S)
+            return self._error(Answer(HTTPStatus.SERVICE_UNAVAILABLE))
         except Exception:
-            log.exception("cannot render metrics")
-            self.stats.errors += 1
-            return response(HTTPStatus.INTERNAL_SERVER_ERROR, b"500 Internal Server Error\n",
-                            "text/plain; charset=utf-8")
-        self.stats.scrapes += 1
-        return response(HTTPStatus.OK, body, self.content_type)
+            log.exception("%s: cannot answer %s", self.name, req.path)
+            return self._error(Answer(HTTPStatus.INTERNAL_SERVER_ERROR))
+        self.stats.ok += 1
+        return response(HTTPStatus.OK, reply.body, reply.content_type, reply.headers)
+
+
+def fixed(render: Callable[[], bytes], content_type: str) -> Handler:
+    """A handler answering `render()` (called on the trio thread at each request), whatever the query."""
+    async def handler(req: Request) -> Reply:
+        return Reply(render(), content_type)
+    return handler
+
+
+class MetricsServer(HttpServer):
+    """Serves `render()` (bytes of `content_type`) at GET /metrics."""
+
+    def __init__(self, render: Callable[[], bytes], content_type: str):
+        super().__init__({METRICS_PATH: fixed(render, content_type)}, name="metrics")

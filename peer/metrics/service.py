@@ -49,5 +49,5 @@ class MetricsService:
 
     def status(self) -> dict:
         s = self.server.stats
-        return {"listen": format_hostport(*self.bound) if self.bound[0] else "", "path": METRICS_PATH, "scrapes": s.scrapes,
+        return {"listen": format_hostport(*self.bound) if self.bound[0] else "", "path": METRICS_PATH, "scrapes": s.ok,
                 "errors": s.errors, "refused": s.refused, "dropped": s.dropped}

@@ -25,6 +25,7 @@ from protocol.schema.pipeline import StageAnnouncement
 from protocol.schema.topology import (
     MAX_BANDWIDTH_BPS, MAX_RECORD_GROUPS, MAX_RECORD_LINKS, MAX_RECORD_NEIGHBOURS, MAX_RECORDS_PER_MESSAGE, MAX_RTT_S,
     LinkReport, TopologyRecord, TopologyRecords, topology_record_signing_bytes)
+from protocol.schema.training import TrainingFigures
 
 log = logging.getLogger("peertrain.topology")
 
@@ -42,16 +43,17 @@ view: no more than the view can hold. Each costs a peer a real handshake, so it 
 
 
 def signed_record(identity: Ed25519PrivateKey, me: str, *, version: int, neighbours: Iterable[str],
-                  links: Mapping[str, LinkStats], stage: StageAnnouncement | None, groups: list[str]) -> TopologyRecord:
-    """Our signed record: neighbours, measured links (clamped to the schema's ranges), stage and groups,
-    each list cut to the schema's bound."""
+                  links: Mapping[str, LinkStats], stage: StageAnnouncement | None, groups: list[str],
+                  training: TrainingFigures | None = None) -> TopologyRecord:
+    """Our signed record: neighbours, measured links (clamped to the schema's ranges), stage, groups and
+    training figures, each list cut to the schema's bound."""
     reports = [LinkReport(peer=p, bandwidth_bps=None if s.bandwidth_bps is None else min(s.bandwidth_bps, MAX_BANDWIDTH_BPS),
                           rtt_s=None if s.rtt_s is None else min(s.rtt_s, MAX_RTT_S))
                for p, s in sorted(links.items()) if s.bandwidth_bps is not None or s.rtt_s is not None]
     rec = TopologyRecord(peer_id=me, public_key=ident.public_key_bytes(identity), version=version,
                          issued=time.time(), neighbours=sorted(neighbours)[:MAX_RECORD_NEIGHBOURS],
                          links=reports[:MAX_RECORD_LINKS], signature=b"", stage=stage,
-                         groups=groups[:MAX_RECORD_GROUPS])
+                         groups=groups[:MAX_RECORD_GROUPS], training=training)
     sig = ident.sign(identity, topology_record_signing_bytes(rec))
     return dataclasses.replace(rec, signature=sig)
 

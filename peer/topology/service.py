@@ -30,10 +30,12 @@ from peer.topology.mixing import metropolis_weight
 from peer.topology.records import RecordBook, signed_record
 from peer.topology.rewire import RewireConfig, plan_move
 from peer.topology.spectral import SpectralWorker
+from peer.peer_curves import PeerCurves
 from peer.session.fanout import Fanout
 from peer.session.transport import SessionClosed
 from protocol import identity as ident
 from protocol.schema.pipeline import StageAnnouncement
+from protocol.schema.training import TrainingFigures
 from protocol.schema.topology import (
     EdgeCommit, EdgeDrop, EdgePropose, ProbeReply, ProbeRequest, TopologyRecord, TopologyRecords)
 
@@ -60,6 +62,7 @@ class TopologyService:
         self.edges = Edges(self.cfg, sessions=self.membership.connected, wanted_fixed=self._wanted_fixed,
                            changed=self._bump, dropped_by_them=lambda: self._others_moved.set())
         self.records = RecordBook(self.me, is_neighbour=self.is_neighbour)
+        self.peer_training = PeerCurves()  # others' loss curves, from their records' training figures
         self.links: dict[str, LinkStats] = {}
         self.spectral = SpectralWorker()
         self._gap_stale = trio.Event()  # status saw a view whose gap is not computed yet
@@ -78,6 +81,8 @@ class TopologyService:
         self.announce_stage: Callable[[], StageAnnouncement | None] = lambda: None
         # the averaging groups our record lists (set by the gossip engine)
         self.announce_groups: Callable[[], list[str]] = lambda: []
+        # the training figures our record carries (set by the trainer host or the attach service; None: none)
+        self.announce_training: Callable[[], TrainingFigures | None] = lambda: None
         r = daemon.router
         r.register(EdgePropose, self.edges.on_propose)
         r.register(EdgeCommit, self.edges.on_commit)
@@ -165,7 +170,8 @@ class TopologyService:
     # ---- records ------------------------------------------------------------------------------------
     def own_record(self) -> TopologyRecord:
         return signed_record(self.identity, self.me, version=self.version, neighbours=self.neighbours,
-                             links=self.links, stage=self.announce_stage(), groups=self.announce_groups())
+                             links=self.links, stage=self.announce_stage(), groups=self.announce_groups(),
+                             training=self.announce_training())
 
     def broadcast_messages(self) -> list[TopologyRecords]:
         """Our record and the fresh ones we hold (under partial views, those that announce a pipeline
@@ -197,9 +203,12 @@ class TopologyService:
         self._fanout.send(self._nursery, list(sessions.values()), *self.broadcast_messages())
 
     async def _on_records(self, session, env) -> None:
+        now = time.time()
         for rec in self.records.receive(env.message.records, session.peer_id):
             if rec.peer_id in self.neighbours:
                 self.neighbours[rec.peer_id].degree = len(rec.neighbours)
+            self.peer_training.heard(rec.peer_id, rec.training, now)
+        self.peer_training.retain(self.records.records)  # a forgotten record's curve goes with it
 
     # ---- keeping the graph good ---------------------------------------------------------------------
     def _wanted_fixed(self) -> set[str]:
@@ -343,7 +352,8 @@ class TopologyService:
                 "view_nodes": len(view.nodes), "view_edges": len(view.edges), "spectral_gap": round(gap, 4),
                 "spectral_gap_current": gap_current, "records_unvouched": self.records.unvouched,
                 "connected_view": view.is_connected(), "moves": self.moves, "last_move": self.last_move,
-                "version": self.version, **({} if self.views is None else {"views": self.views.status()})}
+                "version": self.version, "peer_training": self.peer_training.status(),
+                **({} if self.views is None else {"views": self.views.status()})}
 
     async def topology(self) -> dict:
         view = self.view()

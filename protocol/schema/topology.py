@@ -14,6 +14,7 @@ import msgpack
 from protocol.identity import KEY_SIZE
 from protocol.messages import Message
 from protocol.schema.pipeline import StageAnnouncement
+from protocol.schema.training import TrainingFigures, training_figures_signing_list
 
 # Bounds on what one record may say. They are checked when a message is decoded (a record that breaks one
 # closes the sending session: an honest peer only sends and forwards records that passed them), and they
@@ -78,6 +79,7 @@ class TopologyRecord(Message):
     # the averaging groups the owner shares: a peer averages a group with neighbours that list it (an offer
     # to one that does not would only be refused), and a process waits for peers holding its group
     groups: list[str] = field(default_factory=list)
+    training: TrainingFigures | None = None  # the owner's latest training figures (protocol/schema/training.py)
 
     def __post_init__(self) -> None:
         _check_id("peer_id", self.peer_id)
@@ -108,9 +110,10 @@ def topology_record_signing_bytes(r: TopologyRecord) -> bytes:
     return msgpack.packb([_DOMAIN, r.peer_id, bytes(r.public_key), int(r.version), float(r.issued),
                           list(r.neighbours),
                           [[lr.peer, lr.bandwidth_bps, lr.rtt_s] for lr in r.links]]
-                         # appended only when present, so a record without a stage (or groups) signs as before
+                         # appended only when present, so a record without a stage (groups, training) signs as before
                          + ([] if r.stage is None else [_stage_signing_list(r.stage)])
-                         + ([] if not r.groups else [["groups", list(r.groups)]]),
+                         + ([] if not r.groups else [["groups", list(r.groups)]])
+                         + ([] if r.training is None else [training_figures_signing_list(r.training)]),
                          use_bin_type=True)
 
 
