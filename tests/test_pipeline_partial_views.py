@@ -66,7 +66,8 @@ def test_a_driver_reaches_stage_servers_it_has_no_session_with(cluster):
     assert t["samples"] == TINY["samples"] and t["microbatches_failed"] == 0 and dr["failed"] == 0, (t, dr)
     assert no_one_struck(st), pipe(st).get("bans")
     assert set(dr["calls"]) <= server_ids and len(dr["calls"]) >= 2, dr["calls"]
-    # servers it had no session with were reached by their announcement, and answered its calls
+    # servers it had no session with were reached by their announcement, and answered its calls (any one of them:
+    # a server that moved stage meanwhile may have refused the call it was reached for)
     assert reach["dialed_servers"] >= 1 and set(reach["dialed"]) <= server_ids, reach
-    assert all(dr["calls"].get(p, 0) > 0 for p in reach["dialed"]), (reach, dr["calls"])
+    assert any(dr["calls"].get(p, 0) > 0 for p in reach["dialed"]), (reach, dr["calls"])
     assert reach["pending"] == 0, reach  # every lookup ended (reached, or failed by its deadline)
