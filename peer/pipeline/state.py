@@ -231,7 +231,7 @@ class StageStates:
 
     async def _fetch(self, key: PipelineKey, stage: int, peer_id: str, check: SpecCheck) -> FetchedState:
         try:  # under partial views a holder we have no session with is dialed (one bounded lookup)
-            session = await self.service.reach(peer_id)
+            session = self.service.session_of(peer_id) or await self.service.reach(peer_id)
         except Unreachable as exc:
             raise StateUnavailable(f"not reached: {exc}") from None
         if session is None:
