@@ -20,6 +20,7 @@ from peer.membership.peers import PeerInfo
 from peer.membership.reach import MAX_REACHING, Reach, ReachBusy, Unreachable
 from peer.pipeline.directory import PipelineKey, StagePeer
 from peer.pipeline.driver import Driver, _CallFailed
+from peer.pipeline.server import StageServer
 from peer.pipeline.service import PipelineService
 from peer.topology.records import signed_record
 from protocol import identity as ident
@@ -281,8 +282,9 @@ def test_a_driver_treats_a_full_lookup_as_busy_and_an_unreached_server_as_failin
         call_once(Unreachable("no session within 8 s"))
 
 
-def test_the_sessions_a_driver_keeps_are_those_its_calls_are_out_on():
+def test_the_sessions_kept_are_those_a_call_is_out_on_either_way():
     svc = service(partial=True, connected=set(), anns={})
+    svc.server = StageServer(PipelineSection())
     driver = Driver(SimpleNamespace(cfg=PipelineSection(), me="me"), KEY, reply_shapes=lambda *a: [])
     svc.drivers = {"p": driver}
     b = driver.balancers[1]
@@ -290,3 +292,7 @@ def test_the_sessions_a_driver_keeps_are_those_its_calls_are_out_on():
     assert svc._in_use("far") and not svc._in_use("near")
     b.done("far", 8, 0.1, 0.1)
     assert not svc._in_use("far")  # no call out: the view driver closes it once idle, as any session
+    svc.server.per_peer["caller"] += 1  # a call of `caller` held at our stage, however long its compute
+    assert svc._in_use("caller")
+    svc.server.per_peer["caller"] -= 1
+    assert not svc._in_use("caller")

@@ -9,7 +9,7 @@ joins again through a `--join` address or an mDNS peer. Another service that nee
 the views never brought (a stage server our pipeline picked) asks `reach` (peer/membership/reach.py): the
 same dialer dials it, a bounded few at once. Sessions are kept with the active view, with peers a
 message waits for, and with whom the other services say they need (`keep_session`: relays we hold
-reservations with, stage servers a call of ours is out on); any other session idle (no message but
+reservations with, peers a stage call is out between); any other session idle (no message but
 heartbeats) for `SESSION_IDLE_S` is closed, and a peer with neither a session nor a message waiting is
 forgotten (mDNS and `--join` peers stay), so what a daemon holds does not grow with the swarm. See docs/design.md, "Partial views".
 

@@ -6,7 +6,7 @@ opens drivers (`open_driver`) and reads the stage map. The stage a server holds 
 record; the stage map is the fresh records' announcements joined with the sessions we have. Under
 `[membership] views = "partial"` a server also announces where to dial it, the map counts the servers we
 have no session with as well, and a driver that picks one reaches it through membership (`reach`: one bounded
-lookup, peer/membership/reach.py); the sessions so made are kept while a call of ours is out on them.
+lookup, peer/membership/reach.py); a session stays up while a call is out on it, either way.
 """
 
 from __future__ import annotations
@@ -231,9 +231,10 @@ class PipelineService:
         return await self.views.reach.session(peer_id, list(ann.addresses), on_reached=reached)
 
     def _in_use(self, peer_id: str) -> bool:
-        """Whether a call of one of our drivers is out at `peer_id` (its session stays up meanwhile; once none
-        is, the view driver closes it after SESSION_IDLE_S without a message, as any idle session)."""
-        return any(d.calling(peer_id) for d in self.drivers.values())
+        """Whether a call is out between us and `peer_id`: one of our drivers' at it, or its at our stage (its
+        session stays up meanwhile, however long the compute; once none is, the view driver closes it after
+        SESSION_IDLE_S without a message, as any idle session)."""
+        return self.server.per_peer.get(peer_id, 0) > 0 or any(d.calling(peer_id) for d in self.drivers.values())
 
     # ---- driving ------------------------------------------------------------------------------------
     def open_driver(self, key: PipelineKey, *, reply_shapes, in_flight: int, token, stopped,
