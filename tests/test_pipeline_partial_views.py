@@ -12,11 +12,14 @@ by a lookup. It finishes without a failed microbatch, and the servers it reached
 
 from __future__ import annotations
 
+import io
 import time
 
 import pytest
+from rich.console import Console
 
 from peer.bench.scale_real import partial_config
+from peer.cli.status_view import render_status
 from peer.testing.process import wait_for
 from peer.testing.swarm import rank_env, unique_swarm
 from tests.pipeline_status import driver, no_one_struck, pipe, trainer
@@ -71,3 +74,6 @@ def test_a_driver_reaches_stage_servers_it_has_no_session_with(cluster):
     assert reach["dialed_servers"] >= 1 and set(reach["dialed"]) <= server_ids, reach
     assert any(dr["calls"].get(p, 0) > 0 for p in reach["dialed"]), (reach, dr["calls"])
     assert reach["pending"] == 0, reach  # every lookup ended (reached, or failed by its deadline)
+    console = Console(file=io.StringIO(), width=160)
+    console.print(render_status(st))  # `peer status` shows the lookups
+    assert f"{reach['dialed_servers']} servers reached" in console.file.getvalue()
