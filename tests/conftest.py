@@ -59,6 +59,7 @@ UNIT_MODULES = frozenset({
     "test_pipeline_demo.py",
     "test_pipeline_memory.py",
     "test_pipeline_once_units.py",
+    "test_pipeline_reach_units.py",
     "test_pipeline_partition.py",
     "test_pipeline_rebalance.py",
     "test_pipeline_reference.py",

@@ -300,6 +300,7 @@ class StepsHandler(Handler):
 
 def test_our_announcement_carries_step_move_and_copies_and_drops_a_stale_move(copies_dir):
     svc = object.__new__(PipelineService)  # the parts announcement() reads, without a daemon
+    svc.views = None  # a full view: no addresses announced
     svc.server = StageServer(PipelineSection())
     svc.server.stage = ServedStage(KEY, 1, 16, StepsHandler())
     svc.states = StageStates(svc, PipelineSection(), copies_dir)
@@ -481,7 +482,8 @@ def test_the_pipeline_service_keeps_copies_in_its_homes_folder_and_empties_it_at
     home.stage_copies.mkdir(parents=True)
     (home.stage_copies / f"left-by-an-earlier-run{COPY_SUFFIX}").write_bytes(b"old")
     daemon = SimpleNamespace(config=SimpleNamespace(pipeline=PipelineSection()), peer_id="me", home=home,
-                             router=SimpleNamespace(register=lambda *a: None))
+                             router=SimpleNamespace(register=lambda *a: None),
+                             membership=SimpleNamespace(views=None))
     svc = PipelineService(daemon, SimpleNamespace(announce_soon=lambda: None))
     assert files(home.stage_copies) == []
     trio.run(partial(svc.keep_copy, KEY, 2, named(3), 3, 24))

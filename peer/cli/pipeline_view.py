@@ -82,10 +82,13 @@ def stage_map_table(pl: dict) -> Table:
     return t
 
 
-def _driver_facts(d: dict, tr: dict) -> Table:
+def _driver_facts(d: dict, tr: dict, reach: dict | None = None) -> Table:
     t = _facts()
     t.add_row("microbatches", f"{d.get('done', 0)} done   {d.get('retried', 0)} retried ({d.get('resent', 0)} calls "
                               f"re-sent)   {d.get('failed', 0)} failed   {d.get('in_flight', 0)} in flight")
+    if reach:  # partial views: servers we had no session with, dialed at their announcement's addresses
+        t.add_row("lookups", f"{reach.get('dialed_servers', 0)} servers reached   {reach.get('pending', 0)} pending   "
+                             f"{reach.get('failed', 0)} failed   {reach.get('busy', 0)} busy")
     waiting = d.get("waiting") or []
     if waiting:
         t.add_row("waiting", Text("   ".join(f"for stage {w['stage']} ({w['for_s']:.0f}s)" for w in waiting),
@@ -176,7 +179,8 @@ def render_pipeline(pl: dict, tr: dict | None = None, *, now: float | None = Non
                              + ("   driving done" if tr.get("driving_done") else ""))
     parts = [head, stage_map_table(pl)]
     if pl.get("driver"):
-        parts.append(Panel(_driver_facts(pl["driver"], tr), title="driver", box=box.ROUNDED, expand=False))
+        parts.append(Panel(_driver_facts(pl["driver"], tr, pl.get("reach")), title="driver", box=box.ROUNDED,
+                           expand=False))
     if pl.get("my_stage") is not None and pl.get("server"):
         parts.append(Panel(_server_facts(pl["server"], pl, tr), title="server", box=box.ROUNDED, expand=False))
     tx = pl.get("state_transfers") or {}

@@ -5,11 +5,14 @@ return: a `Send` goes as a `ViewPacket` over the authenticated session with that
 message waits (`outbox`, bounded) while the dialer reaches the entry's addresses (the dialer's limits and
 backoff: peer/membership/dialing.py; it dials nobody else); `EdgeUp`/`EdgeDown` go to the edge watchers
 (the topology service sets the gossip neighbours the averaging engine reads from them); `NeedContact`
-joins again through a `--join` address, an mDNS peer or one of the peer cache (`CACHE_CONTACTS`). Sessions are kept with the active view, with peers a
-message waits for, and with whom the other services say they need (`keep_session`: relays we hold
-reservations with); any other session idle (no message but heartbeats) for `SESSION_IDLE_S` is closed,
-and a peer with neither a session nor a message waiting is forgotten (mDNS, `--join` and a few cached peers stay), so
-what a daemon holds does not grow with the swarm. See docs/design.md, "Partial views".
+joins again through a `--join` address, an mDNS peer or one of the peer cache (`CACHE_CONTACTS`). Another
+service that needs a session with a peer the views never brought (a stage server our pipeline picked) asks
+`reach` (peer/membership/reach.py): the same dialer dials it, a bounded few at once. Sessions are kept with
+the active view, with peers a message waits for, and with whom the other services say they need
+(`keep_session`: relays we hold reservations with, peers a stage call is out between); any other session
+idle (no message but heartbeats) for `SESSION_IDLE_S` is closed, and a peer with neither a session nor a
+message waiting is forgotten (mDNS, `--join` and a few cached peers stay), so what a daemon holds does not
+grow with the swarm. See docs/design.md, "Partial views".
 
 Hostile peers: a packet is bounded by its schema (protocol/schema/views.py), then decoded and checked by
 `view_messages.decode`; one that breaks a bound closes its session with the reason, and so does a session
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from peer.membership.gap_driver import GapDriver, decode_round
+from peer.membership.reach import Reach
 from peer.membership.view_messages import MAX_ENTRY_ADDRESSES, BadMessage, Entry, ViewMessage, decode, encode, wire_size
 from peer.membership.views import EdgeDown, EdgeUp, NeedContact, Send, ViewConfig, Views
 from peer.nat.addresses import format_hostport, parse_address
@@ -88,12 +92,14 @@ class ViewDriver:
         self.m = m
         self.cfg = cfg
         rng = rng or random.Random()
-        self.views = Views(self._my_entry(), cfg, rng, now=trio.current_time())
+        self.views = Views(self.my_entry(), cfg, rng, now=trio.current_time())
         # the local gap estimate the rewiring rule reads (None: not estimated; the rule then reads no gap)
         self.gap = None if gap is None else GapDriver(gap, self.views, rng, sessions=m.connected, send=self._write)
         self.outbox: dict[str, Outgoing] = {}
         self.edge_watchers: list[Callable[[str, bool, str], None]] = []  # (peer, up, reason)
         self.keep_session: list[Callable[[str], bool]] = []  # sessions other services need now
+        # sessions other services ask for (a stage server our pipeline picked): one bounded lookup each
+        self.reach = Reach(m, timeout=cfg.request_timeout)
         self.link_of: Callable[[str], LinkEstimate | None] = lambda peer: None  # set by the topology service
         self.contact_wanted = True  # the dialer dials --join addresses while this holds
         self.sent_bytes = self.received_bytes = 0  # view messages, as framed on the wire
@@ -106,11 +112,11 @@ class ViewDriver:
         self._next_local_contact = 0.0
         m.router.register(ViewPacket, self._on_packet)
         m.watch(self._on_session)
-        m.dialer.wanted = lambda peer: peer in self.outbox
+        m.dialer.wanted = lambda peer: peer in self.outbox or self.reach.wanted(peer)
         m.dialer.contact_wanted = lambda: self.contact_wanted
 
     # ---- queries ------------------------------------------------------------------------------------
-    def _my_entry(self) -> Entry:
+    def my_entry(self) -> Entry:
         """Us as others' views hold us: direct addresses first, and up to RELAYED_IN_ENTRY relayed ones (a
         peer behind NAT advertises only those: its entry names its relays, and whoever dials it asks them)."""
         addrs = self.m.advertised_addresses()
@@ -130,7 +136,7 @@ class ViewDriver:
                 "outbox": len(self.outbox), "state_bytes": v.state_bytes(), "sent_bytes": self.sent_bytes,
                 "received_bytes": self.received_bytes, "sent_messages": self.sent_messages,
                 "received_messages": self.received_messages, "idle_sessions_closed": self.closed_sessions,
-                "moves": dict(v.moves), "contact_wanted": self.contact_wanted,
+                "moves": dict(v.moves), "contact_wanted": self.contact_wanted, "reach": self.reach.status(),
                 "gap": None if self.gap is None else self.gap.status()}
 
     # ---- the loop -----------------------------------------------------------------------------------
@@ -143,7 +149,7 @@ class ViewDriver:
             while True:
                 now = trio.current_time()
                 try:
-                    self.views.me = self._my_entry()  # our addresses change (observed, relayed)
+                    self.views.me = self.my_entry()  # our addresses change (observed, relayed)
                     self._apply(self.views.tick(now))
                     self._housekeeping(now)
                 except Exception:  # a bug here must not end the daemon: the next round tries again
@@ -270,6 +276,7 @@ class ViewDriver:
     def _on_session(self, peer: str, session: Session | None) -> None:
         """Membership's watcher: a session came up (flush what waits for it; join through a contact) or ended."""
         now = trio.current_time()
+        self.reach.session_changed(peer, session)
         if session is None:
             self._buckets.pop(peer, None)
             if peer in self.views.active:  # lost, unless a successor comes up within LINK_GRACE_S (housekeeping)
@@ -357,7 +364,7 @@ class ViewDriver:
         now = trio.current_time()
         unused = [(info.ended_at, peer) for peer, info in self.m.peers.items()
                   if info.session is None and not info.dialing and peer not in self.outbox and peer not in boot
-                  and info.source != "mdns"]
+                  and info.source != "mdns" and not self.reach.wanted(peer)]
         unused.sort()
         for i, (ended, peer) in enumerate(unused):
             if now - ended >= DEAD_KEPT_S or len(unused) - i > MAX_DEAD_KEPT:

@@ -19,13 +19,11 @@ from typing import Union
 
 import msgpack
 
+from protocol.addresses import MAX_ENTRY_ADDRESSES
 from protocol.cipher import TAG_SIZE
 from protocol.frames import HEADER_SIZE
 from protocol.schema.session import MAX_ADDRESS_CHARS, MAX_NAME_CHARS
 
-MAX_ENTRY_ADDRESSES = 4
-"""Addresses one view entry carries: a peer's direct addresses, as few as dialing needs (a record may carry
-16; an entry is copied into up to a hundred views, so it carries the first few)."""
 MAX_ENTRIES = 32  # entries one message may carry (shuffles, join samples, a neighbour list)
 MAX_WALK = 16  # the longest random walk a peer forwards: a walk's TTL is at most this
 MAX_DEGREE_FIELD = 1 << 16  # a degree a peer may claim (any larger is a lie, and refused)

@@ -1,50 +1,15 @@
 """Addresses in signed peer records: direct "host:port", or relayed "host:port/relay/<relay peer ID>".
 
-A relayed address names the relay's own direct address and its peer ID: a peer holding a reservation
-with that relay can be reached by asking the relay for a circuit (peer/nat/relay.py). The form keeps
-`host:port` in front, so software that only knows direct addresses finds no valid port and skips it.
+Their text forms and parsers live in protocol/addresses.py (the wire bounds them too) and are re-exported
+here, where the daemon's address helpers are.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
 
-RELAY_MARK = "/relay/"
-
-
-@dataclass(frozen=True)
-class RelayedAddress:
-    relay_id: str
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"{format_hostport(self.host, self.port)}{RELAY_MARK}{self.relay_id}"
-
-
-def format_hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def parse_address(text: str) -> tuple[str, int] | None:
-    """A direct "host:port" (IPv6 in brackets), or None for anything else (a relayed address included)."""
-    if not isinstance(text, str) or "/" in text or "@" in text:
-        return None
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        return None
-    return host.strip("[]"), int(port)
-
-
-def parse_relayed(text: str) -> RelayedAddress | None:
-    if not isinstance(text, str):
-        return None
-    direct, sep, relay_id = text.partition(RELAY_MARK)
-    if not sep or not relay_id or "/" in relay_id or len(relay_id) > 64:
-        return None
-    hp = parse_address(direct)
-    return RelayedAddress(relay_id, hp[0], hp[1]) if hp else None
+# the text forms are the wire's (a stage announcement's addresses are checked when it is decoded)
+from protocol.addresses import RELAY_MARK, RelayedAddress, format_hostport, parse_address, parse_relayed  # noqa: F401
 
 
 def ip_literal(host: str) -> str | None:

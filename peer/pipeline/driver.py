@@ -38,6 +38,7 @@ import trio
 
 from peer.averaging.bans import BanList
 from peer.concurrency import together
+from peer.membership.reach import ReachBusy, Unreachable
 from peer.pipeline.balancer import Balancer
 from peer.pipeline.directory import PipelineKey
 from peer.pipeline.server import LOCAL_DRIVER
@@ -280,6 +281,10 @@ class Driver:
         reply = env.message
         return set(reply.accumulated) & set(ids) if isinstance(reply, StageAckReply) else set()
 
+    def calling(self, peer_id: str) -> bool:
+        """Whether a call of ours is out at `peer_id` (its session must stay up meanwhile)."""
+        return any((e := b.peers.get(peer_id)) is not None and e.outstanding > 0 for b in self.balancers)
+
     def _seed(self, mb: Microbatch, stage: int) -> int:
         return (mb.seed * 1_000_003 + stage * 7919) & 0x7FFF_FFFF
 
@@ -432,7 +437,12 @@ class Driver:
         its server says it computed)."""
         if pid == self.service.me:
             return await self._call_self(mb, stage, kind, tensors)
-        session = self.service.session_of(pid)
+        try:  # under partial views a server we have no session with is dialed (one bounded lookup)
+            session = self.service.session_of(pid) or await self.service.reach(pid)
+        except ReachBusy as exc:  # nothing wrong with it: avoided briefly, as a busy peer (no attempt used)
+            raise Refused(Refusal(Code.BUSY, f"not reached yet: {exc}")) from None
+        except Unreachable as exc:  # avoided for a growing while, as a failing peer (the balancer)
+            raise _CallFailed(f"not reached: {exc}") from None
         if session is None:
             raise _CallFailed("no session with it")
         specs = [TensorSpec(f"in{i}", str(t.dtype).removeprefix("torch."), list(t.shape)) for i, t in enumerate(tensors)]

@@ -3,7 +3,10 @@
 Always loaded (like the averaging engine): a daemon that serves no stage refuses stage calls with a reason.
 A trainer (trainers/swarm_pipeline.py) tells it what to serve through the Swarm handle (`serve_stage`),
 opens drivers (`open_driver`) and reads the stage map. The stage a server holds travels in its topology
-record; the stage map is the fresh records' announcements joined with the sessions we have.
+record; the stage map is the fresh records' announcements joined with the sessions we have. Under
+`[membership] views = "partial"` a server also announces where to dial it, the map counts the servers we
+have no session with as well, and a driver that picks one reaches it through membership (`reach`: one bounded
+lookup, peer/membership/reach.py); a session stays up while a call is out on it, either way.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from peer.pipeline import memory
 from peer.pipeline.kept import SWEEP_S
 from peer.pipeline.server import ServedStage, StageHandler, StageServer
 from peer.pipeline.state import FetchedState, KeptCopy, SpecCheck, StageStates, StateUnavailable
+from protocol.schema.session import MAX_ADDRESS_CHARS
 from protocol.schema.pipeline import (MAX_BLOCKS, MAX_MEMORY_MIB, MAX_PROFILED_BLOCKS, MAX_QUEUE, MAX_SAMPLES_PER_S,
                                       MAX_STEP, BlockProfile, StageAck, StageAnnouncement, StageCall,
                                       StageStateRequest)
@@ -33,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("peertrain.pipeline")
 
 MOVES_KEPT = 10  # moves `peer status` lists: enough to see a rebalancing settle, short enough to read
+DIALED_KEPT = 16  # servers reached by a lookup that `peer status` names (the latest; the count is of all)
 
 
 class PipelineService:
@@ -58,6 +63,13 @@ class PipelineService:
         # average with them nor fetch its state from them, while banned. One list for all our drivers.
         self.bans = BanList()
         self._nursery: trio.Nursery | None = None
+        # partial views: servers we reach by a lookup (their announcement's addresses), and the sessions our
+        # drivers' calls are out on, which the view driver must not close as idle meanwhile
+        self.views = daemon.membership.views
+        self.dialed_servers = 0  # sessions with stage servers our drivers' lookups made
+        self.dialed: deque[str] = deque(maxlen=DIALED_KEPT)
+        if self.views is not None:
+            self.views.keep_session.append(self._in_use)
         daemon.router.register(StageCall, self._on_call)
         daemon.router.register(StageAck, self._on_ack)
         daemon.router.register(StageStateRequest, self._on_state_request)
@@ -153,7 +165,15 @@ class PipelineService:
                                  profiles=[p for p in self.profiles if p.block < MAX_BLOCKS],
                                  memory_mib=min(MAX_MEMORY_MIB, self.memory_mib),
                                  stage_room_mib=min(MAX_MEMORY_MIB, self.stage_room_mib),
-                                 memory_used_mib=min(MAX_MEMORY_MIB, memory.mib(memory.rss_bytes())))
+                                 memory_used_mib=min(MAX_MEMORY_MIB, memory.mib(memory.rss_bytes())),
+                                 addresses=self._my_addresses())
+
+    def _my_addresses(self) -> list[str]:
+        """Where a driver without a session dials us: our view entry's addresses (direct, then up to two relayed),
+        under partial views only (a full view dials every peer it hears of anyway); none too long for the schema."""
+        if self.views is None:
+            return []
+        return [a for a in self.views.my_entry().addresses if len(a) <= MAX_ADDRESS_CHARS]
 
     # ---- who serves what ------------------------------------------------------------------------------
     def announcements(self) -> dict[str, StageAnnouncement]:
@@ -165,14 +185,23 @@ class PipelineService:
         return out
 
     def stage_map(self, key: PipelineKey) -> dict[int, list[StagePeer]]:
-        return stage_map(key, self.announcements(), set(self.daemon.membership.connected()), self.me)
+        """Live peers of each stage: those we have a session with and, under partial views, those whose fresh
+        announcement says where to dial them (a driver that picks one reaches it: `reach`)."""
+        anns = self.announcements()
+        live = set(self.daemon.membership.connected())
+        if self.views is not None:
+            live |= {p for p, a in anns.items() if a.addresses}
+        return stage_map(key, anns, live, self.me)
 
     def stage_partners(self) -> set[str]:
-        """Live peers serving the same stage as we do: who averages that stage's parameters with us."""
+        """Live peers serving the same stage as we do, that we have a session with: who averages that stage's
+        parameters with us (under partial views, the stage's peers we were brought a session with)."""
         st = self.server.stage
         if st is None:
             return set()
-        return {p.peer_id for p in self.stage_map(st.key)[st.stage] if not p.me and not self.banned(p.peer_id)}
+        connected = self.daemon.membership.connected()
+        return {p.peer_id for p in self.stage_map(st.key)[st.stage]
+                if not p.me and p.peer_id in connected and not self.banned(p.peer_id)}
 
     def banned(self, peer_id: str) -> str | None:
         """Why our drivers banned `peer_id` for lying in its stage's answers, or None."""
@@ -182,6 +211,30 @@ class PipelineService:
         if peer_id == self.me:
             return None  # a call to ourselves goes nowhere: our own stage is served to others only
         return self.daemon.membership.connected().get(peer_id)
+
+    async def reach(self, peer_id: str):
+        """The session with `peer_id`, dialed through membership if we have none (partial views: at the addresses
+        its fresh announcement names; one bounded lookup, peer/membership/reach.py). None under full views or
+        with no announced address; raises `Unreachable` (`ReachBusy`: too many lookups pending) otherwise."""
+        session = self.session_of(peer_id)
+        if session is not None or self.views is None or peer_id == self.me:
+            return session
+        ann = self.announcements().get(peer_id)
+        if ann is None or not ann.addresses:
+            return None
+
+        def reached() -> None:
+            self.dialed_servers += 1
+            self.dialed.append(peer_id)
+            log.info("reached stage %d server %s by its announcement's addresses", ann.stage, peer_id[:8])
+
+        return await self.views.reach.session(peer_id, list(ann.addresses), on_reached=reached)
+
+    def _in_use(self, peer_id: str) -> bool:
+        """Whether a call is out between us and `peer_id`: one of our drivers' at it, or its at our stage (its
+        session stays up meanwhile, however long the compute; once none is, the view driver closes it after
+        SESSION_IDLE_S without a message, as any idle session)."""
+        return self.server.per_peer.get(peer_id, 0) > 0 or any(d.calling(peer_id) for d in self.drivers.values())
 
     # ---- driving ------------------------------------------------------------------------------------
     def open_driver(self, key: PipelineKey, *, reply_shapes, in_flight: int, token, stopped,
@@ -238,6 +291,9 @@ class PipelineService:
                 "verify": driver.verifier.status(),
             }
         wall = time.time()
+        if self.views is not None:
+            out["reach"] = {"dialed_servers": self.dialed_servers, "dialed": list(self.dialed),
+                            **self.views.reach.status()}
         out["bans"] = [{"peer": p, "until": round(wall + left, 1), "reason": reason}
                        for p, left, reason in self.bans.active(now)]
         return out

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import trio
 
+from peer.membership.reach import Unreachable
 from peer.pipeline.copies import CopyUnreadable, KeptCopy, remove_files, remove_stale
 from peer.pipeline.directory import PipelineKey
 from peer.session.groups import IncomingGroup, OutgoingGroup
@@ -229,7 +230,10 @@ class StageStates:
             raise
 
     async def _fetch(self, key: PipelineKey, stage: int, peer_id: str, check: SpecCheck) -> FetchedState:
-        session = self.service.session_of(peer_id)
+        try:  # under partial views a holder we have no session with is dialed (one bounded lookup)
+            session = self.service.session_of(peer_id) or await self.service.reach(peer_id)
+        except Unreachable as exc:
+            raise StateUnavailable(f"not reached: {exc}") from None
         if session is None:
             raise StateUnavailable("no session with it")
         t0 = trio.current_time()

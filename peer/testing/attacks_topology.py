@@ -50,7 +50,7 @@ def signed_record_body(*, neighbours: list[str], links: list[list], key=None, st
 def _stage_namespace(stage: dict) -> SimpleNamespace:
     """The attribute view of a stage announcement that the signing bytes read (optional fields defaulted)."""
     full = {"step": 0, "moving_to": -1, "moved_from": -1, "copies": [], "profiles": [], "memory_mib": 0,
-            "stage_room_mib": 0, "memory_used_mib": 0, **stage}
+            "stage_room_mib": 0, "memory_used_mib": 0, "addresses": [], **stage}
     full["copies"] = [SimpleNamespace(**c) for c in full["copies"]]
     full["profiles"] = [SimpleNamespace(**p) for p in full["profiles"]]
     return SimpleNamespace(**full)
@@ -73,6 +73,13 @@ BAD_RECORDS = {  # the field the victim must name in its reason -> a record bad 
     "copies": lambda: signed_record_body(neighbours=[], links=[], stage={
         "pipeline": "p", "stage": 0, "stages": 2, "samples_per_s": 1.0, "queue": 0, "cuts": [1],
         "copies": [{"stage": 1, "step": i} for i in range(50)]}),
+    # addresses for drivers to dial (partial views): more than an entry carries, or one no dialer could parse
+    "addresses": lambda: signed_record_body(neighbours=[], links=[], stage={
+        "pipeline": "p", "stage": 0, "stages": 2, "samples_per_s": 1.0, "queue": 0, "cuts": [1],
+        "addresses": [f"127.0.0.1:{1000 + i}" for i in range(50)]}),
+    "neither host:port": lambda: signed_record_body(neighbours=[], links=[], stage={
+        "pipeline": "p", "stage": 0, "stages": 2, "samples_per_s": 1.0, "queue": 0, "cuts": [1],
+        "addresses": ["127.0.0.1:4000/../../etc"]}),
     # more averaging groups than a record may list, or a name past the limit (each would make every
     # receiver hold and search it)
     "groups": lambda: signed_record_body(neighbours=[], links=[], groups=[f"g{i}" for i in range(100)]),

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol.addresses import MAX_ENTRY_ADDRESSES, parse_address, parse_relayed
 from protocol.schema.gossip import TensorSpec
+from protocol.schema.session import MAX_ADDRESS_CHARS
 
 from protocol.message_fields import U64
 from protocol.messages import Message
@@ -79,6 +81,18 @@ CALL_KINDS = ("forward", "backward", "loss", "evaluate")
 def _check_name(value: str) -> None:
     if not 0 < len(value) <= MAX_NAME_CHARS:
         raise ValueError(f"pipeline name must have 1..{MAX_NAME_CHARS} characters, got {len(value)}")
+
+
+def _check_addresses(addresses: list[str]) -> None:
+    """A server's addresses to dial it at: few, short, and each a direct "host:port" or a relayed one (the
+    dialer's limits and per-host backoff still apply: they are the server's own claim)."""
+    if len(addresses) > MAX_ENTRY_ADDRESSES:
+        raise ValueError(f"{len(addresses)} addresses (at most {MAX_ENTRY_ADDRESSES})")
+    for a in addresses:
+        if not 0 < len(a) <= MAX_ADDRESS_CHARS:
+            raise ValueError(f"an address must have 1..{MAX_ADDRESS_CHARS} characters, got {len(a)}")
+        if parse_address(a) is None and parse_relayed(a) is None:
+            raise ValueError(f"address {a[:40]!r} is neither host:port nor host:port/relay/<peer ID>")
 
 
 def _check_stage(stage: int, stages: int) -> None:
@@ -158,9 +172,13 @@ class StageAnnouncement:
     memory_mib: int = 0  # its memory budget ([pipeline] memory_mib or what was free at start; 0: not said)
     stage_room_mib: int = 0  # of which a stage may use (the budget less what the process held before any block)
     memory_used_mib: int = 0  # what it holds now
+    # where to dial it (direct, then up to two relayed: its view entry's), for a driver with no session with it;
+    # announced under `[membership] views = "partial"` only (a full view dials every peer anyway)
+    addresses: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_name(self.pipeline)
+        _check_addresses(self.addresses)
         if len(self.profiles) > MAX_PROFILED_BLOCKS:
             raise ValueError(f"{len(self.profiles)} block profiles (at most {MAX_PROFILED_BLOCKS})")
         for name in ("memory_mib", "stage_room_mib", "memory_used_mib"):

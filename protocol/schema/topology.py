@@ -124,7 +124,8 @@ def _stage_signing_list(a: StageAnnouncement) -> list:
         + ([] if not a.profiles else [["profiles", [[b.block, float(b.seconds), b.out_bytes, b.param_bytes]
                                                     for b in a.profiles]]]) \
         + ([] if not (a.memory_mib or a.stage_room_mib or a.memory_used_mib)
-           else [["memory", a.memory_mib, a.stage_room_mib, a.memory_used_mib]])
+           else [["memory", a.memory_mib, a.stage_room_mib, a.memory_used_mib]]) \
+        + ([] if not a.addresses else [["addresses", list(a.addresses)]])
 
 
 @dataclass(frozen=True, slots=True)
