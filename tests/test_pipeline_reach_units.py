@@ -29,9 +29,10 @@ from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS
 from protocol.refusal import Code, Refused
 from protocol.schema import DEFAULT_REGISTRY, TopologyRecords
-from protocol.schema.pipeline import StageAnnouncement
+from protocol.schema.pipeline import MAX_SAMPLES_PER_S, MAX_STEP, StageAnnouncement
 from protocol.schema.session import MAX_ADDRESS_CHARS
-from protocol.schema.topology import (MAX_RECORD_LINKS, MAX_RECORD_NEIGHBOURS, LinkReport, TopologyRecord,
+from protocol.schema.training import MAX_FIGURE_LOSS, TrainingFigures
+from protocol.schema.topology import (MAX_GROUP_CHARS, MAX_RECORD_GROUPS, MAX_RECORD_LINKS, MAX_RECORD_NEIGHBOURS, LinkReport, TopologyRecord,
                                       topology_record_signing_bytes)
 
 KEY = PipelineKey("p", (1,))
@@ -100,7 +101,9 @@ def test_a_largest_record_with_a_largest_announcement_is_small_enough_to_batch()
                             addresses=["h" * (MAX_ADDRESS_CHARS - 6) + ":65535"] * MAX_ENTRY_ADDRESSES)
     rec = TopologyRecord(peer_id="p" * 20, public_key=b"k" * 32, version=2**63, issued=1e9,
                          neighbours=["n" * 64] * MAX_RECORD_NEIGHBOURS,
-                         links=[LinkReport("l" * 64, 1e9, 1.0)] * MAX_RECORD_LINKS, signature=b"s" * 64, stage=ann)
+                         links=[LinkReport("l" * 64, 1e9, 1.0)] * MAX_RECORD_LINKS, signature=b"s" * 64, stage=ann,
+                         groups=["g" * MAX_GROUP_CHARS] * MAX_RECORD_GROUPS,
+                         training=TrainingFigures(MAX_STEP, MAX_FIGURE_LOSS, 1.0, MAX_SAMPLES_PER_S))
     assert len(DEFAULT_REGISTRY.encode(TopologyRecords(records=[rec]))) < 24 * 1024 < DEFAULT_LIMITS.max_message_bytes
 
 
