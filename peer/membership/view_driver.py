@@ -68,6 +68,9 @@ CACHE_CONTACTS = 16
 """Peers of the peer cache (peer/membership/store.py: sessions of an earlier run, most recent first) kept as
 contacts to join through when no --join or mDNS peer is at hand; the rest are forgotten like any unused
 peer. A few suffice: any live member of the swarm lets us in."""
+ADDRESS_WAIT_S = 10.0
+"""Longest a peer with no address to advertise (behind NAT, no relay reservation yet) waits to join: a
+reservation takes a dial-back verdict and a request, about 2 s on loopback; seconds more on the internet."""
 LINK_GRACE_S = 2.0
 """A neighbour's session that ends stays an edge this long: a session replaced by another (a hole punch
 swapping the relayed session for a direct one) ends just before its successor comes up, and the edge
@@ -110,6 +113,8 @@ class ViewDriver:
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
         self._next_local_contact = 0.0
+        self._started = trio.current_time()
+        self._deferred_join: str | None = None  # a contact to join through once we have an address (_join)
         m.router.register(ViewPacket, self._on_packet)
         m.watch(self._on_session)
         m.dialer.wanted = lambda peer: peer in self.outbox or self.reach.wanted(peer)
@@ -237,6 +242,18 @@ class ViewDriver:
         self.sent_messages += 1
         self.sent_bytes += wire_size(msg)
 
+    def _join(self, contact: str, now: float) -> None:
+        """Join through `contact`, once our entry names an address to reach us at: a peer behind NAT has none
+        until a relay holds a reservation for it, and the entry its Join spreads is what the others keep (one
+        without addresses left peers unable to link with it until a retry). At most ADDRESS_WAIT_S after the
+        start: a peer nobody can dial still joins, over the sessions it makes."""
+        self.views.me = self.my_entry()
+        if not self.views.me.addresses and now < self._started + ADDRESS_WAIT_S:
+            self._deferred_join = contact
+            return
+        self._deferred_join = None
+        self._apply(self.views.join(self._entry_of(contact), now))
+
     def _need_contact(self, reason: str) -> None:
         """Join again: through a --join peer we have a session with, else dial the --join addresses (the
         join goes out when a session comes up: `_on_session`), else through an mDNS peer."""
@@ -245,7 +262,7 @@ class ViewDriver:
         targets = self.m.dialer.bootstrap
         for t in targets:
             if t.peer_id and t.peer_id in sessions:
-                self._apply(self.views.join(self._entry_of(t.peer_id), trio.current_time()))
+                self._join(t.peer_id, trio.current_time())
                 return
         if targets:
             self.contact_wanted = True
@@ -269,7 +286,7 @@ class ViewDriver:
                 # mDNS peers that start together all see much the same peers: joining through the same one
                 # (the smallest ID) keeps them from splitting into groups that joined through different ones
                 contact = min(found) if source == "mdns" else random.choice(found)
-                self._apply(self.views.join(self._entry_of(contact), now))
+                self._join(contact, now)
                 return
 
     # ---- events -------------------------------------------------------------------------------------
@@ -287,7 +304,7 @@ class ViewDriver:
         self._flush(peer, session)
         if self.contact_wanted and session.initiator and any(t.peer_id == peer for t in self.m.dialer.bootstrap):
             self.contact_wanted = False
-            self._apply(self.views.join(self._entry_of(peer), now))
+            self._join(peer, now)
             self._wake.set()
 
     async def _on_packet(self, session: Session, env) -> None:
@@ -317,6 +334,8 @@ class ViewDriver:
 
     # ---- housekeeping -------------------------------------------------------------------------------
     def _housekeeping(self, now: float) -> None:
+        if self._deferred_join is not None:
+            self._join(self._deferred_join, now)
         sessions = self.m.connected()
         for peer, deadline in list(self._lost.items()):
             if peer in sessions or peer not in self.views.active:

@@ -36,7 +36,8 @@ def signed_record_body(*, neighbours: list[str], links: list[list], key=None, st
     ns = SimpleNamespace(peer_id=ident.peer_id_from_public_bytes(pub), public_key=pub, version=1,
                          issued=time.time(), neighbours=neighbours,
                          links=[SimpleNamespace(peer=p, bandwidth_bps=b, rtt_s=r) for p, b, r in links],
-                         stage=None if stage is None else _stage_namespace(stage), groups=list(groups or []))
+                         stage=None if stage is None else _stage_namespace(stage), groups=list(groups or []),
+                         training=None)
     body = {"peer_id": ns.peer_id, "public_key": pub, "version": 1, "issued": ns.issued, "neighbours": neighbours,
             "links": [{"peer": p, "bandwidth_bps": b, "rtt_s": r} for p, b, r in links],
             "signature": ident.sign(key, topology_record_signing_bytes(ns))}
