@@ -21,6 +21,7 @@ from peer.peer_curves import PEER_CURVE_POINTS, PeerCurves
 from peer.training_curve import MAX_POINTS, TrainingCurve
 from protocol.schema.training import TrainingFigures
 from tests.dashboard_feed import check_feed
+from tests.test_metrics_prometheus import _exchange
 
 TOKEN = "s3cret-token-0123456789"
 
@@ -177,20 +178,6 @@ def test_a_peer_status_of_full_curves_stays_small():
 
 
 # ---- the HTTP server with a token -----------------------------------------------------------------------------
-
-async def _exchange(server: HttpServer, request: bytes, *, close_after: bool = True) -> bytes:
-    client, srv = trio.testing.memory_stream_pair()
-    got = bytearray()
-    async with trio.open_nursery() as n:
-        n.start_soon(server.handle, srv)
-        if request:
-            await client.send_all(request)
-        if close_after:
-            await client.send_eof()
-        while chunk := await client.receive_some():
-            got += chunk
-    return bytes(got)
-
 
 def _dashboard_like(token: str = TOKEN) -> HttpServer:
     async def boom(req):

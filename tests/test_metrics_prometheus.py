@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from peer.metrics.collector import DaemonCollector
-from peer.metrics.http import MAX_CONNECTIONS, MAX_HEAD_BYTES, READ_DEADLINE_S, MetricsServer
+from peer.metrics.http import MAX_CONNECTIONS, MAX_HEAD_BYTES, READ_DEADLINE_S, HttpServer, MetricsServer
 from peer.testing.swarm import swarm_config
 from tests.daemons import rank_env, unique_swarm
 
@@ -140,7 +140,7 @@ def test_two_averaging_daemons_export_their_state_and_survive_bad_requests(clust
 
 # ---- the HTTP server, in process ----------------------------------------------------------------------
 
-async def _exchange(server: MetricsServer, request: bytes, *, close_after: bool = True) -> bytes:
+async def _exchange(server: HttpServer, request: bytes, *, close_after: bool = True) -> bytes:
     """Run one connection through `server.handle` over an in-memory stream; what the client got back."""
     client, srv = trio.testing.memory_stream_pair()
     got = bytearray()

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from peer.config import parse_hostport
 from peer.dashboard import feed
 from peer.metrics.http import HttpServer, Reply, Request
 from peer.nat.addresses import format_hostport
@@ -71,13 +70,8 @@ class DashboardService:
         return Reply(feed.encode(feed.build(self.daemon.status(), graph)), "application/json", _SAFE)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        host, port = parse_hostport(self.daemon.config.dashboard.listen, what="[dashboard] listen")
-        try:
-            listeners = await trio.open_tcp_listeners(port, host=host)
-        except OSError as exc:
-            raise OSError(exc.errno, f"[dashboard] listen: cannot listen on {format_hostport(host, port)}: "
-                                     f"{exc.strerror}") from None
-        self.bound = tuple(listeners[0].socket.getsockname()[:2])
+        listeners, self.bound = await self.server.open_listeners(self.daemon.config.dashboard.listen,
+                                                                 what="[dashboard] listen")
         log.info("dashboard at %s", self.url())
         task_status.started()
         await self.server.serve(listeners)

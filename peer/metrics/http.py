@@ -23,6 +23,9 @@ from urllib.parse import parse_qs
 
 import trio
 
+from peer.config import parse_hostport
+from peer.nat.addresses import format_hostport
+
 log = logging.getLogger("peertrain.http")
 
 # A scraper's or a browser's request is a few hundred bytes (a browser's up to ~2 KB with its cookies for
@@ -162,6 +165,17 @@ class HttpServer:
 
     async def serve(self, listeners: list[trio.SocketListener]) -> None:
         await trio.serve_listeners(self.handle, listeners)
+
+    @staticmethod
+    async def open_listeners(listen: str, *, what: str) -> tuple[list[trio.SocketListener], tuple[str, int]]:
+        """Listeners on `listen` (HOST:PORT; port 0 picks a free one) and the address bound; an OSError that
+        names the config key `what` when the address cannot be had."""
+        host, port = parse_hostport(listen, what=what)
+        try:
+            listeners = await trio.open_tcp_listeners(port, host=host)
+        except OSError as exc:
+            raise OSError(exc.errno, f"{what}: cannot listen on {format_hostport(host, port)}: {exc.strerror}") from None
+        return listeners, tuple(listeners[0].socket.getsockname()[:2])
 
     async def handle(self, stream: trio.abc.Stream) -> None:
         if self.active >= MAX_CONNECTIONS:

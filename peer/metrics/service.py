@@ -14,7 +14,6 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from peer.config import parse_hostport
 from peer.metrics.collector import DaemonCollector
 from peer.metrics.http import METRICS_PATH, MetricsServer
 from peer.nat.addresses import format_hostport
@@ -36,13 +35,8 @@ class MetricsService:
         self.bound: tuple[str, int] = ("", 0)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        host, port = parse_hostport(self.daemon.config.metrics.listen, what="[metrics] listen")
-        try:
-            listeners = await trio.open_tcp_listeners(port, host=host)
-        except OSError as exc:
-            raise OSError(exc.errno, f"[metrics] listen: cannot listen on {format_hostport(host, port)}: "
-                                     f"{exc.strerror}") from None
-        self.bound = tuple(listeners[0].socket.getsockname()[:2])
+        listeners, self.bound = await self.server.open_listeners(self.daemon.config.metrics.listen,
+                                                                 what="[metrics] listen")
         log.info("Prometheus metrics at http://%s%s", format_hostport(*self.bound), METRICS_PATH)
         task_status.started()
         await self.server.serve(listeners)
