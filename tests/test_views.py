@@ -205,6 +205,25 @@ def test_unsolicited_answers_change_nothing():
     assert "peer0000000000000007" not in v.passive and "peer0000000000000008" not in v.passive
 
 
+def test_a_status_heals_an_edge_that_only_one_end_counts():
+    """A Disconnect lost with a session leaves one end counting the edge: the next Status settles it."""
+    from peer.membership.views import Neighbour
+
+    me, them, other = entry(0), entry(1), entry(2)
+    v = Views(me, QUIET, random.Random(0))
+    # they count us, we do not: we tell them so
+    out = v.handle(them.peer_id, Status(3, (me, other), None), 1.0)
+    assert any(isinstance(a, Send) and isinstance(a.msg, Disconnect) and a.to.peer_id == them.peer_id for a in out)
+    # we count them, they do not: the edge goes, and the repair looks for another
+    v.active[them.peer_id] = Neighbour(them, 3, 0.0)
+    out = v.handle(them.peer_id, Status(3, (other,), None), 2.0)
+    assert them.peer_id not in v.active
+    assert EdgeDown(them.peer_id, "not in their view") in out
+    # a Status that lists us from a neighbour: just its figures
+    v.active[them.peer_id] = Neighbour(them, 3, 0.0)
+    assert not v.handle(them.peer_id, Status(5, (me, other), 1e9), 3.0) and v.active[them.peer_id].degree == 5
+
+
 # ---- bounded whatever happens -------------------------------------------------------------------------
 
 def _messages(ids: st.SearchStrategy[int]) -> st.SearchStrategy:

@@ -613,9 +613,22 @@ class Views:
             self._short_met(e, msg.degree, now)
 
     def _on_Status(self, sender: str, msg: Status, now: float) -> None:
+        """A neighbour's degree, neighbours and fastest link. It also heals an edge one end lost track of (a
+        Disconnect or a reply lost with a session that closed under it): a Status comes after every edge
+        change and every `status_interval`, and on one session after whatever that peer said before it."""
         n = self.active.get(sender)
+        lists_me = any(e.peer_id == self.me.peer_id for e in msg.neighbours)
         if n is None:
-            return  # a Status that crossed our edge's end
+            if lists_me and sender not in self.pending:  # it counts an edge to us that we do not have
+                self._send(Entry(sender, self._addresses(sender)), Disconnect(None))
+            return  # else a Status that crossed our edge's end
+        if not lists_me:  # we count an edge it does not: its Disconnect never reached us
+            del self.active[sender]
+            self._out.append(EdgeDown(sender, "not in their view"))
+            self._mark_status(now)
+            self._to_passive(n.entry)
+            self._repair(now)
+            return
         n.degree = msg.degree
         n.neighbours = msg.neighbours[: self.cfg.max_degree * 2]
         n.fastest_bps = msg.fastest_bps
