@@ -88,6 +88,39 @@ def test_fourteen_daemons_form_a_connected_bounded_graph(cluster, tmp_path):
     assert "partial view" in console.file.getvalue() and "local gap" in console.file.getvalue()
 
 
+@pytest.mark.serial  # 32 daemons take the whole machine for a while
+def test_thirty_two_daemons_converge_to_a_connected_graph_with_bounded_records(cluster, tmp_path):
+    """The issue's count: 32 daemons joining through one contact form one connected graph of active views,
+    degrees in bounds, and what each holds (its views' state, the peers it knows, its sessions) stays near
+    its degree, not the swarm's size."""
+    n, swarm = 32, unique_swarm()
+    first = cluster.start("w1", config=partial_config(swarm, []))
+    listen = first.wait_ready()["listen"]
+    ds = [first] + [cluster.start(f"w{i}", config=partial_config(swarm, [listen])) for i in range(2, n + 1)]
+    for d in ds:
+        d.wait_ready(timeout=60)
+    took = cluster.wait(lambda sts: settled(sts, n, MIN_DEGREE, MAX_DEGREE), timeout=120, interval=1.0,
+                        what=f"{n} partial views to form one connected graph, degrees {MIN_DEGREE}..{MAX_DEGREE}")
+    g = view_graph(cluster.statuses())
+    print(f"{n} daemons settled in {took:.1f} s: {g}")
+    assert g["state_bytes_max"] < 16 * 1024 and g["passive_max"] <= n, g
+    # sessions made while joining close once idle; the contact, which met everyone, comes down too
+    # (shuffles make a session with a random passive peer every 30 s, so a few more come and go)
+    def bounded(sts) -> bool:
+        sessions, known = [s["connected"] for s in sts], [len(s["peers"]) for s in sts]
+        return (statistics.mean(sessions) <= MAX_DEGREE and statistics.mean(known) <= 2 * MAX_DEGREE
+                and max(sessions) <= 2 * MAX_DEGREE)
+    try:
+        cluster.wait(bounded, timeout=SESSION_IDLE_S + 60, interval=2.0,
+                     what="every daemon's sessions and known peers to stay bounded")
+    except TimeoutError:
+        sts = cluster.statuses()
+        raise AssertionError(f"sessions {sorted(s['connected'] for s in sts)}, known peers "
+                             f"{sorted(len(s['peers']) for s in sts)}") from None
+    sts = cluster.statuses()
+    print(f"then sessions {sorted(s['connected'] for s in sts)}, known peers {sorted(len(s['peers']) for s in sts)}")
+
+
 def test_the_survivors_of_frozen_peers_repair_their_views(cluster, tmp_path):
     """10 daemons, 3 frozen at once (SIGSTOP: no goodbye, no closed socket, and a dial to one hangs in its
     handshake): the 7 left learn it when their sessions go silent (`dead_after`), pair up with their lost
