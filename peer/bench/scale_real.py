@@ -26,6 +26,7 @@ from pathlib import Path
 from peer.config import Config
 from peer.testing.swarm import LocalSwarm, swarm_config, unique_swarm
 from peer.testing.views import settled, view_graph
+from peer.topology.local_gap import GapConfig
 
 READY_TIMEOUT = 120.0  # N daemons importing torch at once on 2 cores: tens of seconds
 MEMBERSHIP = {"views": "partial"}
@@ -50,10 +51,13 @@ def run_real(n: int, root: Path, *, settle: float, steady: float, timeout: float
     swarm = unique_swarm("scale")
     with LocalSwarm(root) as ls:
         t0 = time.monotonic()
-        first = ls.start("node1", config=partial_config(swarm, []))
+        # one gap-estimate epoch a steady window, as the simulator runs one in its own (wall-clock epochs:
+        # a window of that length holds one epoch's start; its 60 rounds may run past the window's end)
+        gap = {"membership": {"gap_every": max(steady, GapConfig.rounds * GapConfig.round_interval)}}
+        first = ls.start("node1", config=partial_config(swarm, [], **gap))
         listen = first.wait_ready(timeout=READY_TIMEOUT)["listen"]
         for i in range(2, n + 1):
-            ls.start(f"node{i}", config=partial_config(swarm, [listen]))
+            ls.start(f"node{i}", config=partial_config(swarm, [listen], **gap))
         ls.wait(lambda sts: all(sts), timeout=READY_TIMEOUT, what=f"{n} daemons to answer", interval=1.0)
         started = time.monotonic() - t0
         log(f"{n} daemons up in {started:.0f} s")
@@ -96,15 +100,14 @@ def run_real(n: int, root: Path, *, settle: float, steady: float, timeout: float
 
 
 def compare(real: dict, sim: dict) -> dict:
-    """real / simulated for the figures both measure alike (1.0: the same). The daemon runs no gap-estimate
-    rounds yet, so the simulator's state is taken without the estimator's (`state_bytes_views_only`) and
-    its traffic as view messages only: its `control_bits_per_s_views_only` also prices each dial's
-    handshake, which the daemon's view-byte counters do not see, so those bytes are taken out here."""
+    """real / simulated for the figures both measure alike (1.0: the same): state with the gap estimator's
+    (both run it), and traffic as view messages and gap rounds: the simulator's control figure also prices
+    each dial's handshake, which the daemon's view-byte counters do not see, so those bytes are left out."""
     by_type = sim.get("steady_bytes_by_message", {})
     peers, steady = sim.get("peers") or 0, sim.get("steady_seconds") or 0
-    messages = sum(v for k, v in by_type.items() if k.startswith("view_"))
+    messages = sum(v for k, v in by_type.items() if k.startswith("view_") or k == "gap_round")
     sim_bits = 8 * messages / (peers * steady) if peers and steady else None
-    pairs = {"state_bytes_per_peer": sim.get("state_bytes_views_only"),
+    pairs = {"state_bytes_per_peer": sim.get("state_bytes_per_peer"),
              "control_bits_per_s_per_peer": sim_bits, "mean_degree": sim.get("mean_degree")}
     out: dict = {"simulated_view_message_bits_per_s_per_peer": None if sim_bits is None else round(sim_bits, 1)}
     for name, b in pairs.items():

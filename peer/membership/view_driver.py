@@ -137,8 +137,10 @@ class ViewDriver:
 
     def status(self) -> dict:
         v = self.views
+        # what the rules hold, serialized: the views' and the gap estimator's (as the simulator counts it)
+        state = v.state_bytes() + (0 if self.gap is None else len(encode(self.gap.estimator.state_for_size())))
         return {"active": sorted(v.active), "degree": v.degree, "passive": len(v.passive), "pending": len(v.pending),
-                "outbox": len(self.outbox), "state_bytes": v.state_bytes(), "sent_bytes": self.sent_bytes,
+                "outbox": len(self.outbox), "state_bytes": state, "sent_bytes": self.sent_bytes,
                 "received_bytes": self.received_bytes, "sent_messages": self.sent_messages,
                 "received_messages": self.received_messages, "idle_sessions_closed": self.closed_sessions,
                 "moves": dict(v.moves), "contact_wanted": self.contact_wanted, "reach": self.reach.status(),
