@@ -118,7 +118,8 @@ def test_the_real_bench_reads_the_graph_the_active_views_form():
     g = view_graph(split)
     assert not g["connected"] and g["largest_component"] == 2 and g["edges_one_sided"] == 1
     sim = {"peers": 4, "steady_seconds": 10.0, "state_bytes_per_peer": 2000, "mean_degree": 2.0,
-           "steady_bytes_by_message": {"handshake": 10_000, "view_shuffle": 400, "gap_round": 100}}
+           "steady_bytes_by_message": {"handshake": 10_000, "view_shuffle": 400, "view_status": 100},
+           "control_bits_per_s_per_peer": 2100.0, "control_bits_per_s_views_only": 2000.0}  # 100 of gap rounds
     r = compare({"state_bytes_per_peer": 1000, "control_bits_per_s_per_peer": 50.0, "mean_degree": 2.0}, sim)
-    assert r == {"simulated_view_message_bits_per_s_per_peer": 100.0, "state_bytes_per_peer": 0.5,
-                 "control_bits_per_s_per_peer": 0.5, "mean_degree": 1.0}
+    assert r == {"simulated_view_message_bits_per_s_per_peer": 200.0, "state_bytes_per_peer": 0.5,
+                 "control_bits_per_s_per_peer": 0.25, "mean_degree": 1.0}

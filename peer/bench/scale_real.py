@@ -105,8 +105,10 @@ def compare(real: dict, sim: dict) -> dict:
     each dial's handshake, which the daemon's view-byte counters do not see, so those bytes are left out."""
     by_type = sim.get("steady_bytes_by_message", {})
     peers, steady = sim.get("peers") or 0, sim.get("steady_seconds") or 0
-    messages = sum(v for k, v in by_type.items() if k.startswith("view_") or k == "gap_round")
-    sim_bits = 8 * messages / (peers * steady) if peers and steady else None
+    messages = sum(v for k, v in by_type.items() if k.startswith("view_"))
+    # the gap rounds are counted per peer, apart from the messages by type: all control less the views'
+    gap_bits = (sim.get("control_bits_per_s_per_peer") or 0.0) - (sim.get("control_bits_per_s_views_only") or 0.0)
+    sim_bits = 8 * messages / (peers * steady) + gap_bits if peers and steady else None
     pairs = {"state_bytes_per_peer": sim.get("state_bytes_per_peer"),
              "control_bits_per_s_per_peer": sim_bits, "mean_degree": sim.get("mean_degree")}
     out: dict = {"simulated_view_message_bits_per_s_per_peer": None if sim_bits is None else round(sim_bits, 1)}
