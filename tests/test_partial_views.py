@@ -175,8 +175,11 @@ def test_a_restarted_daemon_without_join_finds_the_swarm_through_its_peer_cache(
 
 
 def test_a_digits_swarm_trains_with_partial_views(cluster, tmp_path):
-    """The 4-peer digits swarm of tests/test_training.py, with partial views (and mDNS, its contacts)."""
-    cfg = digits_config(tmp_path / "c.toml", membership={"views": "partial"})
+    """The 4-peer digits swarm of tests/test_training.py, with partial views (and mDNS, its contacts). A job
+    waits for peers whose records say they train it, and under partial views records go to neighbours only:
+    it waits for its target degree's worth (2), not world - 1 (it would wait out `join_wait`, then train
+    alone while the others finish)."""
+    cfg = digits_config(tmp_path / "c.toml", membership={"views": "partial"}, min_peers=2)
     ds = [cluster.start(f"t{i}", config=cfg, env=rank_env(i, 4)) for i in range(4)]
     wait_for(lambda: done(ds), timeout=150, interval=0.5, what="4 peers with partial views to finish training")
     sts = [d.status() for d in ds]

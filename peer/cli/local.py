@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from peer.home import Home
+from peer.testing.process import ProcessExited
 from peer.testing.swarm import NODE_PREFIX, LocalSwarm, node_homes, rank_env
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.toml"
@@ -180,9 +181,20 @@ def _start_demo_nodes(swarm: LocalSwarm, n: int, config: Path) -> None:
     key = cfg.security.swarm_key_file
     if key and not Path(key).is_absolute():  # node1's copy of the config lives in its home, not beside the key
         cfg = cfg.replace(security={"swarm_key_file": str((config.parent / key).resolve())})
-    if not cfg.dashboard.listen:
+    chosen = not cfg.dashboard.listen
+    if chosen:
         cfg = cfg.replace(dashboard={"listen": _demo_dashboard_listen()})
-    swarm.start(f"{NODE_PREFIX}1", config=cfg, env=rank_env(0, n))
+    node1 = swarm.start(f"{NODE_PREFIX}1", config=cfg, env=rank_env(0, n))
+    if chosen and not cfg.dashboard.listen.endswith(":0"):
+        # the port was free when we looked; another demo may have taken it since (node1 then stops at start,
+        # saying so): node1 again, on any free port, before its peers count on it
+        try:
+            node1.wait_until(lambda st: (st.get("dashboard") or {}).get("url"), timeout=DASHBOARD_WAIT_S,
+                             what="its dashboard to listen", interval=0.2)
+        except ProcessExited:
+            swarm.restart(node1, config=cfg.replace(dashboard={"listen": "127.0.0.1:0"}))
+        except TimeoutError:
+            pass  # slow to start: the demo's own deadline decides
     for i in range(1, n):
         swarm.start(f"{NODE_PREFIX}{i + 1}", config=config, env=rank_env(i, n))
 

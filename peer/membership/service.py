@@ -37,6 +37,9 @@ from protocol.schema import Goodbye, PeerExchange, PeerRecord, Ping, Pong, peer_
 
 log = logging.getLogger("peertrain.membership")
 
+RTT_REFRESH_S = 10.0
+"""A busy session (its peer answers our other requests) is still pinged this often, and at once while it has
+no RTT: the figure `peer status` shows and the link estimates start from."""
 REPLACED_DRAIN_S = 2.0
 """A relayed session replaced by a direct one (a hole punch) stays open this long, unused for anything new,
 so a request or a reply already on its way over it still arrives: closing it at once lost them (a view's
@@ -349,16 +352,18 @@ class Membership:
         them) once counted as alive and stalled everything we sent it. Any reply proves what a pong does (it
         read our request and answered), so a session busy with averaging or pipeline calls is not pinged: at
         a swarm's scale pings were most of a peer's control traffic (docs/benchmarks.md, 2026-11-27). Its RTT
-        then keeps the last ping's figure."""
+        then keeps its last ping's figure, refreshed every RTT_REFRESH_S."""
         dead_after = self.cfg.dead_after
-        last_pong = trio.current_time()
+        last_pong = last_ping = trio.current_time()
         while True:
             await trio.sleep(self.cfg.heartbeat_interval)
             t0 = trio.current_time()
             last_pong = max(last_pong, session.stats.last_answered)
-            if t0 - last_pong < self.cfg.heartbeat_interval:
+            if (t0 - last_pong < self.cfg.heartbeat_interval and info.rtt is not None
+                    and t0 - last_ping < RTT_REFRESH_S):
                 info.last_seen = time.time()
                 continue
+            last_ping = t0
             wait = last_pong + dead_after - t0
             if wait > 0:
                 try:
