@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from peer.bench.scale_sim import SimConfig, Simulator, components, consensus_time
+from peer.membership.gap_driver import estimator_state_bytes
 from peer.membership.views import ViewConfig
 from peer.topology.fixed import random_regular
 from peer.topology.local_gap import GapConfig
@@ -150,7 +151,7 @@ def run_sim(*, peers: int, steady: float, churn: float, recover: float, seed: in
     rr = np.array(sorted(sorted(index[x] for x in e) for e in random_regular(ids, d_rr, seed)), dtype=np.int64)
     gap_rr = sparse_spectral_gap(n, rr)
     readings = [p.gap.reading for p in live if p.gap.reading is not None]
-    state = [p.views.state_bytes() + _gap_state(p) for p in live]
+    state = [p.views.state_bytes() + estimator_state_bytes(p.gap) for p in live]
     log(f"gap {gap:.4f} vs random {d_rr}-regular {gap_rr:.4f} ({time.monotonic() - wall0:.0f} s)")
 
     result: dict = {
@@ -252,12 +253,6 @@ def _moves(peers) -> dict[str, int]:
         for k, v in p.views.moves.items():
             out[k] = out.get(k, 0) + v
     return out
-
-
-def _gap_state(p) -> int:
-    from peer.membership.view_messages import encode
-
-    return len(encode(p.gap.state_for_size()))
 
 
 def _met(value, op: str, bound: float) -> bool | None:

@@ -22,11 +22,11 @@ from peer.testing.process import ProcessExited
 from peer.testing.swarm import NODE_PREFIX, LocalSwarm, node_homes, rank_env
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.toml"
-PIPELINE_TRAINER = "trainers.swarm_pipeline"
+PIPELINE_TRAINER = "trainers.swarm_pipeline"  # the trainer whose peers keep serving once they are done driving
 # node1's dashboard in a demo: a fixed port, so the README's SSH tunnel line works as written; a busy one
 # falls back to a free port (printed either way)
 DEMO_DASHBOARD_PORT = 8470
-DASHBOARD_WAIT_S = 30.0  # node1 answers with its dashboard's address within seconds; past this, the demo goes on without  # the trainer whose peers keep serving once they are done driving
+DASHBOARD_WAIT_S = 30.0  # node1 answers with its dashboard's address within seconds; past this, the demo goes on without
 
 
 def collect(root: Path, names: set[str] | None = None) -> list[dict]:
@@ -189,8 +189,7 @@ def _start_demo_nodes(swarm: LocalSwarm, n: int, config: Path) -> None:
         # the port was free when we looked; another demo may have taken it since (node1 then stops at start,
         # saying so): node1 again, on any free port, before its peers count on it
         try:
-            node1.wait_until(lambda st: (st.get("dashboard") or {}).get("url"), timeout=DASHBOARD_WAIT_S,
-                             what="its dashboard to listen", interval=0.2)
+            _wait_dashboard(node1)
         except ProcessExited:
             swarm.restart(node1, config=cfg.replace(dashboard={"listen": "127.0.0.1:0"}))
         except TimeoutError:
@@ -199,13 +198,16 @@ def _start_demo_nodes(swarm: LocalSwarm, n: int, config: Path) -> None:
         swarm.start(f"{NODE_PREFIX}{i + 1}", config=config, env=rank_env(i, n))
 
 
+def _wait_dashboard(node) -> str:
+    """`node`'s dashboard address, once it serves; ProcessExited if it stops, TimeoutError past DASHBOARD_WAIT_S."""
+    return node.wait_until(lambda st: (st.get("dashboard") or {}).get("url"), timeout=DASHBOARD_WAIT_S,
+                           what="its dashboard to listen", interval=0.2)
+
+
 def _dashboard_url(swarm: LocalSwarm) -> str | None:
     """node1's dashboard address, once it serves (None if it does not within DASHBOARD_WAIT_S)."""
-    from peer.testing.process import ProcessExited
-
     try:
-        return swarm.daemons[0].wait_until(lambda st: (st.get("dashboard") or {}).get("url"), timeout=DASHBOARD_WAIT_S,
-                                           what="its dashboard to listen", interval=0.2)
+        return _wait_dashboard(swarm.daemons[0])
     except (TimeoutError, ProcessExited) as exc:
         print(f"note: node1's dashboard is not up: {str(exc).splitlines()[0]}", file=sys.stderr)
         return None

@@ -66,9 +66,22 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_listen_ports(cfg: Config) -> None:
+    """The HTTP listeners (`[metrics]`, `[dashboard]`) parse, and none takes a port a listener before it has."""
+    taken = {"[daemon] listen": parse_hostport(cfg.daemon.listen, what="[daemon] listen")[1]}
+    for key, listen in (("[metrics] listen", cfg.metrics.listen), ("[dashboard] listen", cfg.dashboard.listen)):
+        if not listen:
+            continue
+        port = parse_hostport(listen, what=key)[1]
+        for other, other_port in taken.items():
+            if port and port == other_port:
+                raise ConfigError(f"{key}: port {port} is {other}'s; pick another (or 0)")
+        taken[key] = port
+
+
 def check_dashboard(cfg: Config) -> None:
-    """`[dashboard] listen` parses and does not take another listener's port; one that is not loopback needs a
-    token, since the page tells whoever reaches it about this daemon and its peers."""
+    """A `[dashboard] listen` that is not loopback needs a token, since the page tells whoever reaches it about
+    this daemon and its peers (its port: `check_listen_ports`)."""
     dash = cfg.dashboard
     if dash.token and (len(dash.token) < MIN_DASHBOARD_TOKEN_CHARS or not dash.token.isprintable()
                        or any(c.isspace() for c in dash.token)):
@@ -76,13 +89,7 @@ def check_dashboard(cfg: Config) -> None:
                           f"without spaces (got {len(dash.token)} characters)")
     if not dash.listen:
         return
-    host, port = parse_hostport(dash.listen, what="[dashboard] listen")
-    taken = {"[daemon] listen": parse_hostport(cfg.daemon.listen, what="[daemon] listen")[1]}
-    if cfg.metrics.listen:
-        taken["[metrics] listen"] = parse_hostport(cfg.metrics.listen, what="[metrics] listen")[1]
-    for key, other in taken.items():
-        if port and port == other:
-            raise ConfigError(f"[dashboard] listen: port {port} is {key}'s; pick another (or 0)")
+    host, _ = parse_hostport(dash.listen, what="[dashboard] listen")
     if not is_loopback(host) and not dash.token:
         raise ConfigError(f"[dashboard] token: [dashboard] listen = {dash.listen!r} is not a loopback address, so "
                           "the dashboard needs a token (or listen on 127.0.0.1 and use an SSH tunnel)")
@@ -94,13 +101,9 @@ def validate_semantics(cfg: Config) -> None:
     d, m, t, lim = cfg.daemon, cfg.membership, cfg.topology, cfg.limits
     if not d.swarm or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,63}", d.swarm):
         raise ConfigError(f"[daemon] swarm: use 1-63 letters, digits, '.', '-' or '_' (got {d.swarm!r})")
-    parse_hostport(d.listen, what="[daemon] listen")
+    check_listen_ports(cfg)
     for j in d.join:
         parse_hostport(j, what="[daemon] join")
-    if cfg.metrics.listen:
-        _, metrics_port = parse_hostport(cfg.metrics.listen, what="[metrics] listen")
-        if metrics_port and metrics_port == parse_hostport(d.listen, what="[daemon] listen")[1]:
-            raise ConfigError(f"[metrics] listen: port {metrics_port} is [daemon] listen's; pick another (or 0)")
     check_dashboard(cfg)
     if d.log_format not in ("text", "json"):
         raise ConfigError(f"[daemon] log_format: expected 'text' or 'json', got {d.log_format!r}")

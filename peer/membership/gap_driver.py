@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import msgpack
 import trio
 
-from peer.membership.view_messages import BadMessage
+from peer.membership.view_messages import BadMessage, encode
 from peer.session.transport import SessionClosed
 from peer.topology.local_gap import GapConfig, GapEstimator, GapRound, check_round
 
@@ -42,6 +42,12 @@ log = logging.getLogger("peertrain.membership")
 SEND_TIMEOUT_FRACTION = 0.5
 """A round message not written within this fraction of a round is dropped: it would arrive after the
 slot it belongs to, where the receiver ignores it."""
+
+
+def estimator_state_bytes(estimator: GapEstimator) -> int:
+    """Bytes of what an estimator holds, serialized as the views' state is (`Views.state_bytes`): the figure
+    the daemon's status and the simulator (peer/bench/scale.py) add to a peer's state."""
+    return len(encode(estimator.state_for_size()))
 
 
 def decode_round(body: bytes, cfg: GapConfig) -> GapRound:

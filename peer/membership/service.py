@@ -256,15 +256,15 @@ class Membership:
         self._learn_from_handshake(info, session)
         if info.session is not None and not info.session.closed.is_set():
             keep = self._preferred(info.session, session)
-            why = ("replaced by a direct session" if info.session.path == "relayed" and session.path != "relayed"
-                   else "duplicate session")
             if keep is info.session:
                 await session.aclose("duplicate session")
                 return
-            if why == "duplicate session" or self._nursery is None:
-                await info.session.aclose(why)
-            else:  # what is in flight on the relayed session (a request, its reply) still arrives
+            replaced = info.session.path == "relayed" and session.path != "relayed"
+            why = "replaced by a direct session" if replaced else "duplicate session"
+            if replaced and self._nursery is not None:  # what is in flight on it (a request, its reply) still arrives
                 self._nursery.start_soon(self._close_after, info.session, REPLACED_DRAIN_S, why)
+            else:
+                await info.session.aclose(why)
         info.session = session
         session.send_timeout = self.cfg.dead_after  # a peer that takes no frame for this long is as dead as a silent one
         info.state = "connected"

@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from peer.membership.gap_driver import GapDriver, decode_round
+from peer.membership.gap_driver import GapDriver, decode_round, estimator_state_bytes
 from peer.membership.reach import Reach
-from peer.membership.view_messages import MAX_ENTRY_ADDRESSES, BadMessage, Entry, ViewMessage, decode, encode, wire_size
+from peer.membership.view_messages import (MAX_ENTRY_ADDRESSES, BadMessage, Entry, ViewMessage, decode, encode,
+                                           packet_size)
 from peer.membership.views import EdgeDown, EdgeUp, NeedContact, Send, ViewConfig, Views
 from peer.nat.addresses import format_hostport, parse_address
 from peer.nat.splice import TokenBucket
@@ -138,7 +139,7 @@ class ViewDriver:
     def status(self) -> dict:
         v = self.views
         # what the rules hold, serialized: the views' and the gap estimator's (as the simulator counts it)
-        state = v.state_bytes() + (0 if self.gap is None else len(encode(self.gap.estimator.state_for_size())))
+        state = v.state_bytes() + (0 if self.gap is None else estimator_state_bytes(self.gap.estimator))
         return {"active": sorted(v.active), "degree": v.degree, "passive": len(v.passive), "pending": len(v.pending),
                 "outbox": len(self.outbox), "state_bytes": state, "sent_bytes": self.sent_bytes,
                 "received_bytes": self.received_bytes, "sent_messages": self.sent_messages,
@@ -240,9 +241,10 @@ class ViewDriver:
             self._wake.set()
 
     async def _write(self, session: Session, msg: ViewMessage | GapRound) -> None:
-        await session.send_message(ViewPacket(kind=msg.TYPE, body=encode(msg)))
+        body = encode(msg)
+        await session.send_message(ViewPacket(kind=msg.TYPE, body=body))
         self.sent_messages += 1
-        self.sent_bytes += wire_size(msg)
+        self.sent_bytes += packet_size(msg.TYPE, body)
 
     def _join(self, contact: str, now: float) -> None:
         """Join through `contact`, once our entry names an address to reach us at: a peer behind NAT has none
@@ -330,7 +332,7 @@ class ViewDriver:
             await session.aclose(f"bad view message: {e}")
             return
         self.received_messages += 1
-        self.received_bytes += wire_size(msg)
+        self.received_bytes += packet_size(pkt.kind, pkt.body)
         self._apply(self.views.handle(peer, msg, trio.current_time()))
         self._wake.set()  # its timers may have moved closer
 

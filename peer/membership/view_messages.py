@@ -298,6 +298,10 @@ def decode(kind: str, body: bytes, sender: str) -> ViewMessage:
 def wire_size(msg: object) -> int:
     """Bytes `msg` takes on a session: its `ViewPacket` in the envelope `Registry.encode` makes, in one
     sealed frame."""
-    packet = {"kind": type(msg).TYPE, "body": encode(msg)}  # type: ignore[attr-defined]
-    envelope = {"t": "view", "v": 1, "r": REQUEST_ID, "q": 0, "b": packet}
+    return packet_size(type(msg).TYPE, encode(msg))  # type: ignore[attr-defined]
+
+
+def packet_size(kind: str, body: bytes) -> int:
+    """`wire_size` of a message already encoded (its kind and body, as a `ViewPacket` carries them)."""
+    envelope = {"t": "view", "v": 1, "r": REQUEST_ID, "q": 0, "b": {"kind": kind, "body": body}}
     return len(encode(envelope)) + HEADER_SIZE + TAG_SIZE

@@ -42,14 +42,8 @@ class TokenBucket:
         return False
 
     async def take(self, n: int) -> None:
-        while True:
-            now = self._clock()
-            elapsed = 0.0 if self._last is None else now - self._last
-            self.tokens = min(self.capacity, self.tokens + elapsed * self.rate)
-            self._last = now
-            if self.tokens >= n:
-                self.tokens -= n
-                return
+        """Take `n`, waiting for the bucket to refill as long as it takes (a relay's circuit)."""
+        while not self.try_take(n):
             await trio.sleep((n - self.tokens) / self.rate)
 
 

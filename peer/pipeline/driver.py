@@ -438,7 +438,7 @@ class Driver:
         if pid == self.service.me:
             return await self._call_self(mb, stage, kind, tensors)
         try:  # under partial views a server we have no session with is dialed (one bounded lookup)
-            session = self.service.session_of(pid) or await self.service.reach(pid)
+            session = await self.service.reach(pid)  # the session we have, else (partial views) a lookup
         except ReachBusy as exc:  # nothing wrong with it: avoided briefly, as a busy peer (no attempt used)
             raise Refused(Refusal(Code.BUSY, f"not reached yet: {exc}")) from None
         except Unreachable as exc:  # avoided for a growing while, as a failing peer (the balancer)
