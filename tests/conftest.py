@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+from peer.testing import pace
 from peer.testing.swarm import TEST_VIEWS_ENV, LocalSwarm
 
 TESTS = Path(__file__).resolve().parent
@@ -94,6 +95,7 @@ UNIT_MODULES = frozenset({
     "test_topology_local.py",
     "test_heartbeat_units.py",
     "test_dashboard_units.py",
+    "test_pace_units.py",
 })
 
 # Whole modules in the serial tier: their tests measure rates or race timers that a second test on the same
@@ -102,6 +104,22 @@ SERIAL_MODULES = frozenset({
     "test_attack_liveness.py",  # an honest peer admitted within 2 s, a mute one dropped within dead_after + 5 s
     "test_attack_membership.py",  # a poisoned record refused within 1 s; dials counted over a 6 s window
     "test_attack_topology.py",  # a broadcast's median time under 1 s
+})
+
+# Modules whose tests take the longest (a minute or more each on the 2-core VM, `--durations` of 2026-11-28):
+# they are handed out first, so the parallel tier does not end with one worker alone on a two-minute test.
+LONG_MODULES = frozenset({
+    "test_pipeline_swarm.py",
+    "test_bench_pipeline.py",
+    "test_bench_train.py",
+    "test_pipeline_rebalance_swarm.py",
+    "test_bench_attach.py",
+    "test_local_steps.py",
+    "test_pipeline_verify_swarm.py",
+    "test_partial_views.py",
+    "test_byzantine.py",
+    "test_pipeline_demo.py",
+    "test_pipeline_partial_views.py",
 })
 
 # The fast profile's examples per property test, and a ceiling on the counts tests set themselves
@@ -116,8 +134,24 @@ settings.register_profile("fast", settings.get_profile("ci"), max_examples=FAST_
 settings.load_profile("ci")  # `--hypothesis-profile fast` (./dev test --fast) loads the other one later
 
 
+# One CPU thread per torch (and OpenMP/MKL) in every test process and every process a test starts. The suite
+# runs three workers and their daemons on two cores: intra-op threads there only contend, and OpenMP's
+# spinning threads under oversubscription turned a 2 s test into a 100 s one (2026-11-28). Trainers already
+# default to one thread ([trainer] threads); a test that wants more sets it.
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+for _name, _value in THREAD_ENV.items():
+    os.environ.setdefault(_name, _value)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    missing = sorted(m for m in UNIT_MODULES | SERIAL_MODULES if not (TESTS / m).is_file())
+    # the machine's slowdown against the one the bounds were sized on, measured once in the controlling process
+    # (xdist's workers and the tests' daemons inherit it): peer/testing/pace.py
+    if pace.SLOWDOWN_ENV not in os.environ:
+        os.environ[pace.SLOWDOWN_ENV] = f"{pace.measure():.2f}"
+    import torch
+
+    torch.set_num_threads(1)
+    missing = sorted(m for m in UNIT_MODULES | SERIAL_MODULES | LONG_MODULES if not (TESTS / m).is_file())
     if missing:  # a renamed file would otherwise leave its tier without a word
         raise pytest.UsageError(f"tests/conftest.py names test modules that do not exist: {', '.join(missing)}")
 
@@ -129,9 +163,15 @@ def in_unit_tier(item: pytest.Item) -> bool:
             and not any(item.get_closest_marker(m) for m in ("slow", "process", "netns", "serial")))
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"peertrain: time bounds scaled x{pace.slowdown():g} for this machine ({pace.SLOWDOWN_ENV})"
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the markers set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     fast = settings.get_current_profile_name() == "fast"
+    scale_timeouts(config, items)
+    items.sort(key=lambda item: item.path.name not in LONG_MODULES)  # stable: the long ones first, else in order
     for item in items:
         if in_unit_tier(item):
             item.add_marker("unit")
@@ -142,6 +182,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         full_view = item.get_closest_marker("full_view")
         if full_view is not None and os.environ.get(TEST_VIEWS_ENV) == "partial":
             item.add_marker(pytest.mark.skip(reason=f"full views only: {full_view.args[0]}"))
+
+
+def scale_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """pytest-timeout's limit per test (pyproject's `timeout`, or a test's own marker), scaled to this machine."""
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        own = item.get_closest_marker("timeout")
+        limit = float(own.args[0]) if own is not None and own.args else default
+        if limit > 0:
+            item.add_marker(pytest.mark.timeout(pace.scaled(limit)))
 
 
 def cap_examples(item: pytest.Item) -> None:

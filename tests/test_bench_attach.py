@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.daemons import REPO
+from peer.testing.pace import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.slow
 def test_bench_attach_smoke_reports_every_figure():
     out = subprocess.run([sys.executable, "-m", "peer", "bench", "attach", "--size", "1MiB", "--rounds", "3",
                           "--repeat", "1", "--steps", "10", "--average-every", "5", "--json"],
-                         capture_output=True, text=True, timeout=240, cwd=REPO)
+                         capture_output=True, text=True, timeout=scaled(240), cwd=REPO)
     assert out.returncode == 0, out.stderr[-4000:]
     r = json.loads(out.stdout)
     for key in ("hosted_exchange_s", "attached_exchange_s", "attached_call_s", "overhead_ratio"):

@@ -13,6 +13,7 @@ import pytest
 
 from protocol.cipher import CIPHERS
 from tests.daemons import REPO
+from peer.testing.pace import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ def _bench(*argv: str, timeout: float = 90) -> tuple[int, dict | None, str]:
 
 
 def test_two_peers_small_tensor():
-    rc, out, err = _bench("--peers", "2", "--size", "256KiB", "--rounds", "5", "--settle", "0.5", "--timeout", "60")
+    rc, out, err = _bench("--peers", "2", "--size", "256KiB", "--rounds", "5", "--settle", "0.5", "--timeout", f"{scaled(60):g}")
     assert rc == 0 and out is not None, err
     for key in ("peers", "payload_bytes", "rounds", "seconds_per_exchange", "effective_gbps", "sum_preserved",
                 "cipher", "notes"):
@@ -42,7 +43,7 @@ def test_two_peers_small_tensor():
 def test_two_peers_without_the_defence():
     """The benchmark's switch reaches the daemons: they report the defence off, and the sum is still kept
     (neither side clips)."""
-    rc, out, err = _bench("--peers", "2", "--size", "256KiB", "--rounds", "3", "--settle", "0.5", "--timeout", "60",
+    rc, out, err = _bench("--peers", "2", "--size", "256KiB", "--rounds", "3", "--settle", "0.5", "--timeout", f"{scaled(60):g}",
                           "--no-defence")
     assert rc == 0 and out is not None, err
     assert out["defence"] is False and out["sum_preserved"] is True

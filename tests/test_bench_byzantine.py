@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.daemons import REPO
+from peer.testing.pace import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +20,7 @@ def test_bench_byzantine_smoke_reports_every_figure():
     argv = [sys.executable, "-m", "peer", "bench", "byzantine", "--n", "3", "--fractions", "1/3", "--attacks",
             "sign_flip", "--topologies", "rewired", "--steps", "30", "--eval-every", "30", "--no-cost",
             "--exchange-size", "1MiB", "--exchange-rounds", "2", "--exchange-repeat", "1", "--json"]
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=scaled(400))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     for key in ("worst_drop_points_eighth", "worst_drop_points_quarter", "honest_banned", "no_attack_cost_points",

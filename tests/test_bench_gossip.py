@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from peer.bench.gossip import median_run
+from peer.testing.pace import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +21,8 @@ pytestmark = pytest.mark.slow
 @pytest.mark.serial
 def test_bench_gossip_small_swarm_reports_every_topology(tmp_path):
     argv = [sys.executable, "-m", "peer", "bench", "gossip", "--n", "4", "--size", "256KiB", "--target", "1e-2",
-            "--topologies", "rewired,ring", "--settle", "2", "--timeout", "30", "--logs", str(tmp_path), "--json"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=85)
+            "--topologies", "rewired,ring", "--settle", "2", "--timeout", f"{scaled(30):g}", "--logs", str(tmp_path), "--json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=scaled(85))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["n"] == 4 and out["payload_bytes"] == 256 * 1024

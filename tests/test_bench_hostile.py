@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.daemons import REPO
+from peer.testing.pace import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.slow
 def test_bench_hostile_runs_three_classes_and_reports_each():
     classes = ["oversized_peer_record", "params_as_non_neighbour", "circuit_flood"]
     proc = subprocess.run([sys.executable, "-m", "peer", "bench", "hostile", "--classes", ",".join(classes), "--json"],
-                          cwd=REPO, capture_output=True, text=True, timeout=180)
+                          cwd=REPO, capture_output=True, text=True, timeout=scaled(180))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout)
     assert out["passed"] is True and list(out["classes"]) == classes
@@ -39,5 +40,5 @@ def test_bench_hostile_runs_three_classes_and_reports_each():
 
 def test_bench_hostile_refuses_an_unknown_class():
     proc = subprocess.run([sys.executable, "-m", "peer", "bench", "hostile", "--classes", "nope", "--json"],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+                          cwd=REPO, capture_output=True, text=True, timeout=scaled(60))
     assert proc.returncode == 2 and "unknown classes" in proc.stderr

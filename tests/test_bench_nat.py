@@ -16,6 +16,7 @@ from peer.bench.nat_figures import (ExchangeLog, PairWatch, PeakBytes, connect_s
                                     exchange_figures, first_cross_lan_average, goals, mb_s, pair_how, path_class,
                                     punchable, relay_link_fraction)
 from tests.daemons import REPO
+from peer.testing.pace import scaled
 
 NAT = {"public": "none", "lan1": "preserving", "lan2": "preserving", "lan3": "random"}
 
@@ -28,7 +29,7 @@ def _args(**kw) -> argparse.Namespace:
 @pytest.mark.process
 def test_help_lists_the_options() -> None:
     proc = subprocess.run([sys.executable, "-m", "peer", "bench", "nat", "--help"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=scaled(60))
     assert proc.returncode == 0, proc.stderr
     for opt in ("--mbit", "--mib", "--connect-timeout", "--logs", "--json"):
         assert opt in proc.stdout
@@ -193,7 +194,7 @@ def test_goals() -> None:
 @pytest.mark.skipif(not internet_available(), reason="needs root, iproute2 and iptables (NAT in namespaces)")
 def test_bench_nat_small_run_reports_every_figure() -> None:
     proc = subprocess.run([sys.executable, "-m", "peer", "bench", "nat", "--mib", "1", "--mbit", "400", "--settle", "0",
-                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)  # ~30 s idle
+                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=scaled(300))  # ~30 s idle
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = json.loads(proc.stdout)
     for key in ("pairs", "pairs_connected_fraction", "max_seconds_to_session", "direct_bytes_fraction",

@@ -20,6 +20,7 @@ from peer.bench.pipeline_rebalance import (best_assignment, cpu_caps_from_shares
 from peer.bench.pipeline_rebalance import recovery as churn_recovery
 from peer.bench.pipeline_uneven import contention
 from tests.daemons import REPO
+from peer.testing.pace import scaled
 
 
 def _st(samples: int, caps: list[float] | None = None) -> dict:
@@ -67,7 +68,7 @@ def test_bytes_per_microbatch_per_codec() -> None:
 def test_bench_pipeline_tiny_loopback_run_reports_every_figure() -> None:
     proc = subprocess.run([sys.executable, "-m", "peer", "bench", "pipeline", "--tiny", "--daemons", "5",
                            "--duration", "10", "--window", "2", "--no-netns", "--json"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)  # ~60 s; minutes on a loaded host
+                          cwd=REPO, capture_output=True, text=True, timeout=scaled(300))  # ~60 s; minutes on a loaded host
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = json.loads(proc.stdout)
     for key in ("samples_per_s", "slowest_stage_bound_samples_per_s", "efficiency", "bytes_per_microbatch", "done",
@@ -119,7 +120,7 @@ def test_the_fewest_bytes_within_the_tolerance_is_recommended() -> None:
 def test_bench_pipeline_tiny_codec_comparison_reports_every_figure() -> None:
     proc = subprocess.run([sys.executable, "-m", "peer", "bench", "pipeline", "--codec", "raw,q8", "--tiny",
                            "--samples", "480", "--no-netns", "--no-caps", "--json"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)  # ~40 s; minutes on a loaded host
+                          cwd=REPO, capture_output=True, text=True, timeout=scaled(300))  # ~40 s; minutes on a loaded host
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = json.loads(proc.stdout)
     for key in ("codecs", "loss_gap_float16", "loss_gap_q8", "bytes_ratio_float16", "bytes_ratio_q8", "recommended",
@@ -222,7 +223,7 @@ def test_bench_pipeline_tiny_uneven_churn_run_reports_every_figure() -> None:
     proc = subprocess.run([sys.executable, "-m", "peer", "bench", "pipeline", "--tiny", "--daemons", "5", "--no-netns",
                            "--uneven", "--churn", "--warmup", "1", "--measure", "3", "--rebalance-for", "3",
                            "--churn-every", "4", "--churn-events", "1", "--window", "1", "--json"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)  # ~60 s idle; minutes on a loaded host
+                          cwd=REPO, capture_output=True, text=True, timeout=scaled(300))  # ~60 s idle; minutes on a loaded host
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = json.loads(proc.stdout)
     for key in ("fraction_of_best_static", "fraction_of_best_rebalanced", "fraction_of_best_churn", "recovery_s",

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from peer.bench.train_gossip import peer_summary, summarise_gossip
+from peer.testing.pace import scaled
 
 
 def _lines(start: float, evals: list[tuple[int, float, float]]) -> list[dict]:
@@ -44,13 +45,16 @@ def test_a_peer_that_never_reaches_the_target_means_no_time() -> None:
     assert not s["reached_target"] and s["seconds_to_target"] is None and s["peers_reached"] == 1
 
 
+BENCH_SETUP_S = 60  # beside its modes' own bounds (--timeout each): imports, the profile, the single-process reference
+
+
 @pytest.mark.slow
 def test_bench_train_smoke() -> None:
     """Two daemons (AD-PSGD) and two gloo ranks reach an easy target; one JSON object comes out."""
     proc = subprocess.run(
         [sys.executable, "-m", "peer", "bench", "train", "--n", "2", "--modes", "adpsgd,allreduce",
-         "--target", "0.85", "--eval-every", "10", "--timeout", "70", "--json"],
-        capture_output=True, text=True, timeout=150)
+         "--target", "0.85", "--eval-every", "10", "--timeout", f"{scaled(70):g}", "--json"],
+        capture_output=True, text=True, timeout=2 * scaled(70) + scaled(BENCH_SETUP_S))  # the bench bounds each mode
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     modes = result["modes"]
@@ -108,14 +112,15 @@ def test_lm_figures_ratios_and_goals() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(4 * 60 + BENCH_SETUP_S + 30)  # past the subprocess's own bound (conftest scales it)
 def test_bench_train_language_model_smoke() -> None:
     """Two peers per mode train the small char transformer to an easy loss on loopback: local (float32 and 8-bit
     outer exchanges), AD-PSGD and gloo all-reduce; every figure of issue 20 comes out."""
     proc = subprocess.run(
         [sys.executable, "-m", "peer", "bench", "train", "--model", "char_transformer", "--n", "2",
-         "--target-loss", "2.9", "--max-steps", "120", "--inner-steps", "10", "--repeats", "1", "--timeout", "60",
+         "--target-loss", "2.9", "--max-steps", "120", "--inner-steps", "10", "--repeats", "1", "--timeout", f"{scaled(60):g}",
          "--json"],
-        capture_output=True, text=True, timeout=150)
+        capture_output=True, text=True, timeout=4 * scaled(60) + scaled(BENCH_SETUP_S))  # four modes, each bounded by the bench
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     modes = result["modes"]

@@ -12,11 +12,12 @@ import sys
 
 from protocol.cipher import CIPHERS
 from tests.daemons import REPO
+from peer.testing.pace import scaled
 
 
 def test_small_tensor_one_way_and_both_ways():
     proc = subprocess.run([sys.executable, "-m", "peer", "bench", "transport", "--size", "4MiB", "--rounds", "2",
-                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=90)
+                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=scaled(90))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout)
     assert out["payload_bytes"] == 4 << 20 and out["rounds"] == 2

@@ -22,6 +22,7 @@ from peertrain.checkpoints import CheckpointRefused, read_checkpoint
 from tests.daemons import REPO
 from trainers.baseline import make_optimizer, seeded_model
 from trainers.gossip_sgd import GossipSGDOptions
+from peer.testing.pace import scaled
 
 
 class _WritesAFile:
@@ -79,7 +80,7 @@ def test_peer_export_refuses_a_checkpoint_that_would_run_code_and_writes_nothing
     torch.save({"model": {}, "step": 1, "x": _WritesAFile(marker)}, buf)
     atomic_write(home.latest_checkpoint, buf.getvalue(), mode=0o600)
     r = subprocess.run([sys.executable, "-m", "peer", "export", "--home", str(home.root), str(out)],
-                       capture_output=True, text=True, cwd=REPO, timeout=120)
+                       capture_output=True, text=True, cwd=REPO, timeout=scaled(120))
     assert r.returncode == 2 and "refusing checkpoint" in r.stderr, r.stdout + r.stderr
     assert not marker.exists() and not out.exists()
 
@@ -89,7 +90,7 @@ def test_peer_export_writes_a_file_that_loads_as_data(tmp_path) -> None:
     home, out = Home(tmp_path / "home"), tmp_path / "model.pt"
     _host(home.root).save_checkpoint(_trainer_state("sgd"))
     r = subprocess.run([sys.executable, "-m", "peer", "export", "--home", str(home.root), str(out)],
-                       capture_output=True, text=True, cwd=REPO, timeout=120)
+                       capture_output=True, text=True, cwd=REPO, timeout=scaled(120))
     assert r.returncode == 0, r.stdout + r.stderr
     saved = torch.load(out, weights_only=True)
     assert saved["step"] == 7 and saved["model_name"] == "digits_mlp"

@@ -29,6 +29,7 @@ from protocol.frames import encode_length_prefixed
 from protocol.handshake import Handshake, prologue_for
 from protocol.identity import generate_identity, peer_id_of
 from protocol.noise import AUTHENTICATION_FAILED, NoiseXXState
+from peer.testing.pace import scaled
 
 REPO = Path(__file__).resolve().parent.parent
 HOST, PORT = "198.51.100.7", 7100
@@ -258,7 +259,7 @@ def test_nothing_listening_at_the_bootstrap_address(tmp_path):
     port = free_port()
     r = subprocess.run([sys.executable, "-m", "peer", "doctor", "--home", str(tmp_path / "home"), "--listen",
                         "127.0.0.1:0", "--join", f"127.0.0.1:{port}", "--json"], capture_output=True, text=True,
-                       cwd=REPO, timeout=60)
+                       cwd=REPO, timeout=scaled(60))
     assert r.returncode == 1, r.stderr
     out = json.loads(r.stdout)
     assert out["ok"] is False

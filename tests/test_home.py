@@ -16,11 +16,12 @@ from peer.testing.daemon import DaemonProcess
 from peer.testing.process import wait_for
 from protocol import identity as ident
 from tests.daemons import REPO, config_file, unique_swarm
+from peer.testing.pace import scaled
 
 
 def _peer_id(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "peer", "id", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=60)
+                          timeout=scaled(60))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")

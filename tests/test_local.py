@@ -17,6 +17,7 @@ from peer.home import Home
 from peer.testing.process import ManagedProcess, wait_for
 from peer.testing.swarm import node_homes, unique_swarm, write_config
 from tests.daemons import REPO
+from peer.testing.pace import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -33,13 +34,13 @@ def peer_local(tmp_path, *args: str) -> ManagedProcess:
 
 
 def run_peer(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "peer", *args], capture_output=True, text=True, cwd=REPO, timeout=60)
+    return subprocess.run([sys.executable, "-m", "peer", *args], capture_output=True, text=True, cwd=REPO, timeout=scaled(60))
 
 
 def test_peer_local_streams_logs_and_is_stopped_by_peer_local_stop(tmp_path):
     cfg = own_swarm(tmp_path, "local.toml")
     root = tmp_path / "runs"
-    local = peer_local(tmp_path, "--n", "2", "--config", str(cfg), "--timeout", "120")
+    local = peer_local(tmp_path, "--n", "2", "--config", str(cfg), "--timeout", f"{scaled(120):g}")
     try:
         def connected():
             r = run_peer("local", "status", "--root", str(root), "--json")
@@ -61,7 +62,7 @@ def test_peer_local_streams_logs_and_is_stopped_by_peer_local_stop(tmp_path):
 def test_peer_local_demo_trains_to_the_target_and_exits(tmp_path):
     """The quick start's `./dev demo`, with 2 daemons instead of 4 to keep the suite short."""
     cfg = own_swarm(tmp_path, "train-digits.toml")
-    local = peer_local(tmp_path, "--n", "2", "--config", str(cfg), "--demo", "--timeout", "240")
+    local = peer_local(tmp_path, "--n", "2", "--config", str(cfg), "--demo", "--timeout", f"{scaled(240):g}")
     try:
         code = local.wait_stopped(260)
     finally:
@@ -79,7 +80,7 @@ def test_peer_local_demo_stops_at_once_when_every_trainer_fails(tmp_path):
                          trainer={"options": {**cfg.trainer.options, "model_factory": "tests.user_data:broken_model"}})
     path = write_config(tmp_path / "broken.toml", broken)
     local = ManagedProcess("peer-local", [sys.executable, "-m", "peer", "local", "--root", str(tmp_path / "runs"),
-                                          "--n", "2", "--config", str(path), "--demo", "--timeout", "300"],
+                                          "--n", "2", "--config", str(path), "--demo", "--timeout", f"{scaled(300):g}"],
                            log_path=tmp_path / "local.out", cwd=REPO, env={"PYTHONPATH": str(REPO)}).start()
     t0 = time.monotonic()
     try:

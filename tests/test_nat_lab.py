@@ -24,6 +24,7 @@ from peer.testing.internet import internet_available, internet_lab
 from peer.testing.netns import our_namespaces
 from peer.testing.process import wait_for
 from peer.testing.swarm import LocalSwarm, swarm_config, unique_swarm
+from peer.testing.pace import scaled
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow,
               pytest.mark.skipif(not internet_available(), reason="needs root, iproute2 and iptables (NAT in namespaces)")]
@@ -52,7 +53,7 @@ def entry(status: dict, peer_id: str) -> dict:
 
 def doctor(host, home) -> dict:
     out = host.run([sys.executable, "-m", "peer", "doctor", "--home", str(home), "--json", "--timeout", "3"],
-                   capture_output=True, text=True, timeout=60)
+                   capture_output=True, text=True, timeout=scaled(60))
     return {c["name"]: c for c in json.loads(out.stdout)["checks"]}
 
 

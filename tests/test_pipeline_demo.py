@@ -19,6 +19,7 @@ from peer.testing.swarm import unique_swarm, write_config
 from tests.daemons import REPO
 from trainers.options import parse_options
 from trainers.swarm_pipeline import SwarmPipelineOptions, _check
+from peer.testing.pace import scaled
 
 CONFIG = REPO / "configs" / "train-pipeline.toml"
 # The demo's model with everything that costs time shrunk, so 4 daemons finish in well under a minute.
@@ -179,7 +180,7 @@ def test_the_pipeline_demo_runs_to_its_result(tmp_path):
                   trainer=replace(cfg.trainer, options={**cfg.trainer.options, **TINY}))
     path = write_config(tmp_path / "train-pipeline.toml", cfg)
     local = ManagedProcess("peer-local", [sys.executable, "-m", "peer", "local", "--root", str(tmp_path / "runs"),
-                                          "--n", "4", "--config", str(path), "--demo", "--timeout", "150"],
+                                          "--n", "4", "--config", str(path), "--demo", "--timeout", f"{scaled(150):g}"],
                            log_path=tmp_path / "local.out", cwd=REPO).start()
     try:
         code = local.wait_stopped(170)

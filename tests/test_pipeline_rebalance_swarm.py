@@ -24,9 +24,10 @@ from peer.pipeline.copies import COPY_SUFFIX
 from peer.testing.process import wait_for
 from peer.testing.swarm import rank_env, swarm_config, unique_swarm
 from peertrain.checkpoints import read_checkpoint
-from tests.pipeline_status import driver, no_one_struck, pipe, trainer
+from tests.pipeline_status import driver, no_one_struck, pipe, samples_done, trainer
 
-pytestmark = pytest.mark.slow
+# 600 s: their waits on drivers bound the time without progress (wait_for's `progress`), not the whole run
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TRAINER = "trainers.swarm_pipeline"
 TINY = dict(d_model=32, n_layers=2, n_heads=2, block=16, microbatch=8, batch_size=16, stages=4, dropout=0.0,
@@ -154,10 +155,13 @@ def test_a_stage_emptied_by_kill_is_taken_over_and_training_resumes(cluster):
     assert move["from"] == 0 and "no peer" in move["reason"] and move["step"] > 0, move
     steps_at_takeover = trainer(taker).get("stage_steps", 0)
 
+    latest: list = []
+
     def finished():
-        got = [d.try_status() for d in survivors]
-        return got if all(trainer(s).get("driving_done") for s in got) else None
-    final = wait_for(finished, timeout=180, what="the surviving drivers to finish", interval=0.5)
+        latest[:] = [d.try_status() for d in survivors]
+        return list(latest) if all(trainer(s).get("driving_done") for s in latest) else None
+    final = wait_for(finished, timeout=120, what="the surviving drivers to finish", interval=0.5,
+                     progress=lambda: samples_done(latest))
     for d, s in zip(survivors, final):
         t, dr = trainer(s), driver(s)
         assert t["samples"] == samples and t["microbatches_failed"] == 0 and dr["failed"] == 0, (d.name, t, dr)

@@ -22,13 +22,14 @@ import torch
 from peer.testing.process import wait_for
 from peer.testing.swarm import rank_env, swarm_config, unique_swarm
 from peertrain.checkpoints import read_checkpoint
-from tests.pipeline_status import driver, no_one_struck, pipe, trainer
+from tests.pipeline_status import driver, no_one_struck, pipe, samples_done, trainer
 from trainers.datasets import load_char_corpus
 from trainers.pipeline.blocks import char_transformer_pipeline
 from trainers.pipeline.reference import train_reference
 from trainers.swarm_pipeline import PipelineData, training_microbatches
 
-pytestmark = pytest.mark.slow
+# 600 s: their waits on drivers bound the time without progress (wait_for's `progress`), not the whole run
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TRAINER = "trainers.swarm_pipeline"
 # Tiny and exact: no dropout, no clipping (the single-process reference clips nothing), one thread per daemon.
@@ -117,7 +118,8 @@ def test_six_daemons_follow_a_single_process_run(cluster):
     # run is ~14% worse than one process (as a single-process run with 8-16 steps of gradient delay is).
     cfg = config(swarm, samples=samples, in_flight=1)
     ds = [cluster.start(f"node{i + 1}", config=cfg, env=rank_env(i, n)) for i in range(n)]
-    cluster.wait(driving_done, timeout=START_S + 120, what="6 daemons to drive their samples", interval=0.5)
+    cluster.wait(driving_done, timeout=START_S + 120, what="6 daemons to drive their samples", interval=0.5,
+                 progress=samples_done)
     sts = cluster.statuses()
     for d, s in zip(ds, sts):
         t = trainer(s)
@@ -173,11 +175,14 @@ def test_kill_of_a_stage_peer_loses_no_microbatch(cluster):
     steps_before = {d.name: trainer(s).get("stage_steps", 0) for d, s in zip(ds, sts)}
     assert victim.kill() == -9
 
+    got: list = []
+
     def finished():
-        got = [d.try_status() for d in survivors]
-        return got if all(trainer(s).get("driving_done") for s in got) else None
+        got[:] = [d.try_status() for d in survivors]
+        return list(got) if all(trainer(s).get("driving_done") for s in got) else None
     try:
-        final = wait_for(finished, timeout=120, what="the surviving drivers to finish", interval=0.5)
+        final = wait_for(finished, timeout=120, what="the surviving drivers to finish", interval=0.5,
+                         progress=lambda: samples_done(got))
     except TimeoutError:
         cluster.dump_logs()
         raise

@@ -14,11 +14,12 @@ import pytest
 
 from peer.testing.swarm import rank_env, swarm_config, unique_swarm
 from tests import user_data
-from tests.pipeline_status import driver, trainer
+from tests.pipeline_status import driver, samples_done, trainer
 from trainers.pipeline.blocks import from_factory
 from trainers.pipeline.reference import evaluate
 
-pytestmark = pytest.mark.slow
+# 600 s: their waits on drivers bound the time without progress (wait_for's `progress`), not the whole run
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TRAINER = "trainers.swarm_pipeline"
 # Two stages, no moves (measured in test_pipeline_rebalance_swarm), one thread per daemon, no clipping.
@@ -34,7 +35,7 @@ def run_pipeline(cluster, name: str, **options) -> list[dict]:
                        topology=TOPOLOGY)
     ds = [cluster.start(f"node{i + 1}", config=cfg, env=rank_env(i, 2)) for i in range(2)]
     cluster.wait(lambda sts: all(trainer(s).get("driving_done") for s in sts), timeout=START_S,
-                 what="both daemons to drive their samples", interval=0.5)
+                 what="both daemons to drive their samples", interval=0.5, progress=samples_done)
     out = []
     for d, st in zip(ds, cluster.statuses()):
         t = trainer(st)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import pytest
 
 from peer.testing.swarm import rank_env, swarm_config, unique_swarm
-from tests.pipeline_status import driver, pipe, trainer
+from tests.pipeline_status import driver, pipe, samples_done, trainer
 from trainers.datasets import load_char_corpus
 from trainers.pipeline.blocks import char_transformer_pipeline
 from trainers.pipeline.reference import train_reference
 
-pytestmark = pytest.mark.slow
+# 600 s: their waits on drivers bound the time without progress (wait_for's `progress`), not the whole run
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TRAINER = "trainers.swarm_pipeline"
 TINY = dict(d_model=32, n_layers=2, n_heads=2, block=16, microbatch=8, batch_size=16, stages=4, dropout=0.0,
@@ -57,7 +58,7 @@ def test_a_lying_stage_server_is_banned_and_training_matches_an_honest_run(clust
         ds.append(cluster.start(f"node{i + 1}", config=config(swarm, **o), env=rank_env(i, len(STAGES))))
     drivers = [d for i, d in enumerate(ds) if i != LIAR]
     cluster.wait(lambda sts: all(trainer(s).get("driving_done") for i, s in enumerate(sts) if i != LIAR),
-                 timeout=START_S + 240, what="the drivers to drive their samples", interval=1.0)
+                 timeout=START_S + 240, what="the drivers to drive their samples", interval=1.0, progress=samples_done)
     liar = ds[LIAR].peer_id
     sts = [d.status() for d in drivers]
     for d, s in zip(drivers, sts):

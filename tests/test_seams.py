@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from peertrain import swarm as api
+from peer.testing.pace import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("peer", "protocol", "peertrain", "trainers")
@@ -155,7 +156,7 @@ def test_import_peertrain_loads_no_daemon() -> None:
     code = ("import sys, peertrain; heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('trio', 'torch', 'numpy') or m.startswith(('peer.daemon', 'peer.averaging', 'peer.pipeline'))); "
             "print(heavy); sys.exit(1 if heavy else 0)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60), cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -163,5 +164,5 @@ def test_import_peertrain_loads_no_daemon() -> None:
 def test_mypy_is_clean_on_the_typed_packages() -> None:
     """mypy over protocol/ and peertrain/ (the leaf interface included): settings in pyproject.toml."""
     pytest.importorskip("mypy", reason="mypy is in the test extra: ./dev test installs it")
-    out = subprocess.run([sys.executable, "-m", "mypy"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "mypy"], capture_output=True, text=True, timeout=scaled(300), cwd=ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

@@ -8,6 +8,7 @@ import trio
 from peer.testing.attacker import attacker_session
 from protocol.schema import Ping, Pong
 from tests.daemons import config_file, unique_swarm, wait_for
+from peer.testing.pace import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +39,6 @@ def test_the_attacker_process_knows_every_scenario():
     from tests.daemons import REPO
 
     r = subprocess.run([sys.executable, "-m", "peer.testing.attacks", "--help"], capture_output=True, text=True,
-                       cwd=REPO, timeout=60)
+                       cwd=REPO, timeout=scaled(60))
     assert r.returncode == 0 and all(name in r.stdout for name in SCENARIOS), r.stdout
     assert "mute_peer" in SCENARIOS and "slowloris" in SCENARIOS

@@ -11,6 +11,7 @@ import pytest
 
 from peer.home import Home
 from tests.daemons import REPO, config_file, rank_env, unique_swarm, wait_for
+from peer.testing.pace import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +113,7 @@ def export_and_load(home, out):
     from trainers.models import build_model
 
     r = subprocess.run([sys.executable, "-m", "peer", "export", "--home", str(home), str(out)],
-                       capture_output=True, text=True, cwd=REPO, timeout=120)
+                       capture_output=True, text=True, cwd=REPO, timeout=scaled(120))
     assert r.returncode == 0 and "wrote" in r.stdout, r.stdout + r.stderr
     saved = torch.load(out, weights_only=True)  # an export is plain data
     build_model(saved["model_name"]).load_state_dict(saved["state_dict"])

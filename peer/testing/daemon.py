@@ -15,6 +15,7 @@ from typing import Any, Callable, TypeVar
 
 from peer.control import ControlError, call
 from peer.home import Home
+from peer.testing.pace import scaled
 from peer.testing.process import ManagedProcess, wait_for
 
 T = TypeVar("T")
@@ -62,11 +63,11 @@ class DaemonProcess(ManagedProcess):
 
     # ---- the control socket --------------------------------------------------------------------------
     def command(self, cmd: str, args: dict | None = None, *, timeout: float = 30.0) -> Any:
-        return call(self.home, cmd, args, timeout=timeout)
+        return call(self.home, cmd, args, timeout=scaled(timeout))  # sized on the reference machine (pace.py)
 
     def status(self, *, timeout: float = STATUS_TIMEOUT) -> dict:
         """`peer status --json` of this daemon; raises ControlError when it does not answer."""
-        return call(self.home, "status", timeout=timeout)
+        return call(self.home, "status", timeout=scaled(timeout))
 
     def try_status(self, *, timeout: float = STATUS_TIMEOUT) -> dict | None:
         """Its status, or None if it does not answer right now (starting, stopping, busy)."""

@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from peer.control import ControlError
+from peer.testing.pace import scaled
 
 T = TypeVar("T")
 
 STOP_TIMEOUT = 20.0  # a daemon's graceful stop: goodbyes, a checkpoint and the peer cache, well under this
 KILL_TIMEOUT = 5.0  # after SIGKILL only the kernel is left to wait for
+PROGRESS_CAP = 4.0  # a wait that keeps progressing still ends after 4x its timeout: a crawl is a failure too
 LOG_TAIL_LINES = 80  # enough to show a traceback and the lines before it
 
 
@@ -34,12 +36,24 @@ class ProcessExited(RuntimeError):
 
 def wait_for(predicate: Callable[[], T], *, timeout: float, what: str, interval: float = 0.1,
              retry_on: tuple[type[BaseException], ...] = (ControlError, OSError, KeyError),
-             on_fail: Callable[[], None] | None = None) -> T:
-    """Poll `predicate` until it returns something truthy, and return that; after `timeout` seconds raise
-    TimeoutError naming `what` (and the last error `retry_on` swallowed: a daemon that does not answer
-    yet, a status without the key yet). `on_fail` runs first, to show logs."""
-    deadline = time.monotonic() + timeout
+             on_fail: Callable[[], None] | None = None, progress: Callable[[], Any] | None = None,
+             stall: float | None = None) -> T:
+    """Poll `predicate` until it returns something truthy, and return that; after `timeout` seconds (sized on
+    the reference machine, scaled to this one: peer/testing/pace.py) raise TimeoutError naming `what` (and the
+    last error `retry_on` swallowed: a daemon that does not answer yet, a status without the key yet).
+    `on_fail` runs first, to show logs.
+
+    A wait on work that advances (drivers finishing their samples) may pass `progress`, a reading of how far
+    it got (samples done): then `timeout` bounds the time without progress (`stall` seconds if given), not the
+    whole wait, so a machine loaded by other tests is not failed for being slow while the work still moves, and
+    the whole wait is capped at `PROGRESS_CAP` times the timeout so a crawl still ends."""
+    timeout = scaled(timeout)
+    window = scaled(stall) if stall is not None else timeout
+    start = time.monotonic()
+    deadline = start + (window if progress is not None else timeout)
+    cap = start + PROGRESS_CAP * timeout
     last_exc: BaseException | None = None
+    seen: Any = None
     while True:
         try:
             value = predicate()
@@ -47,12 +61,22 @@ def wait_for(predicate: Callable[[], T], *, timeout: float, what: str, interval:
                 return value
         except retry_on as exc:
             last_exc = exc
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if progress is not None:
+            try:
+                reading = progress()
+            except retry_on:
+                reading = seen
+            if reading != seen:  # it moved: the stall bound starts again
+                seen, deadline = reading, min(cap, now + window)
+        if now >= deadline:
             break
         time.sleep(interval)
     if on_fail is not None:
         on_fail()
-    raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}"
+    waited = time.monotonic() - start
+    raise TimeoutError(f"timed out after {waited:.0f}s waiting for {what}"
+                       + (f" (no progress for {window:g}s; last reading {seen!r})" if progress is not None else "")
                        + (f" (last error: {last_exc})" if last_exc else ""))
 
 

@@ -135,16 +135,20 @@ class LocalSwarm:
         return [d.try_status() for d in self.daemons]
 
     def wait(self, predicate: Callable[[list[dict | None]], Any], *, timeout: float, what: str,
-             interval: float = 0.1) -> float:
+             interval: float = 0.1, progress: Callable[[list[dict | None]], Any] | None = None) -> float:
         """Poll all statuses until `predicate(statuses)` is truthy; the seconds it took. A daemon that
-        exits meanwhile fails the wait at once (ProcessExited, with its log)."""
+        exits meanwhile fails the wait at once (ProcessExited, with its log). With `progress` (a reading of
+        the same statuses: samples done), `timeout` bounds the time without progress (`wait_for`)."""
         t0 = time.monotonic()
+        last: list[list[dict | None]] = [[]]
 
         def check() -> Any:
             for d in self.daemons:
                 d.check_alive()
-            return predicate(self.statuses())
-        wait_for(check, timeout=timeout, what=what, interval=interval)
+            last[0] = self.statuses()
+            return predicate(last[0])
+        wait_for(check, timeout=timeout, what=what, interval=interval,
+                 progress=None if progress is None else lambda: progress(last[0]))
         return time.monotonic() - t0
 
     def wait_connected(self, timeout: float = CONNECT_TIMEOUT) -> float:
