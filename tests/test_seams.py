@@ -165,3 +165,100 @@ def test_mypy_is_clean_on_the_typed_packages() -> None:
     pytest.importorskip("mypy", reason="mypy is in the test extra: ./dev test installs it")
     out = subprocess.run([sys.executable, "-m", "mypy"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+# ---- no part writes into another's attributes (peer/services.py) ------------------------------------
+
+PLAIN_DATA = {"stats", "_stats"}
+"""Attributes that hold plain counters (a ledger's or a stream's stats) that several parts add to: writing
+into them is bookkeeping, not wiring."""
+MUTATORS = {"append", "extend", "add", "update", "insert", "setdefault"}
+
+
+def _chain(node: ast.AST) -> tuple[str, list[str]] | None:
+    """`a.b.c` as ("a", ["b", "c"]); a chain on a call's result has the root "<call>"; None otherwise."""
+    attrs: list[str] = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return node.id, attrs[::-1]
+    if isinstance(node, ast.Call):
+        return "<call>", attrs[::-1]
+    return None
+
+
+def _foreign_writes(source: str) -> list[tuple[int, str]]:
+    """Writes by a class into objects it was given: in `__init__`, into an attribute of a constructor parameter
+    (or of what was taken from one: `m = self.membership = daemon.membership`); in any method, into an attribute
+    of such an object kept on self (`self.membership.x = ...`, `self.views.hooks.append(...)`); anywhere, a
+    callable hooked into another object's attribute (`x.y = lambda ...`, `x.y = self.method`)."""
+    out: list[tuple[int, str]] = []
+    for cls in [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]:
+        methods = [f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        own_methods = {f.name for f in methods}
+        init = next((f for f in methods if f.name == "__init__"), None)
+        given_locals: set[str] = set()
+        given_attrs: set[str] = set()
+
+        def given(expr: ast.AST) -> bool:
+            c = _chain(expr)
+            return c is not None and (c[0] in given_locals or (c[0] == "self" and bool(c[1]) and c[1][0] in given_attrs))
+
+        if init is not None:
+            given_locals = {a.arg for a in init.args.args[1:] + init.args.kwonlyargs}
+            for st in ast.walk(init):
+                if isinstance(st, ast.Assign) and given(st.value):
+                    for t in st.targets:
+                        c = _chain(t)
+                        if isinstance(t, ast.Name):
+                            given_locals.add(t.id)
+                        elif c is not None and c[0] == "self" and len(c[1]) == 1:
+                            given_attrs.add(c[1][0])
+        for fn in methods:
+            def foreign(target: ast.AST) -> bool:
+                c = _chain(target)
+                if c is None or PLAIN_DATA & set(c[1]):
+                    return False
+                if c[0] == "self":
+                    return len(c[1]) >= 2 and c[1][0] in given_attrs
+                return fn is init and c[0] in given_locals and len(c[1]) >= 1
+
+            for st in ast.walk(fn):
+                targets: list[ast.expr] = []
+                value: ast.AST | None = None
+                if isinstance(st, ast.Assign):
+                    targets, value = st.targets, st.value
+                elif isinstance(st, (ast.AugAssign, ast.AnnAssign)):
+                    targets, value = [st.target], st.value
+                for t in targets:
+                    if not isinstance(t, ast.Attribute):
+                        continue
+                    c, v = _chain(t), _chain(value) if value is not None else None
+                    hook = isinstance(value, ast.Lambda) or (v is not None and bool(v[1]) and (
+                        v[0] == "<call>" or (v[0] == "self" and len(v[1]) == 1 and v[1][0] in own_methods)))
+                    if foreign(t) or (hook and c is not None and not (c[0] == "self" and len(c[1]) == 1)):
+                        out.append((st.lineno, ast.unparse(t)))
+                if isinstance(st, ast.Call) and isinstance(st.func, ast.Attribute) and st.func.attr in MUTATORS \
+                        and foreign(st.func.value):
+                    out.append((st.lineno, ast.unparse(st.func)))
+    return out
+
+
+def test_no_part_of_the_daemon_writes_into_anothers_attributes() -> None:
+    """What a service needs of another it asks for (a capability in peer/services.py, a method, a constructor
+    argument); it never sets another's hooks (`topology.announce_stage = ...`), where construction order
+    decided who owned them."""
+    found = [f"{path.relative_to(ROOT)}:{line}: {what}"
+             for path in sorted((ROOT / "peer").rglob("*.py")) for line, what in _foreign_writes(path.read_text())]
+    assert not found, "writes into another object's attributes:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source", [
+    "class A:\n    def __init__(self, topology):\n        topology.announce = self.announce\n",
+    "class A:\n    def __init__(self, daemon):\n        m = self.m = daemon.membership\n        m.views.keep.append(self.f)\n",
+    "class A:\n    def __init__(self, daemon):\n        self.m = daemon.membership\n    def run(self):\n        self.m.verified = []\n",
+    "class A:\n    def run(self, m):\n        m.keep = lambda p: True\n",
+])
+def test_the_foreign_write_rule_finds_hook_writes(source: str) -> None:
+    assert _foreign_writes(source)
