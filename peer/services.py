@@ -178,6 +178,9 @@ class Services:
     def __init__(self) -> None:
         self._in_order: list[Service] = []
         self._by_type: dict[type, Service] = {}
+        # capability -> its providers: asked on hot paths (every dial round, every record), and an isinstance
+        # check against a runtime protocol costs tens of microseconds per service
+        self._providing: dict[type, tuple[Service, ...]] = {}
 
     def add(self, service: S) -> S:
         if not isinstance(service, Service):
@@ -186,6 +189,7 @@ class Services:
             raise ValueError(f"a {type(service).__name__} is registered already")
         self._in_order.append(service)
         self._by_type[type(service)] = service
+        self._providing.clear()
         return service
 
     def get(self, kind: type[S]) -> S:
@@ -200,7 +204,10 @@ class Services:
 
     def providing(self, capability: type[S]) -> list[S]:
         """The services that have `capability` (one of the Has* protocols), in start order."""
-        return [s for s in self._in_order if isinstance(s, capability)]  # type: ignore[misc]
+        found = self._providing.get(capability)
+        if found is None:
+            found = self._providing[capability] = tuple(s for s in self._in_order if isinstance(s, capability))
+        return list(found)  # type: ignore[arg-type]  # each passed isinstance(s, capability)
 
     def __iter__(self) -> Iterator[Service]:
         return iter(self._in_order)
