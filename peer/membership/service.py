@@ -7,8 +7,8 @@ ID* and close the other, so they always agree), pings every session, and marks a
 session ends or its pongs stop for `dead_after` (replies, not just any bytes: a peer that sends but does
 not read is dead too); a frame it does not take within `dead_after` closes its session as well.
 
-Ownership: `run()` owns the dialer, the peer-exchange loop and (through `own_session`) every session's
-reader, heartbeat and dispatcher tasks. Cancelling `run()` closes them all. The dialer (what to dial
+Ownership: `run()` owns the dialer, the view mode's loop (peer exchange, or the partial views) and (through
+`own_session`) every session's reader, heartbeat and dispatcher tasks. Cancelling `run()` closes them all. The dialer (what to dial
 when, and the backoff) is a `peer.membership.dialing.Dialer` that `Membership` owns, sharing its peer table.
 The view mode (`views`: the full view or partial views, peer/membership/view_mode.py) decides what spreads
 and whom the dialer dials.
