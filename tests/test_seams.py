@@ -262,3 +262,128 @@ def test_no_part_of_the_daemon_writes_into_anothers_attributes() -> None:
 ])
 def test_the_foreign_write_rule_finds_hook_writes(source: str) -> None:
     assert _foreign_writes(source)
+
+
+@pytest.mark.parametrize("implementation, protocols", [
+    ("peer.membership.view_mode:FullView", ["peer.membership.view_mode:ViewMode"]),
+    ("peer.membership.view_driver:ViewDriver", ["peer.membership.view_mode:ViewMode"]),
+    ("peer.membership.service:Membership", ["peer.membership.dialing:DialPolicy", "peer.membership.reach:Dialing"]),
+    ("peer.topology.service:TopologyService", ["peer.services:KeepsSessions", "peer.services:MeasuresLinks",
+                                               "peer.services:FollowsViewEdges"]),
+    ("peer.nat.service:NatService", ["peer.services:ShapesAddresses", "peer.services:KeepsSessions"]),
+    ("peer.pipeline.service:PipelineService", ["peer.services:HasRecordFields", "peer.services:KeepsSessions"]),
+    ("peer.averaging.engine:GossipEngine", ["peer.services:HasRecordFields"]),
+    ("peer.attach.service:AttachService", ["peer.services:HasRecordFields"]),
+    ("peer.trainer_host:TrainerHost", ["peer.services:HasRecordFields"]),
+])
+def test_each_part_has_the_capabilities_it_is_wired_by(implementation: str, protocols: list[str]) -> None:
+    """A capability is found by its methods (`Services.providing`): a misspelt one would drop out silently."""
+    import importlib
+
+    def load(spec: str):
+        module, name = spec.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    cls = load(implementation)
+    for proto in map(load, protocols):
+        for member, want in vars(proto).items():
+            if member.startswith("_") or not callable(want):
+                continue
+            got = getattr(cls, member, None)
+            assert callable(got), f"{cls.__name__} lacks {proto.__name__}.{member}"
+            assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), \
+                f"{cls.__name__}.{member}{inspect.signature(got)} differs from {proto.__name__}.{member}"
+        for member in getattr(proto, "__annotations__", {}):
+            assert hasattr(cls, member) or f"self.{member}" in inspect.getsource(cls), f"{cls.__name__} has no {member}"
+
+
+# ---- the capabilities at work ----------------------------------------------------------------------
+
+class _Part:
+    """A service with only what the registry needs (name, run, status) and what each test adds."""
+
+    name = "part"
+
+    async def run(self, *, task_status=None) -> None: ...
+
+    def status(self) -> dict:
+        return {}
+
+
+def test_the_registry_finds_a_capability_added_after_it_was_first_asked() -> None:
+    from peer.services import KeepsSessions, Services
+
+    class Keeper(_Part):
+        def keeps_session(self, peer_id: str) -> bool:
+            return peer_id == "kept"
+
+    services = Services()
+    services.add(_Part())
+    assert services.providing(KeepsSessions) == []  # asked (and kept) before the keeper is added
+    keeper = services.add(Keeper())
+    assert services.providing(KeepsSessions) == [keeper]
+
+
+def test_membership_advertises_and_keeps_what_the_services_say() -> None:
+    from peer.membership.service import Membership
+    from peer.services import Services
+    from peer.session.router import Router
+    from peer.session.transport import TransportConfig
+    from peer.testing.swarm import swarm_config
+    from protocol import identity as ident
+
+    class Nat(_Part):
+        def advertise_observed(self) -> bool:
+            return False
+
+        def verified_hosts(self) -> list[str]:
+            return ["9.9.9.9"]
+
+        def relayed_addresses(self) -> list[str]:
+            return [f"8.8.8.8:4001/relay/{'r' * 20}"]
+
+        def dial_relayed(self):
+            return None
+
+        def keeps_session(self, peer_id: str) -> bool:
+            return peer_id == "relay"
+
+    services = Services()
+    cfg = swarm_config(swarm="s", mdns=False, membership={"views": "full"})
+    m = Membership(config=cfg, transport=TransportConfig(identity=ident.generate_identity(), swarm="s"),
+                   peer_id="me", router=Router(), listen_port=lambda: 4000, services=services)
+    m.observed_hosts.append("7.7.7.7")
+    assert m.advertised_addresses() == ["7.7.7.7:4000"] and m.advertise_observed() and not m.keeps_session("relay")
+    services.add(Nat())  # the services are added after membership is built, as in the daemon
+    assert m.advertised_addresses() == ["9.9.9.9:4000", f"8.8.8.8:4001/relay/{'r' * 20}"]  # observed: not advertised
+    assert m.keeps_session("relay") and not m.keeps_session("other") and m.dial_relayed() is None
+
+
+def test_our_topology_record_merges_what_the_services_contribute() -> None:
+    from types import SimpleNamespace
+
+    from peer.services import RecordFields, Services
+    from peer.topology.service import SHARD_BYTES, TopologyService
+    from protocol import identity as ident
+    from protocol.schema.pipeline import StageAnnouncement
+    from protocol.schema.training import TrainingFigures
+
+    def contributor(fields: RecordFields) -> _Part:
+        return type("Contributor", (_Part,), {"record_fields": lambda self: fields})()
+
+    services = Services()
+    stage = StageAnnouncement("p", 0, 2, cuts=[1])
+    hosted, attached = TrainingFigures(5, 1.0, 0.5, 3.0), TrainingFigures(9, 1.0, 0.5, 3.0)
+    for fields in (RecordFields(groups=["b"], shard_bytes=100), RecordFields(stage=stage),
+                   RecordFields(training=None), RecordFields(training=hosted),
+                   RecordFields(training=attached, groups=["a", "b"], shard_bytes=300)):
+        services.add(contributor(fields))  # each its own type, in start order
+    topo = object.__new__(TopologyService)  # the parts own_record reads, without a daemon
+    topo.identity = ident.generate_identity()
+    topo.me, topo.version, topo.links = ident.peer_id_from_public_bytes(ident.public_key_bytes(topo.identity)), 1, {}
+    topo.edges = SimpleNamespace(neighbours={})
+    topo.daemon = SimpleNamespace(services=services)
+    topo._shard_bytes = SHARD_BYTES
+    rec = topo.own_record()
+    assert (rec.stage, rec.training, rec.groups) == (stage, hosted, ["a", "b"])  # the first stage and figures
+    assert topo.shard_bytes == 300
