@@ -122,12 +122,13 @@ class Daemon:
             app_payload={"port": self.listen_addr[1], "ver": __version__},
             chunk_bytes=cfg.gossip.chunk_kib * KiB)
         self.transport = transport
+        self.services = Services()  # membership asks it at run time (peer/services.py); load_services fills it
         self.membership = m = Membership(config=cfg, transport=transport, peer_id=self.peer_id,
-                                         router=self.router, listen_port=lambda: self.listen_addr[1])
+                                         router=self.router, listen_port=lambda: self.listen_addr[1],
+                                         services=self.services)
         if host not in ("0.0.0.0", "::", ""):
             m.bound_hosts.append(host)
-        self.services = load_services(self)
-        m.keep = self.services.get(TopologyService).is_neighbour  # a neighbour is never evicted as idle
+        load_services(self)
         relay = self.services.get(NatService).relay
         atomic_write(self.home.config_snapshot, _snapshot(cfg).encode(), mode=0o600)
 
@@ -272,10 +273,11 @@ class Daemon:
 
 
 def load_services(daemon: DaemonContext) -> Services:
-    """The services this daemon's config asks for, built with what each uses, in start order. `peer/`
-    never imports a specific trainer: the config names the trainer module, and TrainerHost loads it."""
+    """The services this daemon's config asks for, built with what each uses, added in start order to
+    `daemon.services` (empty before; membership already holds it). `peer/` never imports a specific trainer:
+    the config names the trainer module, and TrainerHost loads it."""
 
-    services = Services()
+    services = daemon.services
     services.add(NatService(daemon))
     topology = services.add(TopologyService(daemon))
     gossip = services.add(GossipEngine(daemon, topology))

@@ -30,7 +30,7 @@ from peer.topology.service import TopologyService
 from peer.pipeline.driver import DriverHandle
 from peer.pipeline.server import StageHandler
 from peer.pipeline.state import FetchedState, KeptCopy
-from peer.services import DaemonContext
+from peer.services import DaemonContext, RecordFields
 from peertrain.checkpoints import load_checkpoint, save_checkpoint
 from peertrain.swarm import LATEST_CHECKPOINT, ExchangeResult, TrainerStopped, shard_index, wait_for_peers
 from protocol.schema.pipeline import StageAnnouncement
@@ -190,7 +190,7 @@ class TrainerSwarm:
 
     def on_evaluate_request(self, fn) -> None:
         """Register a thread-safe function returning evaluation figures (the control command `evaluate`)."""
-        self._host._evaluate_fn = fn
+        self._host.on_evaluate_request(fn)
 
     # -- who is around --------------------------------------------------------------------------------
     def neighbours(self) -> list[str]:
@@ -240,7 +240,7 @@ class TrainerSwarm:
 
     def on_checkpoint_request(self, fn) -> None:
         """Register a thread-safe function that saves a checkpoint (used by `peer export`)."""
-        self._host._checkpoint_fn = fn
+        self._host.on_checkpoint_request(fn)
 
     def should_stop(self) -> bool:
         return self._host.stopping.is_set()
@@ -277,7 +277,6 @@ class TrainerHost:
         self.cfg = daemon.config.trainer
         self.report = TrainingReport(daemon.peer_id, daemon.home.metrics_file, {"trainer": self.cfg.name, "state": "starting"})
         self.metrics = self.report.metrics
-        topology.announce_training = self.report.figures  # our record carries them to the others' dashboards
         self.events: deque[tuple[str, str]] = deque(maxlen=1000)
         self.stopping = threading.Event()
         self.token: trio.lowlevel.TrioToken | None = None
@@ -286,6 +285,18 @@ class TrainerHost:
         self._checkpoint_fn = None  # set by the trainer through Swarm.on_checkpoint_request
         self._evaluate_fn = None  # set by the trainer through Swarm.on_evaluate_request
         daemon.membership.watch(lambda pid, s: self.events.append((pid, "joined" if s else "left")))
+
+    def on_checkpoint_request(self, fn) -> None:
+        """The trainer's checkpoint function (Swarm.on_checkpoint_request): `peer export` calls it."""
+        self._checkpoint_fn = fn
+
+    def on_evaluate_request(self, fn) -> None:
+        """The trainer's evaluation function (Swarm.on_evaluate_request): the control command `evaluate` calls it."""
+        self._evaluate_fn = fn
+
+    def record_fields(self) -> RecordFields:
+        """HasRecordFields: our record carries our training figures to the others' dashboards."""
+        return RecordFields(training=self.report.figures())
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:

@@ -18,6 +18,7 @@ from peer.averaging.bans import BanList
 from peer.config import PipelineSection
 from peer.membership.peers import PeerInfo
 from peer.membership.reach import MAX_REACHING, Reach, ReachBusy, Unreachable
+from peer.membership.view_mode import FullView
 from peer.pipeline.directory import PipelineKey, StagePeer
 from peer.pipeline.driver import Driver, _CallFailed
 from peer.pipeline.server import StageServer
@@ -118,10 +119,12 @@ class FakeMembership:
         self.sessions: dict[str, object] = {}
         self.learned: list[tuple[str, list[str], str]] = []
         self.wakes = 0
-        self.dialer = SimpleNamespace(wake=self._wake)
 
-    def _wake(self) -> None:
+    def dial_soon(self) -> None:
         self.wakes += 1
+
+    def peer_info(self, peer_id: str) -> PeerInfo | None:
+        return self.peers.get(peer_id)
 
     def connected(self) -> dict:
         return dict(self.sessions)
@@ -224,12 +227,20 @@ def test_a_peer_we_have_a_session_with_is_not_looked_up():
 
 # ---- the pipeline's use of it -------------------------------------------------------------------------------
 
+class PartialModeStub:
+    """The partial views' answers the stage map reads (peer/membership/view_mode.py, ViewMode)."""
+
+    def can_reach(self, addresses: list[str]) -> bool:
+        return bool(addresses)
+
+
 def service(*, partial: bool, connected: set[str], anns: dict[str, StageAnnouncement]) -> PipelineService:
     svc = object.__new__(PipelineService)  # the parts the stage map reads, without a daemon
     svc.me = "me"
     svc.server = SimpleNamespace(stage=None)
     svc.announcement = lambda: None  # ours: we serve none here
-    svc.views = SimpleNamespace(reach=None) if partial else None
+    svc.views = PartialModeStub() if partial else FullView(SimpleNamespace(
+        router=SimpleNamespace(register=lambda *a: None), connected=lambda: {p: object() for p in connected}))
     svc.topology = SimpleNamespace(fresh_records=lambda: [SimpleNamespace(peer_id=p, stage=a) for p, a in anns.items()])
     svc.daemon = SimpleNamespace(membership=SimpleNamespace(connected=lambda: {p: object() for p in connected}))
     svc.drivers = {}
@@ -292,10 +303,10 @@ def test_the_sessions_kept_are_those_a_call_is_out_on_either_way():
     svc.drivers = {"p": driver}
     b = driver.balancers[1]
     assert b.choose([StagePeer("far", 1, 0.0, 0)], 8, 0.0) == "far"
-    assert svc._in_use("far") and not svc._in_use("near")
+    assert svc.keeps_session("far") and not svc.keeps_session("near")
     b.done("far", 8, 0.1, 0.1)
-    assert not svc._in_use("far")  # no call out: the view driver closes it once idle, as any session
+    assert not svc.keeps_session("far")  # no call out: the view driver closes it once idle, as any session
     svc.server.per_peer["caller"] += 1  # a call of `caller` held at our stage, however long its compute
-    assert svc._in_use("caller")
+    assert svc.keeps_session("caller")
     svc.server.per_peer["caller"] -= 1
-    assert not svc._in_use("caller")
+    assert not svc.keeps_session("caller")

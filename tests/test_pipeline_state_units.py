@@ -15,6 +15,7 @@ import trio
 
 from peer.config import PipelineSection
 from peer.home import Home
+from peer.membership.view_mode import FullView
 from peer.pipeline.directory import PipelineKey
 from peer.pipeline.server import ServedStage, StageServer
 from peer.pipeline.service import PipelineService
@@ -300,7 +301,7 @@ class StepsHandler(Handler):
 
 def test_our_announcement_carries_step_move_and_copies_and_drops_a_stale_move(copies_dir):
     svc = object.__new__(PipelineService)  # the parts announcement() reads, without a daemon
-    svc.views = None  # a full view: no addresses announced
+    svc.views = FullView(SimpleNamespace(router=SimpleNamespace(register=lambda *a: None)))  # no addresses announced
     svc.server = StageServer(PipelineSection())
     svc.server.stage = ServedStage(KEY, 1, 16, StepsHandler())
     svc.states = StageStates(svc, PipelineSection(), copies_dir)

@@ -166,3 +166,225 @@ def test_mypy_is_clean_on_the_typed_packages() -> None:
     pytest.importorskip("mypy", reason="mypy is in the test extra: ./dev test installs it")
     out = subprocess.run([sys.executable, "-m", "mypy"], capture_output=True, text=True, timeout=scaled(300), cwd=ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+# ---- no part writes into another's attributes (peer/services.py) ------------------------------------
+
+PLAIN_DATA = {"stats", "_stats"}
+"""Attributes that hold plain counters (a ledger's or a stream's stats) that several parts add to: writing
+into them is bookkeeping, not wiring."""
+MUTATORS = {"append", "extend", "add", "update", "insert", "setdefault"}
+
+
+def _chain(node: ast.AST) -> tuple[str, list[str]] | None:
+    """`a.b.c` as ("a", ["b", "c"]); a chain on a call's result has the root "<call>"; None otherwise."""
+    attrs: list[str] = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return node.id, attrs[::-1]
+    if isinstance(node, ast.Call):
+        return "<call>", attrs[::-1]
+    return None
+
+
+def _foreign_writes(source: str) -> list[tuple[int, str]]:
+    """Writes by a class into objects it was given: in `__init__`, into an attribute of a constructor parameter
+    (or of what was taken from one: `m = self.membership = daemon.membership`); in any method, into an attribute
+    of such an object kept on self (`self.membership.x = ...`, `self.views.hooks.append(...)`); anywhere, a
+    callable hooked into another object's attribute (`x.y = lambda ...`, `x.y = self.method`)."""
+    out: list[tuple[int, str]] = []
+    for cls in [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]:
+        methods = [f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        own_methods = {f.name for f in methods}
+        init = next((f for f in methods if f.name == "__init__"), None)
+        given_locals: set[str] = set()
+        given_attrs: set[str] = set()
+
+        def given(expr: ast.AST) -> bool:
+            c = _chain(expr)
+            return c is not None and (c[0] in given_locals or (c[0] == "self" and bool(c[1]) and c[1][0] in given_attrs))
+
+        if init is not None:
+            given_locals = {a.arg for a in init.args.args[1:] + init.args.kwonlyargs}
+            for st in ast.walk(init):
+                if isinstance(st, ast.Assign) and given(st.value):
+                    for t in st.targets:
+                        c = _chain(t)
+                        if isinstance(t, ast.Name):
+                            given_locals.add(t.id)
+                        elif c is not None and c[0] == "self" and len(c[1]) == 1:
+                            given_attrs.add(c[1][0])
+        for fn in methods:
+            def foreign(target: ast.AST) -> bool:
+                c = _chain(target)
+                if c is None or PLAIN_DATA & set(c[1]):
+                    return False
+                if c[0] == "self":
+                    return len(c[1]) >= 2 and c[1][0] in given_attrs
+                return fn is init and c[0] in given_locals and len(c[1]) >= 1
+
+            for st in ast.walk(fn):
+                targets: list[ast.expr] = []
+                value: ast.AST | None = None
+                if isinstance(st, ast.Assign):
+                    targets, value = st.targets, st.value
+                elif isinstance(st, (ast.AugAssign, ast.AnnAssign)):
+                    targets, value = [st.target], st.value
+                for t in targets:
+                    if not isinstance(t, ast.Attribute):
+                        continue
+                    c, v = _chain(t), _chain(value) if value is not None else None
+                    hook = isinstance(value, ast.Lambda) or (v is not None and bool(v[1]) and (
+                        v[0] == "<call>" or (v[0] == "self" and len(v[1]) == 1 and v[1][0] in own_methods)))
+                    if foreign(t) or (hook and c is not None and not (c[0] == "self" and len(c[1]) == 1)):
+                        out.append((st.lineno, ast.unparse(t)))
+                if isinstance(st, ast.Call) and isinstance(st.func, ast.Attribute) and st.func.attr in MUTATORS \
+                        and foreign(st.func.value):
+                    out.append((st.lineno, ast.unparse(st.func)))
+    return out
+
+
+def test_no_part_of_the_daemon_writes_into_anothers_attributes() -> None:
+    """What a service needs of another it asks for (a capability in peer/services.py, a method, a constructor
+    argument); it never sets another's hooks (`topology.announce_stage = ...`), where construction order
+    decided who owned them."""
+    found = [f"{path.relative_to(ROOT)}:{line}: {what}"
+             for path in sorted((ROOT / "peer").rglob("*.py")) for line, what in _foreign_writes(path.read_text())]
+    assert not found, "writes into another object's attributes:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source", [
+    "class A:\n    def __init__(self, topology):\n        topology.announce = self.announce\n",
+    "class A:\n    def __init__(self, daemon):\n        m = self.m = daemon.membership\n        m.views.keep.append(self.f)\n",
+    "class A:\n    def __init__(self, daemon):\n        self.m = daemon.membership\n    def run(self):\n        self.m.verified = []\n",
+    "class A:\n    def run(self, m):\n        m.keep = lambda p: True\n",
+])
+def test_the_foreign_write_rule_finds_hook_writes(source: str) -> None:
+    assert _foreign_writes(source)
+
+
+@pytest.mark.parametrize("implementation, protocols", [
+    ("peer.membership.view_mode:FullView", ["peer.membership.view_mode:ViewMode"]),
+    ("peer.membership.view_driver:ViewDriver", ["peer.membership.view_mode:ViewMode"]),
+    ("peer.membership.service:Membership", ["peer.membership.dialing:DialPolicy", "peer.membership.reach:Dialing"]),
+    ("peer.topology.service:TopologyService", ["peer.services:KeepsSessions", "peer.services:MeasuresLinks",
+                                               "peer.services:FollowsViewEdges"]),
+    ("peer.nat.service:NatService", ["peer.services:ShapesAddresses", "peer.services:KeepsSessions"]),
+    ("peer.pipeline.service:PipelineService", ["peer.services:HasRecordFields", "peer.services:KeepsSessions"]),
+    ("peer.averaging.engine:GossipEngine", ["peer.services:HasRecordFields"]),
+    ("peer.attach.service:AttachService", ["peer.services:HasRecordFields"]),
+    ("peer.trainer_host:TrainerHost", ["peer.services:HasRecordFields"]),
+])
+def test_each_part_has_the_capabilities_it_is_wired_by(implementation: str, protocols: list[str]) -> None:
+    """A capability is found by its methods (`Services.providing`): a misspelt one would drop out silently."""
+    import importlib
+
+    def load(spec: str):
+        module, name = spec.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    cls = load(implementation)
+    for proto in map(load, protocols):
+        for member, want in vars(proto).items():
+            if member.startswith("_") or not callable(want):
+                continue
+            got = getattr(cls, member, None)
+            assert callable(got), f"{cls.__name__} lacks {proto.__name__}.{member}"
+            assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), \
+                f"{cls.__name__}.{member}{inspect.signature(got)} differs from {proto.__name__}.{member}"
+        for member in getattr(proto, "__annotations__", {}):
+            assert hasattr(cls, member) or f"self.{member}" in inspect.getsource(cls), f"{cls.__name__} has no {member}"
+
+
+# ---- the capabilities at work ----------------------------------------------------------------------
+
+class _Part:
+    """A service with only what the registry needs (name, run, status) and what each test adds."""
+
+    name = "part"
+
+    async def run(self, *, task_status=None) -> None: ...
+
+    def status(self) -> dict:
+        return {}
+
+
+def test_the_registry_finds_a_capability_added_after_it_was_first_asked() -> None:
+    from peer.services import KeepsSessions, Services
+
+    class Keeper(_Part):
+        def keeps_session(self, peer_id: str) -> bool:
+            return peer_id == "kept"
+
+    services = Services()
+    services.add(_Part())
+    assert services.providing(KeepsSessions) == []  # asked (and kept) before the keeper is added
+    keeper = services.add(Keeper())
+    assert services.providing(KeepsSessions) == [keeper]
+
+
+def test_membership_advertises_and_keeps_what_the_services_say() -> None:
+    from peer.membership.service import Membership
+    from peer.services import Services
+    from peer.session.router import Router
+    from peer.session.transport import TransportConfig
+    from peer.testing.swarm import swarm_config
+    from protocol import identity as ident
+
+    class Nat(_Part):
+        def advertise_observed(self) -> bool:
+            return False
+
+        def verified_hosts(self) -> list[str]:
+            return ["9.9.9.9"]
+
+        def relayed_addresses(self) -> list[str]:
+            return [f"8.8.8.8:4001/relay/{'r' * 20}"]
+
+        def dial_relayed(self):
+            return None
+
+        def keeps_session(self, peer_id: str) -> bool:
+            return peer_id == "relay"
+
+    services = Services()
+    cfg = swarm_config(swarm="s", mdns=False, membership={"views": "full"})
+    m = Membership(config=cfg, transport=TransportConfig(identity=ident.generate_identity(), swarm="s"),
+                   peer_id="me", router=Router(), listen_port=lambda: 4000, services=services)
+    m.observed_hosts.append("7.7.7.7")
+    assert m.advertised_addresses() == ["7.7.7.7:4000"] and m.advertise_observed() and not m.keeps_session("relay")
+    services.add(Nat())  # the services are added after membership is built, as in the daemon
+    assert m.advertised_addresses() == ["9.9.9.9:4000", f"8.8.8.8:4001/relay/{'r' * 20}"]  # observed: not advertised
+    assert m.keeps_session("relay") and not m.keeps_session("other") and m.dial_relayed() is None
+
+
+def test_our_topology_record_merges_what_the_services_contribute() -> None:
+    from types import SimpleNamespace
+
+    from peer.services import RecordFields, Services
+    from peer.topology.service import SHARD_BYTES, TopologyService
+    from protocol import identity as ident
+    from protocol.schema.pipeline import StageAnnouncement
+    from protocol.schema.training import TrainingFigures
+
+    def contributor(fields: RecordFields) -> _Part:
+        return type("Contributor", (_Part,), {"record_fields": lambda self: fields})()
+
+    services = Services()
+    stage = StageAnnouncement("p", 0, 2, cuts=[1])
+    hosted, attached = TrainingFigures(5, 1.0, 0.5, 3.0), TrainingFigures(9, 1.0, 0.5, 3.0)
+    for fields in (RecordFields(groups=["b"], shard_bytes=100), RecordFields(stage=stage),
+                   RecordFields(training=None), RecordFields(training=hosted),
+                   RecordFields(training=attached, groups=["a", "b"], shard_bytes=300)):
+        services.add(contributor(fields))  # each its own type, in start order
+    topo = object.__new__(TopologyService)  # the parts own_record reads, without a daemon
+    topo.identity = ident.generate_identity()
+    topo.me, topo.version, topo.links = ident.peer_id_from_public_bytes(ident.public_key_bytes(topo.identity)), 1, {}
+    topo.edges = SimpleNamespace(neighbours={})
+    topo.daemon = SimpleNamespace(services=services)
+    topo._shard_bytes = SHARD_BYTES
+    rec = topo.own_record()
+    assert (rec.stage, rec.training, rec.groups) == (stage, hosted, ["a", "b"])  # the first stage and figures
+    assert topo.shard_bytes == 300

@@ -204,6 +204,7 @@ def test_the_gap_driver_follows_the_wall_clock_and_reads_what_the_estimator_does
             for i in range(n):
                 me = str(i)
                 views = types.SimpleNamespace(active=nbrs[me], degree=len(nbrs[me]), gap=None)
+                views.set_gap = lambda reading, views=views: setattr(views, "gap", reading)
 
                 async def send(session, msg, me=me):
                     drivers[session].receive(me, msg)

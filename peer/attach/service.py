@@ -27,6 +27,7 @@ from peer.attach import wire
 from peer.attach.shm import Segment, layout
 from peer.averaging.shared import SharedTensors
 from peer.control import pack
+from peer.services import RecordFields
 from peer.training_report import TrainingReport
 from protocol.schema.training import TrainingFigures
 from protocol.errors import LimitExceeded
@@ -125,8 +126,6 @@ class AttachService:
         self._next_id = 1
         self._nursery: trio.Nursery | None = None
         daemon.membership.watch(self._on_membership)
-        # our record carries an attached process's figures (a hosted trainer, built later, takes this over)
-        gossip.topology.announce_training = self._figures
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as n:
@@ -283,6 +282,11 @@ class AttachService:
                              "metrics": c.report.status()} for c in self.clients.values()],
                 "refused": self.refused, "ended": list(self.ended),
                 "max_clients": self.cfg.max_clients, "max_shared_mib": self.cfg.max_shared_mib}
+
+    def record_fields(self) -> RecordFields:
+        """HasRecordFields: our record carries an attached process's figures, unless this daemon hosts a trainer
+        (whose figures the record carries then, as the status panel shows them: one source, whatever the order)."""
+        return RecordFields(training=None if self.daemon.config.trainer.name else self._figures())
 
     def _figures(self) -> TrainingFigures | None:
         """The figures of the first attached process that published some in range, as `training` picks."""

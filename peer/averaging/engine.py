@@ -34,6 +34,7 @@ from peer.averaging.shared import SharedTensors
 from peer.averaging.weights import rule_cap
 from peer.concurrency import together
 from peer.session.groups import IncomingGroup, OutgoingGroup
+from peer.services import RecordFields
 from peer.session.transport import SessionClosed
 from peertrain.swarm import AVERAGE_MODES, ExchangeResult
 from protocol.errors import ProtocolError
@@ -77,12 +78,16 @@ class GossipEngine:
                                    connected=self.membership.connected)
         self._nursery: trio.Nursery | None = None
         self._background: set[str] = set()  # groups with a background round running (start_average)
-        topology.announce_groups = lambda: sorted(self.groups)  # our record lists what we share
+        self._shard_bytes: int | None = None  # the largest group's bytes when one was last shared
         r = daemon.router
         r.register(AverageOffer, self.server.on_offer)
         r.register(AverageCommit, self.server.on_commit)
         r.register(AverageAbort, self.server.on_abort)
         r.register(ParamsRequest, self.downloads.on_request)
+
+    def record_fields(self) -> RecordFields:
+        """HasRecordFields: our record lists the groups we share, and the rewiring plans with their size."""
+        return RecordFields(groups=sorted(self.groups), shard_bytes=self._shard_bytes)
 
     @property
     def stats(self) -> GossipStats:
@@ -108,7 +113,7 @@ class GossipEngine:
             self._partners.pop(group.name, None)
         else:
             self._partners[group.name] = partners
-        self.topology.shard_bytes = max((g.nbytes for g in self.groups.values()), default=self.topology.shard_bytes)
+        self._shard_bytes = max((g.nbytes for g in self.groups.values()), default=self._shard_bytes)
         self.topology.announce_soon()
 
     def unregister(self, name: str) -> None:

@@ -330,9 +330,9 @@ def _zeros_like(t: Any) -> Any:
     arrays, torch CPU tensors numpy can view), else a torch tensor on `t`'s device."""
     if isinstance(t, np.ndarray):
         return np.zeros_like(t)
-    views = _host_arrays([t])
-    if views is not None:
-        return np.zeros_like(views[0][0])
+    arrays = _host_arrays([t])
+    if arrays is not None:
+        return np.zeros_like(arrays[0][0])
     import torch
 
     return torch.zeros_like(t.detach())

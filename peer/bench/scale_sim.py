@@ -362,7 +362,7 @@ class Simulator:
         for p in peers:
             p.gap.advance(p.views.active)
             if not p.gap.running:
-                p.views.gap = p.gap.reading
+                p.views.set_gap(p.gap.reading)
 
     # ---- the graph --------------------------------------------------------------------------------------
     def graph(self) -> tuple[list[SimPeer], np.ndarray, int]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -40,25 +40,50 @@ DialRelayed = Callable[[PeerInfo, RelayedAddress], Awaitable[Session]]
 """How to dial a peer through one of its relays (the NAT service's relay client, peer/nat/)."""
 
 
+class DialPolicy(Protocol):
+    """What the dialer asks its owner (membership, from its view mode and the NAT service) each round."""
+
+    def wants_dial(self, peer_id: str) -> bool:
+        """Dial this known peer now? (Partial views: only the peers a message or a lookup waits for.)"""
+        ...
+
+    def wants_contact(self) -> bool:
+        """Dial the bootstrap (`--join`) targets now? (Partial views: only while they need a contact.)"""
+        ...
+
+    def dial_relayed(self) -> DialRelayed | None:
+        """How to dial through a relay; None: we cannot."""
+        ...
+
+
+class DialEverything:
+    """The policy of a dialer on its own (tests): every peer, the bootstrap targets, no relays."""
+
+    def wants_dial(self, peer_id: str) -> bool:
+        return True
+
+    def wants_contact(self) -> bool:
+        return True
+
+    def dial_relayed(self) -> DialRelayed | None:
+        return None
+
+
 class Dialer:
     """Dials the peers of `peers` (membership's table, shared: the dialer marks entries dialing, counts
     their failures and forgets the unreachable second-hand ones) and the `bootstrap` targets, with
-    backoff; each session made is handed to `start_session`."""
+    backoff; each session made is handed to `start_session`. Whom it may dial, `policy` says."""
 
     def __init__(self, cfg: MembershipSection, transport: TransportConfig, *, peer_id: str,
                  peers: dict[str, PeerInfo], bootstrap: list[BootstrapTarget],
-                 start_session: Callable[[Session], None]):
+                 start_session: Callable[[Session], None], policy: DialPolicy | None = None):
         self.cfg = cfg
         self.transport = transport
         self.peer_id = peer_id
         self.peers = peers
         self.bootstrap = bootstrap
         self.host_backoff: dict[str, HostBackoff] = {}  # at most MAX_PEERS hosts
-        self.dial_relayed: DialRelayed | None = None  # set through Membership.dial_relayed
-        # partial views (peer/membership/view_driver.py): dial only the peers a view message waits for, and
-        # the bootstrap addresses only while the views need a contact; None / always under full views
-        self.wanted: Callable[[str], bool] | None = None
-        self.contact_wanted: Callable[[], bool] = lambda: True
+        self.policy: DialPolicy = policy if policy is not None else DialEverything()
         self._start_session = start_session
         self._wake = trio.Event()
         self._stopped = False
@@ -93,7 +118,7 @@ class Dialer:
             now = trio.current_time()
             n_sessions = sum(1 for p in self.peers.values() if p.session is not None)
             n_dials = sum(1 for p in self.peers.values() if p.dialing) + sum(1 for t in self.bootstrap if t.dialing)
-            for target in self.bootstrap if self.contact_wanted() else ():
+            for target in self.bootstrap if self.policy.wants_contact() else ():
                 if target.dialing or target.next_attempt > now or n_dials >= MAX_DIALS_IN_PROGRESS:
                     continue
                 if target.peer_id and self.peers.get(target.peer_id) and self.peers[target.peer_id].session:
@@ -107,11 +132,11 @@ class Dialer:
                     # learned second-hand (cache, peer exchange) and never reached: stop trying
                     del self.peers[info.peer_id]
                     continue
-                if self.wanted is not None and not self.wanted(info.peer_id):
+                if not self.policy.wants_dial(info.peer_id):
                     continue
                 if (info.session is None and not info.dialing and info.next_attempt <= now
                         and n_sessions < self.cfg.max_connections and n_dials < MAX_DIALS_IN_PROGRESS
-                        and (self._dialable(info, now) or (info.relayed and self.dial_relayed is not None))):
+                        and (self._dialable(info, now) or (info.relayed and self.policy.dial_relayed() is not None))):
                     info.dialing = True
                     n_sessions += 1
                     n_dials += 1
@@ -164,9 +189,10 @@ class Dialer:
                 self.host_backoff.pop(host, None)
                 self._start_session(session)
                 return
-            for relayed in list(info.relayed) if self.dial_relayed is not None else []:
+            dial_relayed = self.policy.dial_relayed()
+            for relayed in list(info.relayed) if dial_relayed is not None else []:
                 try:
-                    session = await self.dial_relayed(info, relayed)
+                    session = await dial_relayed(info, relayed)
                 except (OSError, trio.TooSlowError, ProtocolError) as exc:
                     log.info("dial %s through relay %s failed: %s", ident.short_id(info.peer_id),
                              ident.short_id(relayed.relay_id), exc or type(exc).__name__)

@@ -122,7 +122,7 @@ class GapDriver:
                             nursery.start_soon(self._send_one, session, msg)
                     await self._sleep_until(slot + cfg.round_interval)
                     self.estimator.advance(set(self.views.active))
-                self.views.gap = self.estimator.reading
+                self.views.set_gap(self.estimator.reading)
                 if self.estimator.reading is not None:
                     self.epochs += 1
                     r = self.estimator.reading

@@ -9,21 +9,21 @@ MAX_REACHING peers are being reached at once; a caller over that bound is told s
 queued. One dial per peer asked for: callers asking for a peer already being reached wait on the same dial.
 
 The sessions so made are like any other: the view driver closes them once idle, unless a service says it
-still needs them (`ViewDriver.keep_session`). See docs/design.md, "Partial views".
+still needs them (`KeepsSessions`, peer/services.py). See docs/design.md, "Partial views".
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from protocol import identity as ident
 
 if TYPE_CHECKING:
-    from peer.membership.service import Membership
+    from peer.membership.peers import PeerInfo
     from peer.session.transport import Session
 
 log = logging.getLogger("peertrain.membership")
@@ -33,6 +33,20 @@ MAX_REACHING = 4
 views' own dials (shuffles, edge requests) always find room; a pipeline driver needs a session with one
 server per stage it calls, and picks connected ones first once their calls are timed."""
 POLL_S = 0.25  # how often a waiting caller looks whether the dialer gave up (it tells no one; the dialer's own tick)
+
+
+class Dialing(Protocol):
+    """What a lookup uses of membership (peer/membership/service.py)."""
+
+    peer_id: str  # ours
+
+    def connected(self) -> Mapping[str, Session]: ...
+
+    def peer_info(self, peer_id: str) -> PeerInfo | None: ...
+
+    def learn_addresses(self, peer_id: str, texts: list[str], *, source: str) -> None: ...
+
+    def dial_soon(self) -> None: ...
 
 
 class Unreachable(Exception):
@@ -46,7 +60,7 @@ class ReachBusy(Unreachable):
 class Reach:
     """Reaches peers for other services through membership's dialer (see the module docstring)."""
 
-    def __init__(self, m: Membership, *, timeout: float):
+    def __init__(self, m: Dialing, *, timeout: float):
         self.m = m
         self.timeout = timeout  # a dial (handshake_timeout) plus a round trip: the views' request_timeout
         self.pending: dict[str, trio.Event] = {}  # peer -> set when its session comes up
@@ -83,22 +97,22 @@ class Reach:
             if len(self.pending) >= MAX_REACHING:
                 self.busy += 1
                 raise ReachBusy(f"{MAX_REACHING} peers are being reached already")
-            info = self.m.peers.get(peer_id)
+            info = self.m.peer_info(peer_id)
             if info is not None and info.failures and not info.dialing and info.session is None \
                     and info.next_attempt > trio.current_time():
                 raise Unreachable(f"backing off after {info.failures} failed dials")
             ev = self.pending[peer_id] = trio.Event()
             self.m.learn_addresses(peer_id, addresses, source="view")
-            if self.m.peers.get(peer_id) is None:
+            if self.m.peer_info(peer_id) is None:
                 del self.pending[peer_id]
                 raise Unreachable("no address we may dial (or our peer table is full)")
-            self.m.dialer.wake()
+            self.m.dial_soon()
         why = f"no session within {self.timeout:.0f} s"
         try:
             with trio.move_on_after(self.timeout):
                 started = False
                 while not ev.is_set():
-                    info = self.m.peers.get(peer_id)
+                    info = self.m.peer_info(peer_id)
                     if info is None:
                         why = "forgotten by the dialer (no address worked)"
                         break

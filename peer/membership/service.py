@@ -7,33 +7,47 @@ ID* and close the other, so they always agree), pings every session, and marks a
 session ends or its pongs stop for `dead_after` (replies, not just any bytes: a peer that sends but does
 not read is dead too); a frame it does not take within `dead_after` closes its session as well.
 
-Ownership: `run()` owns the dialer, the peer-exchange loop and (through `own_session`) every session's
-reader, heartbeat and dispatcher tasks. Cancelling `run()` closes them all. The dialer (what to dial
+Ownership: `run()` owns the dialer, the view mode's loop (peer exchange, or the partial views) and (through
+`own_session`) every session's reader, heartbeat and dispatcher tasks. Cancelling `run()` closes them all. The dialer (what to dial
 when, and the backoff) is a `peer.membership.dialing.Dialer` that `Membership` owns, sharing its peer table.
+The view mode (`views`: the full view or partial views, peer/membership/view_mode.py) decides what spreads
+and whom the dialer dials.
+
+Membership is built before the daemon's services and holds their registry (`services`, peer/services.py):
+what it needs of them it asks there when it needs it: which of our addresses to advertise and how to dial
+through a relay (`ShapesAddresses`, the NAT service), which sessions never to close as idle (`KeepsSessions`),
+link figures and who follows the partial views' edges (`MeasuresLinks`, `FollowsViewEdges`). The view driver
+and the lookups (peer/membership/reach.py) use its public surface below, not its peer table or dialer.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
-import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import trio
 
 from peer.config import Config
 from peer.nat.addresses import format_hostport, parse_address, parse_relayed
 from peer.session.router import Router
-from peer.session.fanout import Fanout, send_to_each
+from peer.session.fanout import send_to_each
 from peer.membership.dialing import Dialer, DialRelayed
 from peer.membership.view_driver import ViewDriver, gap_config, view_config
+from peer.membership.view_mode import FullView, ViewMode
+from peer.services import FollowsViewEdges, KeepsSessions, MeasuresLinks, Providers, Services, ShapesAddresses
 from peer.membership.peers import (IDLE_ROUNDS, MAX_ADDRESSES, MAX_OBSERVED_CANDIDATES, MAX_PEERS, MAX_RELAYED,
                                    OBSERVED_QUORUM, SECOND_HAND, BootstrapTarget, PeerInfo,
                                    is_public_address, pick_idle)
 from peer.session.transport import Session, SessionClosed, TransportConfig
 from protocol import identity as ident
-from protocol.schema import Goodbye, PeerExchange, PeerRecord, Ping, Pong, peer_record_signing_bytes
+from protocol.schema import Goodbye, PeerRecord, Ping, Pong, peer_record_signing_bytes
+
+if TYPE_CHECKING:
+    from peer.topology.graph import LinkEstimate
 
 log = logging.getLogger("peertrain.membership")
 
@@ -48,50 +62,68 @@ edge request, then its answer), and the peers gave up on each other for a retry 
 
 class Membership:
     def __init__(self, *, config: Config, transport: TransportConfig, peer_id: str, router: Router,
-                 listen_port: Callable[[], int]):
+                 listen_port: Callable[[], int], services: Providers | None = None):
         self.cfg = config.membership
         self.swarm = config.daemon.swarm
         self.transport = transport
         self.peer_id = peer_id
         self.router = router
         self._listen_port = listen_port
+        self.services: Providers = services if services is not None else Services()  # none: a bare membership
         self.peers: dict[str, PeerInfo] = {}
         self.dialer = Dialer(self.cfg, transport, peer_id=peer_id, peers=self.peers,
                              bootstrap=[BootstrapTarget(*parse_address(a)) for a in config.daemon.join],
-                             start_session=self._start_session)
+                             start_session=self._start_session, policy=self)
         self.advertise_hosts: list[str] = list(config.discovery.advertise)
         self.bound_hosts: list[str] = []  # the host of `[daemon] listen`, unless it is a wildcard
         self.observed_hosts: list[str] = []  # reported by OBSERVED_QUORUM peers at distinct IPs
         self._observed_votes: dict[str, dict[str, str]] = {}  # address -> reporter IP -> reporter peer ID
         self.private_addresses = config.discovery.private_addresses
-        # set by the NAT service (peer/nat/service.py): whether the addresses peers observe for us are worth
-        # advertising (not when dial-back showed they are unreachable), our relayed addresses, and how to
-        # dial a peer through a relay (`dial_relayed`, below)
-        self.advertise_observed = True
-        self.verified_hosts: list[str] = []  # hosts of ours that peers dialed back (we are public at them)
-        self.relayed_addresses: list[str] = []
         self._nursery: trio.Nursery | None = None
-        self._pex_fanout = Fanout()
         self._leaving = False
         self._watchers: list[Callable[[str, Session | None], None]] = []
-        self.keep: Callable[[str], bool] = lambda peer_id: False  # never evicted as idle (the daemon: neighbours)
         router.register(Ping, self._on_ping)
-        router.register(PeerExchange, self._on_pex)
         router.register(Goodbye, self._on_goodbye)
         # `[membership] views = "partial"`: a bounded partial view drives whom we dial and keep, and peer
-        # records are not flooded (peer/membership/view_driver.py); None: the full view, as always
-        self.views: ViewDriver | None = None
-        if self.cfg.views == "partial":
-            self.views = ViewDriver(self, view_config(config), gap=gap_config(config))
+        # records are not flooded (peer/membership/view_driver.py); else the full view, as always
+        self.views: ViewMode = (ViewDriver(self, view_config(config), gap=gap_config(config))
+                                if self.cfg.views == "partial" else FullView(self))
 
-    @property
+    # ---- what the services say (peer/services.py) ---------------------------------------------------
+    def _nat(self) -> list[ShapesAddresses]:
+        return self.services.providing(ShapesAddresses)
+
+    def advertise_observed(self) -> bool:
+        """Whether the addresses peers observe us at are worth advertising (yes, unless NAT says no)."""
+        return all(n.advertise_observed() for n in self._nat())
+
     def dial_relayed(self) -> DialRelayed | None:
-        """How the dialer reaches a peer through a relay (set by the NAT service); None: it does not."""
-        return self.dialer.dial_relayed
+        """How the dialer reaches a peer through a relay (the NAT service's relay client); None: it does not."""
+        return next((d for n in self._nat() if (d := n.dial_relayed()) is not None), None)
 
-    @dial_relayed.setter
-    def dial_relayed(self, dial_relayed: DialRelayed | None) -> None:
-        self.dialer.dial_relayed = dial_relayed
+    def keeps_session(self, peer_id: str) -> bool:
+        """Whether a service needs the session with `peer_id` kept (never closed as idle)."""
+        return any(k.keeps_session(peer_id) for k in self.services.providing(KeepsSessions))
+
+    def link_estimate(self, peer_id: str) -> LinkEstimate | None:
+        """Our link to `peer_id` as measured (the topology service), or None."""
+        return next((e for s in self.services.providing(MeasuresLinks) if (e := s.link_estimate(peer_id)) is not None),
+                    None)
+
+    def view_edge(self, peer_id: str, up: bool, reason: str, degree: int) -> None:
+        """The partial views made `peer_id` a gossip neighbour, or no longer one: tell who follows them."""
+        for f in self.services.providing(FollowsViewEdges):
+            try:
+                f.view_edge(peer_id, up, reason, degree)
+            except Exception:
+                log.exception("partial views: an edge follower failed")
+
+    # ---- the dialer's policy (peer/membership/dialing.py, DialPolicy) -------------------------------
+    def wants_dial(self, peer_id: str) -> bool:
+        return self.views.wants_dial(peer_id)
+
+    def wants_contact(self) -> bool:
+        return self.views.wants_contact()
 
     def stop_dialing(self) -> None:
         """We are leaving: make no new connections. Sessions we have stay up for the goodbye; peers that
@@ -106,7 +138,7 @@ class Membership:
     def idle_victim(self, sessions: list[Session]) -> Session | None:
         """`serve`'s question when its slots are full: which of these inbound sessions may go (pick_idle)."""
         return pick_idle(sessions, now=trio.current_time(), idle_after=IDLE_ROUNDS * self.cfg.pex_interval,
-                         keep=self.keep)
+                         keep=self.keeps_session)
 
     def watch(self, callback: Callable[[str, Session | None], None]) -> None:
         """`callback(peer_id, session_or_None)` whenever a peer connects (session) or disconnects (None)."""
@@ -122,6 +154,38 @@ class Membership:
     def bootstrap_status(self) -> list[dict]:
         """`peer status`'s view of the `--join` addresses (and `peer doctor`'s)."""
         return self.dialer.bootstrap_status()
+
+    # ---- the surface the view driver and the lookups use --------------------------------------------
+    def peer_info(self, peer_id: str) -> PeerInfo | None:
+        return self.peers.get(peer_id)
+
+    def known_peers(self) -> Mapping[str, PeerInfo]:
+        """The peer table, read-only (entries change through learn / forget / the dialer)."""
+        return MappingProxyType(self.peers)
+
+    def forget(self, peer_id: str) -> None:
+        """Drop a peer we have no session with from the table (the partial views' unused peers)."""
+        info = self.peers.get(peer_id)
+        if info is not None and info.session is None:
+            del self.peers[peer_id]
+
+    def bootstrap_ids(self) -> list[str]:
+        """The peer IDs of the `--join` addresses, as far as we know them (in their order)."""
+        return [t.peer_id for t in self.dialer.bootstrap if t.peer_id]
+
+    def has_bootstrap(self) -> bool:
+        """Whether any `--join` address was given."""
+        return bool(self.dialer.bootstrap)
+
+    def retry_bootstrap(self) -> None:
+        """Dial the `--join` addresses now, backoff or not (the views need a contact)."""
+        for t in self.dialer.bootstrap:
+            t.next_attempt = 0.0
+        self.dialer.wake()
+
+    def dial_soon(self) -> None:
+        """Something to dial changed (a message waits for a peer, a lookup started): look now."""
+        self.dialer.wake()
 
     # ---- learning of peers --------------------------------------------------------------------------
     def learn(self, peer_id: str, addresses, *, source: str) -> None:
@@ -176,9 +240,12 @@ class Membership:
     def advertised_addresses(self) -> list[str]:
         """Where peers can reach us, best first: direct "host:port" ones, then relayed ones."""
         port = self._listen_port()
-        hosts = list(dict.fromkeys(self.advertise_hosts + self.verified_hosts
-                                   + (self.bound_hosts + self.observed_hosts if self.advertise_observed else [])))
-        return [format_hostport(h, port) for h in hosts][:MAX_ADDRESSES] + self.relayed_addresses[:MAX_RELAYED]
+        nat = self._nat()
+        verified = [h for n in nat for h in n.verified_hosts()]
+        relayed = [a for n in nat for a in n.relayed_addresses()]
+        hosts = list(dict.fromkeys(self.advertise_hosts + verified
+                                   + (self.bound_hosts + self.observed_hosts if self.advertise_observed() else [])))
+        return [format_hostport(h, port) for h in hosts][:MAX_ADDRESSES] + relayed[:MAX_RELAYED]
 
     def own_record(self) -> PeerRecord:
         """Our signed, expiring peer record, as peer exchange forwards it."""
@@ -190,7 +257,7 @@ class Membership:
         sig = ident.sign(self.transport.identity, peer_record_signing_bytes(rec))
         return PeerRecord(**{**{f: getattr(rec, f) for f in rec.__dataclass_fields__}, "signature": sig})
 
-    def _valid_record(self, rec: PeerRecord) -> str | None:
+    def valid_record(self, rec: PeerRecord) -> str | None:
         """None if the record is authentic, current and ours; else why not."""
         if ident.peer_id_from_public_bytes(rec.public_key) != rec.peer_id:
             return "peer ID does not match its public key"
@@ -208,10 +275,7 @@ class Membership:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            if self.views is None:
-                nursery.start_soon(self._pex_loop)
-            else:
-                nursery.start_soon(self.views.run)
+            nursery.start_soon(self.views.run)
             task_status.started()
             await self.dialer.run()
 
@@ -281,8 +345,7 @@ class Membership:
             async with trio.open_nursery() as n:
                 n.start_soon(self._heartbeat, session, info)
                 n.start_soon(self._dispatch, session)
-                if self.views is None:  # partial views spread entries in their own messages, not records
-                    n.start_soon(self._send_pex, session)
+                n.start_soon(self.views.greet, session)
                 await session.run()
                 n.cancel_scope.cancel()
         finally:
@@ -390,50 +453,24 @@ class Membership:
     async def _on_goodbye(self, session: Session, env) -> None:
         await session.aclose(f"peer said goodbye: {env.message.reason}")
 
-    # ---- peer exchange ------------------------------------------------------------------------------
-    def _pex_records(self) -> list[PeerRecord]:
-        recs = [self.own_record()]
-        for p in self.peers.values():
-            if p.record is not None and p.state == "connected":
-                recs.append(p.record)
-        return recs[:256]
-
-    async def _send_pex(self, session: Session) -> None:
-        try:
-            await session.send_message(PeerExchange(peers=self._pex_records()))
-        except SessionClosed:
-            pass
-
-    async def _pex_loop(self) -> None:
-        while True:
-            await trio.sleep(self.cfg.pex_interval * random.uniform(0.8, 1.2))
-            assert self._nursery is not None  # to every session at once, waiting on none (Fanout)
-            self._pex_fanout.send(self._nursery, list(self.connected().values()), PeerExchange(peers=self._pex_records()))
-
-    async def _on_pex(self, session: Session, env) -> None:
-        if self.views is not None:
-            return  # a full-view peer's records: partial views learn peers only from view messages
-        for rec in env.message.peers:
-            why = self._valid_record(rec)
-            if why is not None:
-                log.debug("ignoring peer record for %s from %s: %s", ident.short_id(rec.peer_id), session.short, why)
-                continue
-            if rec.peer_id == self.peer_id:
-                continue
-            info = self.peers.get(rec.peer_id)
-            newer = info is not None and (info.record is None or info.record.issued < rec.issued)
-            if newer:  # its latest word on where it is: forget addresses it stopped advertising (not first-hand ones)
-                listed = set(rec.addresses)
-                info.addresses = [a for a in info.addresses if a in info.firsthand or format_hostport(*a) in listed]
-                info.relayed = [r for r in info.relayed if str(r) in listed]
-            self.learn_addresses(rec.peer_id, rec.addresses, source="pex")
-            info = self.peers.get(rec.peer_id)
-            if info is not None and (info.record is None or info.record.issued < rec.issued):
-                info.record = rec
+    # ---- peer records (the full view's peer exchange, peer/membership/view_mode.py) --------------------
+    def take_record(self, rec: PeerRecord) -> None:
+        """A peer's signed record, checked (`valid_record`): its latest word on where it is."""
+        if rec.peer_id == self.peer_id:
+            return
+        info = self.peers.get(rec.peer_id)
+        newer = info is not None and (info.record is None or info.record.issued < rec.issued)
+        if newer:  # forget addresses it stopped advertising (not first-hand ones)
+            listed = set(rec.addresses)
+            info.addresses = [a for a in info.addresses if a in info.firsthand or format_hostport(*a) in listed]
+            info.relayed = [r for r in info.relayed if str(r) in listed]
+        self.learn_addresses(rec.peer_id, rec.addresses, source="pex")
+        info = self.peers.get(rec.peer_id)
+        if info is not None and (info.record is None or info.record.issued < rec.issued):
+            info.record = rec
 
     async def say_goodbye(self, reason: str) -> None:
         """Tell every peer we are leaving (best effort, bounded), so they don't wait for a timeout."""
-        if self.views is not None:
-            await self.views.leave()  # first pair our neighbours up, so their degrees stay
+        await self.views.leave()  # partial views first pair our neighbours up, so their degrees stay
         with trio.move_on_after(1.0):
             await send_to_each(list(self.connected().values()), Goodbye(reason=reason))

@@ -3,16 +3,19 @@
 Under `[membership] views = "partial"` membership owns a `ViewDriver`. It carries out what the rules
 return: a `Send` goes as a `ViewPacket` over the authenticated session with that peer, and without one the
 message waits (`outbox`, bounded) while the dialer reaches the entry's addresses (the dialer's limits and
-backoff: peer/membership/dialing.py; it dials nobody else); `EdgeUp`/`EdgeDown` go to the edge watchers
-(the topology service sets the gossip neighbours the averaging engine reads from them); `NeedContact`
+backoff: peer/membership/dialing.py; it dials nobody else); `EdgeUp`/`EdgeDown` go to the services that
+follow them (`FollowsViewEdges`, peer/services.py: the topology service sets the gossip neighbours the
+averaging engine reads from them); `NeedContact`
 joins again through a `--join` address, an mDNS peer or one of the peer cache (`CACHE_CONTACTS`). Another
 service that needs a session with a peer the views never brought (a stage server our pipeline picked) asks
-`reach` (peer/membership/reach.py): the same dialer dials it, a bounded few at once. Sessions are kept with
-the active view, with peers a message waits for, and with whom the other services say they need
-(`keep_session`: relays we hold reservations with, peers a stage call is out between); any other session
+`reach_session` (peer/membership/reach.py): the same dialer dials it, a bounded few at once. Sessions are kept
+with the active view, with peers a message waits for, and with whom the other services say they need
+(`KeepsSessions`: relays we hold reservations with, peers a stage call is out between); any other session
 idle (no message but heartbeats) for `SESSION_IDLE_S` is closed, and a peer with neither a session nor a
 message waiting is forgotten (mDNS, `--join` and a few cached peers stay), so what a daemon holds does not
-grow with the swarm. See docs/design.md, "Partial views".
+grow with the swarm. It is membership's view mode under partial views (`ViewMode`,
+peer/membership/view_mode.py), and uses membership's public surface, never its peer table or dialer. See
+docs/design.md, "Partial views".
 
 Hostile peers: a packet is bounded by its schema (protocol/schema/views.py), then decoded and checked by
 `view_messages.decode`; one that breaks a bound closes its session with the reason, and so does a session
@@ -25,7 +28,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -37,7 +40,6 @@ from peer.membership.views import EdgeDown, EdgeUp, NeedContact, Send, ViewConfi
 from peer.nat.addresses import format_hostport, parse_address
 from peer.nat.splice import TokenBucket
 from peer.session.transport import Session, SessionClosed
-from peer.topology.graph import LinkEstimate
 from peer.topology.local_gap import GapConfig, GapRound
 from protocol import identity as ident
 from protocol.schema.views import ViewPacket
@@ -89,7 +91,9 @@ class Outgoing:
 
 
 class ViewDriver:
-    """Runs `views` for membership `m` (see the module docstring)."""
+    """Runs `views` for membership `m` (see the module docstring): membership's `ViewMode` under partial views."""
+
+    chooses_edges = True
 
     def __init__(self, m: Membership, cfg: ViewConfig, *, gap: GapConfig | None = None,
                  rng: random.Random | None = None):
@@ -100,11 +104,8 @@ class ViewDriver:
         # the local gap estimate the rewiring rule reads (None: not estimated; the rule then reads no gap)
         self.gap = None if gap is None else GapDriver(gap, self.views, rng, sessions=m.connected, send=self._write)
         self.outbox: dict[str, Outgoing] = {}
-        self.edge_watchers: list[Callable[[str, bool, str], None]] = []  # (peer, up, reason)
-        self.keep_session: list[Callable[[str], bool]] = []  # sessions other services need now
         # sessions other services ask for (a stage server our pipeline picked): one bounded lookup each
         self.reach = Reach(m, timeout=cfg.request_timeout)
-        self.link_of: Callable[[str], LinkEstimate | None] = lambda peer: None  # set by the topology service
         self.contact_wanted = True  # the dialer dials --join addresses while this holds
         self.sent_bytes = self.received_bytes = 0  # view messages, as framed on the wire
         self.sent_messages = self.received_messages = 0
@@ -118,8 +119,32 @@ class ViewDriver:
         self._deferred_join: str | None = None  # a contact to join through once we have an address (_join)
         m.router.register(ViewPacket, self._on_packet)
         m.watch(self._on_session)
-        m.dialer.wanted = lambda peer: peer in self.outbox or self.reach.wanted(peer)
-        m.dialer.contact_wanted = lambda: self.contact_wanted
+
+    # ---- the view mode (ViewMode, peer/membership/view_mode.py) --------------------------------------
+    async def greet(self, session: Session) -> None:
+        pass  # partial views spread entries in their own messages, not records
+
+    def wants_dial(self, peer_id: str) -> bool:
+        return peer_id in self.outbox or self.reach.wanted(peer_id)
+
+    def wants_contact(self) -> bool:
+        return self.contact_wanted
+
+    def dial_addresses(self) -> list[str]:
+        return list(self.my_entry().addresses)
+
+    def can_reach(self, addresses: list[str]) -> bool:
+        return bool(addresses)
+
+    async def reach_session(self, peer_id: str, addresses: list[str], *,
+                            on_reached: Callable[[], None] | None = None) -> Session | None:
+        return await self.reach.session(peer_id, addresses, on_reached=on_reached)
+
+    def reach_status(self) -> dict[str, Any] | None:
+        return self.reach.status()
+
+    def status_fields(self) -> dict[str, Any]:
+        return {"views": self.status()}
 
     # ---- queries ------------------------------------------------------------------------------------
     def my_entry(self) -> Entry:
@@ -130,7 +155,7 @@ class ViewDriver:
                                                       [a for a in addrs if parse_address(a) is None]))
 
     def _entry_of(self, peer: str) -> Entry:
-        info = self.m.peers.get(peer)
+        info = self.m.peer_info(peer)
         if info is None:
             return Entry(peer, ())
         return Entry(peer, _entry_addresses([format_hostport(h, p) for h, p in info.addresses],
@@ -193,11 +218,7 @@ class ViewDriver:
                 self._need_contact(a.reason)
 
     def _tell(self, peer: str, up: bool, reason: str) -> None:
-        for cb in self.edge_watchers:
-            try:
-                cb(peer, up, reason)
-            except Exception:
-                log.exception("partial views: edge watcher failed")
+        self.m.view_edge(peer, up, reason, self.views.neighbour_degrees().get(peer, 0) if up else 0)
 
     def _send(self, to: Entry, msg: ViewMessage) -> None:
         peer = to.peer_id
@@ -219,7 +240,7 @@ class ViewDriver:
         if session is not None:
             self._flush(peer, session)
         else:
-            self.m.dialer.wake()
+            self.m.dial_soon()
 
     def _flush(self, peer: str, session: Session) -> None:
         out = self.outbox.pop(peer, None)
@@ -263,16 +284,13 @@ class ViewDriver:
         join goes out when a session comes up: `_on_session`), else through an mDNS peer."""
         log.info("partial views need a contact: %s", reason)
         sessions = self.m.connected()
-        targets = self.m.dialer.bootstrap
-        for t in targets:
-            if t.peer_id and t.peer_id in sessions:
-                self._join(t.peer_id, trio.current_time())
+        for peer in self.m.bootstrap_ids():
+            if peer in sessions:
+                self._join(peer, trio.current_time())
                 return
-        if targets:
+        if self.m.has_bootstrap():
             self.contact_wanted = True
-            for t in targets:
-                t.next_attempt = 0.0
-            self.m.dialer.wake()
+            self.m.retry_bootstrap()
             return
         self._local_contact(force=True)
 
@@ -283,7 +301,7 @@ class ViewDriver:
         if not force and now < self._next_local_contact:
             return
         for source in ("mdns", "cache"):
-            found = [p for p, i in self.m.peers.items() if i.source == source and p not in self.views.active]
+            found = [p for p, i in self.m.known_peers().items() if i.source == source and p not in self.views.active]
             if found:
                 self._next_local_contact = now + self.cfg.retry_after
                 self.contact_wanted = False
@@ -306,7 +324,7 @@ class ViewDriver:
             return
         self._lost.pop(peer, None)
         self._flush(peer, session)
-        if self.contact_wanted and session.initiator and any(t.peer_id == peer for t in self.m.dialer.bootstrap):
+        if self.contact_wanted and session.initiator and peer in self.m.bootstrap_ids():
             self.contact_wanted = False
             self._join(peer, now)
             self._wake.set()
@@ -352,22 +370,22 @@ class ViewDriver:
                 del self.outbox[peer]
                 self._apply(self.views.unreachable(peer, now))
         for peer in self.views.active:
-            est = self.link_of(peer)
+            est = self.m.link_estimate(peer)
             if est is not None:
                 self.views.set_link(peer, est)
         self._close_idle(now)
         self._forget_unused()
-        if self.contact_wanted and not self.m.dialer.bootstrap:
+        if self.contact_wanted and not self.m.has_bootstrap():
             self._local_contact()
         # what mDNS finds is a passive candidate (Views.learn): one a round, so a LAN of hundreds does not
         # flush what the shuffles brought
-        unseen = [p for p, i in self.m.peers.items()
+        unseen = [p for p, i in self.m.known_peers().items()
                   if i.source == "mdns" and p not in self.views.active and p not in self.views.passive]
         if unseen:
             self.views.learn(self._entry_of(random.choice(unseen)))
 
     def _needed(self, peer: str) -> bool:
-        return peer in self.views.active or peer in self.outbox or any(k(peer) for k in self.keep_session)
+        return peer in self.views.active or peer in self.outbox or self.m.keeps_session(peer)
 
     def _close_idle(self, now: float) -> None:
         if self._nursery is None:
@@ -381,17 +399,18 @@ class ViewDriver:
     def _forget_unused(self) -> None:
         """Forget peers with no session (for DEAD_KEPT_S), no dial in flight and no message waiting (what a
         peer learned from the views is in the views); mDNS and --join peers stay (contacts to join again)."""
-        boot = {t.peer_id for t in self.m.dialer.bootstrap if t.peer_id}
-        cached = [peer for peer, info in self.m.peers.items() if info.source == "cache"]
+        boot = set(self.m.bootstrap_ids())
+        known = self.m.known_peers()
+        cached = [peer for peer, info in known.items() if info.source == "cache"]
         boot.update(cached[:CACHE_CONTACTS])
         now = trio.current_time()
-        unused = [(info.ended_at, peer) for peer, info in self.m.peers.items()
+        unused = [(info.ended_at, peer) for peer, info in known.items()
                   if info.session is None and not info.dialing and peer not in self.outbox and peer not in boot
                   and info.source != "mdns" and not self.reach.wanted(peer)]
         unused.sort()
         for i, (ended, peer) in enumerate(unused):
             if now - ended >= DEAD_KEPT_S or len(unused) - i > MAX_DEAD_KEPT:
-                del self.m.peers[peer]
+                self.m.forget(peer)
 
 
 RELAYED_IN_ENTRY = 2  # a peer holds `[nat] relays` (2) reservations: both, so one relay's loss leaves a way in

@@ -216,7 +216,7 @@ class Views:
         self.leads: OrderedDict[str, tuple[Entry, str, str | None]] = OrderedDict()
         self.backoff: dict[str, float] = {}  # peers not to ask until then
         self.seekers: OrderedDict[str, tuple[Entry, float]] = OrderedDict()  # walks that passed: MAX_SEEKERS
-        self.gap: GapReading | None = None  # the estimator's last reading (set by the driver)
+        self.gap: GapReading | None = None  # the estimator's last reading (set_gap)
         self.left = False
         self._out: list[Action] = []
         self._shuffle_sent: tuple[Entry, ...] = ()
@@ -341,6 +341,11 @@ class Views:
         n = self.active.get(peer)
         if n is not None:
             n.link = link
+
+    def set_gap(self, reading: GapReading | None) -> None:
+        """The gap estimator's reading at an epoch's end (peer/membership/gap_driver.py): what the local
+        rewiring rule reads (None: no reading this epoch)."""
+        self.gap = reading
 
     def link_down(self, peer: str, now: float) -> list[Action]:
         """The session to `peer` ended or went silent: if it was a neighbour, the edge is gone, and its other

@@ -3,8 +3,8 @@ peer through its relay.
 
 Reservations are made over sessions we dialed ourselves, to peers that accept (a relay offers only
 while it is publicly reachable), so the address we advertise for the relay is one that worked for us.
-Our relayed addresses ("relay-host:port/relay/<relay ID>") go into our signed peer record
-(`Membership.relayed_addresses`) and so reach the swarm by peer exchange.
+Our relayed addresses ("relay-host:port/relay/<relay ID>", `addresses`) go into our signed peer record (the
+NAT service gives them to membership, `ShapesAddresses`) and so reach the swarm by peer exchange.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class RelayClient:
         self.transport = transport
         self.wanted = wanted  # whether we need relays now (we are not publicly reachable)
         self.held: dict[str, Held] = {}
+        self._published: list[str] = []  # our relayed addresses as `_publish` last saw the reservations
         self._refused_until: dict[str, float] = {}  # relay -> trio clock
         self._incoming = 0
         self._nursery: trio.Nursery | None = None
@@ -102,8 +103,12 @@ class RelayClient:
         """Look at the reservations now (we just learned that we are behind NAT)."""
         self._wake.set()
 
+    def addresses(self) -> list[str]:
+        """Our relayed addresses: those of the reservations held, as of the last look at them."""
+        return list(self._published)
+
     def _publish(self) -> None:
-        self.membership.relayed_addresses = [str(h.address) for h in self.held.values()]
+        self._published = [str(h.address) for h in self.held.values()]
 
     async def _keep_reservations(self) -> None:
         for relay_id in [r for r, h in self.held.items() if h.session.closed.is_set()]:

@@ -6,15 +6,16 @@
     ├── RelayClient.run    reservations while we are behind NAT; circuits to us
     └── HolePuncher.run    relayed sessions we dialed → direct ones
 
-It plugs into membership through three attributes (what our record advertises, how to dial a relayed
-address) and a watcher, and into the listener through `accept_circuit`.
+It plugs into membership as `ShapesAddresses` (peer/services.py: which of our addresses to advertise, our
+relayed ones, how to dial a relayed address) and `KeepsSessions` (the sessions relay reservations ride on),
+which membership asks when it needs them, and a watcher; into the listener through `accept_circuit`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -26,6 +27,7 @@ from peer.nat.relay_client import RelayClient
 from protocol.refusal import Code, Refusal
 
 if TYPE_CHECKING:
+    from peer.membership.dialing import DialRelayed
     from peer.services import DaemonContext
 
 log = logging.getLogger("peertrain.nat")
@@ -50,13 +52,27 @@ class NatService:
         self.mappings: deque[str] = deque(maxlen=MAPPINGS)
         self._seen_ips: list[str] = []  # our IPs as peers we dialed report them, newest last
         self._outside_ips: list[str] = []  # those of them that differ from our end of the connection (a NAT)
-        m.dial_relayed = self.client.dial_via
-        # from the start, not the run loop's first pass: a peer set to `private` once advertised its direct
-        # addresses in the entry partial views sent while joining, and peers dialed them
-        m.advertise_observed = self.reach.verdict != "nat"
         m.watch(self._on_peer)
-        if m.views is not None:  # partial views close idle sessions: never those a relay reservation rides on
-            m.views.keep_session.append(lambda p: p in self.client.held or p in self.relay.reservations)
+
+    # ---- what membership asks (ShapesAddresses, KeepsSessions) ----------------------------------------
+    def advertise_observed(self) -> bool:
+        """Not behind NAT as dial-back found: the addresses peers observe us at are worth advertising (asked
+        from the start: a peer set to `private` once advertised its direct addresses in the entry partial views
+        sent while joining, and peers dialed them)."""
+        return self.reach.verdict != "nat"
+
+    def verified_hosts(self) -> list[str]:
+        return self.reach.verified_hosts()
+
+    def relayed_addresses(self) -> list[str]:
+        return self.client.addresses()
+
+    def dial_relayed(self) -> DialRelayed | None:
+        return self.client.dial_via
+
+    def keeps_session(self, peer_id: str) -> bool:
+        """Never closed as idle: a session a relay reservation rides on (ours with a relay, or a client's with us)."""
+        return peer_id in self.client.held or peer_id in self.relay.reservations
 
     def _offering(self) -> Refusal | None:
         """Why we do not relay for others now, or None while we do."""
@@ -110,12 +126,10 @@ class NatService:
             task_status.started()
             known: list[str] = []
             verdict = self.reach.verdict
-            while True:  # follow what we know about ourselves into our record and the next check
+            while True:  # follow what we know about ourselves into the next check
                 if self.reach.verdict != verdict:
                     verdict = self.reach.verdict
                     self.client.wake()  # behind NAT now (or no longer): relays at once, not at the next tick
-                self.membership.advertise_observed = self.reach.verdict != "nat"
-                self.membership.verified_hosts = self.reach.verified_hosts()
                 if self.reach.candidates() != known:
                     known = self.reach.candidates()
                     self.reach.addresses_changed()

@@ -6,7 +6,9 @@ opens drivers (`open_driver`) and reads the stage map. The stage a server holds 
 record; the stage map is the fresh records' announcements joined with the sessions we have. Under
 `[membership] views = "partial"` a server also announces where to dial it, the map counts the servers we
 have no session with as well, and a driver that picks one reaches it through membership (`reach`: one bounded
-lookup, peer/membership/reach.py); a session stays up while a call is out on it, either way.
+lookup, peer/membership/reach.py); a session stays up while a call is out on it, either way (`KeepsSessions`).
+Which view mode runs, it asks membership's `views` (peer/membership/view_mode.py); its stage goes into our
+topology record as `HasRecordFields` (peer/services.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from peer.pipeline import memory
 from peer.pipeline.kept import SWEEP_S
 from peer.pipeline.server import ServedStage, StageHandler, StageServer
 from peer.pipeline.state import FetchedState, KeptCopy, SpecCheck, StageStates, StateUnavailable
+from peer.services import RecordFields
 from protocol.schema.session import MAX_ADDRESS_CHARS
 from protocol.schema.pipeline import (MAX_BLOCKS, MAX_MEMORY_MIB, MAX_PROFILED_BLOCKS, MAX_QUEUE, MAX_SAMPLES_PER_S,
                                       MAX_STEP, BlockProfile, StageAck, StageAnnouncement, StageCall,
@@ -63,17 +66,13 @@ class PipelineService:
         # average with them nor fetch its state from them, while banned. One list for all our drivers.
         self.bans = BanList()
         self._nursery: trio.Nursery | None = None
-        # partial views: servers we reach by a lookup (their announcement's addresses), and the sessions our
-        # drivers' calls are out on, which the view driver must not close as idle meanwhile
+        # partial views: servers we reach by a lookup (their announcement's addresses)
         self.views = daemon.membership.views
         self.dialed_servers = 0  # sessions with stage servers our drivers' lookups made
         self.dialed: deque[str] = deque(maxlen=DIALED_KEPT)
-        if self.views is not None:
-            self.views.keep_session.append(self._in_use)
         daemon.router.register(StageCall, self._on_call)
         daemon.router.register(StageAck, self._on_ack)
         daemon.router.register(StageStateRequest, self._on_state_request)
-        topology.announce_stage = self.announcement
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as n:
@@ -148,6 +147,10 @@ class PipelineService:
         self.server.switch(None)
         self.topology.announce_soon()
 
+    def record_fields(self) -> RecordFields:
+        """HasRecordFields: our record says what we serve of a pipeline (None: nothing)."""
+        return RecordFields(stage=self.announcement())
+
     def announcement(self) -> StageAnnouncement | None:
         st = self.server.stage
         if st is None:
@@ -171,9 +174,7 @@ class PipelineService:
     def _my_addresses(self) -> list[str]:
         """Where a driver without a session dials us: our view entry's addresses (direct, then up to two relayed),
         under partial views only (a full view dials every peer it hears of anyway); none too long for the schema."""
-        if self.views is None:
-            return []
-        return [a for a in self.views.my_entry().addresses if len(a) <= MAX_ADDRESS_CHARS]
+        return [a for a in self.views.dial_addresses() if len(a) <= MAX_ADDRESS_CHARS]
 
     # ---- who serves what ------------------------------------------------------------------------------
     def announcements(self) -> dict[str, StageAnnouncement]:
@@ -189,8 +190,7 @@ class PipelineService:
         announcement says where to dial them (a driver that picks one reaches it: `reach`)."""
         anns = self.announcements()
         live = set(self.daemon.membership.connected())
-        if self.views is not None:
-            live |= {p for p, a in anns.items() if a.addresses}
+        live |= {p for p, a in anns.items() if self.views.can_reach(a.addresses)}
         return stage_map(key, anns, live, self.me)
 
     def stage_partners(self) -> set[str]:
@@ -217,10 +217,10 @@ class PipelineService:
         its fresh announcement names; one bounded lookup, peer/membership/reach.py). None under full views or
         with no announced address; raises `Unreachable` (`ReachBusy`: too many lookups pending) otherwise."""
         session = self.session_of(peer_id)
-        if session is not None or self.views is None or peer_id == self.me:
+        if session is not None or peer_id == self.me:
             return session
         ann = self.announcements().get(peer_id)
-        if ann is None or not ann.addresses:
+        if ann is None or not self.views.can_reach(ann.addresses):
             return None
 
         def reached() -> None:
@@ -228,12 +228,12 @@ class PipelineService:
             self.dialed.append(peer_id)
             log.info("reached stage %d server %s by its announcement's addresses", ann.stage, peer_id[:8])
 
-        return await self.views.reach.session(peer_id, list(ann.addresses), on_reached=reached)
+        return await self.views.reach_session(peer_id, list(ann.addresses), on_reached=reached)
 
-    def _in_use(self, peer_id: str) -> bool:
-        """Whether a call is out between us and `peer_id`: one of our drivers' at it, or its at our stage (its
-        session stays up meanwhile, however long the compute; once none is, the view driver closes it after
-        SESSION_IDLE_S without a message, as any idle session)."""
+    def keeps_session(self, peer_id: str) -> bool:
+        """KeepsSessions: whether a call is out between us and `peer_id`: one of our drivers' at it, or its at our
+        stage (its session stays up meanwhile, however long the compute; once none is, the view driver closes it
+        after SESSION_IDLE_S without a message, as any idle session)."""
         return self.server.per_peer.get(peer_id, 0) > 0 or any(d.calling(peer_id) for d in self.drivers.values())
 
     # ---- driving ------------------------------------------------------------------------------------
@@ -291,9 +291,8 @@ class PipelineService:
                 "verify": driver.verifier.status(),
             }
         wall = time.time()
-        if self.views is not None:
-            out["reach"] = {"dialed_servers": self.dialed_servers, "dialed": list(self.dialed),
-                            **self.views.reach.status()}
+        if (lookups := self.views.reach_status()) is not None:  # partial views make lookups
+            out["reach"] = {"dialed_servers": self.dialed_servers, "dialed": list(self.dialed), **lookups}
         out["bans"] = [{"peer": p, "until": round(wall + left, 1), "reason": reason}
                        for p, left, reason in self.bans.active(now)]
         return out

@@ -44,7 +44,7 @@ class Edges:
 
     def __init__(self, cfg: TopologySection, *, sessions: Callable[[], Mapping[str, Session]],
                  wanted_fixed: Callable[[], set[str]], changed: Callable[[], None],
-                 dropped_by_them: Callable[[], None]):
+                 dropped_by_them: Callable[[], None], set_by_views: bool = False):
         self.cfg = cfg
         self._sessions = sessions
         self._wanted_fixed = wanted_fixed
@@ -53,7 +53,7 @@ class Edges:
         self.neighbours: dict[str, Neighbour] = {}
         self.reserved: dict[str, tuple[float, int]] = {}  # accepted, not yet committed: (deadline, proposal rid)
         self.pending_out: set[str] = set()  # our proposals awaiting an answer
-        self.set_by_views = False  # partial views choose the edges: propose none, accept none (set_neighbour)
+        self.set_by_views = set_by_views  # partial views choose the edges: propose none, accept none (set_neighbour)
 
     @property
     def degree(self) -> int:

@@ -8,6 +8,12 @@ sorted IDs of known peers; `rewired` asks `plan_move` for one randomized, rate-l
 
 Link figures come from real averaging transfers (`record_transfer`) and, for candidates we are not yet
 neighbours with, small probes within a byte budget.
+
+What our record carries besides edges and links (the stage we serve, the groups we share, our training
+figures) the services that have it give when the record is built (`HasRecordFields`, peer/services.py);
+this service keeps the sessions with its neighbours (`KeepsSessions`), gives the partial views its link
+figures (`MeasuresLinks`) and follows the edges they choose (`FollowsViewEdges`). Which view mode runs it
+asks `membership.views` (peer/membership/view_mode.py).
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,19 +38,22 @@ from peer.topology.spectral import SpectralWorker
 from peer.peer_curves import PeerCurves
 from peer.session.fanout import Fanout
 from peer.session.transport import SessionClosed
+from peer.services import HasRecordFields
 from protocol import identity as ident
-from protocol.schema.pipeline import StageAnnouncement
-from protocol.schema.training import TrainingFigures
 from protocol.schema.topology import (
     EdgeCommit, EdgeDrop, EdgePropose, ProbeReply, ProbeRequest, TopologyRecord, TopologyRecords)
 
 if TYPE_CHECKING:
     from peer.services import DaemonContext
+    from peer.topology.graph import LinkEstimate
 
 log = logging.getLogger("peertrain.topology")
 
 PROBE_BYTES = 256 * 1024
 PROBE_EVERY = 10.0  # seconds between probes of one peer (neighbours too: estimates must be comparable)
+SHARD_BYTES = 16 << 20
+"""What the rewiring plans an exchange at until a group is shared (then: the largest group's bytes): a
+mid-sized model's, so link figures weigh as they will once training starts."""
 
 
 class TopologyService:
@@ -53,14 +61,19 @@ class TopologyService:
 
     name = "topology"
 
-    def __init__(self, daemon: DaemonContext, *, shard_bytes: int = 16 << 20):
+    def __init__(self, daemon: DaemonContext):
         self.daemon = daemon
         self.cfg = daemon.config.topology
         self.me = daemon.peer_id
         self.identity = daemon.identity
         self.membership = daemon.membership
+        # partial views (`[membership] views = "partial"`): the views choose the edges (peer/membership/views.py);
+        # this service takes them as they come, proposes and accepts none itself, and sends records to
+        # neighbours only (ours, and the stage records a pipeline finds its servers by)
+        self.views = self.membership.views
         self.edges = Edges(self.cfg, sessions=self.membership.connected, wanted_fixed=self._wanted_fixed,
-                           changed=self._bump, dropped_by_them=lambda: self._others_moved.set())
+                           changed=self._bump, dropped_by_them=lambda: self._others_moved.set(),
+                           set_by_views=self.views.chooses_edges)
         self.records = RecordBook(self.me, is_neighbour=self.is_neighbour)
         self.peer_training = PeerCurves()  # others' loss curves, from their records' training figures
         self.links: dict[str, LinkStats] = {}
@@ -69,7 +82,7 @@ class TopologyService:
         # Records are ordered by version: start from the wall clock in ms, so a restarted daemon (same identity)
         # issues records newer than its previous life's, and peers that still hold those believe the new ones.
         self.version = time.time_ns() // 1_000_000
-        self.shard_bytes = shard_bytes
+        self._shard_bytes = SHARD_BYTES  # the last contributed figure stays when the groups go
         self.last_move = ""
         self.moves = 0
         self.rng = np.random.default_rng(int.from_bytes(self.me.encode()[:8], "little") ^ (time.time_ns() & 0xFFFF))
@@ -77,12 +90,6 @@ class TopologyService:
         self._nursery: trio.Nursery | None = None  # run()'s, once started
         self._fanout = Fanout()  # record broadcasts: one in flight per session
         self._others_moved = trio.Event()  # a peer came or went, or dropped our edge: maintain early
-        # what our record says we serve of a pipeline (set by peer/pipeline/service.py; None: nothing)
-        self.announce_stage: Callable[[], StageAnnouncement | None] = lambda: None
-        # the averaging groups our record lists (set by the gossip engine)
-        self.announce_groups: Callable[[], list[str]] = lambda: []
-        # the training figures our record carries (set by the trainer host or the attach service; None: none)
-        self.announce_training: Callable[[], TrainingFigures | None] = lambda: None
         r = daemon.router
         r.register(EdgePropose, self.edges.on_propose)
         r.register(EdgeCommit, self.edges.on_commit)
@@ -90,14 +97,6 @@ class TopologyService:
         r.register(TopologyRecords, self._on_records)
         r.register(ProbeRequest, self._on_probe)
         self.membership.watch(self._on_peer)
-        # partial views (`[membership] views = "partial"`): the views choose the edges (peer/membership/views.py);
-        # this service takes them as they come, proposes and accepts none itself, and sends records to
-        # neighbours only (ours, and the stage records a pipeline finds its servers by)
-        self.views = self.membership.views
-        if self.views is not None:
-            self.edges.set_by_views = True
-            self.views.edge_watchers.append(self._on_view_edge)
-            self.views.link_of = lambda p: self.links[p].estimate() if p in self.links else None
 
     # ---- queries used by the gossip engine and status -----------------------------------------------
     @property
@@ -110,6 +109,23 @@ class TopologyService:
 
     def is_neighbour(self, peer_id: str) -> bool:
         return peer_id in self.neighbours
+
+    def keeps_session(self, peer_id: str) -> bool:
+        """KeepsSessions: a neighbour's session is never closed as idle."""
+        return self.is_neighbour(peer_id)
+
+    def link_estimate(self, peer_id: str) -> LinkEstimate | None:
+        """MeasuresLinks: our figures for the link to `peer_id` (the partial views' rewiring reads them)."""
+        st = self.links.get(peer_id)
+        return None if st is None else st.estimate()
+
+    @property
+    def shard_bytes(self) -> int:
+        """What one averaging exchange sends each way: the largest contribution (the gossip engine's groups)."""
+        sizes = [b for f in self._fields() if (b := f.shard_bytes) is not None]
+        if sizes:
+            self._shard_bytes = max(sizes)
+        return self._shard_bytes
 
     def link(self, peer_id: str) -> LinkStats:
         st = self.links.get(peer_id)
@@ -155,10 +171,10 @@ class TopologyService:
             self._changed.set()
         self._others_moved.set()
 
-    def _on_view_edge(self, peer_id: str, up: bool, reason: str) -> None:
-        """The partial views made `peer_id` a gossip neighbour, or no longer one."""
+    def view_edge(self, peer_id: str, up: bool, reason: str, degree: int) -> None:
+        """FollowsViewEdges: the partial views made `peer_id` a gossip neighbour, or no longer one."""
         if up:
-            self.edges.set_neighbour(peer_id, self.views.views.neighbour_degrees().get(peer_id, 0))
+            self.edges.set_neighbour(peer_id, degree)
         else:
             self.edges.unset_neighbour(peer_id, reason)
 
@@ -168,15 +184,22 @@ class TopologyService:
         self._changed.set()
 
     # ---- records ------------------------------------------------------------------------------------
+    def _fields(self) -> list:
+        return [s.record_fields() for s in self.daemon.services.providing(HasRecordFields)]
+
     def own_record(self) -> TopologyRecord:
-        return signed_record(self.identity, self.me, version=self.version, neighbours=self.neighbours,
-                             links=self.links, stage=self.announce_stage(), groups=self.announce_groups(),
-                             training=self.announce_training())
+        """Our signed record: our edges and links, and what the services contribute (HasRecordFields): the
+        groups of all of them, and the stage and the training figures of the first that has any."""
+        fields = self._fields()
+        return signed_record(self.identity, self.me, version=self.version, neighbours=self.neighbours, links=self.links,
+                             stage=next((f.stage for f in fields if f.stage is not None), None),
+                             groups=sorted({g for f in fields for g in f.groups}),
+                             training=next((f.training for f in fields if f.training is not None), None))
 
     def broadcast_messages(self) -> list[TopologyRecords]:
         """Our record and the fresh ones we hold (under partial views, those that announce a pipeline
         stage), in messages under the message limit."""
-        only = None if self.views is None else (lambda rec: rec.stage is not None)
+        only = (lambda rec: rec.stage is not None) if self.views.chooses_edges else None
         return self.records.broadcast_messages(self.own_record(), self.daemon.transport.limits.max_message_bytes,
                                                only=only)
 
@@ -198,7 +221,7 @@ class TopologyService:
     async def _broadcast(self) -> None:
         # to every session at once, waiting on none: a peer that stops reading delays only itself (Fanout)
         sessions = self.membership.connected()
-        if self.views is not None:  # partial views: along gossip edges only (bounded fan-out)
+        if self.views.chooses_edges:  # partial views: along gossip edges only (bounded fan-out)
             sessions = {p: s for p, s in sessions.items() if p in self.neighbours}
         self._fanout.send(self._nursery, list(sessions.values()), *self.broadcast_messages())
 
@@ -224,7 +247,7 @@ class TopologyService:
     async def _maintain_loop(self) -> None:
         while True:
             self.edges.expire_reservations(trio.current_time())
-            if self.views is not None:
+            if self.views.chooses_edges:
                 return  # the partial views keep the edges (and their rewiring rule moves them)
             try:
                 if self.cfg.kind == "rewired":
@@ -300,7 +323,7 @@ class TopologyService:
     # ---- probes -------------------------------------------------------------------------------------
     async def _probe_loop(self) -> None:
         """Measure throughput to candidates we have no figure for, one small probe at a time."""
-        if self.cfg.kind != "rewired" or self.views is not None:
+        if self.cfg.kind != "rewired" or self.views.chooses_edges:
             return  # (partial views measure links by the averaging transfers over their edges)
         while True:
             await trio.sleep(random.uniform(0.5, 1.5))
@@ -353,7 +376,7 @@ class TopologyService:
                 "spectral_gap_current": gap_current, "records_unvouched": self.records.unvouched,
                 "connected_view": view.is_connected(), "moves": self.moves, "last_move": self.last_move,
                 "version": self.version, "peer_training": self.peer_training.status(),
-                **({} if self.views is None else {"views": self.views.status()})}
+                **self.views.status_fields()}
 
     async def topology(self) -> dict:
         view = self.view()
