@@ -118,6 +118,35 @@ def test_import_peertrain_reaches_neither_trio_nor_the_daemon() -> None:
     assert not {m for m in seen if m.startswith(("peer.daemon", "peer.averaging", "peer.pipeline"))}, sorted(seen)
 
 
+# Test support: attackers (byzantine_trainer, lying_stage) are test code built on a trainer's model and stage
+# worker, so they may import trainers/; the daemon, the CLI and the benches name trainers in configs only.
+MAY_IMPORT_TRAINERS = ("peer.testing",)
+
+
+def test_peer_never_imports_a_trainer_but_its_test_support() -> None:
+    """The config names the trainer (`[trainer] name`); the daemon runs whatever it names, so no module of peer/
+    outside its test support imports trainers/ (function-local imports count)."""
+    bad = {m: sorted(t for t in _imports(m, at_import_time=False)[0] if t.split(".")[0] == "trainers")
+           for m in MODULES if m.split(".")[0] == "peer" and not m.startswith(MAY_IMPORT_TRAINERS)}
+    assert not {m: t for m, t in bad.items() if t}, bad
+
+
+ATTACK_WORDS = ("byzantine", "lying", "liar", "attack")
+
+
+def test_no_installed_trainer_holds_an_attack() -> None:
+    """Attackers live in peer/testing/ (tests and benches reach them there): no module of trainers/ is named for
+    one, none defines the attack library's names, and none imports the test support."""
+    named = [m for m in MODULES if m.split(".")[0] == "trainers" and any(w in m.split(".")[-1] for w in ATTACK_WORDS)]
+    assert not named, named
+    for m in (m for m in MODULES if m.split(".")[0] == "trainers"):
+        tree = ast.parse(MODULES[m].read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+        assert not defined & {"Liar", "Lying", "craft", "ByzantineOptions"}, (m, defined)
+        imported = _imports(m, at_import_time=False)[0]
+        assert not {t for t in imported if t.startswith("peer.testing")}, (m, imported)
+
+
 @pytest.mark.parametrize("handle", ["peer.trainer_host:TrainerSwarm", "peer.attach.client:AttachedSwarm",
                                     "peertrain.distributed:HostRanks"])
 def test_every_handle_implements_swarm_with_the_same_signatures(handle: str) -> None:
