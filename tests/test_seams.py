@@ -194,3 +194,49 @@ def test_mypy_is_clean_on_the_typed_packages() -> None:
     pytest.importorskip("mypy", reason="mypy is in the test extra: ./dev test installs it")
     out = subprocess.run([sys.executable, "-m", "mypy"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+# ---- the behavioural check's own checks (peer/testing/conformance.py; it runs on real daemons in
+# tests/test_swarm_conformance.py): a handle that breaks a promise fails it ---------------------------------------
+
+class _Careless:
+    """A handle that takes whatever it is given and closes once: the checks below must refuse it."""
+
+    def __init__(self) -> None:
+        self.shared: dict[str, dict] = {}
+        self.closes = 0
+
+    def share(self, name, tensors, **kw):
+        self.shared[name] = tensors
+
+    def average(self, group, *, mode="one"):
+        return []
+
+    def close(self) -> None:
+        self.closes += 1
+        if self.closes > 1:
+            raise RuntimeError("closed twice")
+
+    def should_stop(self) -> bool:
+        return False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def test_the_conformance_check_fails_a_handle_that_breaks_a_promise() -> None:
+    from peer.testing import conformance as c
+
+    with pytest.raises(AssertionError, match="integer tensors"):
+        c._bad_input(_Careless())  # a Swarm only in part: this step needs no more
+    with pytest.raises(AssertionError, match="does not implement ClosableSwarm"):
+        c.check_closable(_Careless())
+    a = c.Outcome("a", "b", True, 0.25, 1.5)
+    c.check_pair(a, c.Outcome("b", "a", False, 0.25, 2.5))
+    for b in (c.Outcome("b", "a", False, 0.25, 2.6), c.Outcome("b", "a", True, 0.25, 2.5),
+              c.Outcome("b", "a", False, 0.3, 2.5), c.Outcome("c", "a", False, 0.25, 2.5)):
+        with pytest.raises(AssertionError):
+            c.check_pair(a, b)
