@@ -228,8 +228,10 @@ class _Careless:
 
 
 def test_the_conformance_check_fails_a_handle_that_breaks_a_promise() -> None:
+    import peer.testing
     from peer.testing import conformance as c
 
+    assert peer.testing.check_swarm is c.check_swarm  # exported, as trio.testing's checks are
     with pytest.raises(AssertionError, match="integer tensors"):
         c._bad_input(_Careless())  # a Swarm only in part: this step needs no more
     with pytest.raises(AssertionError, match="does not implement ClosableSwarm"):
