@@ -79,7 +79,7 @@ class TrainerSwarm:
     def average_with(self, group: str, peer_id: str) -> ExchangeResult:
         """One exchange of `group` with the partner `peer_id` (blocking this thread), under the rules `average`
         follows (a current partner, not banned, not already exchanging with us): for a trainer that picks its
-        partner, such as the test-only attacker that targets one victim (trainers/byzantine.py)."""
+        partner, such as the test-only attacker that targets one victim (peer/testing/byzantine_trainer.py)."""
         return self._call(self._host.gossip.exchange, peer_id, group)
 
     def fetch_params(self, group: str, peer_id: str | None = None) -> tuple[list[Any], int] | None:

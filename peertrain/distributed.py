@@ -72,8 +72,11 @@ class HostRanks:
 
     def _broadcast_tensors(self, name: str) -> None:
         """Rank 0's current values of group `name` to every rank (flattened per dtype and device: one
-        collective each, not one per tensor)."""
-        g = self._groups[name]
+        collective each, not one per tensor). Nothing for a group not shared: every rank holds the same groups
+        (share and unshare run on all), so all skip alike, and averaging it returns nothing as on any handle."""
+        g = self._groups.get(name)
+        if g is None:
+            return
         by_kind: dict[tuple, list[torch.Tensor]] = {}
         for t in g.tensors.values():
             by_kind.setdefault((t.dtype, t.device), []).append(t)

@@ -1,5 +1,5 @@
 """Lying peers among real daemons (issue 29, item 3): five honest peers train the digits CNN beside one that
-runs an attack of the library (trainers/byzantine.py through peer/testing/byzantine.py). Against every attack
+runs an attack of the library (peer/testing/byzantine_trainer.py through peer/testing/byzantine.py). Against every attack
 the honest peers still reach the target and no honest peer is banned; an attacker the defence can see (its
 values point away from ours, or sit far past the honest radius) is banned within a few exchanges by the
 peers it reaches. Both shares of liars, both topologies and the figures: `peer bench byzantine`."""

@@ -1,5 +1,5 @@
-"""The attack library without processes: the crafted models (trainers/byzantine_craft.py), the liar's options
-(trainers/byzantine.py), the harness's registry (peer/testing/byzantine.py) and the bench's figures
+"""The attack library without processes: the crafted models (peer/testing/byzantine_craft.py), the liar's options
+(peer/testing/byzantine_trainer.py), the harness's registry (peer/testing/byzantine.py) and the bench's figures
 (peer/bench/byzantine.py). The attacks against real daemons: tests/test_byzantine.py and the bench."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 from peer.bench.byzantine import _figures, _fractions
 from peer.testing.byzantine import ATTACKS, SwarmPlan
-from trainers import byzantine_craft as craft
-from trainers.byzantine import ByzantineOptions, check, flipped_digits
+from peer.testing import byzantine_craft as craft
+from peer.testing.byzantine_trainer import NAME, ByzantineOptions, check, flipped_digits
 from trainers.datasets import load_digits
 from trainers.gossip_sgd import GossipSGDOptions
 from trainers.options import parse_options
@@ -102,7 +102,7 @@ def test_every_attack_of_the_registry_parses_as_its_trainer_takes_it() -> None:
         if a.honest_trainer:
             parse_options(GossipSGDOptions, a.options, trainer="trainers.gossip_sgd")
         else:
-            check(parse_options(ByzantineOptions, a.options, trainer="trainers.byzantine"))
+            check(parse_options(ByzantineOptions, a.options, trainer=NAME))
     detectable = {a.name for a in ATTACKS.values() if a.detectable}
     assert detectable == {"sign_flip", "scaled", "ipm_10", "sleeper"}  # the issue's; the others are bounded
 
@@ -183,7 +183,7 @@ class _Swarm:
 
 
 def _liar(**options):
-    from trainers.byzantine import Liar
+    from peer.testing.byzantine_trainer import Liar
 
     models = _models(3)
     initial = [torch.zeros(3, 4), torch.zeros(5)]

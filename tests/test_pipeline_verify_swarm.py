@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from peer.testing import lying_stage
 from peer.testing.swarm import rank_env, swarm_config, unique_swarm
 from tests.pipeline_status import driver, pipe, samples_done, trainer
 from trainers.datasets import load_char_corpus
@@ -54,7 +55,7 @@ def test_a_lying_stage_server_is_banned_and_training_matches_an_honest_run(clust
     for i, s in enumerate(STAGES):
         o = dict(initial_stage=s, samples=samples, role="server" if i == LIAR else "auto")
         if i == LIAR:
-            o["liar"] = LIE
+            o.update(lying_stage.options(LIE))
         ds.append(cluster.start(f"node{i + 1}", config=config(swarm, **o), env=rank_env(i, len(STAGES))))
     drivers = [d for i, d in enumerate(ds) if i != LIAR]
     cluster.wait(lambda sts: all(trainer(s).get("driving_done") for i, s in enumerate(sts) if i != LIAR),

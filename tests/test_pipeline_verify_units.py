@@ -322,7 +322,7 @@ def test_validation_is_checked_too_and_a_zero_fraction_checks_nothing():
 # ---- the attacker (tests and benches only) and the bench's figures ----------------------------------------------
 
 def test_the_liar_option_is_checked():
-    from trainers.pipeline.lying import parse
+    from peer.testing.lying_stage import parse
 
     assert parse("scale:1.05") == ("scale", 1.05) and parse("noise:0.3") == ("noise", 0.3)
     assert parse("flip") == ("flip", 0.0) and parse("stale") == ("stale", 0.0)
@@ -331,9 +331,32 @@ def test_the_liar_option_is_checked():
             parse(bad)
 
 
+def test_the_pipeline_trainer_serves_through_the_liar_its_options_name():
+    """trainers.swarm_pipeline holds no attack: its `stage_wrapper` seam names the liar (peer/testing/lying_stage.py),
+    and a bad liar or a bad name fails its option check."""
+    from peer.testing import lying_stage
+    from trainers.options import parse_options
+    from trainers.pipeline.seat import stage_wrapper
+    from trainers.swarm_pipeline import SwarmPipelineOptions
+
+    def wrapper(options: dict):
+        return stage_wrapper(parse_options(SwarmPipelineOptions, options, trainer="trainers.swarm_pipeline"))
+
+    from tests.test_pipeline_stage import tiny, workers
+
+    assert wrapper({}) is None
+    w = workers(tiny(0.0))[1]
+    served = wrapper(lying_stage.options("noise:0.3"))(w, w, 0)
+    assert isinstance(served, lying_stage.Lying) and (served.mode, served.value) == ("noise", 0.3)
+    for bad in (lying_stage.options("lie"), {"stage_wrapper": "no.such.module:fn"},
+                {"stage_wrapper": lying_stage.WRAPPER, "stage_wrapper_options": {"mode": "flip"}}):
+        with pytest.raises(ValueError, match="stage_wrapper"):
+            wrapper(bad)
+
+
 def test_each_attacker_lies_as_it_says_and_its_own_stage_learns_honestly():
     from tests.test_pipeline_stage import data, tiny, workers
-    from trainers.pipeline.lying import Lying
+    from peer.testing.lying_stage import Lying
 
     x, y = data(4)
     honest = workers(tiny(0.0))[1]

@@ -119,6 +119,35 @@ def test_import_peertrain_reaches_neither_trio_nor_the_daemon() -> None:
     assert not {m for m in seen if m.startswith(("peer.daemon", "peer.averaging", "peer.pipeline"))}, sorted(seen)
 
 
+# Test support: attackers (byzantine_trainer, lying_stage) are test code built on a trainer's model and stage
+# worker, so they may import trainers/; the daemon, the CLI and the benches name trainers in configs only.
+MAY_IMPORT_TRAINERS = ("peer.testing",)
+
+
+def test_peer_never_imports_a_trainer_but_its_test_support() -> None:
+    """The config names the trainer (`[trainer] name`); the daemon runs whatever it names, so no module of peer/
+    outside its test support imports trainers/ (function-local imports count)."""
+    bad = {m: sorted(t for t in _imports(m, at_import_time=False)[0] if t.split(".")[0] == "trainers")
+           for m in MODULES if m.split(".")[0] == "peer" and not m.startswith(MAY_IMPORT_TRAINERS)}
+    assert not {m: t for m, t in bad.items() if t}, bad
+
+
+ATTACK_WORDS = ("byzantine", "lying", "liar", "attack")
+
+
+def test_no_installed_trainer_holds_an_attack() -> None:
+    """Attackers live in peer/testing/ (tests and benches reach them there): no module of trainers/ is named for
+    one, none defines the attack library's names, and none imports the test support."""
+    named = [m for m in MODULES if m.split(".")[0] == "trainers" and any(w in m.split(".")[-1] for w in ATTACK_WORDS)]
+    assert not named, named
+    for m in (m for m in MODULES if m.split(".")[0] == "trainers"):
+        tree = ast.parse(MODULES[m].read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+        assert not defined & {"Liar", "Lying", "craft", "ByzantineOptions"}, (m, defined)
+        imported = _imports(m, at_import_time=False)[0]
+        assert not {t for t in imported if t.startswith("peer.testing")}, (m, imported)
+
+
 @pytest.mark.parametrize("handle", ["peer.trainer_host:TrainerSwarm", "peer.attach.client:AttachedSwarm",
                                     "peertrain.distributed:HostRanks"])
 def test_every_handle_implements_swarm_with_the_same_signatures(handle: str) -> None:
@@ -388,3 +417,51 @@ def test_our_topology_record_merges_what_the_services_contribute() -> None:
     rec = topo.own_record()
     assert (rec.stage, rec.training, rec.groups) == (stage, hosted, ["a", "b"])  # the first stage and figures
     assert topo.shard_bytes == 300
+
+
+# ---- the behavioural check's own checks (peer/testing/conformance.py; it runs on real daemons in
+# tests/test_swarm_conformance.py): a handle that breaks a promise fails it ---------------------------------------
+
+class _Careless:
+    """A handle that takes whatever it is given and closes once: the checks below must refuse it."""
+
+    def __init__(self) -> None:
+        self.shared: dict[str, dict] = {}
+        self.closes = 0
+
+    def share(self, name, tensors, **kw):
+        self.shared[name] = tensors
+
+    def average(self, group, *, mode="one"):
+        return []
+
+    def close(self) -> None:
+        self.closes += 1
+        if self.closes > 1:
+            raise RuntimeError("closed twice")
+
+    def should_stop(self) -> bool:
+        return False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def test_the_conformance_check_fails_a_handle_that_breaks_a_promise() -> None:
+    import peer.testing
+    from peer.testing import conformance as c
+
+    assert peer.testing.check_swarm is c.check_swarm  # exported, as trio.testing's checks are
+    with pytest.raises(AssertionError, match="integer tensors"):
+        c._bad_input(_Careless())  # a Swarm only in part: this step needs no more
+    with pytest.raises(AssertionError, match="does not implement ClosableSwarm"):
+        c.check_closable(_Careless())
+    a = c.Outcome("a", "b", True, 0.25, 1.5)
+    c.check_pair(a, c.Outcome("b", "a", False, 0.25, 2.5))
+    for b in (c.Outcome("b", "a", False, 0.25, 2.6), c.Outcome("b", "a", True, 0.25, 2.5),
+              c.Outcome("b", "a", False, 0.3, 2.5), c.Outcome("c", "a", False, 0.25, 2.5)):
+        with pytest.raises(AssertionError):
+            c.check_pair(a, b)

@@ -48,13 +48,13 @@ from peertrain.swarm import RANK_ENV
 from trainers import torch_data
 from trainers.datasets import load_char_corpus
 from trainers.options import option, parse_options
-from trainers.pipeline import lying, memory, profiles, shapes
+from trainers.pipeline import memory, profiles, shapes
 from trainers.pipeline.blocks import char_transformer_pipeline, from_factory
 from trainers.pipeline.keeper import SeatKeeper
 from trainers.pipeline.memory import MiB
 from trainers.pipeline.partition import format_plan, plan_stages
 from trainers.pipeline.placement import adopted_cut, initial_stage
-from trainers.pipeline.seat import Memory, StageSeat
+from trainers.pipeline.seat import Memory, StageSeat, stage_wrapper
 
 DRAIN_S = 600.0  # most seconds to wait for the microbatches still in flight when driving ends (each is bounded anyway)
 EVAL_S = 600.0  # most seconds one validation pass may take
@@ -109,9 +109,10 @@ class SwarmPipelineOptions:
     world: int = option(0, "data shards (0: peers seen at start)")
     join_wait: float = option(60.0, "most seconds to wait for every stage to have a peer before driving")
     slowdown: float = option(1.0, "benchmark only: this peer computes its stage this many times slower")
-    liar: str = option("", "benchmark and tests only: this peer lies in its stage's answers: scale:F (outputs times "
-                           "F), noise:S (plus noise of S times their RMS), flip (gradients negated) or stale (the "
-                           "weights it started with); empty: honest")
+    stage_wrapper: str = option("", 'tests and benchmarks only: "pkg.module:fn" with fn(**stage_wrapper_options) '
+                                    "returning a wrapper(handler, worker, seed) of the handler this peer's stage is "
+                                    "served through (peer/testing/lying_stage.py: a server that lies); empty: none")
+    stage_wrapper_options: dict = option({}, "stage_wrapper's keyword arguments")
     initial_stage: int = option(-1, "the stage this peer starts on (-1: the placement rule picks; benchmarks pin it)")
     rebalance: bool = option(True, "move between stages toward the bottleneck (when a move beats the measured "
                                    "noise, one leaver per stage at a time, carrying the stage's state), and into a "
@@ -158,8 +159,7 @@ def _check(o: SwarmPipelineOptions) -> None:
             raise ValueError(f"{where} {k}: must be a finite number above {lo:g}, got {v}")
     if not (math.isfinite(o.dropout) and 0 <= o.dropout < 1):
         raise ValueError(f"{where} dropout: must be in [0, 1), got {o.dropout}")
-    if o.liar:
-        lying.parse(o.liar)  # a ValueError naming what is wrong
+    stage_wrapper(o)  # a ValueError naming what is wrong, before any work
     if o.batch_size < o.microbatch:
         raise ValueError(f"{where} batch_size ({o.batch_size}) must be at least microbatch ({o.microbatch})")
 

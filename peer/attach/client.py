@@ -25,9 +25,10 @@ from peer.attach.shm import SEGMENT_DTYPES, Segment, layout
 from peer.control import pack, receive_message_blocking
 from peer.home import Home, default_home
 from peertrain.checkpoints import load_checkpoint, save_checkpoint
-from peertrain.swarm import LATEST_CHECKPOINT, ExchangeResult, shard_index, wait_for_peers
+from peertrain.swarm import AVERAGE_MODES, LATEST_CHECKPOINT, ExchangeResult, shard_index, wait_for_peers
 from protocol.errors import LimitExceeded
 from protocol.refusal import Code
+from protocol.tensor_codec import CODECS
 from protocol.frames import LengthPrefixedReader
 
 log = logging.getLogger("peertrain.attach")
@@ -130,6 +131,11 @@ class AttachedSwarm:
         """Share `tensors` (pass parameters themselves, e.g. dict(model.named_parameters()): a CPU tensor is
         re-homed into shared memory, so a copy such as `p.data` would leave the model out) as group `name`.
         `codec`, `error_feedback`, `averaged`: as `Swarm.share` (peertrain/swarm.py)."""
+        if not (isinstance(name, str) and 0 < len(name) <= wire.MAX_GROUP):  # as SharedTensors refuses it
+            raise ValueError(f"group name {name!r}: expected a string of 1 to {wire.MAX_GROUP} characters")
+        if codec is not None and codec not in CODECS:  # refused here, as the hosted handle does: to the daemon a
+            #                                             request it refuses is a broken client, and ends our session
+            raise ValueError(f"group {name!r}: codec {codec!r} is not one of {', '.join(CODECS)}")
         group = SharedGroup(self, name, tensors)
         try:
             self._request(wire.Share(name, group.specs, codec or "", error_feedback, averaged), fds=[group.segment.fd])
@@ -140,23 +146,35 @@ class AttachedSwarm:
         return group
 
     def unshare(self, name: str) -> None:
-        group = self._groups.pop(name)
+        group = self._groups.pop(name, None)
+        if group is None:  # not shared (any more): nothing to stop, as for the other handles
+            return
         self._request(wire.Unshare(name))
         group.close()
 
+    def _averaged(self, group: str, mode: str) -> SharedGroup | None:
+        """`group`'s tensors synced for a round, or None where it is not shared (no round); a mode the daemon
+        would refuse is a ValueError here (Swarm.average's contract), not the end of our session."""
+        if mode not in AVERAGE_MODES:
+            raise ValueError(f"unknown averaging mode {mode!r} (choose {' or '.join(map(repr, AVERAGE_MODES))})")
+        g = self._groups.get(group)
+        if g is not None:
+            g.sync()
+        return g
+
     def average(self, group: str, *, mode: str = "one") -> list[ExchangeResult]:
         """Average now and wait: with one random neighbour (pairwise) or with all of them (Metropolis-Hastings)."""
-        g = self._groups[group]
-        g.sync()
+        g = self._averaged(group, mode)
+        if g is None:
+            return []
         out = self._request(wire.Average(group, mode, True, g.step), timeout=None)["results"]
         g.sync()
         return [ExchangeResult(**dict(r, code=Code.parse(r["code"]) if r.get("code") else None)) for r in out]
 
     def average_in_background(self, group: str, *, mode: str = "one") -> bool:
         """Start an averaging round and return at once (AD-PSGD); False while the previous one still runs."""
-        g = self._groups[group]
-        g.sync()
-        return bool(self._request(wire.Average(group, mode, False, g.step))["started"])
+        g = self._averaged(group, mode)
+        return g is not None and bool(self._request(wire.Average(group, mode, False, g.step))["started"])
 
     def download(self, group: str, *, min_step: int = 1) -> int | None:
         """Replace `group`'s tensors with a partner's, if one is at step `min_step` or later (a process joining a

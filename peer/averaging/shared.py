@@ -27,6 +27,7 @@ from peer.averaging import norms
 from peer.averaging.bounds import clip_scale, opposed
 from protocol.limits import DEFAULT_LIMITS
 from protocol.schema.gossip import TensorSpec
+from protocol.schema.topology import MAX_GROUP_CHARS
 from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
 from protocol.tensor_codec import CODECS, DEFAULT_Q8_BLOCK, FLOAT_DTYPES, tensor_nbytes
 from protocol.tensor_decoder import TensorDecoder
@@ -51,6 +52,8 @@ class SharedTensors:
 
     def __init__(self, name: str, tensors: dict[str, Any], *, lock: threading.Lock | None = None,
                  codec: str | None = None, error_feedback: bool = False, averaged: bool = True):
+        if not (isinstance(name, str) and 0 < len(name) <= MAX_GROUP_CHARS):  # our records list it to every peer
+            raise ValueError(f"group name {name!r}: expected a string of 1 to {MAX_GROUP_CHARS} characters")
         for key, t in tensors.items():
             if not (t.flags.c_contiguous if isinstance(t, np.ndarray) else t.is_contiguous()):
                 raise ValueError(f"tensor {key!r} of group {name!r} is not contiguous: the engine updates it in "

@@ -273,7 +273,7 @@ def run(args) -> int:
                                  "topology at the first fraction's honest count; the largest",
         "no_attack_exchange_time_ratio": "median seconds of a 64 MiB exchange (peer bench average, 2 daemons) "
                                          "with the defence on / off, swarms interleaved",
-        "liars": "stock daemons whose trainer (trainers/byzantine.py) learns its neighbours' models by download "
+        "liars": "stock daemons whose trainer (peer/testing/byzantine_trainer.py) learns its neighbours' models by download "
                  "and sends the attack's model; label_flip is the honest trainer on labels 9 - y; allies are "
                  "known to each other; their own daemons never judge partners",
         "rewired": f"target degree {a.degree}; two_cliques: the sorted peer IDs in two complete halves joined by "

@@ -29,7 +29,7 @@ from peer.bench.pipeline_figures import driver_of
 from peer.config import PipelineSection
 from peer.testing.netns import virtual_lan
 from peer.testing.swarm import LocalSwarm, rank_env, unique_swarm
-from trainers.pipeline.lying import parse
+from peer.testing import lying_stage
 
 ATTACKERS = "scale:1.05,noise:0.3,flip,stale"  # the four, `--liar` alone
 STAGES_OF = [0, 1, 1, 1, 2, 3]  # stage 1 has three peers: a mismatch has a third opinion
@@ -43,7 +43,7 @@ def attackers_of(text: str) -> list[str]:
     if not modes:
         raise ValueError(f"--liar: expected a comma list of attackers ({ATTACKERS}), got {text!r}")
     for m in modes:
-        parse(m)  # a ValueError naming what is wrong
+        lying_stage.parse(m)  # a ValueError naming what is wrong
     return list(dict.fromkeys(modes))
 
 
@@ -63,7 +63,7 @@ def one_run(a, mode: str | None, model: Model, root: Path, netns: bool, support:
         for i, stage in enumerate(STAGES_OF):
             opts = dict(options, initial_stage=stage, role="server" if i == LIAR else "auto")
             if mode and i == LIAR:
-                opts["liar"] = mode
+                opts.update(lying_stage.options(mode))
             cfg = daemon_config(name, i, lan, opts)
             if pipeline:
                 cfg = cfg.replace(pipeline=pipeline)

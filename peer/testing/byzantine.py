@@ -2,8 +2,8 @@
 start them and read what the defence did.
 
 An honest peer is a daemon hosting trainers.gossip_sgd; a liar is a stock daemon whose trainer lies
-(trainers.byzantine, or for label flipping the honest trainer on flipped labels): both are named in the
-config only, since peer/ never imports a trainer. `ATTACKS` lists the attacks with the options that make
+(peer.testing.byzantine_trainer, or for label flipping the honest trainer on flipped labels): both are named in
+the config only, as the daemon names every trainer. `ATTACKS` lists the attacks with the options that make
 them; `run_swarm` starts `honest` + `liars` daemons, watches every honest daemon's bans while the honest
 trainers run (`BanWatch`) and returns per-peer figures: accuracy, steps, bans and false positives.
 
@@ -27,8 +27,8 @@ from protocol import identity as ident
 from peer.averaging.radius import NO_DEFENCE_ENV  # the defence's bench-only switch
 
 HONEST_TRAINER = "trainers.gossip_sgd"
-LIAR_TRAINER = "trainers.byzantine"
-FLIPPED_DATA = "trainers.byzantine:flipped_digits"
+LIAR_TRAINER = "peer.testing.byzantine_trainer"
+FLIPPED_DATA = "peer.testing.byzantine_trainer:flipped_digits"
 LIAR_MAX_UPDATE_RATIO = 1e6  # the config's ceiling: the liar's daemon never clips, so never strikes an honest peer
 SLEEP_EXCHANGES = 30  # the sleeper's honest exchanges (ours and served) before it attacks: many of its partners' first
 LOCAL_INNER_STEPS = 50  # gossip_sgd's default inner_steps (a round's steps in mode local)
@@ -43,7 +43,7 @@ class Attack:
     name: str
     doc: str
     detectable: bool  # the defence must ban it within a bounded number of exchanges (else: bound its effect)
-    options: dict  # trainers.byzantine's options; for `honest_trainer`, gossip_sgd's on top of the honest ones
+    options: dict  # the byzantine trainer's options; for `honest_trainer`, gossip_sgd's on top of the honest ones
     honest_trainer: bool = False  # label flip: the honest trainer, on flipped labels
     digits_only: bool = False  # needs the digits data set (label flip)
 
@@ -77,7 +77,7 @@ class SwarmPlan:
     gossip: dict = field(default_factory=dict)
     membership: dict = field(default_factory=dict)
     defence: bool = True  # False: every honest daemon runs with the defence switched off (NO_DEFENCE_ENV)
-    liar_options: dict = field(default_factory=dict)  # trainers.byzantine's, on top of the attack's (interval...)
+    liar_options: dict = field(default_factory=dict)  # the byzantine trainer's, on top of the attack's (interval...)
 
     def __post_init__(self) -> None:
         if self.honest < 2 or self.liars < 0:

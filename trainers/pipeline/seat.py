@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -36,8 +37,8 @@ from peer.pipeline.directory import PipelineKey
 from peer.pipeline.kept import MAX_KEPT, MAX_KEPT_BYTES
 from peer.pipeline.state import StateUnavailable
 from trainers.baseline import make_optimizer
+from trainers.datasets import load_factory
 from trainers.pipeline import memory, shapes
-from trainers.pipeline.lying import Lying
 from trainers.pipeline.memory import MiB
 from trainers.pipeline.partition import cached_profile, profile_stage
 from trainers.pipeline.placement import adopted_cut, better_stage, initial_stage
@@ -51,6 +52,21 @@ JOIN_WAIT_S = 30.0  # most a joining peer waits for a stage's peers to hand it t
 #                     them within a record interval; each transfer is bounded by [pipeline] state_timeout)
 JOIN_RETRY_S = 1.0  # between asks while holders do not know us yet
 MAX_SOURCES_TRIED = 3  # holders asked for one stage's state before a move is given up (each bounded by state_timeout)
+
+
+StageWrapper = Callable[[Any, Any, int], Any]  # (the handler served, the stage's worker, seed) -> what is served
+
+
+def stage_wrapper(o) -> StageWrapper | None:
+    """What `stage_wrapper` names, built from `stage_wrapper_options` (None: serve the worker as it is). The seam
+    through which tests and benches serve a stage another way (peer/testing/lying_stage.py: one that lies) while
+    the trainer holds no such code; every failure is a ValueError naming the option."""
+    if not o.stage_wrapper:
+        return None
+    try:
+        return load_factory(o.stage_wrapper)(**o.stage_wrapper_options)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"[trainer.options] stage_wrapper: {exc}") from None
 
 
 def _stage_input(worker: StageWorker, device: torch.device) -> torch.Tensor:
@@ -85,6 +101,7 @@ class StageSeat:
         self.sample_x, self.sample_y = sample_x, sample_y
         self.device = device if device is not None else torch.device("cpu")
         self.mem = mem if mem is not None else Memory(0, 0, lambda lo, hi: 0)
+        self.wrap = stage_wrapper(o)  # what our stage is served through (None: the worker itself)
         self.backups_skipped = ""  # why the next stage is not backed up here (memory), said once
         self._measured: list = []  # the swarm's block measurements `costs` were last computed from
         self.key: PipelineKey | None = None
@@ -176,8 +193,8 @@ class StageSeat:
     def _serve(self, *, ready: bool = True) -> None:
         self.set_accumulation()  # before serving: calls may come at once, and must not step at max_batch
         handler = Slowed(self.worker, self.o.slowdown) if self.o.slowdown > 1 else self.worker
-        if self.o.liar:
-            handler = Lying(handler, self.o.liar, self.worker, seed=self.o.seed)
+        if self.wrap is not None:
+            handler = self.wrap(handler, self.worker, self.o.seed)
         self.swarm.serve_stage(self.key, self.stage, self.o.microbatch, handler, ready=ready)
 
     def _announce_profile(self) -> None:

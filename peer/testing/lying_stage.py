@@ -1,5 +1,6 @@
 """A stage handler that lies in its answers: the benchmark's and tests' attacker for verified stage calls
-(peer/pipeline/verify.py). Benchmark and tests only (`liar` option).
+(peer/pipeline/verify.py). Benchmark and tests only: a peer of trainers.swarm_pipeline serves its stage through
+it when its options name it as their `stage_wrapper` (`options(spec)` gives them); the trainer holds no attack.
 
 It computes every call honestly (so its own stage learns, averages and keeps gradients as an honest peer's),
 then sends something else back:
@@ -12,6 +13,7 @@ then sends something else back:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ import torch
 from trainers.pipeline.blocks import seeded
 
 MODES = ("scale", "noise", "flip", "stale")
+WRAPPER = "peer.testing.lying_stage:liar"  # the swarm_pipeline `stage_wrapper` that serves a stage through `Lying`
 
 
 def parse(spec: str) -> tuple[str, float]:
@@ -38,6 +41,18 @@ def parse(spec: str) -> tuple[str, float]:
     if arg:
         raise ValueError(f"liar: {mode} takes no argument, got {spec!r}")
     return mode, 0.0
+
+
+def liar(spec: str) -> Callable[[Any, Any, int], Lying]:
+    """trainers.swarm_pipeline's `stage_wrapper` (stage_wrapper_options = {"spec": ...}): a stage served through
+    `Lying`. The spec is checked here, so a bad one fails the trainer's option check, before any work."""
+    parse(spec)
+    return lambda handler, worker, seed: Lying(handler, spec, worker, seed=seed)
+
+
+def options(spec: str) -> dict:
+    """The swarm_pipeline options that make a peer's stage server lie as `spec` says."""
+    return {"stage_wrapper": WRAPPER, "stage_wrapper_options": {"spec": spec}}
 
 
 class Lying:

@@ -1,14 +1,14 @@
 """A lying peer, for tests and `peer bench byzantine` only: a daemon whose trainer sends crafted models.
 
 The daemon is the stock one and speaks the real protocol; only what its trainer puts in the shared tensors
-lies. It builds the same model as the honest trainer (trainers/gossip_sgd.py: same name, options and seed)
+lies. It lives with the test support, not in trainers/: no installed trainer holds an attack. It builds the same model as the honest trainer (trainers/gossip_sgd.py: same name, options and seed)
 and shares it as group "model" (and "model.outer", as the local-steps wrapper does), so its exchanges carry
 the names, dtypes and shapes honest peers expect. Then, until its daemon stops:
 
 - every `learn_every` seconds it downloads its neighbours' current models (the download peers serve to a
   joiner: only neighbours get it). A download is refused past a bound against our own values, so it first
   puts back the honest mean it learnt last (the seeded initial model at first), as an honest peer would hold;
-- it crafts the attack's model from the honest ones (trainers/byzantine_craft.py) and writes it into the
+- it crafts the attack's model from the honest ones (peer/testing/byzantine_craft.py) and writes it into the
   shared tensors under the group's lock, so exchanges its neighbours start with it are served from it too;
 - it starts an exchange with a neighbour (a random one; the victim, for dissensus) as often as an honest peer
   does: once per `steps_per_exchange` honest steps at the pace the steps it learns advance (or every
@@ -34,12 +34,13 @@ import torch
 
 from peertrain.optimizer import named
 from protocol.refusal import Code
-from trainers import byzantine_craft as craft
+from peer.testing import byzantine_craft as craft
 from trainers.baseline import seeded_model
 from trainers.datasets import ArrayDataset, load_digits, load_sized_model
 from trainers.models import count_parameters
 from trainers.options import option, parse_options
 
+NAME = "peer.testing.byzantine_trainer"  # its `[trainer] name`: the module the daemon hosts
 ATTACKS = (*craft.ATTACKS, "none")  # none: honest-looking all along (holds the honest mean): the harness's control
 MODES = ("adpsgd", "local")  # the honest trainer's modes whose groups we mirror (dpsgd shares what adpsgd does)
 DEFAULT_EPSILON = {"ipm": 0.1, "dissensus": 1.5}  # the issue's: IPM's small case, dissensus as He et al. 2022 run it
@@ -52,9 +53,9 @@ MAX_ALLIES = 64  # far above any bench's liars; bounds what the option may make 
 
 @dataclass(frozen=True)
 class ByzantineOptions:
-    """`[trainer.options]` of trainers.byzantine (test and benchmark only; not in docs/config.md)."""
+    """`[trainer.options]` of this trainer (test and benchmark only; not in docs/config.md)."""
 
-    attack: str = option("sign_flip", "sign_flip | scaled | alie | ipm | dissensus | none (trainers/byzantine_craft.py)")
+    attack: str = option("sign_flip", "sign_flip | scaled | alie | ipm | dissensus | none (peer/testing/byzantine_craft.py)")
     scale: float = option(-4.0, "scaled: the factor on the honest mean (-4: the issue's)")
     epsilon: float = option(0.0, "ipm: the factor of -ε·mean; dissensus: the push (0: 0.1 for ipm, 1.5 for dissensus)")
     z: float = option(-1.0, "alie: standard deviations below the mean (-1: Baruch et al.'s z_max for `world` peers "
@@ -213,7 +214,7 @@ class Liar:
 
 
 def run(swarm, options: dict) -> dict:
-    o = parse_options(ByzantineOptions, options, trainer="trainers.byzantine")
+    o = parse_options(ByzantineOptions, options, trainer=NAME)
     check(o)
     torch.set_num_threads(o.threads)
     _, _, model_opts = load_sized_model(o.model, o.model_options)
@@ -229,7 +230,7 @@ def run(swarm, options: dict) -> dict:
     liar = Liar(swarm, o, group, list(tensors), initial)
     if o.attack == "alie" and o.z == -1.0:
         liar.z = craft.baruch_z(max(2, world), min(o.byzantine, world - 1))
-    swarm.publish({"trainer": "trainers.byzantine", "state": "attacking", "parameters": count_parameters(model),
+    swarm.publish({"trainer": NAME, "state": "attacking", "parameters": count_parameters(model),
                    "phase": "sleeping" if o.sleep_exchanges else "attacking",
                    "peers_at_start": have, "world": world, "z": liar.z if o.attack == "alie" else None,
                    "epsilon": liar.epsilon or None, "options": asdict(o)})

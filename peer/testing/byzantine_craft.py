@@ -1,7 +1,7 @@
 """What a Byzantine peer sends: the models of the attack library, crafted from the honest models it has seen.
 
 Pure functions over models, a model being a list of tensors in its group's order (the order the group's
-specs travel in). The attacker (trainers/byzantine.py) learns honest models through the real protocol and
+specs travel in). The attacker (peer/testing/byzantine_trainer.py) learns honest models through the real protocol and
 writes one of these into the tensors its daemon averages with; tests check them here, without processes.
 
 The attacks, in model space (decentralized gossip averages models, not gradients), with μ and σ the
