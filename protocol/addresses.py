@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.bounds import MAX_PEER_ID_CHARS
+
 RELAY_MARK = "/relay/"
-MAX_RELAY_ID_CHARS = 64  # a relay's peer ID in a relayed address (real IDs have 20 characters)
 MAX_ENTRY_ADDRESSES = 4
 """Addresses one view entry or stage announcement carries: a peer's direct addresses, as few as dialing needs
 (a peer record may carry 16; an entry is copied into up to a hundred views, so it carries the first few)."""
@@ -47,7 +48,7 @@ def parse_relayed(text: str) -> RelayedAddress | None:
     if not isinstance(text, str):
         return None
     direct, sep, relay_id = text.partition(RELAY_MARK)
-    if not sep or not relay_id or "/" in relay_id or len(relay_id) > MAX_RELAY_ID_CHARS:
+    if not sep or not relay_id or "/" in relay_id or len(relay_id) > MAX_PEER_ID_CHARS:
         return None
     hp = parse_address(direct)
     return RelayedAddress(relay_id, hp[0], hp[1]) if hp else None

@@ -5,8 +5,9 @@ checked on the way in (and on the way out, so our own bugs fail loudly); a
 `Registry` compiles each class once, and decoding then does no reflection.
 
 Supported field types: int, float (an int is accepted and converted), str,
-bytes, bool, `X | None`, `list[T]`, `dict[str, T]` and nested dataclasses
-(encoded as maps). NaN and infinities are refused: they mean nothing on the
+bytes, bool, `X | None`, `list[T]`, `tuple[T, ...]` (a msgpack array too, decoded
+as a tuple: for frozen records that are hashed or compared), `dict[str, T]` and
+nested dataclasses (encoded as maps). NaN and infinities are refused: they mean nothing on the
 control plane and are a classic way to poison timers and averages.
 """
 
@@ -126,6 +127,16 @@ def _list_of(item: _Convert) -> _Convert:
     return convert
 
 
+def _tuple_of(item: _Convert) -> _Convert:
+    as_list = _list_of(item)
+
+    def convert(value: Any, decoding: bool) -> Any:
+        out = as_list(value, decoding)
+        return tuple(out) if decoding else out
+
+    return convert
+
+
 def _dict_of(item: _Convert) -> _Convert:
     def convert(value: Any, decoding: bool) -> dict[str, Any]:
         if type(value) is not dict:
@@ -227,6 +238,8 @@ class Compiler:
                 return _optional(self.type(others[0], where))
         elif origin is list and len(args) == 1:
             return _list_of(self.type(args[0], where))
+        elif origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+            return _tuple_of(self.type(args[0], where))
         elif origin is dict and len(args) == 2 and args[0] is str:
             return _dict_of(self.type(args[1], where))
         elif origin is None and isinstance(hint, type) and dataclasses.is_dataclass(hint):

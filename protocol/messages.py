@@ -30,7 +30,7 @@ decodes a message, `protocol.msgpack_scan` checks its containers fit its bytes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgpack
@@ -57,11 +57,13 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class Envelope:
-    """A decoded message with the ids the transport uses to match replies."""
+    """A decoded message with the ids the transport uses to match replies, and its encoded `size` in bytes
+    (what a per-session budget counts; not part of the message, so not compared)."""
 
     message: Message
     rid: int
     reply_to: int
+    size: int = field(default=0, compare=False)
 
 
 def _check_id(name: str, value: Any) -> int:
@@ -167,9 +169,9 @@ class Registry:
             if "exceeds max_" in reason:
                 raise LimitExceeded(f"message: {reason}") from None
             raise ProtocolError(f"malformed message: {type(e).__name__}: {reason}") from None
-        return self._envelope(obj)
+        return self._envelope(obj, size)
 
-    def _envelope(self, obj: Any) -> Envelope:
+    def _envelope(self, obj: Any, size: int) -> Envelope:
         if type(obj) is not dict:
             raise ProtocolError(f"message must be a map, got {type_label(obj)}")
         name = obj.get("t")
@@ -199,4 +201,4 @@ class Registry:
             raise ProtocolError(e.render(name)) from None
         except RecursionError:  # a self-referencing schema nested absurdly deep
             raise ProtocolError(f"{name}: nested too deeply") from None
-        return Envelope(message, rid, reply_to)
+        return Envelope(message, rid, reply_to, size)

@@ -15,6 +15,8 @@ import enum
 from dataclasses import dataclass
 
 MAX_REASON_CHARS = 512  # a reason is one line a log or a table can show; longer ones are cut, not refused
+MAX_CODE_CHARS = 32
+"""Characters of a refusal code in a reply: an identifier (`Code`'s values have at most 14), with room."""
 
 
 class Code(enum.StrEnum):

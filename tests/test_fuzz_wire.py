@@ -235,6 +235,33 @@ def test_mutated_messages_of_every_type_only_raise_protocol_errors(data) -> None
     decode_bounded(bytes(encoded))
 
 
+# --- the partial-view plane: bodies near and past every bound -------------------------------------------
+
+VIEW_PLANE = [c for c in MESSAGES if c.__module__ == "protocol.schema.views"]
+entries = st.fixed_dictionaries({"peer_id": st.text(max_size=70), "addresses": st.lists(st.text(max_size=5), max_size=6)})
+field_values = (values | entries | st.lists(entries, max_size=40) | st.integers(-2, 70_000) | st.none()
+                | st.lists(st.floats(), max_size=10) | st.floats())
+
+
+@FUZZ
+@given(cls=st.sampled_from(VIEW_PLANE), data=st.data())
+def test_view_plane_messages_are_refused_or_within_their_bounds(cls, data) -> None:
+    """View and gap messages are each a message of the registry (no body decoded apart): whatever their fields
+    hold, decoding ends in ProtocolError or in a message that passed its bounds, and encodes back the same."""
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(cls)]
+    body = data.draw(st.fixed_dictionaries({}, optional={n: field_values for n in names}))
+    data_ = msgpack.packb({"t": cls.TYPE, "v": 1, "r": 0, "q": 0, "b": body}, use_bin_type=True)
+    decode_bounded(data_)
+    try:
+        msg = DEFAULT_REGISTRY.decode(data_, LIMITS).message
+    except ProtocolError:
+        return
+    assert type(msg) is cls
+    assert DEFAULT_REGISTRY.decode(DEFAULT_REGISTRY.encode(msg), LIMITS).message == msg
+
+
 # --- tensor headers ------------------------------------------------------------------------------------
 
 dims = st.sampled_from([0, 1, 2, 3, -1, 2**31, 2**62, 2**64 - 1, -(2**63)]) | st.integers(0, 64)

@@ -10,7 +10,8 @@ from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS
 from protocol.refusal import MAX_REASON_CHARS, Code, Refusal
 from protocol.schema import DEFAULT_REGISTRY
-from protocol.schema.gossip import MAX_CODE_CHARS, AverageReject
+from protocol.refusal import MAX_CODE_CHARS
+from protocol.schema.gossip import AverageReject
 
 
 def wire(body: dict, v: int = 1) -> bytes:

@@ -19,14 +19,13 @@ from peer.bench.scale_real import partial_config
 from peer.testing.views import settled, view_graph
 from peer.cli.status_view import render_status
 from peer.membership.view_driver import SESSION_IDLE_S, VIEW_BYTES_PER_S
-from peer.membership.view_messages import Entry, NeighbourRequest, Shuffle, encode
 from peer.testing.attacker import attacker_session
-from peer.testing.attacks import dropped, my_id
+from peer.testing.attacks import dropped, my_id, send_raw
 from peer.session.transport import SessionClosed
 from peer.testing.swarm import write_config
 from peer.topology.graph import GraphView
 from peer.topology.mixing import graph_spectral_gap
-from protocol.schema.views import ViewPacket
+from protocol.schema.views import Entry, NeighbourRequest
 from tests.daemons import rank_env, unique_swarm, wait_for
 from tests.test_training import digits_config, done, trainer
 
@@ -205,18 +204,28 @@ def _victim(cluster, tmp_path) -> dict:
 def test_a_bad_view_message_closes_its_session_with_the_reason(cluster, tmp_path):
     status = _victim(cluster, tmp_path)
 
-    async def attack() -> str:
+    async def out_of_bounds() -> str:
         async with attacker_session(status) as s:
-            me = Entry(my_id(s), ("127.0.0.1:9",))
-            # a shuffle of 33 entries: over the 32 a view message may carry
-            bad = Shuffle(me, 0, tuple(Entry(f"x{i}", ()) for i in range(33)), 1)
-            await s.send_message(ViewPacket(kind=bad.TYPE, body=encode(bad)))
+            me = {"peer_id": my_id(s), "addresses": ["127.0.0.1:9"]}
+            # a shuffle of 33 entries: over the 32 a view message may carry (the schema refuses it)
+            await send_raw(s, "view_shuffle", {"origin": me, "ttl": 0, "degree": 1,
+                                               "entries": [{"peer_id": f"x{i}", "addresses": []} for i in range(33)]})
             with trio.move_on_after(10):
                 await s.closed.wait()
             return (await dropped(status, my_id(s)))[1]
 
-    reason = trio.run(attack)
-    assert "bad view message" in reason and "more than 32 entries" in reason, reason
+    async def not_the_sender() -> str:
+        async with attacker_session(status) as s:
+            # an edge asked for on another peer's behalf
+            await s.send_message(NeighbourRequest(Entry("peer0000000000000042", ("127.0.0.1:9",)), 0, True, None))
+            with trio.move_on_after(10):
+                await s.closed.wait()
+            return (await dropped(status, my_id(s)))[1]
+
+    reason = trio.run(out_of_bounds)
+    assert "protocol error: view_shuffle" in reason and "33 entries, more than 32" in reason, reason
+    reason = trio.run(not_the_sender)
+    assert "bad view message" in reason and "not the sender" in reason, reason
 
 
 def test_a_peer_flooding_view_messages_is_cut_off(cluster, tmp_path):
@@ -224,13 +233,12 @@ def test_a_peer_flooding_view_messages_is_cut_off(cluster, tmp_path):
 
     async def attack() -> str:
         async with attacker_session(status) as s:
-            me = Entry(my_id(s), ("127.0.0.1:9",))
-            body = encode(NeighbourRequest(me, 0, True, None))
+            flood = NeighbourRequest(Entry(my_id(s), ("127.0.0.1:9",)), 0, True, None)
             t0 = time.monotonic()
             with trio.move_on_after(20):
                 while not s.closed.is_set():
                     try:
-                        await s.send_message(ViewPacket(kind=NeighbourRequest.TYPE, body=body))
+                        await s.send_message(flood)
                     except SessionClosed:
                         break
             assert time.monotonic() - t0 < 20, "still not cut off after 20 s"

@@ -36,8 +36,7 @@ from trainers.pipeline.partition import BlockCost, DoesNotFit, plan_stages
 from trainers.pipeline.placement import better_stage, initial_stage
 from trainers.pipeline.rebalance import plan_move, takeover_order
 from trainers.pipeline.shapes import trace
-
-MiB = 1 << 20
+from protocol.limits import MiB
 
 
 # ---- trainers/pipeline/memory.py: a stage's bytes, the swarm's cap ------------------------------------------

@@ -31,7 +31,7 @@ from protocol.limits import DEFAULT_LIMITS
 from protocol.refusal import Code, Refused
 from protocol.schema import DEFAULT_REGISTRY, TopologyRecords
 from protocol.schema.pipeline import MAX_SAMPLES_PER_S, MAX_STEP, StageAnnouncement
-from protocol.schema.session import MAX_ADDRESS_CHARS
+from protocol.bounds import MAX_ADDRESS_CHARS
 from protocol.schema.training import MAX_FIGURE_LOSS, TrainingFigures
 from protocol.schema.topology import (MAX_GROUP_CHARS, MAX_RECORD_GROUPS, MAX_RECORD_LINKS, MAX_RECORD_NEIGHBOURS, LinkReport, TopologyRecord,
                                       topology_record_signing_bytes)

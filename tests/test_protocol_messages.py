@@ -87,6 +87,8 @@ def strategy_for(hint):
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is list:
         return st.lists(strategy_for(args[0]), max_size=3)
+    if origin is tuple:
+        return st.lists(strategy_for(args[0]), max_size=3).map(tuple)
     if origin is dict:
         return st.dictionaries(text, strategy_for(args[1]), max_size=3)
     if origin in (types.UnionType, typing.Union):
@@ -364,7 +366,7 @@ def test_registry_refuses_bad_schemas():
     @dataclass(frozen=True, slots=True)
     class Weird(Message):
         TYPE = "weird"
-        x: tuple[int, ...]
+        x: tuple[int, str]  # tuple[int, ...] is supported; a fixed-length tuple is not
 
     with pytest.raises(TypeError, match="unsupported field type"):
         Registry([Weird])

@@ -465,3 +465,42 @@ def test_the_conformance_check_fails_a_handle_that_breaks_a_promise() -> None:
               c.Outcome("b", "a", False, 0.3, 2.5), c.Outcome("c", "a", False, 0.25, 2.5)):
         with pytest.raises(AssertionError):
             c.check_pair(a, b)
+
+
+def test_every_schema_message_is_registered_and_none_is_defined_elsewhere() -> None:
+    """A Message under protocol/schema that MESSAGES forgets is refused by every peer (and never fuzzed: the
+    fuzz tests draw from the registry); one defined outside protocol/schema escapes both, and the review of
+    the wire's bounds in one place."""
+    import importlib
+
+    from protocol.messages import Message
+    from protocol.schema import MESSAGES
+
+    defined = set()
+    for module in MODULES:
+        if module == "protocol.schema" or module.startswith("protocol.schema."):
+            mod = importlib.import_module(module)
+            defined |= {c for c in vars(mod).values()
+                        if isinstance(c, type) and issubclass(c, Message) and c.__module__ == module}
+    assert defined - set(MESSAGES) == set(), "defined under protocol/schema but not in MESSAGES"
+    assert set(MESSAGES) - defined == set(), "in MESSAGES but defined outside protocol/schema"
+    elsewhere = [f"{module}.{node.name}" for module, path in MODULES.items() if not module.startswith("protocol.")
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+                 and any(ast.unparse(b).split(".")[-1] == "Message" for b in node.bases)]
+    assert not elsewhere, f"wire messages outside protocol/schema: {elsewhere}"
+
+
+MSGPACK_OUTSIDE_PROTOCOL = {
+    "peer.membership.store": "the peer cache file on disk, not the wire",
+    "peer.control": "the local control socket (mode 0600), not the peer wire",
+    "peer.attach.wire": "the local attach socket of a training script, not the peer wire",
+    "peer.testing.attacks": "an attacker's tool: crafts malformed wire messages the registry would refuse to encode",
+}
+"""Modules outside protocol/ that may use msgpack, and why: for wire messages none may (a message that
+skips the registry skips its bounds too, as view messages once did, msgpack inside msgpack)."""
+
+
+def test_no_module_outside_protocol_encodes_wire_messages_itself() -> None:
+    users = {m for m in MODULES if not m.startswith("protocol") and "msgpack" in _imports(m, at_import_time=False)[1]}
+    assert users <= set(MSGPACK_OUTSIDE_PROTOCOL), f"msgpack outside protocol/: {sorted(users - set(MSGPACK_OUTSIDE_PROTOCOL))}"
+    assert set(MSGPACK_OUTSIDE_PROTOCOL) <= users, "an allowed module no longer uses msgpack: drop it from the list"

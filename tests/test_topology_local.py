@@ -11,10 +11,11 @@ import pytest
 
 from peer.topology.fixed import random_regular, ring
 from peer.topology.graph import GraphView, LinkEstimate
-from peer.topology.local_gap import GapConfig, GapEstimator, GapReading, GapRound, check_round, reference_gap
+from peer.topology.local_gap import GapConfig, GapEstimator, GapReading, check_round, reference_gap
 from peer.topology.local_rewire import LocalRewireConfig, NeighbourFacts, plan_local_move
 from peer.topology.mixing import graph_spectral_gap
 from peer.topology.sparse_gap import sparse_spectral_gap
+from protocol.schema.views import GapRound
 from tests.topology_helpers import names
 
 
@@ -118,10 +119,14 @@ def test_estimator_ignores_other_rounds_and_bounds_what_it_holds():
     for who in ("c", "d", "e", "f"):
         e.receive(who, good)
     assert set(e._got) == {"c", "d"}
-    for bad in (GapRound(1, cfg.rounds, 3, (0.0, 0.0), None), GapRound(1, 0, 3, (0.0,), None),
-                GapRound(1, 0, 3, (math.inf, 0.0), None), GapRound(1, 0, 3, (0.0, 0.0), 1.0)):
-        with pytest.raises(ValueError):
+    for bad in (GapRound(1, cfg.rounds, 3, (0.0, 0.0), None), GapRound(1, 0, 3, (0.0,), None)):
+        with pytest.raises(ValueError):  # in the schema's bounds, but not our config's
             check_round(bad, cfg)
+    for args in ((1, 0, 3, (math.inf, 0.0), None), (1, 0, 3, (0.0, 0.0), 1.0), (1, 0, 3, (0.0, 0.0), -50.5),
+                 (1, 0, 3, (), None), (1, 0, 3, (0.0,) * 9, None), (-1, 0, 3, (0.0, 0.0), None),
+                 (1 << 62, 0, 3, (0.0, 0.0), None), (1, 10_000, 3, (0.0, 0.0), None), (1, 0, (1 << 16) + 1, (0.0,), None)):
+        with pytest.raises(ValueError):  # out of the schema's bounds: cannot be built (nor decoded)
+            GapRound(*args)
     with pytest.raises(ValueError):
         GapConfig(rounds=4)
     with pytest.raises(ValueError):
@@ -227,25 +232,32 @@ def test_the_gap_driver_follows_the_wall_clock_and_reads_what_the_estimator_does
 
 @pytest.mark.parametrize("body, why", [
     (b"\xc1", "malformed"),
-    (b"\x93\x01\x02\x03", "not a map"),
-    ({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, 0.5]}, "'slope' missing"),
-    ({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, "x"], "slope": None}, "finite values"),
-    ({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, float("nan")], "slope": None}, "finite values"),
+    (b"\x93\x01\x02\x03", "must be a map"),
+    ({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, 0.5]}, "slope: missing required field"),
+    ({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, "x"], "slope": None}, r"values\[1\]: expected float"),
+    ({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, float("nan")], "slope": None}, "NaN"),
     ({"epoch": 1, "round": 0, "degree": 3, "values": [0.5] * 9, "slope": None}, "finite values"),
     ({"epoch": 1, "round": 99, "degree": 3, "values": [0.5, 0.5], "slope": None}, "out of range"),
     ({"epoch": -1, "round": 0, "degree": 3, "values": [0.5, 0.5], "slope": None}, "out of range"),
-    ({"epoch": 1, "round": 0, "degree": 3.0, "values": [0.5, 0.5], "slope": None}, "integers"),
+    ({"epoch": 1, "round": 0, "degree": 3.0, "values": [0.5, 0.5], "slope": None}, "degree: expected int"),
     ({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, 0.5], "slope": 0.5}, "slope"),
     ({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, 0.5], "slope": "0"}, "slope"),
 ])
 def test_a_hostile_gap_round_is_refused_with_the_reason(body, why):
+    """What the schema refuses when it decodes a round (ProtocolError), and what our config refuses
+    (`check_round`: an epoch of 16 rounds); either closes the session."""
     import msgpack
 
-    from peer.membership.gap_driver import decode_round
-    from peer.membership.view_messages import BadMessage
+    from protocol.errors import ProtocolError
+    from protocol.limits import DEFAULT_LIMITS
+    from protocol.schema import DEFAULT_REGISTRY
 
-    raw = body if isinstance(body, bytes) else msgpack.packb(body)
-    with pytest.raises(BadMessage, match=why):
-        decode_round(raw, GapConfig(rounds=16, round_interval=0.2, epoch_interval=5.0))
-    good = msgpack.packb({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, -0.5], "slope": -0.1})
-    assert decode_round(good, GapConfig(rounds=16, round_interval=0.2, epoch_interval=5.0)).values == (0.5, -0.5)
+    def decode(body) -> GapRound:
+        raw = body if isinstance(body, bytes) else msgpack.packb({"t": "gap_round", "v": 1, "b": body})
+        msg = DEFAULT_REGISTRY.decode(raw, DEFAULT_LIMITS).message
+        check_round(msg, GapConfig(rounds=16, round_interval=0.2, epoch_interval=5.0))
+        return msg
+
+    with pytest.raises((ProtocolError, ValueError), match=why):
+        decode(body)
+    assert decode({"epoch": 1, "round": 0, "degree": 3, "values": [0.5, -0.5], "slope": -0.1}).values == (0.5, -0.5)

@@ -11,12 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.bench.scale_sim import SimConfig, Simulator
-from peer.membership.view_messages import (
-    MAX_ENTRIES, BadMessage, Disconnect, Entry, Join, JoinReply, JoinWalk, NeighbourReply, NeighbourRequest, Seek,
-    Shuffle, ShuffleReply, Status, SwapReply, SwapRequest, WalkEnd, check, encode, wire_size)
+from peer.membership.view_messages import BadMessage, check, wire_size
 from peer.membership.views import MAX_SEEKERS, EdgeDown, EdgeUp, NeedContact, Send, ViewConfig, Views
 from peer.topology.local_gap import GapConfig
 from peer.topology.local_rewire import LocalRewireConfig
+from protocol.errors import ProtocolError
+from protocol.limits import DEFAULT_LIMITS
+from protocol.schema import DEFAULT_REGISTRY
+from protocol.schema.views import (MAX_ENTRIES, Disconnect, Entry, Join, JoinReply, JoinWalk, NeighbourReply,
+                                   NeighbourRequest, Seek, Shuffle, ShuffleReply, Status, SwapReply, SwapRequest,
+                                   WalkEnd)
 
 CFG = ViewConfig()
 QUIET = ViewConfig(rewire=LocalRewireConfig(interval=1e6))  # no rewiring: a join's or a leave's own effect
@@ -96,24 +100,28 @@ def test_messages_are_checked_against_their_sender_and_bounds():
     check(NeighbourRequest(me, 3, False), me.peer_id)
     with pytest.raises(BadMessage, match="not the sender"):
         check(NeighbourRequest(me, 3, False), entry(2).peer_id)
-    for bad in (JoinReply(tuple(entry(i) for i in range(MAX_ENTRIES + 1))),
-                JoinWalk(me, 17), Seek(me, -1), NeighbourReply(True, 1 << 20), NeighbourReply(1, 3),
-                Status(3, (), float("nan")), Status(3, (), 0.0),
-                Disconnect(Entry("", ())), Disconnect(Entry("x" * 300, ())),
-                Shuffle(me, 0, (Entry("p", tuple(f"a{i}" for i in range(5))),), 4),
-                Shuffle(me, 0, (Entry("p", ("a" * 300,)),), 4)):
-        with pytest.raises(BadMessage):
-            check(bad, me.peer_id)
+    # the bounds are the schema's: a message out of them cannot be built (nor decoded: below)
+    for bad in (lambda: JoinReply(tuple(entry(i) for i in range(MAX_ENTRIES + 1))),
+                lambda: JoinWalk(me, 17), lambda: Seek(me, -1), lambda: NeighbourReply(True, 1 << 20),
+                lambda: NeighbourRequest(me, 3, False, "x" * 65),
+                lambda: Status(3, (), float("nan")), lambda: Status(3, (), 0.0),
+                lambda: Disconnect(Entry("", ())), lambda: Disconnect(Entry("x" * 65, ())),
+                lambda: Shuffle(me, 0, (Entry("p", tuple(f"a{i}" for i in range(5))),), 4),
+                lambda: Shuffle(me, 0, (Entry("p", ("a" * 263,)),), 4)):
+        with pytest.raises(ValueError):
+            bad()
+    with pytest.raises(ValueError, match="expected bool"):  # a field of the wrong type: refused on the way out
+        DEFAULT_REGISTRY.encode(NeighbourReply(1, 3))  # type: ignore[arg-type]
     with pytest.raises(BadMessage, match="not a view message"):
         check(object(), me.peer_id)
 
 
 def test_wire_size_is_the_framed_envelope():
     msg = Shuffle(entry(1), 0, tuple(entry(i) for i in range(7)), 4)
-    body = len(encode(msg))
-    # envelope keys, request id, the ViewPacket's keys, kind and bin header, frame header (9) and tag (16)
-    assert body + 50 < wire_size(msg) < body + 90
-    assert wire_size(Disconnect(None)) < 110
+    encoded = len(DEFAULT_REGISTRY.encode(msg))
+    # a u32 request id instead of 0 (4 bytes more), a frame header (9) and tag (16)
+    assert wire_size(msg) == encoded + 4 + 9 + 16
+    assert wire_size(Disconnect(None)) < 80
 
 
 def test_a_join_into_a_regular_swarm_splits_edges_and_changes_no_other_degree():
@@ -306,7 +314,7 @@ def test_views_stay_bounded_under_any_joins_leaves_crashes_and_shuffles(ops, see
             assert_bounded(p.views)
 
 
-# ---- on the wire: a ViewPacket's body, decoded and checked (peer/membership/view_driver.py) ----------------
+# ---- on the wire: each a message of the registry, decoded and bounded by its schema ---------------------------
 
 def _one_of_each(me: Entry) -> list:
     e = entry(7)
@@ -317,53 +325,64 @@ def _one_of_each(me: Entry) -> list:
             ShuffleReply((), 4), Status(4, (e,), 1.25e8), Status(0, (), None)]
 
 
-def test_every_view_message_survives_its_packet():
-    from peer.membership.view_messages import decode
-    from protocol.schema import DEFAULT_REGISTRY, ViewPacket
-    from protocol.limits import DEFAULT_LIMITS
-
+def test_every_view_message_survives_the_wire():
     me = entry(1)
     for msg in _one_of_each(me):
-        wire = DEFAULT_REGISTRY.encode(ViewPacket(kind=msg.TYPE, body=encode(msg)))
-        pkt = DEFAULT_REGISTRY.decode(wire, DEFAULT_LIMITS).message
-        assert decode(pkt.kind, pkt.body, me.peer_id) == msg
+        assert DEFAULT_REGISTRY.decode(DEFAULT_REGISTRY.encode(msg), DEFAULT_LIMITS).message == msg
+        check(msg, me.peer_id)
+
+
+def _raw(kind: str, body: object) -> bytes:
+    import msgpack
+
+    return msgpack.packb({"t": kind, "v": 1, "r": 0, "q": 0, "b": body}, use_bin_type=True)
+
+
+E1 = {"peer_id": "peer0000000000000001", "addresses": []}
 
 
 @pytest.mark.parametrize("kind, body, why", [
-    ("view_nope", {}, "unknown view message"),
-    ("view_join", [1, 2], "not a map"),
-    ("view_join", {}, "'entry' missing"),
-    ("view_join", {"entry": "peer0000000000000001"}, "not an entry"),
-    ("view_join", {"entry": ("peer0000000000000002", ())}, "not the sender"),
-    ("view_walk_end", {"entry": ("peer0000000000000001", ["a"] * 5)}, "more than 4 addresses"),
-    ("view_shuffle", {"origin": ("p", ()), "ttl": 0, "degree": 1, "entries": [("x", ())] * 33}, "more than 32"),
-    ("view_shuffle_reply", {"entries": [("x", ()), None], "degree": 1}, "an entry is missing"),
-    ("view_seek", {"origin": ("p", ()), "ttl": 17}, "ttl 17 outside"),
-    ("view_status", {"degree": 1, "neighbours": [], "fastest_bps": float("nan")}, "fastest_bps"),
-    ("view_neighbour_reply", {"accepted": 1, "degree": 1}, "not a bool"),
+    ("view_nope", {}, "unknown message type"),
+    ("view_join", [1, 2], "body must be a map"),
+    ("view_join", {}, "entry: missing required field"),
+    ("view_join", {"entry": "peer0000000000000001"}, "entry: expected map"),
+    ("view_join", {"entry": {"peer_id": "", "addresses": []}}, "a peer ID of 1..64 characters"),
+    ("view_join", {"entry": {"peer_id": "p" * 65, "addresses": []}}, "a peer ID of 1..64 characters"),
+    ("view_walk_end", {"entry": {"peer_id": "peer0000000000000001", "addresses": ["a"] * 5}}, "more than 4"),
+    ("view_walk_end", {"entry": {"peer_id": "peer0000000000000001", "addresses": ["a" * 263]}}, "over 262"),
+    ("view_shuffle", {"origin": E1, "ttl": 0, "degree": 1, "entries": [E1] * 33}, "more than 32"),
+    ("view_shuffle_reply", {"entries": [E1, None], "degree": 1}, r"entries\[1\]: expected map"),
+    ("view_seek", {"origin": E1, "ttl": 17}, "ttl 17 outside"),
+    ("view_seek", {"origin": E1, "ttl": 1.0}, "ttl: expected int"),
+    ("view_swap", {"entry": E1, "degree": (1 << 16) + 1, "drop": None}, "degree 65537 outside"),
+    ("view_neighbour", {"entry": E1, "degree": 1, "urgent": True, "lost": "x" * 65}, "lost: a peer ID"),
+    ("view_status", {"degree": 1, "neighbours": [], "fastest_bps": float("nan")}, "NaN"),
+    ("view_status", {"degree": 1, "neighbours": [], "fastest_bps": -1.0}, "fastest_bps"),
+    ("view_neighbour_reply", {"accepted": 1, "degree": 1}, "expected bool"),
 ])
-def test_a_body_out_of_bounds_is_a_bad_message(kind, body, why):
-    import msgpack
-
-    from peer.membership.view_messages import decode
-
-    with pytest.raises(BadMessage, match=why):
-        decode(kind, msgpack.packb(body, use_bin_type=True), "peer0000000000000001")
-    with pytest.raises(BadMessage, match="malformed"):
-        decode("view_join", b"\xc1", "peer0000000000000001")
+def test_a_message_out_of_bounds_is_refused_by_the_wire(kind, body, why):
+    with pytest.raises(ProtocolError, match=why):
+        DEFAULT_REGISTRY.decode(_raw(kind, body), DEFAULT_LIMITS)
 
 
-def test_a_packet_over_its_bounds_is_refused_by_the_wire():
-    from protocol.schema import ViewPacket
-    from protocol.schema.views import MAX_VIEW_BODY_BYTES
+def test_a_message_naming_another_peer_is_a_bad_message():
+    msg = DEFAULT_REGISTRY.decode(_raw("view_join", {"entry": E1}), DEFAULT_LIMITS).message
+    check(msg, E1["peer_id"])
+    with pytest.raises(BadMessage, match="not the sender"):
+        check(msg, "peer0000000000000002")
 
-    with pytest.raises(ValueError, match="body"):
-        ViewPacket(kind="view_join", body=bytes(MAX_VIEW_BODY_BYTES + 1))
-    with pytest.raises(ValueError, match="kind"):
-        ViewPacket(kind="v" * 33, body=b"")
-    # the largest honest body fits: a shuffle of 32 entries of maximal IDs and addresses, and its origin
-    big = Entry("p" * 256, tuple("a" * 262 for _ in range(4)))
-    assert len(encode(Shuffle(big, 16, (big,) * MAX_ENTRIES, 1 << 16))) <= MAX_VIEW_BODY_BYTES
+
+def test_the_largest_view_message_fits_a_sessions_burst():
+    """A message at every bound (a shuffle of 32 entries of maximal IDs and addresses, and its origin) is
+    still one the per-session budget takes at once (its burst, 64 KiB), and far under a message's limit."""
+    from peer.membership.view_driver import VIEW_BYTES_PER_S
+    from peer.nat.splice import TokenBucket
+    from protocol.bounds import MAX_ADDRESS_CHARS, MAX_PEER_ID_CHARS
+
+    big = Entry("p" * MAX_PEER_ID_CHARS, tuple("a" * MAX_ADDRESS_CHARS for _ in range(4)))
+    size = wire_size(Shuffle(big, 16, (big,) * MAX_ENTRIES, 1 << 16))
+    assert size <= TokenBucket(VIEW_BYTES_PER_S, clock=lambda: 0.0).capacity
+    assert size < DEFAULT_LIMITS.max_message_bytes
 
 
 def test_an_entry_leaves_room_for_relayed_addresses():

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from peer.testing.netns import pid_alive
+from protocol.limits import MiB
 
-MIB = 1 << 20
 MIN_CAP_MIB = 16.0  # a Python interpreter needs ~10 MiB to start: a smaller cap only ever kills at once
 PREFIX = "peertrain-mem"  # cap directories are PREFIX-<our pid>-<index>, so leftovers name their owner
 CURRENT_SAMPLE_S = 0.2  # sampling of memory.current, where v2 has no memory.peak (kernels before 5.19)
@@ -229,7 +229,7 @@ class MemoryCaps:
         or OOM-kills, or on v1 may be refused with EBUSY)."""
         if mib < MIN_CAP_MIB:
             raise ValueError(f"memory cap {mib} MiB for index {i} is below {MIN_CAP_MIB} MiB")
-        limit = int(mib * MIB)
+        limit = int(mib * MiB)
         d = self.dirs[i]
         if self.support.v2:
             _write(d / "memory.max", str(limit))
@@ -266,7 +266,7 @@ class MemoryCaps:
         else:
             self._sample_once()
             peak = self._current_max.get(i)
-        return None if peak is None else peak / MIB
+        return None if peak is None else peak / MiB
 
     def oom_kills(self, i: int) -> int | None:
         """Processes the OOM killer killed in cap i (None where the kernel does not count them: v1 before 4.13)."""

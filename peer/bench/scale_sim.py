@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from peer.membership.view_messages import BadMessage, Entry, check, wire_size
+from peer.membership.view_messages import BadMessage, check, wire_size
 from peer.membership.views import EdgeUp, NeedContact, Send, ViewConfig, Views
 from peer.topology.graph import LinkEstimate
 from peer.topology.local_gap import GapConfig, GapEstimator
+from protocol.schema.views import Entry
 
 
 SESSION_IDLE_S = 30.0  # a session made for a view message (not an edge) is closed after this long unused

@@ -17,6 +17,7 @@ from typing import Any
 from peer.topology.mixing import metropolis_weight
 from peer.peer_curves import PEER_CURVE_POINTS
 from peer.training_curve import MAX_POINTS
+from protocol.schema.pipeline import MAX_STAGES
 
 SCHEMA = 1  # bumped when a key changes meaning; the page checks it
 # Rows of the peer table: the connected peers with the most traffic first; a screen shows no more.
@@ -26,9 +27,9 @@ MAX_PEER_ROWS = 32
 MAX_GRAPH_NODES = 64
 # Edges among the drawn nodes (64 nodes of degree 8 have 256).
 MAX_GRAPH_EDGES = 256
-# Peers listed per pipeline stage, past moves shown, bans listed, reachability addresses and relays shown.
+# Peers listed per pipeline stage, past moves shown, bans listed, reachability addresses and relays shown
+# (stages: as many as a pipeline may have, MAX_STAGES).
 MAX_STAGE_PEERS = 8
-MAX_STAGES = 64
 MAX_MOVES = 8
 MAX_BANS = 16
 MAX_ADDRESSES = 8

@@ -10,10 +10,10 @@ out of that round (an estimate, not an invariant). A daemon that starts mid-epoc
 At an epoch's end the reading goes to `Views.gap`, which the local rewiring rule reads
 (peer/topology/local_rewire.py). See docs/design.md, "Partial views".
 
-Round messages go only to neighbours we already have a session with (nothing is dialed for them), in a
-`ViewPacket` of kind `gap_round`, inside the same per-session byte budget as the views' messages. What a
-peer sends is bounded before the estimator reads it (`decode_round`: the schema's size, then
-`local_gap.check_round`); a message out of range closes the session with the reason.
+Round messages (`GapRound`, protocol/schema/views.py) go only to neighbours we already have a session with
+(nothing is dialed for them), inside the same per-session byte budget as the views' messages. What a peer
+sends is bounded before the estimator reads it (the schema, when the message is decoded, then
+`local_gap.check_round` against our config); a message out of range closes the session with the reason.
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
-import msgpack
 import trio
 
-from peer.membership.view_messages import BadMessage, encode
 from peer.session.transport import SessionClosed
-from peer.topology.local_gap import GapConfig, GapEstimator, GapRound, check_round
+from peer.topology.local_gap import GapConfig, GapEstimator
+from protocol.schema.views import GapRound, encoded_size
 
 if TYPE_CHECKING:
     import random
@@ -47,36 +46,12 @@ slot it belongs to, where the receiver ignores it."""
 def estimator_state_bytes(estimator: GapEstimator) -> int:
     """Bytes of what an estimator holds, serialized as the views' state is (`Views.state_bytes`): the figure
     the daemon's status and the simulator (peer/bench/scale.py) add to a peer's state."""
-    return len(encode(estimator.state_for_size()))
-
-
-def decode_round(body: bytes, cfg: GapConfig) -> GapRound:
-    """A neighbour's round message from a `ViewPacket` body, checked (BadMessage names what is wrong)."""
-    try:
-        obj = msgpack.unpackb(body, raw=False, use_list=False, strict_map_key=True, max_ext_len=0)
-    except Exception as e:  # msgpack raises a zoo of ValueError subclasses
-        raise BadMessage(f"gap_round: malformed body: {type(e).__name__}") from None
-    if type(obj) is not dict:
-        raise BadMessage("gap_round: body is not a map")
-    try:
-        epoch, rnd, degree, values, slope = (obj[k] for k in ("epoch", "round", "degree", "values", "slope"))
-    except KeyError as e:
-        raise BadMessage(f"gap_round: field {e.args[0]!r} missing") from None
-    if not (type(epoch) is int and type(rnd) is int and type(degree) is int and type(values) is tuple):
-        raise BadMessage("gap_round: epoch, round and degree must be integers and values an array")
-    if slope is not None and type(slope) is not float:
-        raise BadMessage("gap_round: slope must be a number or nil")
-    msg = GapRound(epoch, rnd, degree, values, slope)
-    try:
-        check_round(msg, cfg)
-    except ValueError as e:
-        raise BadMessage(str(e)) from None
-    return msg
+    return encoded_size(estimator.state_for_size())
 
 
 class GapDriver:
     """Runs the estimator for `views` (see the module docstring). `sessions()` gives the sessions we have,
-    by peer; `send(session, message)` writes one `gap_round` packet."""
+    by peer; `send(session, message)` writes one `GapRound`."""
 
     def __init__(self, cfg: GapConfig, views: Views, rng: random.Random, *,
                  sessions: Callable[[], Mapping[str, Session]],

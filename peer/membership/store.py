@@ -28,9 +28,10 @@ import msgpack
 
 from peer.home import atomic_write
 from protocol import identity as ident
+from protocol.bounds import MAX_ADDRESS_CHARS
 from protocol.limits import MiB
 from protocol.schema import PeerRecord, peer_record_signing_bytes
-from protocol.schema.session import MAX_ADDRESS_CHARS, MAX_RECORD_ADDRESSES
+from protocol.schema.session import MAX_RECORD_ADDRESSES
 
 log = logging.getLogger("peertrain.membership")
 

@@ -1,7 +1,7 @@
 """The daemon's driver of partial views: one `Views` (peer/membership/views.py) run with real sessions.
 
 Under `[membership] views = "partial"` membership owns a `ViewDriver`. It carries out what the rules
-return: a `Send` goes as a `ViewPacket` over the authenticated session with that peer, and without one the
+return: a `Send` goes as its message over the authenticated session with that peer, and without one the
 message waits (`outbox`, bounded) while the dialer reaches the entry's addresses (the dialer's limits and
 backoff: peer/membership/dialing.py; it dials nobody else); `EdgeUp`/`EdgeDown` go to the services that
 follow them (`FollowsViewEdges`, peer/services.py: the topology service sets the gossip neighbours the
@@ -17,9 +17,10 @@ grow with the swarm. It is membership's view mode under partial views (`ViewMode
 peer/membership/view_mode.py), and uses membership's public surface, never its peer table or dialer. See
 docs/design.md, "Partial views".
 
-Hostile peers: a packet is bounded by its schema (protocol/schema/views.py), then decoded and checked by
-`view_messages.decode`; one that breaks a bound closes its session with the reason, and so does a session
-that sends view messages faster than `VIEW_BYTES_PER_S` (a token bucket per session, the relay's).
+Hostile peers: a view message is decoded and bounded by its schema (protocol/schema/views.py) like any
+message, then its sender checked by `view_messages.check`; one that breaks either closes its session with
+the reason, and so does a session that sends view messages faster than `VIEW_BYTES_PER_S` (a token bucket
+per session, the relay's, that counts each message's encoded bytes).
 """
 
 from __future__ import annotations
@@ -32,17 +33,18 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from peer.membership.gap_driver import GapDriver, decode_round, estimator_state_bytes
+from peer.membership.gap_driver import GapDriver, estimator_state_bytes
 from peer.membership.reach import Reach
-from peer.membership.view_messages import (MAX_ENTRY_ADDRESSES, BadMessage, Entry, ViewMessage, decode, encode,
-                                           packet_size)
+from peer.membership.view_messages import BadMessage, check, framed_size
 from peer.membership.views import EdgeDown, EdgeUp, NeedContact, Send, ViewConfig, Views
 from peer.nat.addresses import format_hostport, parse_address
 from peer.nat.splice import TokenBucket
 from peer.session.transport import Session, SessionClosed
-from peer.topology.local_gap import GapConfig, GapRound
+from peer.topology.local_gap import GapConfig, check_round
 from protocol import identity as ident
-from protocol.schema.views import ViewPacket
+from protocol.addresses import MAX_ENTRY_ADDRESSES
+from protocol.bounds import MAX_ADDRESS_CHARS
+from protocol.schema.views import VIEW_MESSAGES, Entry, GapRound, ViewMessage
 
 if TYPE_CHECKING:
     from peer.membership.service import Membership
@@ -117,7 +119,9 @@ class ViewDriver:
         self._next_local_contact = 0.0
         self._started = trio.current_time()
         self._deferred_join: str | None = None  # a contact to join through once we have an address (_join)
-        m.router.register(ViewPacket, self._on_packet)
+        for cls in VIEW_MESSAGES:
+            m.router.register(cls, self._on_view_message)
+        m.router.register(GapRound, self._on_gap_round)
         m.watch(self._on_session)
 
     # ---- the view mode (ViewMode, peer/membership/view_mode.py) --------------------------------------
@@ -262,10 +266,9 @@ class ViewDriver:
             self._wake.set()
 
     async def _write(self, session: Session, msg: ViewMessage | GapRound) -> None:
-        body = encode(msg)
-        await session.send_message(ViewPacket(kind=msg.TYPE, body=body))
+        size = await session.send_message(msg)
         self.sent_messages += 1
-        self.sent_bytes += packet_size(msg.TYPE, body)
+        self.sent_bytes += framed_size(size)
 
     def _join(self, contact: str, now: float) -> None:
         """Join through `contact`, once our entry names an address to reach us at: a peer behind NAT has none
@@ -329,30 +332,45 @@ class ViewDriver:
             self._join(peer, now)
             self._wake.set()
 
-    async def _on_packet(self, session: Session, env) -> None:
-        pkt: ViewPacket = env.message
-        peer = session.peer_id
-        bucket = self._buckets.get(peer)
+    async def _within_budget(self, session: Session, env) -> bool:
+        """Take a message's encoded bytes from its session's budget; a session over it is closed (False)."""
+        bucket = self._buckets.get(session.peer_id)
         if bucket is None:
-            bucket = self._buckets[peer] = TokenBucket(VIEW_BYTES_PER_S)
-        if not bucket.try_take(len(pkt.body)):
-            reason = f"view messages faster than {VIEW_BYTES_PER_S} bytes/s"
-            log.warning("closing session with %s: %s", session.short, reason)
-            await session.aclose(reason)
+            bucket = self._buckets[session.peer_id] = TokenBucket(VIEW_BYTES_PER_S)
+        if bucket.try_take(env.size):
+            return True
+        reason = f"view messages faster than {VIEW_BYTES_PER_S} bytes/s"
+        log.warning("closing session with %s: %s", session.short, reason)
+        await session.aclose(reason)
+        return False
+
+    async def _bad(self, session: Session, e: ValueError) -> None:
+        log.warning("closing session with %s: bad view message: %s", session.short, e)
+        await session.aclose(f"bad view message: {e}")
+
+    async def _on_view_message(self, session: Session, env) -> None:
+        if not await self._within_budget(session, env):
             return
+        msg, peer = env.message, session.peer_id
         try:
-            if pkt.kind == GapRound.TYPE and self.gap is not None:
-                self.gap.receive(peer, decode_round(pkt.body, self.gap.cfg))
-                return
-            msg = decode(pkt.kind, pkt.body, peer)
+            check(msg, peer)
         except BadMessage as e:
-            log.warning("closing session with %s: bad view message: %s", session.short, e)
-            await session.aclose(f"bad view message: {e}")
+            await self._bad(session, e)
             return
         self.received_messages += 1
-        self.received_bytes += packet_size(pkt.kind, pkt.body)
+        self.received_bytes += framed_size(env.size)
         self._apply(self.views.handle(peer, msg, trio.current_time()))
         self._wake.set()  # its timers may have moved closer
+
+    async def _on_gap_round(self, session: Session, env) -> None:
+        if not await self._within_budget(session, env) or self.gap is None:
+            return  # not estimating: a neighbour that is gets no answer, and its rounds leave us out
+        try:
+            check_round(env.message, self.gap.cfg)
+        except ValueError as e:
+            await self._bad(session, e)
+            return
+        self.gap.receive(session.peer_id, env.message)
 
     # ---- housekeeping -------------------------------------------------------------------------------
     def _housekeeping(self, now: float) -> None:
@@ -418,6 +436,8 @@ RELAYED_IN_ENTRY = 2  # a peer holds `[nat] relays` (2) reservations: both, so o
 
 def _entry_addresses(direct: list[str], relayed: list[str]) -> tuple[str, ...]:
     """At most MAX_ENTRY_ADDRESSES: the direct ones, leaving room for up to RELAYED_IN_ENTRY relayed ones."""
+    direct = [a for a in direct if len(a) <= MAX_ADDRESS_CHARS]  # an entry refuses longer ones (its schema)
+    relayed = [a for a in relayed if len(a) <= MAX_ADDRESS_CHARS]
     room = MAX_ENTRY_ADDRESSES - min(len(relayed), RELAYED_IN_ENTRY)
     return tuple(direct[:room] + relayed[:MAX_ENTRY_ADDRESSES - len(direct[:room])])
 

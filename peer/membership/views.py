@@ -8,7 +8,7 @@ moves that keep degrees as they are, so the graph stays a random regular one (an
 any), and the rewiring rule (peer/topology/local_rewire.py) picks which edges to move for bandwidth and
 mixing. See docs/design.md, "Partial views".
 
-How edges change (messages in peer/membership/view_messages.py):
+How edges change (messages in protocol/schema/views.py):
 
   * join -- a newcomer n asks a contact, which answers with a sample of its views and sends
     ceil(target / 2) random walks; each walk's last peer c introduces itself (`WalkEnd`), and n asks it
@@ -35,7 +35,8 @@ the actions each returns: `Send` a message (dialing the entry's addresses if the
 (`set_link`) and what the gap estimator read (`gap`). It reads no clock and does no I/O: `now` comes with every call (seconds, any
 monotonic origin).
 
-Hostile peers: every message is bounded by `view_messages.check` before it is handled; what a peer can
+Hostile peers: every message is bounded by its schema (protocol/schema/views.py) when it is decoded, and
+`view_messages.check` refuses one whose entry is not its sender, before it is handled; what a peer can
 make a `Views` hold is bounded (views, leads, pending requests, backoffs, seekers); an unsolicited reply
 changes nothing; a split is granted at most once per `split_cooldown`. What a `Views` cannot stop on its
 own, the daemon must: a peer sending requests at a high rate (per-session rate limits), and a peer
@@ -50,12 +51,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Union
 
-from peer.membership.view_messages import (
-    MAX_ENTRIES, Disconnect, Entry, Join, JoinReply, JoinWalk, NeighbourReply, NeighbourRequest, Seek, Shuffle,
-    ShuffleReply, Status, SwapReply, SwapRequest, ViewMessage, WalkEnd, encode)
 from peer.topology.graph import LinkEstimate
 from peer.topology.local_gap import GapReading
 from peer.topology.local_rewire import LocalRewireConfig, NeighbourFacts, plan_local_move, slower_half
+from protocol.schema.views import (MAX_ENTRIES, MAX_WALK, Disconnect, Entry, Join, JoinReply, JoinWalk, NeighbourReply,
+                                   NeighbourRequest, Seek, Shuffle, ShuffleReply, Status, SwapReply, SwapRequest,
+                                   ViewMessage, WalkEnd, encoded_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,8 +109,8 @@ class ViewConfig:
                              f"{MAX_ENTRIES}, got {self.min_degree}, {self.target_degree}, {self.max_degree}")
         if not 1 <= self.passive_size <= 1024:
             raise ValueError(f"passive_size must be in 1..1024, got {self.passive_size}")
-        if not 0 <= self.passive_walk <= self.walk_length <= 16:
-            raise ValueError(f"need 0 <= passive_walk <= walk_length <= 16, got {self.passive_walk}, "
+        if not 0 <= self.passive_walk <= self.walk_length <= MAX_WALK:
+            raise ValueError(f"need 0 <= passive_walk <= walk_length <= {MAX_WALK}, got {self.passive_walk}, "
                              f"{self.walk_length}")
         if self.shuffle_active + self.shuffle_passive + 1 > MAX_ENTRIES or self.join_sample > MAX_ENTRIES:
             raise ValueError(f"a shuffle or join sample carries at most {MAX_ENTRIES} entries")
@@ -278,7 +279,7 @@ class Views:
             [self._shuffle_until, self._next_seek, self._over_since, self._next_contact, self._next_shuffle,
              self._next_rewire, self._status_due, self._next_retry, self._split_ready], self.moves,
         ]
-        return len(encode(state))
+        return encoded_size(state)
 
     # ---- events ---------------------------------------------------------------------------------------
     def join(self, contact: Entry, now: float) -> list[Action]:

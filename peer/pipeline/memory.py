@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-MiB = 1 << 20
+from protocol.limits import MiB
 AUTO_MARGIN = 0.10
 """Of an automatic budget, the share left unplanned: the stage's memory is an estimate from shapes, and the
 kernel, the page cache and other processes need room too."""

@@ -28,7 +28,7 @@ from peer.pipeline.kept import SWEEP_S
 from peer.pipeline.server import ServedStage, StageHandler, StageServer
 from peer.pipeline.state import FetchedState, KeptCopy, SpecCheck, StageStates, StateUnavailable
 from peer.services import RecordFields
-from protocol.schema.session import MAX_ADDRESS_CHARS
+from protocol.bounds import MAX_ADDRESS_CHARS
 from protocol.schema.pipeline import (MAX_BLOCKS, MAX_MEMORY_MIB, MAX_PROFILED_BLOCKS, MAX_QUEUE, MAX_SAMPLES_PER_S,
                                       MAX_STEP, BlockProfile, StageAck, StageAnnouncement, StageCall,
                                       StageStateRequest)

@@ -197,14 +197,16 @@ class Session:
             self._unsent = bytes(view)
             raise
 
-    async def send_message(self, message: Any, *, rid: int = 0, reply_to: int = 0, sent: trio.Event | None = None) -> None:
-        """Send one message; `sent` is set once it is written (a group's tensors wait for the message
-        that announces them: the receiver allocates only for streams it was told of)."""
+    async def send_message(self, message: Any, *, rid: int = 0, reply_to: int = 0, sent: trio.Event | None = None) -> int:
+        """Send one message and return its encoded bytes (what a budget of the receiver's counts: `Envelope.size`);
+        `sent` is set once it is written (a group's tensors wait for the message that announces them: the
+        receiver allocates only for streams it was told of)."""
         data = self.cfg.registry.encode(message, rid=rid, reply_to=reply_to)
         await self._send_frame(KIND_MESSAGE, 0, data)
         self.stats.messages_out += 1
         if sent is not None:
             sent.set()
+        return len(data)
 
     def new_request_id(self) -> int:
         """A request id for `request(rid=...)`, for a caller that must name the request later (say, to

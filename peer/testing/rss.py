@@ -18,11 +18,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from protocol.limits import KiB, MiB
+
 SAMPLE_INTERVAL_S = 0.2  # five reads a second per pid: a few microseconds each, fine enough for allocation phases
 MIN_INTERVAL_S = 0.01  # below this the thread would mostly compete with the processes it measures
 MAX_INTERVAL_S = 5.0  # above this a short-lived process could come and go unseen
 STOP_TIMEOUT_S = 5.0  # the thread wakes at least every interval, so joining it takes one interval at most
-KIB_PER_MIB = 1024  # /proc/PID/status counts in kB (KiB)
+KIB_PER_MIB = MiB // KiB  # /proc/PID/status counts in kB (KiB)
 
 
 @dataclass(frozen=True)

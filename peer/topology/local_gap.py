@@ -38,7 +38,8 @@ from functools import lru_cache
 
 import numpy as np
 
-MAX_VECTORS = 8  # values one round message may carry
+from protocol.schema.views import MAX_GAP_ROUNDS, MAX_GAP_VECTORS, MIN_GAP_SLOPE, GapRound
+
 _TINY = 1e-300  # log of an increment that is exactly zero (a peer whose neighbours all agree with it)
 
 
@@ -59,10 +60,10 @@ class GapConfig:
     """Round values held from distinct senders per round (the driver passes only neighbours' values)."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.vectors <= MAX_VECTORS:
-            raise ValueError(f"vectors must be in 1..{MAX_VECTORS}, got {self.vectors}")
-        if not 8 <= self.rounds <= 10_000:
-            raise ValueError(f"rounds must be in 8..10000, got {self.rounds}")
+        if not 1 <= self.vectors <= MAX_GAP_VECTORS:
+            raise ValueError(f"vectors must be in 1..{MAX_GAP_VECTORS}, got {self.vectors}")
+        if not 8 <= self.rounds <= MAX_GAP_ROUNDS:
+            raise ValueError(f"rounds must be in 8..{MAX_GAP_ROUNDS}, got {self.rounds}")
         if not (self.round_interval > 0 and self.epoch_interval >= self.rounds * self.round_interval):
             raise ValueError("need round_interval > 0 and epoch_interval >= rounds x round_interval, got "
                              f"{self.round_interval}, {self.epoch_interval}")
@@ -73,19 +74,6 @@ class GapConfig:
     def fit_from(self) -> int:
         """First round of the fitted window: the second half."""
         return self.rounds // 2
-
-
-@dataclass(frozen=True, slots=True)
-class GapRound:
-    """One round's values to a neighbour, with the sender's degree (the weight) and its current slope (its
-    estimate so far: neighbours average it in the last round)."""
-
-    TYPE = "gap_round"
-    epoch: int
-    round: int
-    degree: int
-    values: tuple[float, ...]
-    slope: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +92,12 @@ class GapReading:
 
 
 def check_round(msg: GapRound, cfg: GapConfig) -> None:
-    """Raise ValueError unless a peer's round message is in range (the session is then closed)."""
-    if not (0 <= msg.round < cfg.rounds and 0 <= msg.epoch < 1 << 62 and 0 <= msg.degree <= 1 << 16):
-        raise ValueError(f"gap round {msg.round} / epoch {msg.epoch} / degree {msg.degree} out of range")
-    if len(msg.values) != cfg.vectors or not all(isinstance(v, float) and math.isfinite(v) for v in msg.values):
-        raise ValueError(f"gap round needs {cfg.vectors} finite values")
-    if msg.slope is not None and not (math.isfinite(msg.slope) and -50.0 <= msg.slope <= 0.0):
-        raise ValueError(f"gap slope {msg.slope!r} out of range")
+    """Raise ValueError unless a peer's round message fits our config (the session is then closed): its
+    schema bounded every field (protocol/schema/views.py); this is what only our estimator knows."""
+    if msg.round >= cfg.rounds:
+        raise ValueError(f"gap round {msg.round} out of range (an epoch has {cfg.rounds})")
+    if len(msg.values) != cfg.vectors:
+        raise ValueError(f"gap round needs {cfg.vectors} finite values, got {len(msg.values)}")
 
 
 @lru_cache(maxsize=256)  # pure: a few degrees per run
@@ -209,7 +196,7 @@ class GapEstimator:
             f[4] += t * y
             if f[0] >= 3:
                 den = f[0] * f[2] - f[1] * f[1]
-                self._slope = min(max((f[0] * f[4] - f[1] * f[3]) / den, -50.0), 0.0) if den > 0 else None
+                self._slope = min(max((f[0] * f[4] - f[1] * f[3]) / den, MIN_GAP_SLOPE), 0.0) if den > 0 else None
         self.round += 1
         if not self.running:
             self._nbr_slopes = [m.slope for m in got if m.slope is not None]

@@ -56,7 +56,22 @@ from protocol.schema.topology import (
     TopologyRecords,
     topology_record_signing_bytes,
 )
-from protocol.schema.views import ViewPacket
+from protocol.schema.views import (
+    Disconnect,
+    GapRound,
+    Join,
+    JoinReply,
+    JoinWalk,
+    NeighbourReply,
+    NeighbourRequest,
+    Seek,
+    Shuffle,
+    ShuffleReply,
+    Status,
+    SwapReply,
+    SwapRequest,
+    WalkEnd,
+)
 
 __all__ = [
     "DEFAULT_REGISTRY",
@@ -77,7 +92,8 @@ __all__ = [
     "RelayConnectReply", "RelayIncoming", "RelayReservation", "RelayReserve",
     "BlockProfile", "StageAck", "StageAckReply", "StageAnnouncement", "StageCall", "StageCopy", "StageReply", "StageStateReply",
     "StageStateRequest",
-    "ViewPacket",
+    "Disconnect", "GapRound", "Join", "JoinReply", "JoinWalk", "NeighbourReply", "NeighbourRequest", "Seek", "Shuffle",
+    "ShuffleReply", "Status", "SwapReply", "SwapRequest", "WalkEnd",
 ]
 
 MESSAGES: tuple[type[Message], ...] = (
@@ -127,8 +143,21 @@ MESSAGES: tuple[type[Message], ...] = (
     RelayAck,
     PunchOffer,
     PunchSync,
-    # partial-view plane (peer/membership/views.py)
-    ViewPacket,
+    # partial-view plane (peer/membership/views.py) and its gap estimate (peer/topology/local_gap.py)
+    Join,
+    JoinReply,
+    JoinWalk,
+    WalkEnd,
+    Seek,
+    NeighbourRequest,
+    NeighbourReply,
+    SwapRequest,
+    SwapReply,
+    Disconnect,
+    Shuffle,
+    ShuffleReply,
+    Status,
+    GapRound,
 )
 
 DEFAULT_REGISTRY = Registry(MESSAGES)

@@ -21,9 +21,8 @@ import sys
 from dataclasses import dataclass
 
 from protocol.messages import Message
-from protocol.refusal import MAX_REASON_CHARS, Code, Refusal
+from protocol.refusal import MAX_CODE_CHARS, MAX_REASON_CHARS, Code, Refusal
 
-MAX_CODE_CHARS = 64  # a refusal code is one short word (protocol/refusal.py's are under 20 characters)
 NO_RADIUS = -1.0  # what a peer on version 2 (which announces none) reads as: refused, never guessed
 NO_BOUND = sys.float_info.max  # a radius that bounds nothing ("none from my side"): the wire carries no inf
 

@@ -25,17 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.messages import Message
-from protocol.refusal import MAX_REASON_CHARS, Code, Refusal
-from protocol.schema.session import MAX_ADDRESS_CHARS, MAX_NAME_CHARS
+from protocol.bounds import MAX_ADDRESS_CHARS, MAX_PEER_ID_CHARS
+from protocol.refusal import MAX_CODE_CHARS, MAX_REASON_CHARS, Code, Refusal
 
 __all__ = ["DialBackRequest", "DialBackResult", "DialBackReply", "RelayReserve", "RelayReservation",
            "RelayConnect", "RelayConnectReply", "RelayIncoming", "RelayAck", "PunchOffer", "PunchSync",
-           "MAX_CODE_CHARS", "MAX_DIALBACK_ADDRESSES", "NOT_TRIED", "TOKEN_BYTES"]
+           "MAX_DIALBACK_ADDRESSES", "NOT_TRIED", "TOKEN_BYTES"]
 
 MAX_DIALBACK_ADDRESSES = 4
 """Addresses one dial-back request may name: a daemon advertises a few; each costs the asked peer a dial."""
-MAX_CODE_CHARS = 32
-"""Characters of a refusal code in a reply: an identifier (protocol/refusal.py's have at most 14)."""
 NOT_TRIED = "not tried: "
 """How a dial-back result that was not tried starts its reason: for people, and for peers older than codes,
 which read it by this alone."""
@@ -66,8 +64,8 @@ def _read_refusal(ok: bool, code: str, reason: str) -> Refusal | None:
 
 
 def _check_peer(peer_id: str, what: str) -> None:
-    if not 0 < len(peer_id) <= MAX_NAME_CHARS:
-        raise ValueError(f"{what}: a peer ID of 1..{MAX_NAME_CHARS} characters, got {len(peer_id)}")
+    if not 0 < len(peer_id) <= MAX_PEER_ID_CHARS:
+        raise ValueError(f"{what}: a peer ID of 1..{MAX_PEER_ID_CHARS} characters, got {len(peer_id)}")
 
 
 def _check_token(token: bytes) -> None:

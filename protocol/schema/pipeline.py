@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from protocol.addresses import MAX_ENTRY_ADDRESSES, parse_address, parse_relayed
 from protocol.schema.gossip import TensorSpec
-from protocol.schema.session import MAX_ADDRESS_CHARS
+from protocol.bounds import MAX_ADDRESS_CHARS
 
 from protocol.message_fields import U64
 from protocol.messages import Message

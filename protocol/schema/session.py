@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-from protocol.identity import KEY_SIZE
+from protocol.bounds import MAX_ADDRESS_CHARS, MAX_PEER_ID_CHARS
+from protocol.identity import KEY_SIZE, SIGNATURE_SIZE
 from protocol.messages import Message
 from protocol.refusal import Refusal
 
@@ -19,13 +20,10 @@ MAX_RECORD_ADDRESSES = 16
 """Addresses in one peer record: a host has a few interfaces, each maybe with IPv4 and IPv6; a daemon
 advertises at most 8 (`peer.membership.peers.MAX_ADDRESSES`), so 16 leaves room and refuses the
 90,000-address records that once froze address merging."""
-MAX_ADDRESS_CHARS = 262
-"""Characters of one "host:port" address: a DNS name's 255, a colon and a port."""
 MAX_PEERS_PER_EXCHANGE = 256
 """Records in one PeerExchange message (a sender forwards at most 256)."""
-MAX_NAME_CHARS = 256
-"""Characters of a peer ID or swarm name in a peer record (peer IDs have 20)."""
-SIGNATURE_BYTES = 64  # Ed25519 (empty while a record is being built, before it is signed)
+MAX_SWARM_CHARS = 256
+"""Characters of a swarm name in a peer record (a config's `swarm`, any name its operator picked)."""
 
 __all__ = [
     "ErrorReply",
@@ -74,12 +72,15 @@ class PeerRecord(Message):
     signature: bytes
 
     def __post_init__(self) -> None:
-        if not 0 < len(self.peer_id) <= MAX_NAME_CHARS or len(self.swarm) > MAX_NAME_CHARS:
-            raise ValueError(f"peer_id and swarm must have at most {MAX_NAME_CHARS} characters")
+        if not 0 < len(self.peer_id) <= MAX_PEER_ID_CHARS:
+            raise ValueError(f"peer_id must have 1..{MAX_PEER_ID_CHARS} characters, got {len(self.peer_id)}")
+        if len(self.swarm) > MAX_SWARM_CHARS:
+            raise ValueError(f"swarm must have at most {MAX_SWARM_CHARS} characters, got {len(self.swarm)}")
         if len(self.public_key) != KEY_SIZE:
             raise ValueError(f"public_key must have {KEY_SIZE} bytes, got {len(self.public_key)}")
-        if len(self.signature) > SIGNATURE_BYTES:
-            raise ValueError(f"signature must have at most {SIGNATURE_BYTES} bytes, got {len(self.signature)}")
+        # empty while a record is being built, before it is signed
+        if len(self.signature) > SIGNATURE_SIZE:
+            raise ValueError(f"signature must have at most {SIGNATURE_SIZE} bytes, got {len(self.signature)}")
         if len(self.addresses) > MAX_RECORD_ADDRESSES:
             raise ValueError(f"{len(self.addresses)} addresses (at most {MAX_RECORD_ADDRESSES})")
         if any(isinstance(a, str) and len(a) > MAX_ADDRESS_CHARS for a in self.addresses):

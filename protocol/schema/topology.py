@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from protocol.identity import KEY_SIZE
+from protocol.bounds import MAX_PEER_ID_CHARS
+from protocol.identity import KEY_SIZE, SIGNATURE_SIZE
 from protocol.messages import Message
 from protocol.schema.pipeline import StageAnnouncement
 from protocol.schema.training import TrainingFigures, training_figures_signing_list
@@ -19,8 +20,6 @@ from protocol.schema.training import TrainingFigures, training_figures_signing_l
 # Bounds on what one record may say. They are checked when a message is decoded (a record that breaks one
 # closes the sending session: an honest peer only sends and forwards records that passed them), and they
 # bound one record's wire size to ~12 KiB, so a batch of records can always be split into messages.
-MAX_ID_CHARS = 64
-"""Characters of a peer ID in a record (real IDs have `protocol.identity.PEER_ID_LENGTH` = 20)."""
 MAX_RECORD_NEIGHBOURS = 64
 """Neighbours one record lists: eight times `[topology] max_degree`'s default of 8."""
 MAX_RECORD_LINKS = 128
@@ -35,12 +34,11 @@ MAX_GROUP_CHARS = 64
 """Characters of a group name in a record: 16 of them add at most ~1 KiB to a record."""
 MAX_RECORDS_PER_MESSAGE = 512
 """Records in one TopologyRecords message, the size of a receiver's view (`peer.topology.records`)."""
-SIGNATURE_BYTES = 64  # Ed25519 (empty while a record is being built, before it is signed)
 
 
 def _check_id(what: str, value: str) -> None:
-    if not 0 < len(value) <= MAX_ID_CHARS:
-        raise ValueError(f"{what} must have 1..{MAX_ID_CHARS} characters, got {len(value)}")
+    if not 0 < len(value) <= MAX_PEER_ID_CHARS:
+        raise ValueError(f"{what} must have 1..{MAX_PEER_ID_CHARS} characters, got {len(value)}")
 
 __all__ = ["LinkReport", "TopologyRecord", "TopologyRecords", "EdgePropose", "EdgeAccept", "EdgeReject",
            "EdgeCommit", "EdgeDrop", "ProbeRequest", "ProbeReply", "topology_record_signing_bytes"]
@@ -85,8 +83,8 @@ class TopologyRecord(Message):
         _check_id("peer_id", self.peer_id)
         if len(self.public_key) != KEY_SIZE:
             raise ValueError(f"public_key must have {KEY_SIZE} bytes, got {len(self.public_key)}")
-        if len(self.signature) > SIGNATURE_BYTES:
-            raise ValueError(f"signature must have at most {SIGNATURE_BYTES} bytes, got {len(self.signature)}")
+        if len(self.signature) > SIGNATURE_SIZE:  # empty while a record is being built, before it is signed
+            raise ValueError(f"signature must have at most {SIGNATURE_SIZE} bytes, got {len(self.signature)}")
         if self.version < 0:
             raise ValueError(f"version must be >= 0, got {self.version}")
         if len(self.neighbours) > MAX_RECORD_NEIGHBOURS:

@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 # The daemon's (peer/pipeline/memory.py), re-exported: a GPU's budget keeps the host's margin, figures their unit.
-from peer.pipeline.memory import AUTO_MARGIN as AUTO_MARGIN, MiB as MiB, mib as mib
+from peer.pipeline.memory import AUTO_MARGIN as AUTO_MARGIN, mib as mib
+from protocol.limits import MiB as MiB
 OPTIMIZER_SLOTS = {"adam": 2, "sgd": 1}  # per-parameter state tensors each optimizer keeps (trainers/baseline.py)
 HELD_GRADIENTS = 2
 """Parameter-gradient copies a stage is planned to keep aside at once when the caller does not say: a trainer
@@ -77,7 +78,7 @@ def fits(need_bytes: int, budget_bytes: int, baseline_bytes: int) -> bool:
     return budget_bytes <= 0 or baseline_bytes + need_bytes <= budget_bytes
 
 
-MMAP_THRESHOLD = 1 << 20
+MMAP_THRESHOLD = 1 * MiB
 """Allocations of this many bytes or more get their own mapping, returned to the system when freed. glibc raises
 its threshold as large blocks are freed and keeps freed memory in one arena per thread; a stage computed by a
 pool of threads then held up to 7.1 x its parameter bytes where one thread held 5.1 x, and 4.4 x with the
@@ -98,4 +99,4 @@ def fix_allocator() -> str:
             return "the allocator's mmap threshold is left as it is (not glibc)"
     except OSError:
         return "the allocator's mmap threshold is left as it is (no C library found)"
-    return f"allocations of {MMAP_THRESHOLD >> 20} MiB or more are mapped and returned to the system when freed"
+    return f"allocations of {MMAP_THRESHOLD // MiB} MiB or more are mapped and returned to the system when freed"
