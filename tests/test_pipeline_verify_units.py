@@ -189,6 +189,17 @@ def test_which_calls_are_drawn_for_a_check():
 
 # ---- a driver's checks over in-process servers -----------------------------------------------------------------
 
+@pytest.fixture(autouse=True)
+def compute_inline(monkeypatch):
+    """The servers compute in the trio thread, not in a worker thread: under `MockClock(autojump_threshold=0)`
+    a call waiting on a thread leaves the run loop idle, so the clock jumps to the next deadline (the call's
+    timeout) while the thread computes, and the run spins the loop against the thread for the GIL. How long a
+    thread took then decided whether calls timed out: 1 s alone, 25-300 s inside the unit tier (2026-11-28)."""
+    async def run_sync(fn, *args, **kwargs):
+        return fn(*args)
+    monkeypatch.setattr(trio.to_thread, "run_sync", run_sync)
+
+
 class Stage:
     """A stage handler that multiplies by its weight: forward x -> x w; backward g -> g w (the input's gradient),
     its parameter gradient held; loss: mean(x w), gradient w. A liar multiplies its answers by `lie`."""
