@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.messages import Message
-from protocol.bounds import MAX_ADDRESS_CHARS, MAX_PEER_ID_CHARS
+from protocol.bounds import MAX_ADDRESS_CHARS, check_peer_id
 from protocol.refusal import MAX_CODE_CHARS, MAX_REASON_CHARS, Code, Refusal
 
 __all__ = ["DialBackRequest", "DialBackResult", "DialBackReply", "RelayReserve", "RelayReservation",
@@ -61,11 +61,6 @@ def _check_refusal(ok: bool, code: str, reason: str) -> None:
 
 def _read_refusal(ok: bool, code: str, reason: str) -> Refusal | None:
     return None if ok else Refusal.from_wire(code, reason)
-
-
-def _check_peer(peer_id: str, what: str) -> None:
-    if not 0 < len(peer_id) <= MAX_PEER_ID_CHARS:
-        raise ValueError(f"{what}: a peer ID of 1..{MAX_PEER_ID_CHARS} characters, got {len(peer_id)}")
 
 
 def _check_token(token: bytes) -> None:
@@ -161,7 +156,7 @@ class RelayConnect(Message):
     target: str
 
     def __post_init__(self) -> None:
-        _check_peer(self.target, "target")
+        check_peer_id("target", self.target)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +191,7 @@ class RelayIncoming(Message):
     token: bytes
 
     def __post_init__(self) -> None:
-        _check_peer(self.source, "source")
+        check_peer_id("source", self.source)
         _check_token(self.token)
 
 

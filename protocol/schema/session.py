@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from protocol.bounds import MAX_ADDRESS_CHARS, MAX_PEER_ID_CHARS
+from protocol.bounds import MAX_ADDRESS_CHARS, check_peer_id
 from protocol.identity import KEY_SIZE, SIGNATURE_SIZE
 from protocol.messages import Message
 from protocol.refusal import Refusal
@@ -72,8 +72,7 @@ class PeerRecord(Message):
     signature: bytes
 
     def __post_init__(self) -> None:
-        if not 0 < len(self.peer_id) <= MAX_PEER_ID_CHARS:
-            raise ValueError(f"peer_id must have 1..{MAX_PEER_ID_CHARS} characters, got {len(self.peer_id)}")
+        check_peer_id("peer_id", self.peer_id)
         if len(self.swarm) > MAX_SWARM_CHARS:
             raise ValueError(f"swarm must have at most {MAX_SWARM_CHARS} characters, got {len(self.swarm)}")
         if len(self.public_key) != KEY_SIZE:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from protocol.bounds import MAX_PEER_ID_CHARS
+from protocol.bounds import check_peer_id
 from protocol.identity import KEY_SIZE, SIGNATURE_SIZE
 from protocol.messages import Message
 from protocol.schema.pipeline import StageAnnouncement
@@ -36,9 +36,6 @@ MAX_RECORDS_PER_MESSAGE = 512
 """Records in one TopologyRecords message, the size of a receiver's view (`peer.topology.records`)."""
 
 
-def _check_id(what: str, value: str) -> None:
-    if not 0 < len(value) <= MAX_PEER_ID_CHARS:
-        raise ValueError(f"{what} must have 1..{MAX_PEER_ID_CHARS} characters, got {len(value)}")
 
 __all__ = ["LinkReport", "TopologyRecord", "TopologyRecords", "EdgePropose", "EdgeAccept", "EdgeReject",
            "EdgeCommit", "EdgeDrop", "ProbeRequest", "ProbeReply", "topology_record_signing_bytes"]
@@ -53,7 +50,7 @@ class LinkReport:
     rtt_s: float | None = None
 
     def __post_init__(self) -> None:
-        _check_id("link peer", self.peer)
+        check_peer_id("link peer", self.peer)
         # (the decoder already refuses NaN and infinities)
         if self.bandwidth_bps is not None and not 0 < self.bandwidth_bps <= MAX_BANDWIDTH_BPS:
             raise ValueError(f"bandwidth_bps must be in (0, {MAX_BANDWIDTH_BPS:g}], got {self.bandwidth_bps!r}")
@@ -80,7 +77,7 @@ class TopologyRecord(Message):
     training: TrainingFigures | None = None  # the owner's latest training figures (protocol/schema/training.py)
 
     def __post_init__(self) -> None:
-        _check_id("peer_id", self.peer_id)
+        check_peer_id("peer_id", self.peer_id)
         if len(self.public_key) != KEY_SIZE:
             raise ValueError(f"public_key must have {KEY_SIZE} bytes, got {len(self.public_key)}")
         if len(self.signature) > SIGNATURE_SIZE:  # empty while a record is being built, before it is signed
@@ -92,7 +89,7 @@ class TopologyRecord(Message):
         if len(self.links) > MAX_RECORD_LINKS:
             raise ValueError(f"{len(self.links)} link reports (at most {MAX_RECORD_LINKS})")
         for n in self.neighbours:
-            _check_id("neighbour", n)
+            check_peer_id("neighbour", n)
         if len(self.groups) > MAX_RECORD_GROUPS:
             raise ValueError(f"{len(self.groups)} groups (at most {MAX_RECORD_GROUPS})")
         for g in self.groups:

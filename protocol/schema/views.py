@@ -18,7 +18,7 @@ from typing import Any, Union
 import msgpack
 
 from protocol.addresses import MAX_ENTRY_ADDRESSES
-from protocol.bounds import MAX_ADDRESS_CHARS, MAX_DEGREE, MAX_PEER_ID_CHARS
+from protocol.bounds import MAX_ADDRESS_CHARS, MAX_DEGREE, check_peer_id
 from protocol.messages import Message
 
 __all__ = ["Disconnect", "Entry", "GapRound", "Join", "JoinReply", "JoinWalk", "NeighbourReply", "NeighbourRequest",
@@ -34,11 +34,6 @@ MAX_GAP_VECTORS = 8  # values one round message may carry (`GapConfig.vectors`' 
 MIN_GAP_SLOPE = -50.0
 """The steepest slope an estimator reports (it clamps its fit to [MIN_GAP_SLOPE, 0]): exp(-50) is a
 contraction no graph of peers reaches in a round; a slope above 0 would be growth, which mixing never is."""
-
-
-def _check_peer_id(what: str, value: str) -> None:
-    if not 0 < len(value) <= MAX_PEER_ID_CHARS:
-        raise ValueError(f"{what}: a peer ID of 1..{MAX_PEER_ID_CHARS} characters, got {len(value)}")
 
 
 def _check_int(what: str, value: int, hi: int) -> None:
@@ -59,7 +54,7 @@ class Entry:
     addresses: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_peer_id("entry", self.peer_id)
+        check_peer_id("entry", self.peer_id)
         if len(self.addresses) > MAX_ENTRY_ADDRESSES:
             raise ValueError(f"entry: {len(self.addresses)} addresses, more than {MAX_ENTRY_ADDRESSES}")
         for a in self.addresses:
@@ -133,7 +128,7 @@ class NeighbourRequest(Message):
     def __post_init__(self) -> None:
         _check_int("degree", self.degree, MAX_DEGREE)
         if self.lost is not None:
-            _check_peer_id("lost", self.lost)
+            check_peer_id("lost", self.lost)
 
 
 @dataclass(frozen=True, slots=True)
