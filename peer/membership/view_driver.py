@@ -70,6 +70,10 @@ DEAD_KEPT_S = 10.0
 message, a flood); then, with no session and no message waiting, it is forgotten."""
 MAX_DEAD_KEPT = 64  # and at most this many such peers (the oldest go first): sessions can end fast
 CACHE_CONTACTS = 16
+CACHE_DIALS = 3
+"""Peers of the peer cache dialed at once when we join through it: some of an earlier run's peers are gone, and
+joining through one picked at random waited `retry_after` (30 s) after each dead pick; the first to answer gets
+the join (`_on_session`)."""
 """Peers of the peer cache (peer/membership/store.py: sessions of an earlier run, most recent first) kept as
 contacts to join through when no --join or mDNS peer is at hand; the rest are forgotten like any unused
 peer. A few suffice: any live member of the swarm lets us in."""
@@ -119,6 +123,7 @@ class ViewDriver:
         self._next_local_contact = 0.0
         self._started = trio.current_time()
         self._deferred_join: str | None = None  # a contact to join through once we have an address (_join)
+        self._cache_dials: set[str] = set()  # peer cache contacts being dialed: the first up gets our join
         for cls in VIEW_MESSAGES:
             m.router.register(cls, self._on_view_message)
         m.router.register(GapRound, self._on_gap_round)
@@ -129,7 +134,8 @@ class ViewDriver:
         pass  # partial views spread entries in their own messages, not records
 
     def wants_dial(self, peer_id: str) -> bool:
-        return peer_id in self.outbox or self.reach.wanted(peer_id)
+        return (peer_id in self.outbox or self.reach.wanted(peer_id)
+                or (self.contact_wanted and peer_id in self._cache_dials))
 
     def wants_contact(self) -> bool:
         return self.contact_wanted
@@ -303,16 +309,27 @@ class ViewDriver:
         now = trio.current_time()
         if not force and now < self._next_local_contact:
             return
+        known = self.m.known_peers()
         for source in ("mdns", "cache"):
-            found = [p for p, i in self.m.known_peers().items() if i.source == source and p not in self.views.active]
-            if found:
-                self._next_local_contact = now + self.cfg.retry_after
+            found = [p for p, i in known.items() if i.source == source and p not in self.views.active]
+            if not found:
+                continue
+            self._next_local_contact = now + self.cfg.retry_after
+            sessions = self.m.connected()
+            live = [p for p in found if p in sessions]
+            if source == "mdns" or live:
                 self.contact_wanted = False
                 # mDNS peers that start together all see much the same peers: joining through the same one
                 # (the smallest ID) keeps them from splitting into groups that joined through different ones
-                contact = min(found) if source == "mdns" else random.choice(found)
-                self._join(contact, now)
+                self._join(min(found) if source == "mdns" else random.choice(live), now)
                 return
+            # an earlier run's peers, some gone: dial a few (fewest failed dials, most recently seen first)
+            # and join through the first that answers
+            ranked = sorted(found, key=lambda p: (known[p].failures, -known[p].last_seen))
+            self._cache_dials = set(ranked[:CACHE_DIALS])
+            self.contact_wanted = True
+            self.m.dial_soon()
+            return
 
     # ---- events -------------------------------------------------------------------------------------
     def _on_session(self, peer: str, session: Session | None) -> None:
@@ -327,8 +344,9 @@ class ViewDriver:
             return
         self._lost.pop(peer, None)
         self._flush(peer, session)
-        if self.contact_wanted and session.initiator and peer in self.m.bootstrap_ids():
+        if self.contact_wanted and session.initiator and (peer in self.m.bootstrap_ids() or peer in self._cache_dials):
             self.contact_wanted = False
+            self._cache_dials.clear()
             self._join(peer, now)
             self._wake.set()
 
