@@ -30,6 +30,8 @@ from hypothesis import HealthCheck, settings
 from peer.testing import pace
 from peer.testing.swarm import TEST_VIEWS_ENV, LocalSwarm
 
+pytest_plugins = ["tests.cpu_budget"]  # CPU seconds by test, when PEERTRAIN_TEST_CPU names a folder
+
 TESTS = Path(__file__).resolve().parent
 
 # The unit tier, by module: each is pure (the protocol, codecs, config, topology maths, exchange state

@@ -121,17 +121,21 @@ def test_a_stage_emptied_by_kill_is_taken_over_and_training_resumes(cluster):
     stage-0 peer takes stage 2 over from the freshest copy (peers back up the next stage every `copy_every`
     seconds, in memory where it fits), the drivers' waiting ends, stage 2 steps again, and every surviving driver
     finishes with nothing lost."""
-    n, samples = 5, 4000  # ~20 s of driving at this size: time to kill mid-run with a copy kept
+    # ~200 samples/s a driver here: a copy is kept within a second (copy_every 1 s) and the kill lands before
+    # AFTER_KILL samples are left, so stage 2 must step again for the drivers to finish (4,000 samples a driver,
+    # 20 s of driving and most of it after the takeover, cost 150 s on a loaded CI machine)
+    n, samples, after_kill = 5, 1600, 600
     swarm = unique_swarm("rb")
     stages = [0, 0, 1, 2, 3]
-    ds = [cluster.start(f"node{i + 1}", config=config(swarm, initial_stage=s, samples=samples, rebalance_every=600.0),
+    ds = [cluster.start(f"node{i + 1}", config=config(swarm, initial_stage=s, samples=samples, rebalance_every=600.0,
+                                                      copy_every=1.0),
                         env=rank_env(i, n)) for i, s in enumerate(stages)]
     sts: list = [None] * n
 
     def mid_run() -> bool:
         sts[:] = cluster.statuses()
         copies = [c for s in sts for c in (pipe(s).get("state_transfers") or {}).get("copies", []) if c["stage"] == 2]
-        return all(s and 160 <= (trainer(s).get("samples") or 0) < samples // 2 for s in sts) and bool(copies)
+        return all(s and 160 <= (trainer(s).get("samples") or 0) < samples - after_kill for s in sts) and bool(copies)
     cluster.wait(lambda _: mid_run(), timeout=START_S, what="every daemon driving and a copy of stage 2 kept",
                  interval=0.3)
     for d, s in zip(ds, sts):  # this tiny stage's copy fits the room beside all its stage may hold: kept in memory,
