@@ -210,6 +210,27 @@ def test_the_ban_list_keeps_a_bounded_number_of_peers(monkeypatch):
     assert len(b._peers) == 5
 
 
+def test_strikes_from_many_fresh_keys_never_lift_a_live_ban(monkeypatch):
+    """The flush (issue 40): a full table used to drop its stalest record of any kind, so MAX_TRACKED strikes from
+    fresh keys lifted a ban in force. Records without a live ban go first; a table of live bans keeps them."""
+    monkeypatch.setattr(bans_mod, "MAX_TRACKED", 8)
+    b = BanList()
+    for t in (0.0, 1.0, 2.0):
+        b.strike("liar", "clipped", t)
+    assert b.banned("liar", 3.0)
+    for i in range(1000):  # sybils, one strike each: each pushes out another sybil, never the ban
+        b.strike(f"sybil{i}", "lapsed", 3.0)
+    assert b.banned("liar", 4.0) and len(b._peers) == 8
+    for i in range(7):  # seven more bans fill the table with live bans, the liar's the oldest
+        for t in (5.0, 6.0, 7.0):
+            b.strike(f"banned{i}", "x", t)
+    b.strike("late", "x", 8.0)  # a table of live bans keeps them; the newcomer goes untracked
+    assert len(b._peers) == 8 and b.banned("liar", 9.0) and "late" not in b._peers
+    assert b.banned("liar", 3.0 + bans_mod.FIRST_BAN_S) is None  # bans still expire, and then go first
+    b.strike("later", "x", 3.0 + bans_mod.FIRST_BAN_S)
+    assert "liar" not in b._peers and "later" in b._peers
+
+
 # ---- two engines in one process over a real session ----------------------------------------------
 
 @pytest.mark.process

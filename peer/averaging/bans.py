@@ -18,6 +18,9 @@ STRIKE_WINDOW_S = 600.0  # 10 min: long enough that a lapse every hold period (s
 FIRST_BAN_S = 60.0  # a minute: a few exchange rounds without that peer cost an honest swarm little
 MAX_BAN_S = 86_400.0  # a day: past this a peer that keeps misbehaving is better dropped by its operator
 MAX_TRACKED = 1024  # peers with strikes or bans kept: only neighbours exchange with us, far fewer than this
+# When full, a record without a ban in force goes first (the stalest): strikes from fresh keys are free to make,
+# and if they pushed out the oldest record of any kind, 1,024 of them lifted a live ban. Only a table of live bans
+# gives one up, the one that ends soonest.
 
 
 @dataclass
@@ -29,7 +32,8 @@ class _Record:
 
 
 class BanList:
-    """Strikes and bans with expiry, per peer, bounded to `MAX_TRACKED` peers (the stalest dropped first)."""
+    """Strikes and bans with expiry, per peer, bounded to `MAX_TRACKED` peers (the stalest without a ban in
+    force dropped first)."""
 
     def __init__(self) -> None:
         self._peers: OrderedDict[str, _Record] = OrderedDict()
@@ -38,8 +42,11 @@ class BanList:
         """Count a strike; True if it bans the peer now."""
         rec = self._peers.pop(peer_id, None) or _Record()
         self._peers[peer_id] = rec  # most recently touched last
-        while len(self._peers) > MAX_TRACKED:
-            self._peers.popitem(last=False)
+        if len(self._peers) > MAX_TRACKED:
+            self._evict(now)
+        rec = self._peers.get(peer_id)
+        if rec is None:  # a table of live bans keeps them, and this striker goes untracked
+            return False
         rec.strikes = [t for t in rec.strikes if now - t < STRIKE_WINDOW_S] + [now]
         if len(rec.strikes) < BAN_AFTER or now < rec.until:
             return False
@@ -48,6 +55,13 @@ class BanList:
         rec.strikes = []
         rec.reason = f"{reason} ({BAN_AFTER} times within {STRIKE_WINDOW_S:.0f}s)"
         return True
+
+    def _evict(self, now: float) -> None:
+        unbanned = next((p for p, r in self._peers.items() if now >= r.until), None)
+        if unbanned is not None:
+            del self._peers[unbanned]
+        else:
+            del self._peers[min(self._peers, key=lambda p: self._peers[p].until)]
 
     def banned(self, peer_id: str, now: float) -> str | None:
         """Why `peer_id` is banned now, or None."""
