@@ -209,6 +209,24 @@ def test_a_token_is_required_by_header_or_query_and_a_wrong_one_is_refused():
     trio.run(main)
 
 
+def test_a_tokenless_dashboard_answers_only_a_host_that_is_an_address_or_localhost():
+    """DNS rebinding: a page of evil.example whose name was made to resolve to 127.0.0.1 sends Host:
+    evil.example, and the browser would let that page read the answer. A token closes it anyway."""
+    async def main():
+        s = HttpServer({"/api/status": fixed(lambda: b"{}", "application/json")}, literal_hosts=True)
+        for host in ("127.0.0.1:8787", "localhost:8787", "LOCALHOST", "[::1]:8787", "10.0.0.7"):
+            got = await _exchange(s, f"GET /api/status HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            assert got.startswith(b"HTTP/1.0 200 "), host
+        assert (await _exchange(s, b"GET /api/status HTTP/1.0\r\n\r\n")).startswith(b"HTTP/1.0 200 ")  # no Host
+        for host in ("evil.example:8787", "evil.example", "127.0.0.1.evil.example", "localhost.evil.example:1"):
+            got = await _exchange(s, f"GET /api/status HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            assert got.startswith(b"HTTP/1.0 403 ") and not got.endswith(b"{}"), host
+        with_token = HttpServer({"/": fixed(lambda: b"ok", "text/plain")}, token=TOKEN, literal_hosts=True)
+        got = await _exchange(with_token, f"GET /?token={TOKEN} HTTP/1.1\r\nHost: dash.example\r\n\r\n".encode())
+        assert got.endswith(b"ok")  # behind a token, a name is fine (a reverse proxy, a LAN name)
+    trio.run(main)
+
+
 def test_the_dashboard_routes_are_cut_like_metrics():
     async def main():
         s = _dashboard_like()

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from peer.metrics.collector import DaemonCollector
-from peer.metrics.http import MAX_CONNECTIONS, MAX_HEAD_BYTES, READ_DEADLINE_S, HttpServer, MetricsServer
+from peer.metrics.http import EVICT_AFTER_S, MAX_CONNECTIONS, MAX_HEAD_BYTES, READ_DEADLINE_S, HttpServer, MetricsServer
 from peer.testing.swarm import swarm_config
 from tests.daemons import rank_env, unique_swarm
 
@@ -188,13 +188,32 @@ def test_the_server_bounds_the_head_the_time_and_the_connections():
         assert trio.current_time() - t0 >= READ_DEADLINE_S
         # closed early: nothing to answer
         assert await _exchange(s, b"GET /met") == b""
-        # past MAX_CONNECTIONS at once: closed at once, unanswered
-        s.active = MAX_CONNECTIONS
-        assert await _exchange(s, b"GET /metrics HTTP/1.1\r\n\r\n") == b""
-        assert s.stats.refused == 1 and s.active == MAX_CONNECTIONS
-        s.active = 0
-        assert (await _exchange(s, b"GET /metrics HTTP/1.1\r\n\r\n")).startswith(b"HTTP/1.0 200 ")
         assert s.stats.dropped == 2 and s.active == 0
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_slow_clients_holding_every_place_give_way_to_a_new_one():
+    """MAX_CONNECTIONS clients that trickle their heads (slowloris, re-opening as they are dropped) kept every
+    honest client out: a connection open over EVICT_AFTER_S now gives its place to a newcomer; younger ones
+    do not, so a flood of new connections is still refused."""
+    async def main():
+        s = _server()
+        async with trio.open_nursery() as n:
+            slow = []
+            for _ in range(MAX_CONNECTIONS):
+                client, srv = trio.testing.memory_stream_pair()
+                n.start_soon(s.handle, srv)
+                await client.send_all(b"GET /metrics HTTP/1.1\r\n")  # and never the blank line
+                slow.append(client)
+            await trio.testing.wait_all_tasks_blocked()
+            assert s.active == MAX_CONNECTIONS
+            assert await _exchange(s, b"GET /metrics HTTP/1.1\r\n\r\n") == b""  # all young: refused
+            assert s.stats.refused == 1
+            await trio.sleep(EVICT_AFTER_S)
+            ok = await _exchange(s, b"GET /metrics HTTP/1.1\r\n\r\n")
+            assert ok.startswith(b"HTTP/1.0 200 ") and s.stats.evicted == 1 and s.active == MAX_CONNECTIONS - 1
+            assert await slow[0].receive_some() == b""  # the oldest was closed unanswered
+            n.cancel_scope.cancel()
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 

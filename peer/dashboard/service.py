@@ -58,7 +58,7 @@ class DashboardService:
         self.topology = topology
         self.page, self.page_headers = page()
         self.server = HttpServer({PAGE_PATH: self._page, FEED_PATH: self._feed},
-                                 token=daemon.config.dashboard.token, name="dashboard")
+                                 token=daemon.config.dashboard.token, name="dashboard", literal_hosts=True)
         self.bound: tuple[str, int] = ("", 0)
 
     async def _page(self, req: Request) -> Reply:
@@ -84,4 +84,4 @@ class DashboardService:
         s = self.server.stats
         return {"listen": format_hostport(*self.bound) if self.bound[0] else "", "url": self.url(),
                 "token": bool(self.server.token), "pages": s.ok, "errors": s.errors, "unauthorized": s.unauthorized,
-                "refused": s.refused, "dropped": s.dropped}
+                "refused": s.refused, "evicted": s.evicted, "dropped": s.dropped}

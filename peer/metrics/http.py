@@ -14,6 +14,7 @@ client sends can change the daemon.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -39,6 +40,10 @@ SEND_DEADLINE_S = 10.0
 # Prometheus scrapes one at a time, a dashboard polls one request at a time per open tab: room for a few
 # curls and tabs besides, and no more work for a flood.
 MAX_CONNECTIONS = 8
+# When every place is taken, a connection open at least this long gives its place to the newcomer: ours answer in
+# milliseconds, so only a client that trickles its request or stops reading is that old, and 8 such clients
+# re-opening as they were dropped used to keep every honest one out.
+EVICT_AFTER_S = 1.0
 # Query fields one request may carry (the dashboard's page sends one, its token): more is not a client of ours.
 MAX_QUERY_FIELDS = 16
 METRICS_PATH = "/metrics"
@@ -52,7 +57,8 @@ class ServerStats:
 
     ok: int = 0  # 200s
     errors: int = 0  # 4xx and 5xx answered
-    refused: int = 0  # connections closed unanswered: over MAX_CONNECTIONS
+    refused: int = 0  # connections closed unanswered: over MAX_CONNECTIONS, none old enough to give way
+    evicted: int = 0  # connections closed unanswered to make room: open over EVICT_AFTER_S when it was full
     dropped: int = 0  # connections closed unanswered: deadline passed, closed early, or a head past the bound
     unauthorized: int = 0  # 401s: no token, or a wrong one (also counted in errors)
 
@@ -138,6 +144,23 @@ def route(head: bytes, routes: dict[str, Handler]) -> tuple[Request, Handler]:
     return req, handler
 
 
+def host_is_literal(req: Request) -> bool:
+    """The Host a browser sent names this machine by address or as localhost. A page of another site whose
+    name was made to resolve to 127.0.0.1 (DNS rebinding) sends its own name, and the browser would let it read
+    the answer, since to the browser it is that site's own origin. A request without Host is no browser's."""
+    host = req.headers.get("host", "")
+    if not host:
+        return True
+    name = host[1:host.find("]")] if host.startswith("[") else host.rpartition(":")[0] if host.count(":") == 1 else host
+    if name.lower() == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 def bearer_token(req: Request) -> str:
     """The token a request carries: `Authorization: Bearer TOKEN`, else `?token=TOKEN` (a browser opening a
     link can send no header)."""
@@ -156,12 +179,30 @@ class HttpServer:
     """Serves `routes` (path -> handler) to GET requests on the given listeners until cancelled; with a
     `token`, only to requests that carry it (bearer_token)."""
 
-    def __init__(self, routes: dict[str, Handler], *, token: str = "", name: str = "http"):
+    def __init__(self, routes: dict[str, Handler], *, token: str = "", name: str = "http",
+                 literal_hosts: bool = False):
         self.routes = dict(routes)
         self.token = token
         self.name = name  # in log lines: which server failed
+        # a browser's page without a token: answer only a Host that is an address or localhost (host_is_literal)
+        self.literal_hosts = literal_hosts and not token
         self.stats = ServerStats()
-        self.active = 0
+        self.open: dict[trio.CancelScope, float] = {}  # each connection's scope and when it opened (trio clock)
+
+    @property
+    def active(self) -> int:
+        return len(self.open)
+
+    def _make_room(self) -> bool:
+        """Close the oldest connection open over EVICT_AFTER_S; False if none is."""
+        now = trio.current_time()
+        scope, opened = min(self.open.items(), key=lambda kv: kv[1])
+        if now - opened < EVICT_AFTER_S:
+            return False
+        scope.cancel()
+        del self.open[scope]  # its handler's finally finds it gone
+        self.stats.evicted += 1
+        return True
 
     async def serve(self, listeners: list[trio.SocketListener]) -> None:
         await trio.serve_listeners(self.handle, listeners)
@@ -178,22 +219,24 @@ class HttpServer:
         return listeners, tuple(listeners[0].socket.getsockname()[:2])
 
     async def handle(self, stream: trio.abc.Stream) -> None:
-        if self.active >= MAX_CONNECTIONS:
+        if self.active >= MAX_CONNECTIONS and not self._make_room():
             self.stats.refused += 1
             await trio.aclose_forcefully(stream)
             return
-        self.active += 1
+        scope = trio.CancelScope()
+        self.open[scope] = trio.current_time()
         try:
-            reply = await self._answer(stream)
-            if reply is not None:
-                with trio.move_on_after(SEND_DEADLINE_S):
-                    await stream.send_all(reply)
+            with scope:
+                reply = await self._answer(stream)
+                if reply is not None:
+                    with trio.move_on_after(SEND_DEADLINE_S):
+                        await stream.send_all(reply)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             self.stats.dropped += 1
         except Exception:  # a bug must not take the daemon down: this connection just ends
             log.exception("%s request failed unexpectedly", self.name)
         finally:
-            self.active -= 1
+            self.open.pop(scope, None)
             await trio.aclose_forcefully(stream)
 
     def _error(self, ans: Answer) -> bytes:
@@ -208,6 +251,8 @@ class HttpServer:
         try:
             with trio.fail_after(READ_DEADLINE_S):
                 req, handler = route(await read_head(stream), self.routes)
+            if self.literal_hosts and not host_is_literal(req):
+                raise Answer(HTTPStatus.FORBIDDEN)
             if self.token and not token_matches(bearer_token(req), self.token):
                 raise Answer(HTTPStatus.UNAUTHORIZED, ('WWW-Authenticate: Bearer realm="peertrain"',))
         except Answer as ans:
