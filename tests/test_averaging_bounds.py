@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from peer.averaging import bans as bans_mod
 from peer.averaging.bans import BanList
+from peer.averaging.ledger import Ledger
+from peer.per_peer import MAX_PEERS_SHOWN
 from peer.averaging.bounds import HOLD_BASE_S, clip_scale, download_ok, hold_seconds, valid_radius
 from peer.averaging.radius import Radii
 from peer.averaging.shared import SharedTensors
@@ -414,3 +416,23 @@ def test_every_codec_clips_alike_on_both_sides_from_the_decoded_values(codec):
     assert ca == cb  # the angle, from the same bits
     moved = (ga.tensors["w"].astype(np.float64) - a) + (gb.tensors["w"].astype(np.float64) - b)
     assert abs(float(moved.sum())) <= 1e-6 * float(np.abs(a).sum())
+
+
+def test_the_ledgers_per_peer_tables_keep_only_the_peers_most_recently_touched():
+    """Keys are free (issue 40): a peer with a new key each exchange grew clipped/struck/lapsed/by_peer without
+    end. They keep MAX_PEERS_SHOWN peers, the least recently touched going first; the ban list is apart."""
+    async def main():
+        led = Ledger()
+        led.judged("steady", scale=0.5, distance=2.0, radius=1.0, strike="far")
+        for i in range(3 * MAX_PEERS_SHOWN):
+            led.completed(f"sybil{i}", 0.01, 10, 10)
+            led.judged(f"sybil{i}", scale=0.5, distance=2.0, radius=1.0, strike=None)
+            led.lapsed(f"sybil{i}", "lapsed")
+            if i % 50 == 0:
+                led.judged("steady", scale=0.5, distance=2.0, radius=1.0, strike="far")  # touched: kept
+        s = led.stats
+        for table in (s.clipped, s.lapsed, s.by_peer):
+            assert len(table) == MAX_PEERS_SHOWN and f"sybil{3 * MAX_PEERS_SHOWN - 1}" in table
+        assert "steady" in s.by_peer and "steady" in s.clipped and s.struck == {"steady": 17}
+        assert led.banned("steady")  # the ban list keeps its own records
+    trio.run(main)

@@ -18,6 +18,7 @@ import trio
 
 from peer.averaging.bans import BanList
 from peer.metrics.histogram import Histogram
+from peer.per_peer import count, touch
 
 log = logging.getLogger("peertrain.gossip")
 
@@ -44,7 +45,8 @@ class GossipStats:
     struck: dict = field(default_factory=dict)  # peer -> strikes for values far past our radius (radius.py) or a refused download
     lapsed: dict = field(default_factory=dict)  # peer -> exchanges it let lapse or aborted after we accepted
     params_refused: int = 0  # parameter requests refused (not a neighbour, banned, no such group)
-    by_peer: dict = field(default_factory=dict)  # peer -> PeerExchanges (peers we averaged with: bounded by membership)
+    by_peer: dict = field(default_factory=dict)  # peer -> PeerExchanges (peers we averaged with)
+    # the per-peer tables keep the MAX_PEERS_SHOWN peers most recently touched (peer/per_peer.py): keys are free
     durations: Histogram = field(default_factory=lambda: Histogram(EXCHANGE_SECONDS_BUCKETS))  # completed ones
 
 
@@ -96,10 +98,7 @@ class Ledger:
         p.last_s = round(seconds, 4)
 
     def _peer(self, peer_id: str) -> PeerExchanges:
-        p = self.stats.by_peer.get(peer_id)
-        if p is None:
-            p = self.stats.by_peer[peer_id] = PeerExchanges(first_at=time.time())
-        return p
+        return touch(self.stats.by_peer, peer_id, lambda: PeerExchanges(first_at=time.time()))
 
     def judged(self, peer_id: str, *, scale: float, distance: float, radius: float, strike: str | None) -> None:
         """A committed exchange with `peer_id` was applied with clip `scale`, at `distance` (before the clip),
@@ -109,7 +108,7 @@ class Ledger:
         p.distance, p.radius = distance, radius
         if scale < 1.0:
             p.clipped += 1
-            self.stats.clipped[peer_id] = self.stats.clipped.get(peer_id, 0) + 1
+            count(self.stats.clipped, peer_id)
         if strike is not None:
             self.struck(peer_id, strike)
 
@@ -120,18 +119,18 @@ class Ledger:
 
     def lapsed(self, peer_id: str, reason: str) -> None:
         """An exchange we accepted held our weight for nothing: count it, and ban a peer that keeps doing it."""
-        self.stats.lapsed[peer_id] = self.stats.lapsed.get(peer_id, 0) + 1
+        count(self.stats.lapsed, peer_id)
         self.strike(peer_id, reason)
 
     def refused_download(self, peer_id: str, reason: str) -> None:
         """`peer_id` sent parameters past max_update_ratio of ours (peer/averaging/download.py): count it as a
         clip (all of it was left out) and strike it."""
-        self.stats.clipped[peer_id] = self.stats.clipped.get(peer_id, 0) + 1
+        count(self.stats.clipped, peer_id)
         self.struck(peer_id, reason)
 
     def struck(self, peer_id: str, reason: str) -> None:
         """`peer_id`'s values are evidence against it: count it and strike it."""
-        self.stats.struck[peer_id] = self.stats.struck.get(peer_id, 0) + 1
+        count(self.stats.struck, peer_id)
         self.strike(peer_id, reason)
 
     def strike(self, peer_id: str, reason: str) -> None:
