@@ -308,7 +308,7 @@ def test_a_joining_download_asks_past_busy_partners_without_using_up_its_tries(m
 
     def downloads(answers: dict) -> tuple[download.Downloads, list]:
         asked: list = []
-        d = download.Downloads(None, groups={"g": object()}, slots=ServingSlots(1), ledger=Ledger(),
+        d = download.Downloads(None, groups={"g": _Trained()}, slots=ServingSlots(1), ledger=Ledger(),
                                may_download=lambda p, g: None, holders=lambda g: list(peers), connected=dict)
 
         async def fetch_params(group, pid):
@@ -325,6 +325,49 @@ def test_a_joining_download_asks_past_busy_partners_without_using_up_its_tries(m
     d, asked = downloads({p: Refusal(Code.NOT_NEIGHBOUR, "no") for p in peers})
     assert trio.run(d.fetch_from_partners, "g") is None
     assert len(asked) == download.DOWNLOAD_TRIES
+
+
+class _Trained:
+    def norm_sq(self) -> float:
+        return 1.0
+
+
+class _Zeros:
+    def norm_sq(self) -> float:
+        return 0.0
+
+
+def test_a_model_of_zeros_takes_a_download_only_a_second_partner_confirms(monkeypatch):
+    """One liar handed a zero-model joiner a model 1e17 long (any finite download passed: no norm to bound by),
+    and the joiner's honest partners then struck it. It now needs two partners whose answers agree."""
+    from types import SimpleNamespace
+
+    from peer.averaging import download
+    from peer.averaging.budget import ServingSlots
+    from peer.averaging.ledger import Ledger
+
+    monkeypatch.setattr(download.random, "shuffle", lambda xs: None)  # asked in this order
+    honest = [np.full(64, 1.0, np.float32)]
+    near = [np.full(64, 1.1, np.float32)]
+    huge = [np.full(64, 1e17, np.float32)]
+
+    def fetch(order: list, answers: dict):
+        d = download.Downloads(SimpleNamespace(max_update_ratio=8.0), groups={"g": _Zeros()}, slots=ServingSlots(1),
+                               ledger=Ledger(), may_download=lambda p, g: None, holders=lambda g: list(order),
+                               connected=dict)
+
+        async def fetch_params(group, pid):
+            return answers.get(pid)
+        d.fetch_params = fetch_params
+        return trio.run(d.fetch_from_partners, "g")
+
+    got = fetch(["liar", "h1", "h2"], {"liar": (huge, 9), "h1": (honest, 3), "h2": (near, 3)})
+    assert got is not None and got[0] is honest  # the liar first: h2 confirms h1
+    assert fetch(["liar", "h1"], {"liar": (huge, 9), "h1": (honest, 3)}) is None  # two that disagree: neither
+    assert fetch(["h1"], {"h1": (honest, 3)})[0] is honest  # the only partner (a swarm of two)
+    assert fetch(["liar", "gone", "x"], {"liar": (huge, 9)}) is None  # one answer of three partners vouches for nothing
+    # two colluders sending the same model still pass: the cheapest attack left (docs/design.md)
+    assert fetch(["l1", "l2", "h1"], {"l1": (huge, 9), "l2": (huge, 9), "h1": (honest, 3)})[0] is huge
 
 
 def test_peer_status_shows_bans_and_per_peer_counts():

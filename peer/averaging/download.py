@@ -4,18 +4,22 @@
 partners worth asking, the serving slots it shares with the exchanges we serve (a download holds a snapshot
 and our upload as one does), and the ledger. A download replaces the downloader's tensors, so it must be
 within `[gossip] max_update_ratio` of the smaller norm, and one past it is refused, never clipped
-(peer/averaging/bounds.py, `download_ok`); a model of all zeros has nothing to protect and takes it.
+(peer/averaging/bounds.py, `download_ok`). A model of all zeros has no norm to bound by: it takes a
+download only when a second partner's agrees with it (`agree`), so one liar cannot hand a joiner a model
+1e17 long that its honest partners then strike it for; two colluders who send the same one still can.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import trio
 
+from peer.averaging import norms
 from peer.averaging.bounds import download_ok
 from peer.averaging.budget import ServingSlots
 from peer.averaging.ledger import Ledger
@@ -32,6 +36,13 @@ log = logging.getLogger("peertrain.gossip")
 DOWNLOAD_TRIES = 3  # partners asked in turn before a join gives up (each bounded by the exchange deadline)
 
 Fetched = tuple[list[Any], int]  # a partner's tensors of a group, and its step
+
+
+def agree(a: list[Any], b: list[Any], ratio: float) -> bool:
+    """Two partners' downloads are within `ratio` times the smaller norm of each other, as `download_ok` bounds
+    a download against our own model (two models of zeros agree)."""
+    diff, na, nb = norms.diff_sq(a, b), norms.sum_sq(a), norms.sum_sq(b)
+    return all(math.isfinite(v) for v in (diff, na, nb)) and math.sqrt(diff) <= ratio * math.sqrt(min(na, nb))
 
 
 class Downloads:
@@ -135,16 +146,33 @@ class Downloads:
     async def fetch_from_partners(self, group: str) -> Fetched | None:
         """A joining peer's download: ask partners of `group`, in random order, for their tensors; the first
         complete answer within bounds wins (values, their step), else None. Up to DOWNLOAD_TRIES partners are
-        tried; one that is only busy now (a TRY_LATER refusal) uses up no try."""
+        tried; one that is only busy now (a TRY_LATER refusal) uses up no try. A model of zeros takes the first
+        answer a second one agrees with; one answer alone only from its only partner."""
         partners = self.holders(group)
         random.shuffle(partners)
         tries = 0
+        zeros: bool | None = None  # our model all zeros: read at the first answer
+        answers: list[Fetched] = []
         for pid in partners:
             if tries >= DOWNLOAD_TRIES or group not in self.groups:
-                return None
+                break
             got = await self.fetch_params(group, pid)
             if isinstance(got, tuple):
-                return got
-            if not (isinstance(got, Refusal) and got.code in TRY_LATER):
+                if zeros is None:
+                    zeros = await trio.to_thread.run_sync(self.groups[group].norm_sq) == 0.0
+                if not zeros:
+                    return got
+                ratio = self.cfg.max_update_ratio
+                for earlier in answers:
+                    if await trio.to_thread.run_sync(agree, earlier[0], got[0], ratio):
+                        return earlier
+                answers.append(got)
                 tries += 1
+            elif not (isinstance(got, Refusal) and got.code in TRY_LATER):
+                tries += 1
+        if len(answers) == 1 and len(partners) == 1:
+            return answers[0]  # our only partner: nothing to compare it with (a swarm of two)
+        if answers:
+            log.warning("refused %d downloads of %s that did not agree with each other (our model is all zeros: "
+                        "only a second partner's answer can vouch for one)", len(answers), group)
         return None

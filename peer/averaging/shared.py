@@ -298,6 +298,14 @@ class SharedTensors:
         finally:
             self.release(own)
 
+    def norm_sq(self) -> float:
+        """||x||^2 of the tensors now (0: a model of zeros, which takes a download only a second one confirms)."""
+        own = self.snapshot()
+        try:
+            return norms.sum_sq(own)
+        finally:
+            self.release(own)
+
     def stats(self, *, values: bool = False) -> dict:
         """Sum and squared norm (float64) of the whole group now; with `values`, the raw bytes too."""
         snap = self.snapshot()
