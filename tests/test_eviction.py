@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 import trio
 
 from peer.membership.service import pick_idle
-from peer.session.connect import EVICTED_REASON, ListenerStats, dial, open_listeners, serve
+from peer.session.connect import EVICTED_REASON, ListenerStats, dial, fair_victim, open_listeners, serve
 from peer.session.transport import SessionStats
 from protocol.schema import Goodbye, Ping, Pong
 from tests.test_transport import attempt, tcfg
 
 
-@dataclass
+@dataclass(eq=False)  # by identity, as sessions: a key of the listener's table
 class FakeSession:
     peer_id: str
     last_useful: float
@@ -92,3 +92,28 @@ def test_serve_evicts_an_idle_session_for_a_newcomer_and_refuses_when_none_is_id
             assert not c.closed.is_set() and stats.evicted == 1
             n.cancel_scope.cancel()
     trio.run(main)
+
+
+def test_a_full_listener_makes_room_from_the_prefix_holding_the_most():
+    """4 IPs x 16 keys that send any cheap message (never idle) held every inbound place (issue 40): the newest
+    session of the prefix holding the most gives way, when it holds at least two more than the newcomer's."""
+    sessions: dict = {}
+    for i in range(4):  # an attacker's four IPs in one /24, 16 sessions each: all 64 places
+        for k in range(16):
+            sessions[FakeSession(f"sybil{i}.{k}", 0.0)] = f"203.0.113.{i + 1}"
+    victim = fair_victim(sessions, "198.51.100.7")
+    assert victim is not None and victim.peer_id.startswith("sybil") and sessions[victim] == "203.0.113.1"
+    assert victim.peer_id == "sybil0.15"  # the newest of the IP holding the most (a tie: the first)
+    # four IPs in four /24s: still the prefix holding the most gives way to a fifth prefix
+    spread = {FakeSession(f"s{i}.{k}", 0.0): f"10.{i}.0.1" for i in range(4) for k in range(16)}
+    assert fair_victim(spread, "192.0.2.1") is not None
+    # a fair share is kept: a newcomer's prefix that holds nearly as much as the biggest pushes no one out
+    even = {FakeSession(f"p{i}.{k}", 0.0): f"10.{i}.0.1" for i in range(2) for k in range(32)}
+    assert fair_victim(even, "10.0.0.9") is None  # its own prefix holds 32 already
+    assert fair_victim({}, "10.0.0.1") is None
+    # a local swarm (every session from 127.0.0.1) never evicts itself
+    local = {FakeSession(f"l{k}", 0.0): "127.0.0.1" for k in range(64)}
+    assert fair_victim(local, "127.0.0.1") is None
+    # IPv6: one /48 is one source, however many /64s it spans
+    v6 = {FakeSession(f"v{k}", 0.0): f"2001:db8:7:{k:x}::1" for k in range(64)}
+    assert fair_victim(v6, "2001:db8:9::1") is not None and fair_victim(v6, "2001:db8:7:ffff::1") is None

@@ -144,8 +144,8 @@ def test_a_source_at_its_cap_pushes_out_its_own_oldest():
 def test_prefixes_are_a_slash_24_or_a_slash_64_and_mapped_addresses_are_ipv4():
     assert source_of("192.0.2.77") == ("192.0.2.77", "192.0.2.0/24")
     assert source_of("::ffff:192.0.2.77") == ("192.0.2.77", "192.0.2.0/24")
-    assert source_of("2001:db8:1:2:aaaa::1") == ("2001:db8:1:2:aaaa::1", "2001:db8:1:2::/64")
-    assert source_of("fe80::1%eth0")[1] == "fe80::/64"
+    assert source_of("2001:db8:1:2:aaaa::1") == ("2001:db8:1:2:aaaa::1", "2001:db8:1::/48")
+    assert source_of("fe80::1%eth0")[1] == "fe80::/48"
     slots: HandshakeSlots[int] = HandshakeSlots(**SMALL)
     slots.admit("::ffff:192.0.2.1", 1)
     assert slots.held_by_ip("192.0.2.1") == 1 and slots.held_by_prefix("192.0.2.200") == 1

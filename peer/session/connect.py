@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from peer.logs import Throttle
-from peer.session.handshake_slots import HandshakeSlots
+from peer.session.handshake_slots import HandshakeSlots, source_of
 from peer.session.transport import Session, TransportConfig, send_all
 from protocol.circuit import HELLO_BYTES, PEEK_BYTES, is_circuit, parse_hello
 from protocol.errors import HandshakeError, ProtocolError
@@ -125,6 +125,27 @@ async def open_listeners(host: str, port: int) -> tuple[list[trio.SocketListener
     return listeners, (bound[0], bound[1])
 
 
+def fair_victim(sessions: dict[Session, str], ip: str) -> Session | None:
+    """When every session slot is taken and none is idle: the newest session of the prefix (IPv4 /24, IPv6 /48:
+    `source_of`) holding the most, from its IP holding the most, if that prefix holds at least two more than
+    `ip`'s. Sessions that send any cheap message are never idle, so without this 4 IPs x 16 keys held every
+    inbound place; now each prefix can hold about its share of them against a newcomer from another."""
+    by_prefix: dict[str, list[tuple[Session, str]]] = {}
+    for session, addr in sessions.items():
+        by_prefix.setdefault(source_of(addr)[1], []).append((session, addr))
+    if not by_prefix:
+        return None
+    mine = len(by_prefix.get(source_of(ip)[1], ()))
+    biggest = max(by_prefix.values(), key=len)
+    if len(biggest) < mine + 2:
+        return None
+    per_ip: dict[str, int] = {}
+    for _, addr in biggest:
+        per_ip[addr] = per_ip.get(addr, 0) + 1
+    crowded = max(per_ip, key=per_ip.__getitem__)
+    return [session for session, addr in biggest if addr == crowded][-1]  # dicts keep admission order
+
+
 async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_session: Callable[[Session], Any], *,
                 max_connections: int = 64, max_connections_per_ip: int = 16,
                 slots: HandshakeSlots | None = None, stats: ListenerStats | None = None,
@@ -163,6 +184,15 @@ async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_s
         if active >= max_connections:
             return list(sessions)
         return None
+
+    def victim_for(ip: str, full: list[Session]) -> Session | None:
+        """Who gives way to an authenticated newcomer from `ip` when `full` hold every slot: an idle one (the
+        owner's judgement), else, when all slots are taken, the newest session of the prefix holding the most,
+        if that is at least two more than the newcomer's holds (fair_victim)."""
+        victim = idle_victim(full) if idle_victim is not None else None
+        if victim is None and active >= max_connections and stats.per_ip.get(ip, 0) < max_connections_per_ip:
+            victim = fair_victim(sessions, ip)
+        return victim
 
     def release(session: Session) -> bool:
         nonlocal active
@@ -205,7 +235,7 @@ async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_s
                         token = parse_hello(prefix + await _recv_exactly(stream.socket, HELLO_BYTES - PEEK_BYTES))
                 else:
                     full = competitors(ip)
-                    refused = full is not None and (idle_victim is None or idle_victim(full) is None)
+                    refused = full is not None and victim_for(ip, full) is None
                     if not refused:
                         hs = _handshake_for(cfg, initiator=False, expected_peer_id=None, observed=(remote[0], remote[1]))
                         result = await _run_handshake(stream, hs, cfg.handshake_timeout, initial=prefix)
@@ -245,7 +275,7 @@ async def serve(listeners: list[trio.SocketListener], cfg: TransportConfig, on_s
             return
         full = competitors(ip)  # checked again: others may have come, or the idle one woken up, meanwhile
         if full is not None:
-            victim = idle_victim(full) if idle_victim is not None else None
+            victim = victim_for(ip, full)
             if victim is None:
                 stats.refused += 1
                 log.warning("refusing session from %s: connection limit reached, none idle", ip)

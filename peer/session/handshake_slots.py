@@ -34,7 +34,7 @@ until its deadline (`[membership] handshake_timeout`), so 64 is cheap next to th
 keeps by default, and four prefixes' worth of slots: a one-prefix flood leaves half of them to the rest."""
 
 MAX_HANDSHAKES_PER_PREFIX = 32
-"""Handshakes in progress from one IPv4 /24 or IPv6 /64. Half of MAX_HANDSHAKES, so a flood from one
+"""Handshakes in progress from one IPv4 /24 or IPv6 /48. Half of MAX_HANDSHAKES, so a flood from one
 prefix can never fill the slots; two hosts' worth of MAX_HANDSHAKES_PER_IP, for a LAN's peers joining at once."""
 
 MAX_HANDSHAKES_PER_IP = 16
@@ -43,11 +43,11 @@ on 127.0.0.1 joining one bootstrap at once) fits; below MAX_HANDSHAKES_PER_PREFI
 never pushes out a peer at another IP of the same prefix either."""
 
 IPV4_PREFIX_BITS = 24  # one subscriber's or one small rented block's addresses
-IPV6_PREFIX_BITS = 64  # the smallest block a site is given: one attacker holds all of a /64 at no cost
+IPV6_PREFIX_BITS = 48  # what a provider gives one site (a /56 or /64 inside it, often): one attacker holds all of it at no cost
 
 
 def source_of(ip: str) -> tuple[str, str]:
-    """(ip, prefix) of a remote address: the prefix is its /24 (IPv4, IPv4-mapped IPv6 included) or /64;
+    """(ip, prefix) of a remote address: the prefix is its /24 (IPv4, IPv4-mapped IPv6 included) or /48;
     an address that does not parse (never, from a socket) is its own prefix."""
     try:
         addr = ipaddress.ip_address(ip.split("%", 1)[0])
