@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import types
 
 import numpy as np
 import pytest
@@ -182,8 +183,6 @@ def test_local_rewire_config_is_range_checked():
 def test_the_gap_driver_follows_the_wall_clock_and_reads_what_the_estimator_does():
     """Drivers that start at different moments meet at the next epoch boundary of the wall clock, deliver
     every round's value in its slot and read exactly what the estimators read when run in lock step."""
-    import types
-
     import trio
     import trio.testing
 
@@ -228,6 +227,24 @@ def test_the_gap_driver_follows_the_wall_clock_and_reads_what_the_estimator_does
         d = drivers[str(i)]
         assert d.epochs == 1 and d.views.gap is not None, d.status()
         assert d.views.gap.gap == pytest.approx(expected[i].gap) and d.status()["reading"]["ratio"] > 0
+
+
+def test_gap_rounds_from_peers_outside_the_active_view_take_no_place():
+    """The estimator keeps max_neighbours senders a round, first come: any session's rounds used to take those
+    places before our neighbours' came (issue 40). Only our active view's are kept now."""
+    from peer.membership.gap_driver import GapDriver
+
+    cfg = GapConfig(rounds=16, round_interval=0.2, epoch_interval=5.0)
+    views = types.SimpleNamespace(active={"n1", "n2"}, degree=2, gap=None)
+
+    async def send(session, msg):
+        pass
+    d = GapDriver(cfg, views, random.Random(1), sessions=dict, send=send)
+    d.estimator.begin(7)
+    for i in range(cfg.max_neighbours + 5):
+        d.receive(f"sybil{i}", GapRound(7, 0, 2, (0.5,) * cfg.vectors, None))
+    d.receive("n1", GapRound(7, 0, 2, (0.25,) * cfg.vectors, None))
+    assert set(d.estimator._got) == {"n1"} and d.ignored == cfg.max_neighbours + 5 and d.received == 1
 
 
 @pytest.mark.parametrize("body, why", [

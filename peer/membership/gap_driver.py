@@ -65,6 +65,7 @@ class GapDriver:
         self._wall_clock = wall_clock
         self.epochs = 0  # epochs finished with a reading
         self.sent = self.received = 0  # round messages
+        self.ignored = 0  # round messages from peers outside our active view
 
     def status(self) -> dict:
         r = self.views.gap
@@ -74,6 +75,12 @@ class GapDriver:
                                                    "degree": round(r.degree, 2)}}
 
     def receive(self, sender: str, msg: GapRound) -> None:
+        """A round message, kept only from a peer of our active view: the estimator keeps at most
+        `max_neighbours` senders a round, first come, and any session's rounds used to take those places
+        before our neighbours' came (a round from a peer that just left the view is dropped, no fault)."""
+        if sender not in self.views.active:
+            self.ignored += 1
+            return
         self.received += 1
         self.estimator.receive(sender, msg)
 
