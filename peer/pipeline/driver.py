@@ -18,9 +18,9 @@ each server that kept one to add it to its stage (`StageAck`), and counts, per s
 confirm; a microbatch that failed tells them to drop theirs. A reply lost after the server computed it (the
 call re-sent to another peer) is never acknowledged, so its gradient enters no stage: each stage counts a
 microbatch at most once, and one that failed in none. A microbatch is done, and counted, once its acks are
-answered: `done` x microbatch = the samples every stage confirmed. A stage that does not confirm (its server
-evicted or expired the gradient, or the ack found no way there) makes the microbatch fail (`ack_lost`): its
-other stages took it, that one did not, and the trainer must not count it done. An ack goes over the session
+answered. A stage whose server answers that it no longer has the gradient (evicted, expired) makes the
+microbatch fail (`ack_lost`): its other stages took it, that one did not, and the trainer must not count it
+done. An ack not answered (the server died) is counted lost too, but nobody can tell whether it entered. An ack goes over the session
 the call used, kept up until the ack while it is owed (`calling`), or one a lookup redials (partial views).
 An attempt runs at most `longest_microbatch_s` (kept.py), so the servers' hold outlives it.
 
@@ -226,9 +226,9 @@ class Driver:
                     return Outcome(mb.id, False, mb.batch, resent=resent[0], reruns=reruns,
                                    seconds=trio.current_time() - t0, reason=str(failure), evaluate=mb.evaluate)
                 lost = await self._settle(mb, at.kept, accumulate=True)
-                if lost:  # a stage did not take its part: not done (the others did take theirs)
+                if lost:  # a stage no longer had its part: not done (the others did take theirs)
                     self.stats.failed += 1
-                    reason = f"stage {', '.join(map(str, lost))} did not confirm taking its gradient"
+                    reason = f"stage {', '.join(map(str, lost))} no longer had its gradient (evicted or expired)"
                     self.stats.failures.append((mb.id, reason))
                     return Outcome(mb.id, False, mb.batch, loss=loss, resent=resent[0], reruns=reruns,
                                    seconds=trio.current_time() - t0, reason=reason, evaluate=mb.evaluate)
@@ -269,8 +269,9 @@ class Driver:
     async def _settle(self, mb: Microbatch, kept: list[KeptAt], *, accumulate: bool) -> list[int]:
         """Tell every server that kept a gradient of `mb` to add it to its stage (`accumulate`: the backward
         completed through every stage) or to drop it (the microbatch failed); count what each confirmed; the
-        stages that did not (when accumulating). Each ack is bounded by `call_timeout` (a lost one leaves the
-        gradient to expire there, unconfirmed here)."""
+        stages whose server answered that it no longer had its gradient (evicted, expired: when accumulating).
+        Each ack is bounded by `call_timeout`; one not answered (the server died, say) is counted lost, but
+        nobody can tell whether it entered, so it fails nothing."""
         lost: list[int] = []
         if not kept:
             return lost
@@ -284,37 +285,38 @@ class Driver:
                 self.stats.dropped += len(ks)
                 return
             for k in ks:
-                if k.id in entered:
+                if entered is not None and k.id in entered:
                     self.stats.acked += 1
                     self.stats.acked_samples[k.stage] += mb.batch
                 else:
                     self.stats.ack_lost += 1
-                    lost.append(k.stage)
-                    log.warning("microbatch %d: stage %d at %s did not confirm taking its gradient", mb.id, k.stage,
-                                pid[:8])
+                    if entered is not None:
+                        lost.append(k.stage)
+                    log.warning("microbatch %d: stage %d at %s %s", mb.id, k.stage, pid[:8],
+                                "did not answer its ack" if entered is None else "no longer had its gradient")
 
         async with trio.open_nursery() as n:
             for pid, ks in by_peer.items():
                 n.start_soon(settle, pid, ks)
         return sorted(lost)
 
-    async def _ack(self, pid: str, ids: list[int], accumulate: bool) -> set[int]:
-        """One StageAck to `pid` (in-process for our own stage); the ids whose gradient entered its stage. Its
-        session was kept up while we owed it this ack (`calling`); one closed anyway is redialed (`reach`: partial
-        views), all within `call_timeout`."""
+    async def _ack(self, pid: str, ids: list[int], accumulate: bool) -> set[int] | None:
+        """One StageAck to `pid` (in-process for our own stage); the ids whose gradient entered its stage, None if
+        it did not answer. Its session was kept up while we owed it this ack (`calling`); one closed anyway is
+        redialed (`reach`: partial views), all within `call_timeout`."""
         if pid == self.service.me:
             return set(await self.service.server.acknowledge(LOCAL_DRIVER, ids, accumulate=accumulate))
         try:
             with trio.move_on_after(self.cfg.call_timeout):
                 session = await self._session_for_ack(pid)
                 if session is None:
-                    return set()
+                    return None
                 env = await session.request(StageAck(kept=ids, accumulate=accumulate), timeout=self.cfg.call_timeout)
                 reply = env.message
-                return set(reply.accumulated) & set(ids) if isinstance(reply, StageAckReply) else set()
-            return set()
+                return set(reply.accumulated) & set(ids) if isinstance(reply, StageAckReply) else None
+            return None
         except (trio.TooSlowError, SessionClosed, Unreachable):
-            return set()
+            return None
         finally:
             self._owe(pid, -len(ids))
 
