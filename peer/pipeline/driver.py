@@ -8,8 +8,8 @@ deadline it is re-sent to another peer of the stage, at most `[pipeline] max_ret
 peer is avoided for a growing interval. A peer that refused or failed a call another peer of its stage then
 served (a refusal blaming us, a reply without its loss, a malformed one, its deadline passed) is struck in the
 ban list the checks use (three strikes ban it from our calls); a refusal blaming us fails the microbatch only
-when ASKERS_FAULT_AGREE peers of the stage say so, or no other is left. A stage with no usable peer is waited for (at most
-`[pipeline] stage_wait`, shown in status), polling, never spinning. Every microbatch ends as an `Outcome`:
+when ASKERS_FAULT_AGREE peers of the stage say so, or no other is left. A stage with no usable peer is waited
+for (at most `[pipeline] stage_wait`, shown in status), polling, never spinning. Every microbatch ends as an `Outcome`:
 done (with how many re-sends it took) or failed with the reason; none is dropped silently.
 
 A server keeps the parameter gradient of a "backward" or "loss" call aside and names it in its reply
@@ -20,8 +20,9 @@ call re-sent to another peer) is never acknowledged, so its gradient enters no s
 microbatch at most once, and one that failed in none. A microbatch is done, and counted, once its acks are
 answered. A stage whose server answers that it no longer has the gradient (evicted, expired) makes the
 microbatch fail (`ack_lost`): its other stages took it, that one did not, and the trainer must not count it
-done. An ack not answered (the server died) is counted lost too, but nobody can tell whether it entered. An ack goes over the session
-the call used, kept up until the ack while it is owed (`calling`), or one a lookup redials (partial views).
+done. An ack not answered (the server died) is counted lost too, but nobody can tell whether it entered. An
+ack goes over the session the call used, kept up while the ack is owed (`calling`), or one a lookup redials
+(partial views).
 An attempt runs at most `longest_microbatch_s` (kept.py), so the servers' hold outlives it.
 
 A share of the completed calls (`[pipeline] verify_fraction`) is checked: the same call at another peer of the
@@ -404,8 +405,8 @@ class Driver:
                     continue
                 if code in ASKERS_FAULT:  # a second opinion before we believe it (ASKERS_FAULT_AGREE)
                     blamed.add(pid)
-                    others = [p for p in self._peers(stage, trio.current_time(), at.avoid | blamed)]
-                    if len(blamed) >= ASKERS_FAULT_AGREE or not others:
+                    if len(blamed) >= ASKERS_FAULT_AGREE or not self._peers(stage, trio.current_time(),
+                                                                             at.avoid | blamed):
                         raise MicrobatchFailed(f"stage {stage} {kind}: {exc}" + (
                             f" ({len(blamed)} peers agree)" if len(blamed) > 1 else "")) from None
                 if pid != self.service.me and (code in ASKERS_FAULT or getattr(exc, "fault", False)):
