@@ -12,9 +12,10 @@ import pytest
 import trio
 import trio.testing
 
+from peer.averaging.bans import BAN_AFTER
 from peer.config import PipelineSection
 from peer.pipeline.directory import PipelineKey, StagePeer
-from peer.pipeline.driver import Driver, Microbatch, _CallFailed
+from peer.pipeline.driver import NO_LOSS, Driver, Microbatch, _CallFailed
 from peer.pipeline.kept import KeptGradients
 from peer.pipeline.server import LOCAL_DRIVER, ServedStage, StageServer
 from protocol.errors import ProtocolError
@@ -119,13 +120,36 @@ def test_the_bounds_drop_the_oldest_a_driver_only_its_own():
     a3 = b.keep("a", 0, Held(st), 3.0)  # a's third: a's oldest goes, not c's
     assert b.stats.dropped == {"full": 1} and b.take("a", [a1], 4.0) == []
     c2 = b.keep("c", 0, Held(st), 4.0)
-    b.keep("e", 0, Held(st), 5.0)  # a fifth in all: the oldest (a2) goes
+    e1 = b.keep("e", 0, Held(st), 5.0)  # a fifth in all: the oldest of the largest holders (a and c: a2) goes
     assert b.stats.dropped == {"full": 2} and len(b) == 4
     assert [k.id for k in b.take("a", [a2, a3], 6.0)] == [a3]
-    b.keep("e", 0, Held(st, nbytes=9_000), 7.0)  # bytes: the oldest go until it fits
-    assert b.nbytes <= 10_000 and b.take("c", [c1, c2], 8.0) == []
+    b.keep("e", 0, Held(st, nbytes=9_000), 7.0)  # bytes: the largest holder's oldest go until it fits
+    # c held the most (c1 goes), then c and e tie: the newcomer e loses its own (e1), never c's last
+    assert b.nbytes <= 10_000 and [k.id for k in b.take("c", [c1, c2], 8.0)] == [c2]
+    assert b.take("e", [e1], 8.0) == [] and b.stats.dropped == {"full": 4}
     huge = b.keep("e", 0, Held(st, nbytes=50_000), 9.0)  # larger than the bound alone: kept alone
     assert len(b) == 1 and [k.id for k in b.take("e", [huge], 10.0)] == [huge]
+
+
+def test_drivers_that_never_ack_only_evict_each_other_and_the_bytes_are_bounded_per_driver():
+    """Three drivers keep gradients and never acknowledge; an honest driver's few (its microbatches in flight)
+    stay, however much the others push: the full book's entry to go is the largest holder's oldest."""
+    b = book(most=12, most_per_driver=6, most_bytes=1 << 30, most_bytes_per_driver=1 << 29)
+    st = FakeStage()
+    honest = [b.keep("honest", 0, Held(st), 0.0) for _ in range(3)]
+    t = 1.0
+    for _ in range(40):
+        for bad in ("bad1", "bad2", "bad3"):
+            b.keep(bad, 0, Held(st), t)
+            t += 0.1
+    assert len(b) == 12 and b.stats.dropped["full"] > 0
+    # room for 12: the honest three stay, the three others share the rest and evict only one another
+    assert [k.id for k in b.take("honest", honest, t)] == honest
+    # bytes per driver: past its share a driver loses its own oldest, nobody else's
+    small = book(most_bytes_per_driver=2_500)
+    other = small.keep("x", 0, Held(st), 0.0)
+    mine = [small.keep("y", 0, Held(st), 0.0) for _ in range(3)]
+    assert [k.id for k in small.take("y", mine, 1.0)] == mine[1:] and small.take("x", [other], 1.0)
 
 
 # ---- a stage server's rules ----------------------------------------------------------------------------------
@@ -221,7 +245,7 @@ def test_unacknowledged_gradients_expire_and_a_stage_switch_or_new_state_drops_t
 
     async def main():
         _, _, lost, _ = await srv.compute_local(stage_call(1, "loss"), [])
-        await trio.sleep(HOLD + 1)  # max_call_timeout x 2: nobody acknowledged it
+        await trio.sleep(srv.kept.hold_s + 1)  # past the longest microbatch (kept.py): nobody acknowledged it
         assert await srv.acknowledge(LOCAL_DRIVER, [lost]) == [] and srv.kept.stats.dropped == {"unacked": 1}
         _, _, moved, _ = await srv.compute_local(stage_call(1, "loss"), [])
         _, _, replaced, _ = await srv.compute_local(stage_call(1, "loss"), [])
@@ -252,6 +276,9 @@ class PeerSession:
         return Envelope(StageAckReply(accumulated=got), 0, 1)
 
 
+DRIVER_CFG = PipelineSection(max_retries=2, verify_fraction=0.0)
+
+
 def swarm(stages: int, peers_per_stage: dict[int, int], script) -> tuple[Driver, dict[str, tuple[StageServer, FakeStage]]]:
     """A driver over `stages` stages served by in-process servers ("s<stage>p<i>"); `script(pid, stage, kind, n)`
     may raise to make the n-th call of that kind to that stage fail after (or instead of) computing it: an
@@ -268,7 +295,7 @@ def swarm(stages: int, peers_per_stage: dict[int, int], script) -> tuple[Driver,
             srv.switch(ServedStage(key, s, 16, FakeStage(kinds)))
             servers[pid] = (srv, srv.stage.handler)
             smap[s].append(StagePeer(pid, s, 10.0, 0))
-    service = SimpleNamespace(cfg=PipelineSection(max_retries=2, verify_fraction=0.0), me="me", stage_map=lambda k: smap,
+    service = SimpleNamespace(cfg=DRIVER_CFG, me="me", stage_map=lambda k: smap,
                               session_of=lambda pid: PeerSession(servers[pid][0]))
     driver = Driver(service, key, reply_shapes=lambda *a: [])
     calls: dict = {}
@@ -289,9 +316,14 @@ def swarm(stages: int, peers_per_stage: dict[int, int], script) -> tuple[Driver,
     return driver, servers
 
 
-def microbatches(driver: Driver, n: int) -> list:
+def microbatches(driver: Driver, n: int, *, gap: float = 0.0) -> list:
+    """`n` microbatches in turn, `gap` seconds apart (virtual time)."""
+    async def one(i):
+        await trio.sleep(gap)
+        return await driver.run(Microbatch(i, SimpleNamespace(shape=(BATCH,)), None, seed=i))
+
     async def main():
-        return [await driver.run(Microbatch(i, SimpleNamespace(shape=(BATCH,)), None, seed=i)) for i in range(n)]
+        return [await one(i) for i in range(n)]
     return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
@@ -328,13 +360,118 @@ def test_a_microbatch_failed_at_the_first_stage_leaves_no_gradient_in_the_later_
     assert [d.acked_samples[s] for s in range(3)] == [2 * BATCH] * 3
 
 
-def test_an_ack_that_finds_its_gradient_gone_is_counted_lost():
+def test_an_ack_that_finds_its_gradient_gone_is_counted_lost_and_the_microbatch_not_done():
     driver, servers = swarm(2, {}, lambda *a: None)
     servers["s1p0"][0].kept.hold_s = 0.0  # the last stage drops its gradient before the ack comes
     [out] = microbatches(driver, 1)
-    assert out.ok and driver.stats.ack_lost == 1 and driver.stats.acked == 1
+    assert not out.ok and "stage 1 no longer had its gradient" in out.reason
+    assert driver.stats.ack_lost == 1 and driver.stats.acked == 1
+    assert driver.stats.done == 0 and driver.stats.failed == 1
     assert [driver.stats.acked_samples[s] for s in range(2)] == [BATCH, 0]
     assert taken(servers, 1) == 0 and taken(servers, 0) == BATCH
+
+
+def test_a_server_blaming_the_driver_is_struck_banned_and_its_calls_retried_elsewhere_once_each():
+    """Issue 39: a bad server of stage 1 refuses every call as the driver's fault (or answers its loss call
+    without a loss, its gradient kept). No microbatch fails: each is re-sent to the honest peer of the stage,
+    the bad one is struck each time and banned after three, and each stage still takes each microbatch once."""
+    blame = Refused(Refusal(Code.WRONG_SPECS, "your tensors are wrong (a lie)"))
+    script = lambda pid, stage, kind, n: blame if pid == "s1p0" else None  # noqa: E731
+    driver, servers = swarm(2, {1: 2}, script)
+    fast = driver._call_once
+
+    async def honest_is_slower(pid, peer, mb, stage, kind, tensors):  # so the balancer keeps trying the liar
+        if pid == "s1p1":
+            await trio.sleep(2.0)
+        return await fast(pid, peer, mb, stage, kind, tensors)
+
+    driver._call_once = honest_is_slower
+    n = 12
+    outs = microbatches(driver, n, gap=DRIVER_CFG.max_ban)  # past the balancer's avoidance: it is tried again
+    assert all(o.ok for o in outs), [o.reason for o in outs]
+    assert driver.stats.struck["s1p0"] >= BAN_AFTER  # banned each time its strikes add up again
+    assert [p for p, _, _ in driver.verifier.bans.active(0.0)] == ["s1p0"]
+    for s in range(2):
+        assert taken(servers, s) == n * BATCH, s
+    assert servers["s1p0"][0].stats.served == 0
+
+    # a loss-less reply: the bad server computes (and keeps its gradient), then answers without the loss
+    driver, servers = swarm(2, {1: 2}, lambda *a: None)
+    answered = driver._call_once
+
+    async def lossless(pid, peer, mb, stage, kind, tensors):
+        if pid == "s1p1":
+            await trio.sleep(2.0)
+        loss, outputs, kept, seconds = await answered(pid, peer, mb, stage, kind, tensors)
+        if pid == "s1p0":  # what the real _call_once makes of a loss call answered without a loss
+            raise Refused(NO_LOSS)
+        return loss, outputs, kept, seconds
+
+    driver._call_once = lossless
+    outs = microbatches(driver, 6, gap=DRIVER_CFG.max_ban)
+    assert all(o.ok for o in outs) and driver.stats.struck["s1p0"] >= 1
+    assert servers["s1p0"][0].stats.served >= 1 and sum(servers["s1p0"][1].taken) == 0  # its gradients never enter
+    assert taken(servers, 1) == 6 * BATCH
+
+
+def test_a_blamed_call_with_no_other_peer_of_its_stage_fails_at_once_and_strikes_nobody():
+    blame = Refused(Refusal(Code.BAD_INPUT, "NaN"))
+    driver, servers = swarm(2, {}, lambda pid, stage, kind, n: blame if stage == 1 else None)
+    [out] = microbatches(driver, 1)
+    assert not out.ok and out.resent == 0 and not driver.stats.struck
+    assert sum(len(srv.kept) for srv, _ in servers.values()) == 0
+
+
+def test_an_ack_nobody_answers_is_counted_lost_but_fails_nothing():
+    """The server died after keeping the gradient: nobody can tell whether it entered, so the microbatch is done
+    (a kill of a stage peer loses no microbatch), and the lost ack counted."""
+    from peer.session.transport import SessionClosed
+
+    class Dead:
+        async def request(self, message, *, timeout):
+            raise SessionClosed("remote closed the connection")
+
+    driver, servers = swarm(2, {}, lambda *a: None)
+    driver.service.session_of = lambda pid: Dead() if pid == "s1p0" else PeerSession(servers[pid][0])
+    [out] = microbatches(driver, 1)
+    assert out.ok and driver.stats.ack_lost == 1 and driver.stats.acked == 1 and driver.stats.done == 1
+
+
+def test_an_ack_after_the_idle_session_closed_redials_and_its_gradient_enters():
+    """Partial views close a session idle for 30 s; an ack then finds none and redials (`reach`), waiting out a
+    busy lookup, instead of leaving the gradient to expire there."""
+    from peer.membership.reach import ReachBusy
+
+    driver, servers = swarm(2, {}, lambda *a: None)
+    busy = {"left": 2}
+    redialed: list[str] = []
+
+    async def reach(pid):
+        if busy["left"]:
+            busy["left"] -= 1
+            raise ReachBusy("4 lookups pending")
+        redialed.append(pid)
+        return PeerSession(servers[pid][0])
+
+    driver.service.session_of = lambda pid: None  # idle: closed by the view driver
+    driver.service.reach = reach
+    outs = microbatches(driver, 2)
+    assert all(o.ok for o in outs) and driver.stats.ack_lost == 0 and driver.stats.acked == 4
+    assert taken(servers, 0) == taken(servers, 1) == 2 * BATCH and redialed
+
+
+def test_a_server_keeping_a_gradient_for_us_keeps_its_session_until_the_ack():
+    driver, servers = swarm(2, {}, lambda *a: None)
+    srv = servers["s1p0"][0]
+
+    async def main():
+        call = StageCall(pipeline="p", stage=1, kind="loss", batch=BATCH, seed=1, tensors=[], streams=[], cuts=[1])
+        _, _, kept, _ = await srv.compute_local(call, [])
+        driver._owe("s1p0", +1)  # as _call_once does for a reply naming a kept gradient
+        assert driver.calling("s1p0") and not driver.calling("s0p0")
+        assert await driver._ack("s1p0", [kept], True) == {kept}
+        assert not driver.calling("s1p0")
+    run(main)
 
 
 # ---- wire ------------------------------------------------------------------------------------------------

@@ -294,10 +294,29 @@ def test_busy_and_stale_refusals_use_no_attempt_and_other_failures_do():
 
 
 @pytest.mark.parametrize("code", sorted(ASKERS_FAULT))
-def test_a_refusal_any_peer_would_give_fails_the_microbatch_at_once(code):
+def test_a_refusal_blaming_us_is_tried_elsewhere_and_the_refuser_struck_when_another_serves_it(code):
+    """One server alone cannot fail a microbatch by blaming the driver: the call goes to another peer of the
+    stage, and once that one serves it the refuser is struck (issue 39)."""
     outcome, stats, left = drive([refused(code), None])
+    assert outcome.ok and outcome.resent == 1 and not left and stats.failed == 0
+    assert sum(stats.struck.values()) == 1
+
+
+@pytest.mark.parametrize("code", sorted(ASKERS_FAULT))
+def test_a_refusal_two_peers_agree_on_fails_the_microbatch_and_strikes_nobody(code):
+    from peer.pipeline.driver import ASKERS_FAULT_AGREE
+
+    outcome, stats, left = drive([refused(code)] * ASKERS_FAULT_AGREE + [None], max_retries=4)
     assert not outcome.ok and f"refused ({code.value})" in outcome.reason and left == [None]
-    assert outcome.resent == 0 and stats.failed == 1
+    assert outcome.resent == ASKERS_FAULT_AGREE - 1 and stats.failed == 1 and not stats.struck
+
+
+def test_a_late_or_malformed_reply_is_struck_once_another_peer_serves_the_call():
+    from peer.pipeline.driver import _CallFailed
+
+    outcome, stats, left = drive([_CallFailed("no answer", fault=True), _CallFailed("bad reply", fault=True),
+                                  _CallFailed("session ended"), None], max_retries=4)
+    assert outcome.ok and not left and sum(stats.struck.values()) == 2  # not the ended session's (not its doing)
 
 
 # ---- wire: range checks on decode -------------------------------------------------------------------------

@@ -336,7 +336,7 @@ def test_the_liar_option_is_checked():
     from peer.testing.lying_stage import parse
 
     assert parse("scale:1.05") == ("scale", 1.05) and parse("noise:0.3") == ("noise", 0.3)
-    assert parse("flip") == ("flip", 0.0) and parse("stale") == ("stale", 0.0)
+    assert parse("flip") == ("flip", 0.0) and parse("stale") == ("stale", 0.0) and parse("blame") == ("blame", 0.0)
     for bad in ("", "scale", "scale:x", "scale:nan", "noise:0", "noise:-1", "flip:2", "lie", "scale:1e9"):
         with pytest.raises(ValueError, match="liar"):
             parse(bad)

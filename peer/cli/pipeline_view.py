@@ -102,6 +102,8 @@ def _driver_facts(d: dict, tr: dict, reach: dict | None = None) -> Table:
     if d.get("acked_samples"):
         t.add_row("gradients", f"samples taken by stage {d['acked_samples']}   {d.get('dropped', 0)} dropped (failed "
                                f"microbatches)   {d.get('ack_lost', 0)} acks lost")
+    if d.get("struck"):  # servers that refused or failed calls another peer of their stage served
+        t.add_row("struck", Text("   ".join(f"{p[:8]} x{n}" for p, n in d["struck"].items()), style="yellow"))
     for f in (d.get("failures") or [])[-SHOWN_FAILURES:]:
         t.add_row("failed", Text(f"microbatch {f['microbatch']}: {f['reason']}", style="red"))
     return t

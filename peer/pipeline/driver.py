@@ -5,8 +5,11 @@ nothing between a forward and its backward, so the backward of stage s may go to
 carries the stage's inputs (kept here) and the gradient of its output, and the server recomputes the forward
 with the same seed. A call has a deadline scaled by its expected time there; on an error, a refusal or the
 deadline it is re-sent to another peer of the stage, at most `[pipeline] max_retries` times, and the failing
-peer is avoided for a growing interval. A stage with no usable peer is waited for (at most
-`[pipeline] stage_wait`, shown in status), polling, never spinning. Every microbatch ends as an `Outcome`:
+peer is avoided for a growing interval. A peer that refused or failed a call another peer of its stage then
+served (a refusal blaming us, a reply without its loss, a malformed one, its deadline passed) is struck in the
+ban list the checks use (three strikes ban it from our calls); a refusal blaming us fails the microbatch only
+when ASKERS_FAULT_AGREE peers of the stage say so, or no other is left. A stage with no usable peer is waited
+for (at most `[pipeline] stage_wait`, shown in status), polling, never spinning. Every microbatch ends as an `Outcome`:
 done (with how many re-sends it took) or failed with the reason; none is dropped silently.
 
 A server keeps the parameter gradient of a "backward" or "loss" call aside and names it in its reply
@@ -15,7 +18,12 @@ each server that kept one to add it to its stage (`StageAck`), and counts, per s
 confirm; a microbatch that failed tells them to drop theirs. A reply lost after the server computed it (the
 call re-sent to another peer) is never acknowledged, so its gradient enters no stage: each stage counts a
 microbatch at most once, and one that failed in none. A microbatch is done, and counted, once its acks are
-answered: `done` x microbatch = the samples every stage confirmed, but for `ack_lost`.
+answered. A stage whose server answers that it no longer has the gradient (evicted, expired) makes the
+microbatch fail (`ack_lost`): its other stages took it, that one did not, and the trainer must not count it
+done. An ack not answered (the server died) is counted lost too, but nobody can tell whether it entered. An
+ack goes over the session the call used, kept up while the ack is owed (`calling`), or one a lookup redials
+(partial views).
+An attempt runs at most `longest_microbatch_s` (kept.py), so the servers' hold outlives it.
 
 A share of the completed calls (`[pipeline] verify_fraction`) is checked: the same call at another peer of the
 stage, its answer compared with the first (peer/pipeline/verify.py), beside the microbatch's next calls. A
@@ -41,6 +49,7 @@ from peer.concurrency import together
 from peer.membership.reach import ReachBusy, Unreachable
 from peer.pipeline.balancer import Balancer
 from peer.pipeline.directory import PipelineKey
+from peer.pipeline.kept import longest_microbatch_s
 from peer.pipeline.server import LOCAL_DRIVER
 from peer.pipeline.verify import MAX_RERUNS, Answer, Verifier, floor
 from peer.session.groups import IncomingGroup, OutgoingGroup
@@ -66,6 +75,10 @@ WAIT_POLL_S = 0.2  # how often a driver waiting for a stage looks again (a peer 
 # MAX_STALE times a call (a peer that lies this way only gets itself avoided, and the bound ends the loop).
 # Any other refusal, and a call that failed without one (_CallFailed), uses up an attempt.
 MAX_STALE = 16
+ASKERS_FAULT_AGREE = 2
+"""Peers of a stage that must refuse the same call as our fault (ASKERS_FAULT, or answer a loss call without a
+loss) before the microbatch fails for it: one bad server alone cannot fail it; two honest ones agreeing on bad
+inputs of ours end it after one re-send. Each such refuser is struck once another peer serves the call."""
 NO_LOSS = Refusal(Code.BAD_INPUT, "the stage returned no loss (not finite?)")
 """A loss or evaluate call answered without a finite loss: our inputs give any peer of the stage the same."""
 STOP_POLL_S = 0.2  # a trainer waiting for a free microbatch slot notices a stop this soon
@@ -107,7 +120,12 @@ class MicrobatchFailed(Exception):
 
 class _CallFailed(Exception):
     """A call that failed without being refused: no session, no answer by its deadline, the session ended, a
-    bad reply. Re-sent to another peer of the stage, using up an attempt (a refusal is `Refused`, by code)."""
+    bad reply. Re-sent to another peer of the stage, using up an attempt (a refusal is `Refused`, by code).
+    `fault`: the server's doing (its deadline passed, a bad reply): struck if another peer serves the call."""
+
+    def __init__(self, why: str, *, fault: bool = False):
+        super().__init__(why)
+        self.fault = fault
 
 
 @dataclass
@@ -129,6 +147,7 @@ class DriverStats:
     acked_samples: Counter = field(default_factory=Counter)  # stage -> samples it confirmed taking from us
     ack_lost: int = 0  # gradients of done microbatches a stage did not confirm: missing there (or unconfirmed)
     dropped: int = 0  # gradients of failed microbatches we told their server to drop
+    struck: Counter = field(default_factory=Counter)  # peer -> strikes for calls it refused or failed (see _call)
 
 
 @dataclass(frozen=True)
@@ -150,6 +169,7 @@ class _Attempt:
     kept: list[KeptAt] = field(default_factory=list)
     served: set[str] = field(default_factory=set)  # peers that answered one of its calls
     found: set[str] = field(default_factory=set)  # outliers its checks named
+    deadline: float = float("inf")  # trio clock: no call of it starts past this (longest_microbatch_s)
 
 
 class Driver:
@@ -166,6 +186,8 @@ class Driver:
         self.stats = DriverStats()
         self.verifier = Verifier(self.cfg.verify_fraction, service.me, bans if bans is not None else BanList(), rng)
         self._waiting_calls: Counter = Counter()  # stage -> calls waiting for a usable peer of it
+        self._owed: Counter = Counter()  # peer -> gradients it keeps for us that we have not acknowledged yet
+        self.longest_s = longest_microbatch_s(self.cfg, self.stages)
 
     async def run(self, mb: Microbatch) -> Outcome:
         """One microbatch, start to end; never raises for what peers do (the outcome says it). A check that finds
@@ -179,7 +201,7 @@ class Driver:
                 failure: MicrobatchFailed | None = None
                 loss = None
                 async with trio.open_nursery() as checks:  # the attempt ends once its checks have
-                    at = _Attempt(checks, resent, avoid)
+                    at = _Attempt(checks, resent, avoid, deadline=trio.current_time() + self.longest_s)
                     try:
                         loss = await (self._evaluate(mb, at) if mb.evaluate else self._train(mb, at))
                     except MicrobatchFailed as exc:
@@ -204,7 +226,13 @@ class Driver:
                     log.warning("microbatch %d failed after %d re-sent calls: %s", mb.id, resent[0], failure)
                     return Outcome(mb.id, False, mb.batch, resent=resent[0], reruns=reruns,
                                    seconds=trio.current_time() - t0, reason=str(failure), evaluate=mb.evaluate)
-                await self._settle(mb, at.kept, accumulate=True)
+                lost = await self._settle(mb, at.kept, accumulate=True)
+                if lost:  # a stage no longer had its part: not done (the others did take theirs)
+                    self.stats.failed += 1
+                    reason = f"stage {', '.join(map(str, lost))} no longer had its gradient (evicted or expired)"
+                    self.stats.failures.append((mb.id, reason))
+                    return Outcome(mb.id, False, mb.batch, loss=loss, resent=resent[0], reruns=reruns,
+                                   seconds=trio.current_time() - t0, reason=reason, evaluate=mb.evaluate)
                 break
         finally:
             self.stats.in_flight -= 1
@@ -239,12 +267,15 @@ class Driver:
         loss, _, _ = await self._call(mb, self.stages - 1, "evaluate", [h, mb.y], at)
         return loss
 
-    async def _settle(self, mb: Microbatch, kept: list[KeptAt], *, accumulate: bool) -> None:
+    async def _settle(self, mb: Microbatch, kept: list[KeptAt], *, accumulate: bool) -> list[int]:
         """Tell every server that kept a gradient of `mb` to add it to its stage (`accumulate`: the backward
-        completed through every stage) or to drop it (the microbatch failed); count what each confirmed. Each
-        ack is bounded by `call_timeout` (a lost one leaves the gradient to expire there, unconfirmed here)."""
+        completed through every stage) or to drop it (the microbatch failed); count what each confirmed; the
+        stages whose server answered that it no longer had its gradient (evicted, expired: when accumulating).
+        Each ack is bounded by `call_timeout`; one not answered (the server died, say) is counted lost, but
+        nobody can tell whether it entered, so it fails nothing."""
+        lost: list[int] = []
         if not kept:
-            return
+            return lost
         by_peer: dict[str, list[KeptAt]] = defaultdict(list)
         for k in kept:
             by_peer[k.peer].append(k)
@@ -255,35 +286,69 @@ class Driver:
                 self.stats.dropped += len(ks)
                 return
             for k in ks:
-                if k.id in entered:
+                if entered is not None and k.id in entered:
                     self.stats.acked += 1
                     self.stats.acked_samples[k.stage] += mb.batch
                 else:
                     self.stats.ack_lost += 1
-                    log.warning("microbatch %d: stage %d at %s did not confirm taking its gradient", mb.id, k.stage,
-                                pid[:8])
+                    if entered is not None:
+                        lost.append(k.stage)
+                    log.warning("microbatch %d: stage %d at %s %s", mb.id, k.stage, pid[:8],
+                                "did not answer its ack" if entered is None else "no longer had its gradient")
 
         async with trio.open_nursery() as n:
             for pid, ks in by_peer.items():
                 n.start_soon(settle, pid, ks)
+        return sorted(lost)
 
-    async def _ack(self, pid: str, ids: list[int], accumulate: bool) -> set[int]:
-        """One StageAck to `pid` (in-process for our own stage); the ids whose gradient entered its stage."""
+    async def _ack(self, pid: str, ids: list[int], accumulate: bool) -> set[int] | None:
+        """One StageAck to `pid` (in-process for our own stage); the ids whose gradient entered its stage, None if
+        it did not answer. Its session was kept up while we owed it this ack (`calling`); one closed anyway is
+        redialed (`reach`: partial views), all within `call_timeout`."""
         if pid == self.service.me:
             return set(await self.service.server.acknowledge(LOCAL_DRIVER, ids, accumulate=accumulate))
-        session = self.service.session_of(pid)
-        if session is None:
-            return set()
         try:
-            env = await session.request(StageAck(kept=ids, accumulate=accumulate), timeout=self.cfg.call_timeout)
-        except (trio.TooSlowError, SessionClosed):
-            return set()
-        reply = env.message
-        return set(reply.accumulated) & set(ids) if isinstance(reply, StageAckReply) else set()
+            with trio.move_on_after(self.cfg.call_timeout):
+                session = await self._session_for_ack(pid)
+                if session is None:
+                    return None
+                env = await session.request(StageAck(kept=ids, accumulate=accumulate), timeout=self.cfg.call_timeout)
+                reply = env.message
+                return set(reply.accumulated) & set(ids) if isinstance(reply, StageAckReply) else None
+            return None
+        except (trio.TooSlowError, SessionClosed, Unreachable):
+            return None
+        finally:
+            self._owe(pid, -len(ids))
+
+    async def _session_for_ack(self, pid: str):
+        """The session to ack `pid` over: the one we have, else one a lookup makes (waiting while lookups are busy;
+        the caller bounds it). None when nothing reaches it (full views without a session)."""
+        session = self.service.session_of(pid)
+        if session is not None:
+            return session
+        reach = getattr(self.service, "reach", None)
+        if reach is None:
+            return None
+        while True:
+            try:
+                return await reach(pid)
+            except ReachBusy:
+                await trio.sleep(WAIT_POLL_S)
+
+    def _owe(self, pid: str, n: int) -> None:
+        """Count gradients `pid` keeps for us until our ack (its session stays up meanwhile: `calling`)."""
+        left = self._owed[pid] + n
+        if left > 0:
+            self._owed[pid] = left
+        else:
+            self._owed.pop(pid, None)
 
     def calling(self, peer_id: str) -> bool:
-        """Whether a call of ours is out at `peer_id` (its session must stay up meanwhile)."""
-        return any((e := b.peers.get(peer_id)) is not None and e.outstanding > 0 for b in self.balancers)
+        """Whether a call of ours is out at `peer_id`, or it keeps a gradient we owe an ack for (its session must
+        stay up meanwhile: partial views close idle ones, and the ack would find none)."""
+        return peer_id in self._owed or any((e := b.peers.get(peer_id)) is not None and e.outstanding > 0
+                                            for b in self.balancers)
 
     def _seed(self, mb: Microbatch, stage: int) -> int:
         return (mb.seed * 1_000_003 + stage * 7919) & 0x7FFF_FFFF
@@ -299,12 +364,17 @@ class Driver:
         outputs, the gradient its server keeps for us, if any). A completed call may be checked (verify.py)."""
         balancer = self.balancers[stage]
         attempts, stale, tried, last_error = 0, 0, set(), ""
+        blamed: set[str] = set()  # peers that refused this call as our fault: never asked again
+        suspects: dict[str, str] = {}  # peer -> how it refused or failed this call: struck if another serves it
         wait_started: float | None = None
         while True:
             if self.stopped():  # the daemon is stopping: no more re-sends (the outcome says so)
                 raise MicrobatchFailed(f"stage {stage} {kind}: this daemon is stopping")
             now = trio.current_time()
-            peers = self._peers(stage, now, at.avoid)
+            if now > at.deadline:
+                raise MicrobatchFailed(f"stage {stage} {kind}: the microbatch ran past its longest "
+                                       f"{self.longest_s:.0f}s" + (f" (last error: {last_error})" if last_error else ""))
+            peers = self._peers(stage, now, at.avoid | blamed)
             fresh = {p.peer_id for p in peers} - tried
             pid = balancer.choose(peers, mb.batch, now, exclude=tried if fresh else set())
             if pid is None:  # nobody usable: wait (bounded, visible), do not spin
@@ -333,8 +403,14 @@ class Driver:
                 if busy:  # full, not broken: avoided only briefly (the balancer), no attempt used
                     self.stats.busy += 1
                     continue
-                if code in ASKERS_FAULT:
-                    raise MicrobatchFailed(f"stage {stage} {kind}: {exc}") from None
+                if code in ASKERS_FAULT:  # a second opinion before we believe it (ASKERS_FAULT_AGREE)
+                    blamed.add(pid)
+                    if len(blamed) >= ASKERS_FAULT_AGREE or not self._peers(stage, trio.current_time(),
+                                                                             at.avoid | blamed):
+                        raise MicrobatchFailed(f"stage {stage} {kind}: {exc}" + (
+                            f" ({len(blamed)} peers agree)" if len(blamed) > 1 else "")) from None
+                if pid != self.service.me and (code in ASKERS_FAULT or getattr(exc, "fault", False)):
+                    suspects[pid] = str(exc)
                 tried.add(pid)
                 if code in STALE_VIEW and stale < MAX_STALE:
                     stale += 1
@@ -349,12 +425,24 @@ class Driver:
                 continue
             balancer.done(pid, mb.batch, trio.current_time() - t0, trio.current_time())
             self.stats.calls[pid] += 1
+            for bad, why in suspects.items():  # the stage serves this call: theirs was no fault of ours
+                self._strike(bad, f"stage {stage} {kind}: {why}; {pid[:8]} served the same call")
             loss, outputs, kept, compute_s = result
             at.served.add(pid)
             self.verifier.stats.call_compute_s += compute_s
             if self.verifier.wants(stage, kind):
                 self._start_check(mb, stage, kind, tensors, Answer(pid, loss, outputs, kept, compute_s), at)
             return loss, outputs, (KeptAt(stage, pid, kept) if kept else None)
+
+    def _strike(self, peer_id: str, reason: str) -> None:
+        """A strike for a call `peer_id` refused or failed that another peer of its stage served: in the ban list
+        our checks use (verify.py; three strikes ban it from our calls, for a doubling interval)."""
+        self.stats.struck[peer_id] += 1
+        if self.verifier.bans.strike(peer_id, reason, trio.current_time()):
+            log.warning("banned %s from our pipeline calls: %s", peer_id[:8],
+                        self.verifier.bans.banned(peer_id, trio.current_time()))
+        else:
+            log.info("struck %s: %s", peer_id[:8], reason)
 
     def _start_check(self, mb: Microbatch, stage: int, kind: str, tensors: list[Any], first: Answer,
                      at: _Attempt) -> None:
@@ -481,18 +569,21 @@ class Driver:
                     raise ProtocolError(f"expected stage_reply, got {type(reply).__name__}")
                 outputs = await theirs.receive(timeout=timeout)
         except trio.TooSlowError:
-            raise _CallFailed(f"no answer within its {timeout:.1f}s deadline") from None
+            raise _CallFailed(f"no answer within its {timeout:.1f}s deadline", fault=True) from None
         except SessionClosed as exc:
             raise _CallFailed(f"session ended: {exc}") from None
         except ProtocolError as exc:  # a malformed reply: that session is done (as for any bad message)
             await session.aclose(f"protocol error: {exc}")
-            raise _CallFailed(f"bad reply: {exc}") from None
+            raise _CallFailed(f"bad reply: {exc}", fault=True) from None
         finally:
             if theirs is not None:
                 theirs.discard()
         if kind in ("loss", "evaluate") and reply.loss is None:
-            raise Refused(NO_LOSS)
-        return reply.loss, outputs, reply.kept, reply.compute_s
+            raise Refused(NO_LOSS)  # its kept gradient (if any) is never acknowledged: it expires there
+        kept = reply.kept if kind in ("backward", "loss") else 0  # only those keep one: an id on others is ignored
+        if kept:
+            self._owe(pid, +1)  # until our ack, whatever happens to the microbatch now (kept up: `calling`)
+        return reply.loss, outputs, kept, reply.compute_s
 
 
 class DriverHandle:

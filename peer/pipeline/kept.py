@@ -11,9 +11,13 @@ dropped after `hold_s`. Each gradient is taken at most once, so it enters the st
 once. An ack naming an id not kept for its sender (unknown, already taken, or kept for another driver) changes
 nothing and is counted.
 
-What a driver can make a server keep is bounded in count (per driver and in all) and in bytes; when a bound
-is reached the oldest is dropped (counted), so a server never stalls for want of room, and a driver that keeps
-too many only loses its own oldest. Pure bookkeeping: the clock is passed in, the gradients are opaque.
+What a driver can make a server keep is bounded in count and in bytes, per driver and in all; when a bound
+is reached an oldest entry is dropped (counted), so a server never stalls for want of room. It is fair per
+driver: past its own bound a driver loses its own oldest; when the book as a whole is full, the entry that goes
+is the oldest of the driver holding the most (bytes, then count; the newcomer itself on a tie). So drivers that
+never acknowledge only crowd each other out: a driver holding no more than any other never loses an entry to
+another's. A driver learns of a lost entry from its ack's reply (the id is missing), and does not count that
+microbatch as done (peer/pipeline/driver.py). Pure bookkeeping: the clock is passed in, the gradients are opaque.
 """
 
 from __future__ import annotations
@@ -34,9 +38,25 @@ it lost, waiting for `hold_s`, with room. Past it that driver's own oldest is dr
 MAX_KEPT_BYTES = 4 << 30
 """Bytes of kept gradients, in all. Each is a full copy of the stage's parameter gradient, on the stage's device:
 for a 100 MB stage that is 40 of them; a stage of more than 4 GiB keeps one (the newest)."""
-HOLD_CALL_TIMEOUTS = 2.0
-"""A gradient is kept at most this many times `[pipeline] max_call_timeout`: the rest of its microbatch's
-backward is a few calls, each given up by the driver after at most that long."""
+MAX_KEPT_BYTES_PER_DRIVER = MAX_KEPT_BYTES * MAX_KEPT_PER_DRIVER // MAX_KEPT
+"""Of which one driver: the same share as its count (half), so one driver alone never fills the bytes and a
+second finds room without evicting anyone."""
+HOLD_MARGIN_CALLS = 3
+"""Past the longest microbatch (`longest_microbatch_s`), a gradient is kept this many more `max_call_timeout`s:
+the checks of its last call (two calls, verify.py) end before its attempt does, then its ack (one call)."""
+
+
+def longest_microbatch_s(cfg: Any, stages: int) -> float:
+    """The longest one attempt of a microbatch may run at a driver with `[pipeline]` settings `cfg` over `stages`
+    stages (the driver fails an attempt past it, driver.py): each of its 2 x stages - 1 calls may be sent
+    `max_retries` + 1 times with the longest deadline, and it may wait `stage_wait` once for a stage with no peer."""
+    return (2 * stages - 1) * (cfg.max_retries + 1) * cfg.max_call_timeout + cfg.stage_wait
+
+
+def hold_s(cfg: Any, stages: int) -> float:
+    """How long a server keeps an unacknowledged gradient: past the longest microbatch and its ack, so an honest
+    driver's ack always finds it (with our own settings; a driver with longer ones is on its own)."""
+    return longest_microbatch_s(cfg, stages) + HOLD_MARGIN_CALLS * cfg.max_call_timeout
 SWEEP_S = 5.0
 """How often the daemon drops the gradients past their hold when no call or ack comes (they hold memory)."""
 
@@ -77,11 +97,13 @@ class KeptGradients:
     never, or taken or dropped already), `stranger` (kept for another driver; it stays kept)."""
 
     def __init__(self, *, hold_s: float, most: int = MAX_KEPT, most_per_driver: int = MAX_KEPT_PER_DRIVER,
-                 most_bytes: int = MAX_KEPT_BYTES):
+                 most_bytes: int = MAX_KEPT_BYTES, most_bytes_per_driver: int = MAX_KEPT_BYTES_PER_DRIVER):
         self.hold_s, self.most, self.most_per_driver, self.most_bytes = hold_s, most, most_per_driver, most_bytes
+        self.most_bytes_per_driver = most_bytes_per_driver
         self.stats = KeptStats()
         self._kept: OrderedDict[int, Kept] = OrderedDict()
         self._per_driver: Counter = Counter()
+        self._bytes_per_driver: Counter = Counter()
         self._bytes = 0
         self._ids = itertools.count(1)
 
@@ -95,15 +117,27 @@ class KeptGradients:
     def keep(self, driver: str, owner: Any, gradient: HeldGradient, now: float) -> int:
         """Keep `gradient` for `driver` (dropping the oldest past a bound); its id, for the reply."""
         self.expire(now)
-        while self._per_driver[driver] >= self.most_per_driver:
-            self._drop(next(k for k in self._kept.values() if k.driver == driver).id, "full")
+        while self._per_driver[driver] and (self._per_driver[driver] >= self.most_per_driver or
+                                            self._bytes_per_driver[driver] + gradient.nbytes > self.most_bytes_per_driver):
+            self._drop(self._oldest_of(driver), "full")
         while self._kept and (len(self._kept) >= self.most or self._bytes + gradient.nbytes > self.most_bytes):
-            self._drop(next(iter(self._kept)), "full")
+            self._drop(self._oldest_of(self._largest(driver)), "full")
         kept = Kept(next(self._ids), driver, owner, gradient, now + self.hold_s)
         self._kept[kept.id] = kept
         self._per_driver[driver] += 1
+        self._bytes_per_driver[driver] += gradient.nbytes
         self._bytes += gradient.nbytes
         return kept.id
+
+    def _largest(self, newcomer: str) -> str:
+        """Whose entry goes when the book is full: the driver holding the most (bytes, then count), `newcomer` on
+        a tie (it then loses its own); never one holding less than another."""
+        def held(d: str) -> tuple[int, int, bool]:
+            return self._bytes_per_driver[d], self._per_driver[d], d == newcomer
+        return max(self._per_driver, key=held)
+
+    def _oldest_of(self, driver: str) -> int:
+        return next(k.id for k in self._kept.values() if k.driver == driver)
 
     def take(self, driver: str, ids: list[int], now: float) -> list[Kept]:
         """The gradients of `ids` kept for `driver`, no longer kept (acknowledged: the caller adds them to the
@@ -151,8 +185,10 @@ class KeptGradients:
     def _pop(self, kept_id: int) -> Kept:
         kept = self._kept.pop(kept_id)
         self._per_driver[kept.driver] -= 1
+        self._bytes_per_driver[kept.driver] -= kept.gradient.nbytes
         if self._per_driver[kept.driver] <= 0:
             del self._per_driver[kept.driver]
+            del self._bytes_per_driver[kept.driver]
         self._bytes -= kept.gradient.nbytes
         return kept
 
@@ -161,5 +197,6 @@ class KeptGradients:
         self.stats.dropped[why] += 1
 
     def status(self) -> dict:
-        return {"kept": len(self._kept), "kept_mb": round(self._bytes / 1e6, 3), "acked": self.stats.acked,
+        return {"kept": len(self._kept), "kept_mb": round(self._bytes / 1e6, 3), "kept_drivers": len(self._per_driver),
+                "hold_s": round(self.hold_s, 1), "acked": self.stats.acked,
                 "dropped": dict(self.stats.dropped), "acks_ignored": dict(self.stats.ignored)}

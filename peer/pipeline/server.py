@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import trio
 
 from peer.pipeline.directory import PipelineKey
-from peer.pipeline.kept import HOLD_CALL_TIMEOUTS, HeldGradient, Kept, KeptGradients
+from peer.pipeline.kept import HeldGradient, Kept, KeptGradients, hold_s
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
 from protocol.schema.gossip import TensorSpec
@@ -83,12 +83,14 @@ class StageServer:
         self.stats = ServerStats()
         self.per_peer: Counter = Counter()  # driver -> calls held for it now
         self.compute_lock = trio.Lock()  # one computation at a time (see module docstring)
-        self.kept = KeptGradients(hold_s=HOLD_CALL_TIMEOUTS * cfg.max_call_timeout)
+        self.kept = KeptGradients(hold_s=hold_s(cfg, 1))  # set for the pipeline's stages when we serve one
 
     def switch(self, stage: ServedStage | None) -> None:
         """Serve `stage` from now on (None: nothing); gradients kept for another stage are dropped."""
         self.stage = stage
         self.kept.drop_all_but(stage, "stale")
+        if stage is not None:  # kept past the longest microbatch of this pipeline (kept.py)
+            self.kept.hold_s = hold_s(self.cfg, stage.key.stages)
 
     def refusal(self, call: StageCall, peer_id: str) -> Refusal | None:
         """Why we will not take `call` from `peer_id`, or None."""

@@ -7,7 +7,9 @@ then sends something else back:
   * "scale:F": every output tensor times F (activations, and the gradients of a backward or loss call);
   * "noise:S": every output plus Gaussian noise of S times the output's RMS;
   * "flip": the gradient of a backward or loss call negated (forwards stay honest);
-  * "stale": the outputs of the weights it had when it started lying, frozen, while its stage trains on.
+  * "stale": the outputs of the weights it had when it started lying, frozen, while its stage trains on;
+  * "blame": computes nothing and refuses every call as the asker's fault (the server answers BAD_INPUT), a lie
+    any honest peer of the stage contradicts by serving the call (peer/pipeline/driver.py strikes it then).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from trainers.pipeline.blocks import seeded
 
-MODES = ("scale", "noise", "flip", "stale")
+MODES = ("scale", "noise", "flip", "stale", "blame")
 WRAPPER = "peer.testing.lying_stage:liar"  # the swarm_pipeline `stage_wrapper` that serves a stage through `Lying`
 
 
@@ -74,6 +76,8 @@ class Lying:
         return self.handler.input_specs(kind, batch)
 
     def compute(self, kind: str, tensors: list[Any], seed: int):
+        if self.mode == "blame":  # the server answers a ValueError as BAD_INPUT, blaming the driver
+            raise ValueError("your inputs are not what this stage takes (a lie: any honest peer serves them)")
         loss, outputs, held = self.handler.compute(kind, tensors, seed)
         if self.mode == "stale":
             outputs = self._stale(kind, tensors, seed, outputs)
