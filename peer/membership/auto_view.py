@@ -81,7 +81,8 @@ class AutoView:
                 await self.full.run()  # until the switch cancels it
             driver = self.partial
             assert driver is not None
-            await nursery.start(driver.run)
+            nursery.start_soon(driver.run)
+            await driver.running.wait()
             self._running.set()
             sessions = list(self.m.connected())
             random.shuffle(sessions)

@@ -119,6 +119,7 @@ class ViewDriver:
         self._lost: dict[str, float] = {}  # neighbours whose session ended: until when a successor may replace it
         self._buckets: dict[str, TokenBucket] = {}  # per session (one per peer), dropped when it ends
         self._nursery: trio.Nursery | None = None
+        self.running = trio.Event()  # run() holds its nursery: actions can be carried out
         self._wake = trio.Event()
         self._next_local_contact = 0.0
         self._started = trio.current_time()
@@ -203,11 +204,11 @@ class ViewDriver:
                 "gap": None if self.gap is None else self.gap.status()}
 
     # ---- the loop -----------------------------------------------------------------------------------
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self) -> None:
         """Tick the views at their `next_tick` (and at least every TICK_MAX), until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            task_status.started()
+            self.running.set()
             if self.gap is not None:
                 nursery.start_soon(self.gap.run)
             while True:
