@@ -123,6 +123,25 @@ def test_a_view_message_switches_an_auto_view_and_is_answered_not_refused() -> N
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+def test_a_view_message_its_sender_may_not_send_switches_nothing() -> None:
+    """A Join naming another peer (view_messages.check refuses it) and a gap round leave an auto view full."""
+    async def main() -> None:
+        from protocol.schema.views import GapRound
+        m = _membership(views="auto")
+        v = m.views
+        assert isinstance(v, AutoView)
+        sender = FakeSession("q" * 20)
+        async with trio.open_nursery() as n:
+            n.start_soon(v.run)
+            await m.router.dispatch(sender, SimpleNamespace(message=Join(Entry("r" * 20, ())), size=80))
+            gap = GapRound(epoch=1, round=0, values=(0.5,), degree=2, slope=None)
+            await m.router.dispatch(sender, SimpleNamespace(message=gap, size=80))
+            await trio.sleep(2)
+            assert v.partial is None and sender.closed_with is None and not v.chooses_edges
+            n.cancel_scope.cancel()
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 @pytest.mark.parametrize("views", ["full", "auto-fixed"])
 def test_a_full_view_ignores_a_view_message_and_keeps_the_session(views: str) -> None:
     """A `views = "full"` daemon (and an auto one that cannot switch, its [topology] kind fixed) in a mixed

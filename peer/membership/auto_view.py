@@ -28,6 +28,7 @@ from peer.config import Config
 from peer.config.checks import partial_views_refusal
 from peer.membership.auto_switch import AutoSwitch
 from peer.membership.view_driver import ViewDriver, gap_config, view_config
+from peer.membership.view_messages import BadMessage, check
 from peer.membership.view_mode import FullView, ViewMode
 
 if TYPE_CHECKING:
@@ -118,7 +119,10 @@ class AutoView:
 
     async def _on_view_message(self, session: Session, env: Any) -> None:
         if self.partial is None:
-            if not self.switch.view_message(session.peer_id, time.time()):
+            # only a view message its sender may send switches us (a gap round goes to neighbours we would
+            # already have); any other is ignored, as a full view ignores them all
+            if not (self._may_send(env.message, session.peer_id)
+                    and self.switch.view_message(session.peer_id, time.time())):
                 log.debug("views: %s from %s ignored (%s)", type(env.message).__name__, session.short,
                           self.switch.describe(self.members()))
                 return
@@ -126,6 +130,14 @@ class AutoView:
         await self._running.wait()  # run() starts the driver at once (it holds membership's nursery)
         assert self.partial is not None
         await self.partial.handlers()[type(env.message)](session, env)
+
+    @staticmethod
+    def _may_send(msg: object, sender: str) -> bool:
+        try:
+            check(msg, sender)
+        except BadMessage:
+            return False
+        return True
 
     # ---- the view mode: whichever is in effect ----------------------------------------------------------
     async def greet(self, session: Session) -> None:
