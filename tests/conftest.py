@@ -94,6 +94,7 @@ UNIT_MODULES = frozenset({
     "test_topology_edges.py",
     "test_topology_record_book.py",
     "test_views.py",
+    "test_auto_views_units.py",
     "test_topology_local.py",
     "test_heartbeat_units.py",
     "test_dashboard_units.py",

@@ -297,6 +297,7 @@ def test_the_foreign_write_rule_finds_hook_writes(source: str) -> None:
 @pytest.mark.parametrize("implementation, protocols", [
     ("peer.membership.view_mode:FullView", ["peer.membership.view_mode:ViewMode"]),
     ("peer.membership.view_driver:ViewDriver", ["peer.membership.view_mode:ViewMode"]),
+    ("peer.membership.auto_view:AutoView", ["peer.membership.view_mode:ViewMode"]),
     ("peer.membership.service:Membership", ["peer.membership.dialing:DialPolicy", "peer.membership.reach:Dialing"]),
     ("peer.topology.service:TopologyService", ["peer.services:KeepsSessions", "peer.services:MeasuresLinks",
                                                "peer.services:FollowsViewEdges"]),

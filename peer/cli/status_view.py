@@ -110,6 +110,8 @@ def render_status(st: dict):
         t = _facts()
         t.add_row("topology", f"{topo.get('kind')}   degree {topo.get('degree')}   view {topo.get('view_nodes')} peers / {topo.get('view_edges')} edges")
         t.add_row("spectral gap", f"{topo.get('spectral_gap', 0):.3f}")
+        if topo.get("view_mode"):  # [membership] views: full, partial, or auto and which of them runs
+            t.add_row("views", topo["view_mode"])
         if topo.get("last_move"):
             t.add_row("last move", topo["last_move"])
         if topo.get("views"):  # [membership] views = "partial"

@@ -95,6 +95,21 @@ def check_dashboard(cfg: Config) -> None:
                           "the dashboard needs a token (or listen on 127.0.0.1 and use an SSH tunnel)")
 
 
+VIEW_MODES = ("auto", "full", "partial")  # [membership] views (peer/membership/view_mode.py, auto_view.py)
+
+
+def partial_views_refusal(t) -> str | None:
+    """Why partial views cannot run with these `[topology]` settings (a config error under views = 'partial';
+    under 'auto' the daemon then keeps the full view), or None."""
+    if t.kind != "rewired":
+        return (f"[topology] kind: {t.kind!r} lays its graph over every peer's ID, which partial views "
+                "do not know; use kind = 'rewired' with [membership] views = 'partial' (or views = 'full')")
+    if t.max_degree > 32:
+        return ("[topology] max_degree: partial views carry at most 32 neighbours in a message; "
+                f"at most 32 with [membership] views = 'partial', got {t.max_degree}")
+    return None
+
+
 def validate_semantics(cfg: Config) -> None:
     """Checks that need more than a type: the declared ranges, rules between keys, enums, address syntax."""
     check_ranges(cfg)
@@ -118,14 +133,11 @@ def validate_semantics(cfg: Config) -> None:
                               "a-z and 2-7, as `peer id` prints it)")
     if m.dead_after <= m.heartbeat_interval:
         raise ConfigError("[membership] dead_after: must exceed heartbeat_interval, or every peer looks dead")
-    if m.views not in ("full", "partial"):
-        raise ConfigError(f"[membership] views: expected 'full' or 'partial', got {m.views!r}")
-    if m.views == "partial" and t.kind != "rewired":
-        raise ConfigError(f"[topology] kind: {t.kind!r} lays its graph over every peer's ID, which partial views "
-                          "do not know; use kind = 'rewired' with [membership] views = 'partial' (or views = 'full')")
-    if m.views == "partial" and t.max_degree > 32:
-        raise ConfigError("[topology] max_degree: partial views carry at most 32 neighbours in a message; "
-                          f"at most 32 with [membership] views = 'partial', got {t.max_degree}")
+    if m.views not in VIEW_MODES:
+        raise ConfigError(f"[membership] views: expected {', '.join(repr(v) for v in VIEW_MODES)}, got {m.views!r}")
+    refusal = partial_views_refusal(t)
+    if m.views == "partial" and refusal is not None:
+        raise ConfigError(refusal)
     if m.gap_every and m.gap_every < GapConfig.rounds * m.gap_round:
         raise ConfigError(f"[membership] gap_every: an estimate takes {GapConfig.rounds} rounds of gap_round "
                           f"({_num(m.gap_round)} s), so 0 or at least {_num(GapConfig.rounds * m.gap_round)} s")

@@ -9,6 +9,8 @@ from typing import Any
 
 from peer.config.checks import validate_semantics
 from peer.config.keys import _f
+from peer.membership.auto_switch import AUTO_SWITCH_PEERS
+from peer.membership.peers import MAX_PEERS
 from peer.topology.local_gap import GapConfig
 from protocol.limits import DEFAULT_CHUNK_SIZE, DEFAULT_LIMITS, KiB, MiB
 from protocol.schema.topology import MAX_RECORD_NEIGHBOURS
@@ -63,12 +65,15 @@ class MembershipSection:
     pex_interval: float = _f(5.0, "Seconds between peer-exchange (signed peer record) messages.",
                               lo=_TICK, hi=_HOUR, unit="s")
     peer_record_ttl: float = _f(600.0, "Seconds a signed peer record stays valid.", lo=1.0, hi=30 * _DAY, unit="s")
-    # "full" by default: a swarm of tens of peers mixes best as the full-view daemon has always run it (every
-    # peer known, rewiring planned on the whole graph, every test and benchmark measured so), and partial
-    # views are new in the daemon; "partial" is for swarms past a few hundred peers (docs/design.md, "Partial views")
-    views: str = _f("full", "'full': know, dial and keep a session with every peer (up to max_connections), flood "
+    # "auto" by default: the full view while the swarm is small (it mixes best there, every peer known), partial
+    # views past AUTO_SWITCH_PEERS, where they were measured to win (docs/design.md, "Auto views")
+    views: str = _f("auto", "'full': know, dial and keep a session with every peer (up to max_connections), flood "
                     "peer records, rewire on the whole graph. 'partial': HyParView-style partial views: sessions with "
-                    "[topology] target_degree gossip neighbours and whom a message needs now, a bounded passive view.")
+                    "[topology] target_degree gossip neighbours and whom a message needs now, a bounded passive view. "
+                    "'auto': full until auto_peers peers are known (or a peer sends a partial-view message), then "
+                    "partial, once.")
+    auto_peers: int = _f(AUTO_SWITCH_PEERS, "With views = 'auto': the swarm size (us and the peers we know) at which "
+                         "the daemon switches to partial views.", lo=2, hi=MAX_PEERS)
     # The estimator's own defaults (peer/topology/local_gap.py, GapConfig, where they are argued).
     gap_every: float = _f(GapConfig.epoch_interval, "With views = 'partial': seconds between estimates of the "
                           "spectral gap, made with the gossip neighbours (each costs 60 rounds of small messages); "

@@ -10,8 +10,8 @@ not read is dead too); a frame it does not take within `dead_after` closes its s
 Ownership: `run()` owns the dialer, the view mode's loop (peer exchange, or the partial views) and (through
 `own_session`) every session's reader, heartbeat and dispatcher tasks. Cancelling `run()` closes them all. The dialer (what to dial
 when, and the backoff) is a `peer.membership.dialing.Dialer` that `Membership` owns, sharing its peer table.
-The view mode (`views`: the full view or partial views, peer/membership/view_mode.py) decides what spreads
-and whom the dialer dials.
+The view mode (`views`: the full view, partial views, or "auto", one then the other:
+peer/membership/view_mode.py) decides what spreads and whom the dialer dials.
 
 Membership is built before the daemon's services and holds their registry (`services`, peer/services.py):
 what it needs of them it asks there when it needs it: which of our addresses to advertise and how to dial
@@ -38,6 +38,7 @@ from peer.session.fanout import send_to_each
 from peer.membership.dialing import Dialer, DialRelayed
 from peer.membership.view_driver import ViewDriver, gap_config, view_config
 from peer.membership.view_mode import FullView, ViewMode
+from peer.membership.auto_view import AutoView
 from peer.services import FollowsViewEdges, KeepsSessions, MeasuresLinks, Providers, Services, ShapesAddresses
 from peer.membership.peers import (IDLE_ROUNDS, MAX_ADDRESSES, MAX_OBSERVED_CANDIDATES, MAX_PEERS, MAX_RELAYED,
                                    OBSERVED_QUORUM, SECOND_HAND, BootstrapTarget, PeerInfo,
@@ -85,9 +86,11 @@ class Membership:
         router.register(Ping, self._on_ping)
         router.register(Goodbye, self._on_goodbye)
         # `[membership] views = "partial"`: a bounded partial view drives whom we dial and keep, and peer
-        # records are not flooded (peer/membership/view_driver.py); else the full view, as always
+        # records are not flooded (peer/membership/view_driver.py); "full": the full view, as always; "auto":
+        # the full view until the swarm is big, then partial views (peer/membership/auto_view.py)
         self.views: ViewMode = (ViewDriver(self, view_config(config), gap=gap_config(config))
-                                if self.cfg.views == "partial" else FullView(self))
+                                if self.cfg.views == "partial" else FullView(self) if self.cfg.views == "full"
+                                else AutoView(self, config))
 
     # ---- what the services say (peer/services.py) ---------------------------------------------------
     def _nat(self) -> list[ShapesAddresses]:

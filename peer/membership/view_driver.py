@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -102,7 +102,7 @@ class ViewDriver:
     chooses_edges = True
 
     def __init__(self, m: Membership, cfg: ViewConfig, *, gap: GapConfig | None = None,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, register: bool = True):
         self.m = m
         self.cfg = cfg
         rng = rng or random.Random()
@@ -119,15 +119,36 @@ class ViewDriver:
         self._lost: dict[str, float] = {}  # neighbours whose session ended: until when a successor may replace it
         self._buckets: dict[str, TokenBucket] = {}  # per session (one per peer), dropped when it ends
         self._nursery: trio.Nursery | None = None
+        self.running = trio.Event()  # run() holds its nursery: actions can be carried out
         self._wake = trio.Event()
         self._next_local_contact = 0.0
         self._started = trio.current_time()
         self._deferred_join: str | None = None  # a contact to join through once we have an address (_join)
         self._cache_dials: set[str] = set()  # peer cache contacts being dialed: the first up gets our join
-        for cls in VIEW_MESSAGES:
-            m.router.register(cls, self._on_view_message)
-        m.router.register(GapRound, self._on_gap_round)
+        if register:  # (False: an `AutoView` registered them, and hands them on once it has switched)
+            for cls, handler in self.handlers().items():
+                m.router.register(cls, handler)
         m.watch(self._on_session)
+
+    @staticmethod
+    def message_types() -> tuple[type, ...]:
+        """The messages partial views send (and a full-view daemon ignores)."""
+        return (*VIEW_MESSAGES, GapRound)
+
+    def handlers(self) -> dict[type, Callable[[Session, Any], Awaitable[None]]]:
+        """The router's handlers of the views' messages."""
+        return {cls: self._on_gap_round if cls is GapRound else self._on_view_message for cls in self.message_types()}
+
+    def take_over(self, contact: str | None, candidates: list[str]) -> None:
+        """Start from what a full view knew (`[membership] views = "auto"` switching): `candidates` (peers we
+        have sessions with) go to the passive view, and we join through `contact` if there is one."""
+        for peer in candidates[:self.cfg.passive_size]:
+            if peer != contact:
+                self.views.learn(self._entry_of(peer))
+        if contact is not None:
+            self.contact_wanted = False
+            self._join(contact, trio.current_time())
+            self._wake.set()
 
     # ---- the view mode (ViewMode, peer/membership/view_mode.py) --------------------------------------
     async def greet(self, session: Session) -> None:
@@ -154,7 +175,7 @@ class ViewDriver:
         return self.reach.status()
 
     def status_fields(self) -> dict[str, Any]:
-        return {"views": self.status()}
+        return {"views": self.status(), "view_mode": "partial"}
 
     # ---- queries ------------------------------------------------------------------------------------
     def my_entry(self) -> Entry:
@@ -187,6 +208,7 @@ class ViewDriver:
         """Tick the views at their `next_tick` (and at least every TICK_MAX), until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            self.running.set()
             if self.gap is not None:
                 nursery.start_soon(self.gap.run)
             while True:

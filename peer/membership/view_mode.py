@@ -1,6 +1,7 @@
-"""The two view modes membership runs in, behind one interface: the full view and partial views.
+"""The view modes membership runs in, behind one interface: the full view, partial views, and "auto".
 
-`[membership] views` picks one per daemon. The full view (`FullView`, here) dials and keeps every peer it
+`[membership] views` picks one per daemon ("auto", the default: the full view until the swarm is big, then
+partial views: `AutoView`, peer/membership/auto_view.py). The full view (`FullView`, here) dials and keeps every peer it
 hears of and floods signed peer records (peer exchange); partial views (`ViewDriver`,
 peer/membership/view_driver.py) keep a bounded active view that is the gossip graph, and dial only what their
 messages need. Membership, the topology service and the pipeline service call the mode through `ViewMode`
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
@@ -33,9 +34,13 @@ MAX_PEX_RECORDS = 256  # records in one peer exchange: ours and those of the pee
 class ViewMode(Protocol):
     """What membership and the services ask of the view mode."""
 
-    chooses_edges: bool
-    """True: the views choose the gossip edges and bound what spreads: the topology service proposes, accepts
-    and probes nothing, and sends records along its edges only (ours, and the stage records pipelines use)."""
+    @property
+    def chooses_edges(self) -> bool:
+        """True: the views choose the gossip edges and bound what spreads: the topology service proposes and
+        probes nothing, accepts only full-view peers' proposals (a bridge in a mixed swarm), and sends records
+        along its edges only (ours, and the stage records pipelines use). "auto" turns it True once, while
+        running (the topology service reads it each time)."""
+        ...
 
     async def run(self) -> None:
         """Spread what this mode spreads (peer records, or view messages), until cancelled."""
@@ -77,7 +82,8 @@ class ViewMode(Protocol):
         ...
 
     def status_fields(self) -> dict[str, Any]:
-        """What the mode adds to the topology's status (partial views: {"views": ...})."""
+        """What the mode adds to the topology's status: {"view_mode": what runs}, and under partial views
+        {"views": ...}."""
         ...
 
 
@@ -87,10 +93,16 @@ class FullView:
 
     chooses_edges = False
 
-    def __init__(self, m: Membership):
+    def __init__(self, m: Membership, *, register: bool = True):
         self.m = m
         self._fanout = Fanout()
-        m.router.register(PeerExchange, self._on_pex)  # (partial views ignore a full-view peer's records)
+        if register:  # (partial views ignore a full-view peer's records; an `AutoView` registers for us)
+            for cls, handler in self.handlers().items():
+                m.router.register(cls, handler)
+
+    def handlers(self) -> dict[type, Callable[[Session, Any], Awaitable[None]]]:
+        """The router's handlers of the full view's messages."""
+        return {PeerExchange: self._on_pex}
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:  # owns the record sends: to every session at once (Fanout)
@@ -127,7 +139,7 @@ class FullView:
         return None
 
     def status_fields(self) -> dict[str, Any]:
-        return {}
+        return {"view_mode": "full"}
 
     def _records(self) -> list[PeerRecord]:
         recs = [self.m.own_record()]

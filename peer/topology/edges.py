@@ -33,6 +33,7 @@ class Neighbour:
     peer_id: str
     since: float
     degree: int = 0  # last degree the neighbour told us (records / exchanges)
+    by_views: bool = False  # the partial views chose it (else a proposal agreed it)
 
 
 class Edges:
@@ -44,7 +45,7 @@ class Edges:
 
     def __init__(self, cfg: TopologySection, *, sessions: Callable[[], Mapping[str, Session]],
                  wanted_fixed: Callable[[], set[str]], changed: Callable[[], None],
-                 dropped_by_them: Callable[[], None], set_by_views: bool = False):
+                 dropped_by_them: Callable[[], None], set_by_views: Callable[[], bool] = lambda: False):
         self.cfg = cfg
         self._sessions = sessions
         self._wanted_fixed = wanted_fixed
@@ -53,7 +54,8 @@ class Edges:
         self.neighbours: dict[str, Neighbour] = {}
         self.reserved: dict[str, tuple[float, int]] = {}  # accepted, not yet committed: (deadline, proposal rid)
         self.pending_out: set[str] = set()  # our proposals awaiting an answer
-        self.set_by_views = set_by_views  # partial views choose the edges: propose none, accept none (set_neighbour)
+        # partial views choose the edges (set_neighbour): propose none; "auto" makes it True while running
+        self.set_by_views = set_by_views
 
     @property
     def degree(self) -> int:
@@ -66,7 +68,7 @@ class Edges:
     async def add(self, peer_id: str, reason: str) -> bool:
         """Propose an edge; add it only if the peer accepts. A refusal or timeout changes nothing."""
         session = self._sessions().get(peer_id)
-        if self.set_by_views or session is None or peer_id in self.neighbours or peer_id in self.pending_out:
+        if self.set_by_views() or session is None or peer_id in self.neighbours or peer_id in self.pending_out:
             return False
         if self._effective_degree() >= self.cfg.max_degree:
             return False
@@ -105,8 +107,10 @@ class Edges:
     def set_neighbour(self, peer_id: str, degree: int) -> None:
         """Partial views made `peer_id` a neighbour (their own messages agreed the edge)."""
         if peer_id not in self.neighbours:
-            self.neighbours[peer_id] = Neighbour(peer_id, since=time.time(), degree=degree)
+            self.neighbours[peer_id] = Neighbour(peer_id, since=time.time(), degree=degree, by_views=True)
             self._changed()
+        else:
+            self.neighbours[peer_id].by_views = True
 
     def unset_neighbour(self, peer_id: str, reason: str) -> None:
         """Partial views gave the edge to `peer_id` up."""
@@ -147,7 +151,9 @@ class Edges:
         await session.reply(env, EdgeAccept(degree=self.degree))
 
     def accepts(self, peer_id: str, their_degree: int = 0) -> bool:
-        if self.set_by_views or self._effective_degree() >= self.cfg.max_degree:
+        """Under partial views too, by the rewired rule: only a full-view peer proposes, and its edge is what
+        joins it to the partial views' graph in a mixed swarm (docs/design.md, "Auto views")."""
+        if self._effective_degree() >= self.cfg.max_degree:
             return False
         if self.cfg.kind != "rewired":
             return peer_id in self._wanted_fixed()

@@ -67,13 +67,13 @@ class TopologyService:
         self.me = daemon.peer_id
         self.identity = daemon.identity
         self.membership = daemon.membership
-        # partial views (`[membership] views = "partial"`): the views choose the edges (peer/membership/views.py);
-        # this service takes them as they come, proposes and accepts none itself, and sends records to
-        # neighbours only (ours, and the stage records a pipeline finds its servers by)
+        # partial views (`[membership] views = "partial"`, or "auto" once switched): the views choose the edges
+        # (peer/membership/views.py); this service takes them as they come, proposes none itself (accepts a
+        # full-view peer's), and sends records to neighbours only (ours, and the stage records pipelines use)
         self.views = self.membership.views
         self.edges = Edges(self.cfg, sessions=self.membership.connected, wanted_fixed=self._wanted_fixed,
                            changed=self._bump, dropped_by_them=lambda: self._others_moved.set(),
-                           set_by_views=self.views.chooses_edges)
+                           set_by_views=lambda: self.views.chooses_edges)
         self.records = RecordBook(self.me, is_neighbour=self.is_neighbour)
         self.peer_training = PeerCurves()  # others' loss curves, from their records' training figures
         self.links: dict[str, LinkStats] = {}
@@ -248,6 +248,7 @@ class TopologyService:
         while True:
             self.edges.expire_reservations(trio.current_time())
             if self.views.chooses_edges:
+                await self._leave_proposed_edges()
                 return  # the partial views keep the edges (and their rewiring rule moves them)
             try:
                 if self.cfg.kind == "rewired":
@@ -259,6 +260,17 @@ class TopologyService:
                 log.exception("topology maintenance failed; retrying next round")
             fast = self.degree < self.cfg.min_degree
             await self._pause((0.3 if fast else self.cfg.rewire_interval) * random.uniform(0.5, 1.5))
+
+    async def _leave_proposed_edges(self) -> None:
+        """Partial views took over from the full view ("auto"): once they hold min_degree edges, drop the
+        full view's proposed ones, once (a full-view peer's later proposals are accepted: the bridge of a
+        mixed swarm). A daemon that ran partial views from the start holds none."""
+        while any(not n.by_views for n in self.neighbours.values()):
+            if sum(n.by_views for n in self.neighbours.values()) >= self.cfg.min_degree:
+                for pid in [p for p, n in self.neighbours.items() if not n.by_views]:
+                    await self.edges.drop(pid, "partial views took over")
+                return
+            await trio.sleep(self.cfg.rewire_interval)
 
     async def _pause(self, seconds: float) -> None:
         """Sleep between maintenance rounds, but wake early when others changed the graph under us and
@@ -323,10 +335,12 @@ class TopologyService:
     # ---- probes -------------------------------------------------------------------------------------
     async def _probe_loop(self) -> None:
         """Measure throughput to candidates we have no figure for, one small probe at a time."""
-        if self.cfg.kind != "rewired" or self.views.chooses_edges:
-            return  # (partial views measure links by the averaging transfers over their edges)
+        if self.cfg.kind != "rewired":
+            return
         while True:
             await trio.sleep(random.uniform(0.5, 1.5))
+            if self.views.chooses_edges:
+                return  # (partial views measure links by the averaging transfers over their edges)
             now = trio.current_time()
             conn = self.membership.connected()
             todo = [p for p in conn if now - self.link(p).probed > PROBE_EVERY]
