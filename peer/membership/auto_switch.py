@@ -10,13 +10,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-AUTO_SWITCH_PEERS = 24
-"""The swarm size (us and the peers we know) at which "auto" switches to partial views. Measured
-(docs/benchmarks.md): the full view connected 8 daemons in 4.8 s (`peer bench discovery --n 8`) but never
-fully connected 32 within that bench's timeout, while partial views connected 14, 16 and 32 daemons within
-seconds, 32 in 11 s with 5-12 sessions each instead of 31. So the switch lies between 8 and 32: at 24, a
-step below the size where the full view was seen to fail, and above every test swarm the full view was
-measured in (at most 14), whose behaviour "auto" keeps."""
+AUTO_SWITCH_PEERS = 16
+"""The swarm size (us and the peers we know) at which "auto" switches to partial views: the largest at which the
+full view was measured to work. `peer bench discovery --trials 1 --timeout 90` with `views = "full"`
+(docs/benchmarks.md, 2026-11-28): 8 daemons all connected in 4.8 s, 16 in 12.2 s, 20 and 24 not within 90 s;
+partial views connected 14, 16 and 32 daemons within seconds (32 in 11 s, 5-12 sessions each instead of 31).
+Every test swarm on the full view is smaller (at most 14), so "auto" keeps their behaviour."""
 
 
 @dataclass
