@@ -4,6 +4,7 @@ and a full-view daemon that ignores a view message instead of closing the sessio
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -104,14 +105,20 @@ def test_auto_view_switches_at_run_time_when_the_swarm_grows() -> None:
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+@asynccontextmanager
+async def _running_auto_view():
+    """An auto view's membership, its view mode running, and a session to send from."""
+    m = _membership(views="auto")
+    assert isinstance(m.views, AutoView)
+    async with trio.open_nursery() as n:
+        n.start_soon(m.views.run)
+        yield m, m.views, FakeSession("q" * 20)
+        n.cancel_scope.cancel()
+
+
 def test_a_view_message_switches_an_auto_view_and_is_answered_not_refused() -> None:
     async def main() -> None:
-        m = _membership(views="auto")
-        v = m.views
-        assert isinstance(v, AutoView)
-        sender = FakeSession("q" * 20)
-        async with trio.open_nursery() as n:
-            n.start_soon(v.run)
+        async with _running_auto_view() as (m, v, sender):
             await trio.sleep(1)
             env = SimpleNamespace(message=Join(Entry(sender.peer_id, ("127.0.0.1:4001",))), size=80)
             await m.router.dispatch(sender, env)
@@ -119,7 +126,6 @@ def test_a_view_message_switches_an_auto_view_and_is_answered_not_refused() -> N
             assert v.partial is not None and v.chooses_edges
             assert v.partial.received_messages == 1  # handed to the driver made at the switch
             assert "partial-view message from qqqqqqqq" in v.status_fields()["view_mode"]
-            n.cancel_scope.cancel()
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
@@ -127,18 +133,12 @@ def test_a_view_message_its_sender_may_not_send_switches_nothing() -> None:
     """A Join naming another peer (view_messages.check refuses it) and a gap round leave an auto view full."""
     async def main() -> None:
         from protocol.schema.views import GapRound
-        m = _membership(views="auto")
-        v = m.views
-        assert isinstance(v, AutoView)
-        sender = FakeSession("q" * 20)
-        async with trio.open_nursery() as n:
-            n.start_soon(v.run)
+        async with _running_auto_view() as (m, v, sender):
             await m.router.dispatch(sender, SimpleNamespace(message=Join(Entry("r" * 20, ())), size=80))
             gap = GapRound(epoch=1, round=0, values=(0.5,), degree=2, slope=None)
             await m.router.dispatch(sender, SimpleNamespace(message=gap, size=80))
             await trio.sleep(2)
             assert v.partial is None and sender.closed_with is None and not v.chooses_edges
-            n.cancel_scope.cancel()
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
