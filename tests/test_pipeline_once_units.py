@@ -273,7 +273,7 @@ class PeerSession:
     async def request(self, message, *, timeout):
         assert isinstance(message, StageAck)
         got = await self.server.acknowledge(LOCAL_DRIVER, message.kept, accumulate=message.accumulate)
-        return Envelope(StageAckReply(accumulated=got), 0, 1)
+        return Envelope(StageAckReply(accumulated=got, moved=self.server.kept.moved(LOCAL_DRIVER, message.kept)), 0, 1)
 
 
 DRIVER_CFG = PipelineSection(max_retries=2, verify_fraction=0.0)
@@ -469,7 +469,7 @@ def test_a_server_keeping_a_gradient_for_us_keeps_its_session_until_the_ack():
         _, _, kept, _ = await srv.compute_local(call, [])
         driver._owe("s1p0", +1)  # as _call_once does for a reply naming a kept gradient
         assert driver.calling("s1p0") and not driver.calling("s0p0")
-        assert await driver._ack("s1p0", [kept], True) == {kept}
+        assert await driver._ack("s1p0", [kept], True) == ({kept}, set())
         assert not driver.calling("s1p0")
     run(main)
 
@@ -498,3 +498,41 @@ def test_acks_and_kept_ids_round_trip():
 def test_an_ack_or_kept_id_out_of_range_is_a_protocol_error(msg, path, value):
     with pytest.raises(ProtocolError):
         DEFAULT_REGISTRY.decode(tampered(msg, path, value), DEFAULT_LIMITS)
+
+
+def test_an_ack_to_a_server_that_moved_stage_since_is_answered_moved_and_fails_nothing():
+    """A server that moves stage (or loads a peer's state) drops what it kept for the stage it left, and with it
+    everything that replica had accumulated: its ack is answered `moved`, counted, and the microbatch is done
+    (failing the few still in flight would single them out of all the replica lost)."""
+    moved_server: list = []
+
+    def move_stage_1_before_the_ack(pid, stage, kind, n):
+        if (stage, kind) == (0, "backward"):  # the last call: stage 1 kept its gradient and now moves
+            srv = servers["s1p0"][0]
+            srv.switch(ServedStage(PipelineKey("p", (1,)), 0, 16, FakeStage(("forward", "backward"))))
+            moved_server.append(srv)
+        return None
+    driver, servers = swarm(2, {}, move_stage_1_before_the_ack)
+    [out] = microbatches(driver, 1)
+    assert out.ok and moved_server
+    d = driver.stats
+    assert d.done == 1 and d.failed == 0 and d.ack_moved == 1 and d.ack_lost == 0 and d.acked == 1
+    assert moved_server[0].kept.stats.dropped == {"stale": 1}
+
+
+def test_a_peers_ack_of_gradients_its_server_dropped_in_a_move_names_them_moved():
+    srv, stage = served()
+
+    async def main():
+        ids = [(await srv.compute_local(stage_call(1, "loss"), []))[2] for _ in range(2)]
+        for k in srv.kept._kept.values():
+            k.driver = "drv"
+        srv.switch(None)  # the stage left: what it kept goes, remembered as stale
+        drv, eve = AckSession("drv"), AckSession("eve")
+        async with trio.open_nursery() as n:
+            await srv.on_ack(drv, Envelope(StageAck(kept=ids + [999]), 7, 0), n)
+            await srv.on_ack(eve, Envelope(StageAck(kept=ids), 8, 0), n)
+        assert drv.replies == [StageAckReply(moved=ids)]  # 999 was never kept: not moved
+        assert eve.replies == [StageAckReply()]  # another driver's ids are not its to learn about
+        assert stage.taken == []
+    run(main)

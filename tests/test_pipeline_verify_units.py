@@ -232,7 +232,7 @@ class PeerSession:
     async def request(self, message, *, timeout):
         assert isinstance(message, StageAck)
         got = await self.server.acknowledge(LOCAL_DRIVER, message.kept, accumulate=message.accumulate)
-        return Envelope(StageAckReply(accumulated=got), 0, 1)
+        return Envelope(StageAckReply(accumulated=got, moved=self.server.kept.moved(LOCAL_DRIVER, message.kept)), 0, 1)
 
 
 def pipeline(peers: dict[int, list[tuple[str, float]]], *, me: str = "me", fraction: float = 1.0):

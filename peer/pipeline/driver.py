@@ -20,7 +20,9 @@ call re-sent to another peer) is never acknowledged, so its gradient enters no s
 microbatch at most once, and one that failed in none. A microbatch is done, and counted, once its acks are
 answered. A stage whose server answers that it no longer has the gradient (evicted, expired) makes the
 microbatch fail (`ack_lost`): its other stages took it, that one did not, and the trainer must not count it
-done. An ack not answered (the server died) is counted lost too, but nobody can tell whether it entered. An
+done. One its server dropped because its own stage state was replaced since (it moved stage, or loaded a
+peer's state: `moved` in the reply) fails nothing: that replica is gone with all it had accumulated, acknowledged
+or not (`ack_moved`). An ack not answered (the server died) is counted lost too, but nobody can tell whether it entered. An
 ack goes over the session the call used, kept up while the ack is owed (`calling`), or one a lookup redials
 (partial views).
 An attempt runs at most `longest_microbatch_s` (kept.py), so the servers' hold outlives it.
@@ -146,6 +148,7 @@ class DriverStats:
     acked: int = 0  # gradients of done microbatches that their stage confirmed taking (one per stage each)
     acked_samples: Counter = field(default_factory=Counter)  # stage -> samples it confirmed taking from us
     ack_lost: int = 0  # gradients of done microbatches a stage did not confirm: missing there (or unconfirmed)
+    ack_moved: int = 0  # gradients of done microbatches whose server replaced its stage state first (a move): no failure
     dropped: int = 0  # gradients of failed microbatches we told their server to drop
     struck: Counter = field(default_factory=Counter)  # peer -> strikes for calls it refused or failed (see _call)
 
@@ -281,7 +284,8 @@ class Driver:
             by_peer[k.peer].append(k)
 
         async def settle(pid: str, ks: list[KeptAt]) -> None:
-            entered = await self._ack(pid, [k.id for k in ks], accumulate)
+            answer = await self._ack(pid, [k.id for k in ks], accumulate)
+            entered, moved = answer if answer is not None else (None, set())
             if not accumulate:
                 self.stats.dropped += len(ks)
                 return
@@ -289,6 +293,10 @@ class Driver:
                 if entered is not None and k.id in entered:
                     self.stats.acked += 1
                     self.stats.acked_samples[k.stage] += mb.batch
+                elif k.id in moved:  # the server's replica was replaced (a move): gone with what it held
+                    self.stats.ack_moved += 1
+                    log.info("microbatch %d: stage %d at %s moved or replaced its state before our ack", mb.id,
+                             k.stage, pid[:8])
                 else:
                     self.stats.ack_lost += 1
                     if entered is not None:
@@ -301,12 +309,14 @@ class Driver:
                 n.start_soon(settle, pid, ks)
         return sorted(lost)
 
-    async def _ack(self, pid: str, ids: list[int], accumulate: bool) -> set[int] | None:
-        """One StageAck to `pid` (in-process for our own stage); the ids whose gradient entered its stage, None if
-        it did not answer. Its session was kept up while we owed it this ack (`calling`); one closed anyway is
+    async def _ack(self, pid: str, ids: list[int], accumulate: bool) -> tuple[set[int], set[int]] | None:
+        """One StageAck to `pid` (in-process for our own stage); the ids whose gradient entered its stage and those
+        its own state change dropped (`moved`), None if it did not answer. Its session was kept up while we owed it this ack (`calling`); one closed anyway is
         redialed (`reach`: partial views), all within `call_timeout`."""
         if pid == self.service.me:
-            return set(await self.service.server.acknowledge(LOCAL_DRIVER, ids, accumulate=accumulate))
+            server = self.service.server
+            entered = set(await server.acknowledge(LOCAL_DRIVER, ids, accumulate=accumulate))
+            return entered, set(server.kept.moved(LOCAL_DRIVER, ids))
         try:
             with trio.move_on_after(self.cfg.call_timeout):
                 session = await self._session_for_ack(pid)
@@ -314,7 +324,9 @@ class Driver:
                     return None
                 env = await session.request(StageAck(kept=ids, accumulate=accumulate), timeout=self.cfg.call_timeout)
                 reply = env.message
-                return set(reply.accumulated) & set(ids) if isinstance(reply, StageAckReply) else None
+                if not isinstance(reply, StageAckReply):
+                    return None
+                return set(reply.accumulated) & set(ids), set(reply.moved) & set(ids)
             return None
         except (trio.TooSlowError, SessionClosed, Unreachable):
             return None

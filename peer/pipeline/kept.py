@@ -44,6 +44,10 @@ second finds room without evicting anyone."""
 HOLD_MARGIN_CALLS = 3
 """Past the longest microbatch (`longest_microbatch_s`), a gradient is kept this many more `max_call_timeout`s:
 the checks of its last call (two calls, verify.py) end before its attempt does, then its ack (one call)."""
+STALE = "stale"  # why a gradient goes when our stage state is replaced (a move, a peer's state loaded)
+MAX_STALE_REMEMBERED = 4 * 64
+"""(driver, id) pairs dropped as stale that an ack may still name: a few books' worth (the book holds MAX_KEPT),
+each answered `moved`, so the driver does not fail a microbatch for a replica that is gone."""
 
 
 def longest_microbatch_s(cfg: Any, stages: int) -> float:
@@ -104,6 +108,7 @@ class KeptGradients:
         self._kept: OrderedDict[int, Kept] = OrderedDict()
         self._per_driver: Counter = Counter()
         self._bytes_per_driver: Counter = Counter()
+        self._stale: OrderedDict[tuple[str, int], None] = OrderedDict()  # (driver, id) dropped as stale, newest last
         self._bytes = 0
         self._ids = itertools.count(1)
 
@@ -169,6 +174,10 @@ class KeptGradients:
         if kept_id in self._kept:
             self._drop(kept_id, why)
 
+    def moved(self, driver: str, ids: list[int]) -> list[int]:
+        """Of `ids`, those of `driver`'s that a state change of ours dropped (`stale`: remembered, bounded)."""
+        return [i for i in ids if (driver, i) in self._stale]
+
     def drop_all_but(self, owner: Any, why: str) -> None:
         """Drop every gradient not computed for `owner` (we switched stage: they belong to the one we left)."""
         for k in [k for k in self._kept.values() if k.owner is not owner]:
@@ -193,8 +202,16 @@ class KeptGradients:
         return kept
 
     def _drop(self, kept_id: int, why: str) -> None:
-        self._pop(kept_id)
+        kept = self._pop(kept_id)
         self.stats.dropped[why] += 1
+        if why == STALE:
+            self.remember_stale(kept.driver, kept_id)
+
+    def remember_stale(self, driver: str, kept_id: int) -> None:
+        """`driver`'s gradient `kept_id` went with a state change of ours: its ack is answered `moved`."""
+        self._stale[(driver, kept_id)] = None
+        while len(self._stale) > MAX_STALE_REMEMBERED:
+            self._stale.popitem(last=False)
 
     def status(self) -> dict:
         return {"kept": len(self._kept), "kept_mb": round(self._bytes / 1e6, 3), "kept_drivers": len(self._per_driver),

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import trio
 
 from peer.pipeline.directory import PipelineKey
-from peer.pipeline.kept import HeldGradient, Kept, KeptGradients, hold_s
+from peer.pipeline.kept import STALE, HeldGradient, Kept, KeptGradients, hold_s
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
 from protocol.schema.gossip import TensorSpec
@@ -88,7 +88,7 @@ class StageServer:
     def switch(self, stage: ServedStage | None) -> None:
         """Serve `stage` from now on (None: nothing); gradients kept for another stage are dropped."""
         self.stage = stage
-        self.kept.drop_all_but(stage, "stale")
+        self.kept.drop_all_but(stage, STALE)
         if stage is not None:  # kept past the longest microbatch of this pipeline (kept.py)
             self.kept.hold_s = hold_s(self.cfg, stage.key.stages)
 
@@ -246,8 +246,11 @@ class StageServer:
                 self.stats.accumulated_samples += k.gradient.samples
                 self.stats.accumulated_by_stage[st.stage] += k.gradient.samples
                 out.append(k.id)
-        if len(out) < len(taken):
-            self.kept.stats.dropped["stale"] += len(taken) - len(out)
+        entered_ids = set(out)
+        for k in taken:
+            if k.id not in entered_ids:  # its stage state was replaced since it was computed
+                self.kept.stats.dropped[STALE] += 1
+                self.kept.remember_stale(k.driver, k.id)
         return out
 
     async def acknowledge(self, driver: str, ids: list[int], *, accumulate: bool = True) -> list[int]:
@@ -260,7 +263,7 @@ class StageServer:
         ack: StageAck = env.message
         taken = self._claim(session.peer_id, ack.kept, ack.accumulate)
         if not taken:
-            await session.reply(env, StageAckReply())
+            await session.reply(env, StageAckReply(moved=self.kept.moved(session.peer_id, ack.kept)))
             return
         nursery.start_soon(self._answer_ack, session, env, taken)
 
@@ -271,7 +274,8 @@ class StageServer:
         try:
             later = [k for k in taken if k.gradient.deferred and k.owner is self.stage]
             entered = await self._accumulate([k for k in taken if k not in later])
-            await session.reply(env, StageAckReply(accumulated=entered + [k.id for k in later]))
+            await session.reply(env, StageAckReply(accumulated=entered + [k.id for k in later],
+                                                   moved=self.kept.moved(session.peer_id, env.message.kept)))
             if later:
                 await self._accumulate(later)
         except SessionClosed as exc:  # the driver sees its ack unanswered and counts it as lost

@@ -287,7 +287,7 @@ class PipelineService:
                 "calls": dict(d.calls), "failures": [{"microbatch": m, "reason": r} for m, r in d.failures],
                 "deadline_s": round(sorted(d.deadlines)[len(d.deadlines) // 2], 3) if d.deadlines else None,
                 "acked": d.acked, "acked_samples": [d.acked_samples.get(s, 0) for s in range(driver.key.stages)],
-                "ack_lost": d.ack_lost, "dropped": d.dropped, "struck": dict(d.struck),
+                "ack_lost": d.ack_lost, "ack_moved": d.ack_moved, "dropped": d.dropped, "struck": dict(d.struck),
                 "verify": driver.verifier.status(),
             }
         wall = time.time()

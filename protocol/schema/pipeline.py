@@ -269,13 +269,17 @@ class StageAck(Message):
 @dataclass(frozen=True, slots=True)
 class StageAckReply(Message):
     """Which of an ack's ids entered the stage's accumulated gradient (the others: not held for the asker any more,
-    or dropped as asked)."""
+    or dropped as asked), and which of the others the server's own state change dropped (`moved`)."""
 
     TYPE = "stage_ack_reply"
     accumulated: list[int] = field(default_factory=list)
+    # of the others, those dropped because the server's stage state was replaced (it moved stage, or loaded a
+    # peer's state): the replica they were bound for is gone, with what it had accumulated; not the driver's loss
+    moved: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_kept_ids(self.accumulated, 0)
+        _check_kept_ids(self.moved, 0)
 
 
 @dataclass(frozen=True, slots=True)
