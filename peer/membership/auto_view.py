@@ -30,6 +30,8 @@ from peer.membership.auto_switch import AutoSwitch
 from peer.membership.view_driver import ViewDriver, gap_config, view_config
 from peer.membership.view_messages import BadMessage, check
 from peer.membership.view_mode import FullView, ViewMode
+from peer.session.transport import SessionClosed
+from protocol.schema.views import Status
 
 if TYPE_CHECKING:
     from peer.membership.service import Membership
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("peertrain.membership")
 
+GREET_TIMEOUT_S = 5.0  # a greeting is one small message: a session that takes longer to take it gets none
 CHECK_EVERY_S = 1.0  # how often the full view's swarm size is compared with the threshold (a count of a dict)
 
 
@@ -142,6 +145,17 @@ class AutoView:
     # ---- the view mode: whichever is in effect ----------------------------------------------------------
     async def greet(self, session: Session) -> None:
         await self.mode.greet(session)
+        driver = self.partial
+        if driver is not None and self._running.is_set() and session.peer_id not in driver.views.active:
+            # A daemon that joins after we switched dials us on the full view and, alone with us, never counts
+            # past auto_peers (we send no records any more): a Status (no neighbours, so a partial daemon that
+            # is not our neighbour ignores it, and a `views = "full"` one has no handler for it) is a view
+            # message its sender may send, and switches an auto daemon, which then joins through us.
+            with trio.move_on_after(GREET_TIMEOUT_S):
+                try:
+                    await driver.write(session, Status(degree=driver.views.degree, neighbours=(), fastest_bps=None))
+                except SessionClosed:
+                    pass
 
     async def leave(self) -> None:
         await self.mode.leave()

@@ -293,6 +293,10 @@ class ViewDriver:
             self._apply(self.views.unreachable(session.peer_id, trio.current_time()))
             self._wake.set()
 
+    async def write(self, session: Session, msg: ViewMessage | GapRound) -> None:
+        """Send one view message outside the views' own rounds (AutoView greets a full-view newcomer), counted."""
+        await self._write(session, msg)
+
     async def _write(self, session: Session, msg: ViewMessage | GapRound) -> None:
         size = await session.send_message(msg)
         self.sent_messages += 1
