@@ -76,4 +76,11 @@ def download_ok(diff_sq: float, own_sq: float, other_sq: float, ratio: float) ->
         return False
     if own_sq == 0.0:
         return True
-    return math.sqrt(diff_sq) <= ratio * math.sqrt(min(own_sq, other_sq))
+    return within_ratio(diff_sq, own_sq, other_sq, ratio)
+
+
+def within_ratio(diff_sq: float, a_sq: float, b_sq: float, ratio: float) -> bool:
+    """||a - b|| <= ratio x the smaller of ||a||, ||b||, from their squares (finite ones; two zeros are within)."""
+    values = (diff_sq, a_sq, b_sq)
+    return (all(math.isfinite(v) and v >= 0.0 for v in values)
+            and math.sqrt(diff_sq) <= ratio * math.sqrt(min(a_sq, b_sq)))

@@ -12,7 +12,6 @@ download only when a second partner's agrees with it (`agree`), so one liar cann
 from __future__ import annotations
 
 import logging
-import math
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import trio
 
 from peer.averaging import norms
-from peer.averaging.bounds import download_ok
+from peer.averaging.bounds import download_ok, within_ratio
 from peer.averaging.budget import ServingSlots
 from peer.averaging.ledger import Ledger
 from peer.averaging.shared import SharedTensors
@@ -41,8 +40,7 @@ Fetched = tuple[list[Any], int]  # a partner's tensors of a group, and its step
 def agree(a: list[Any], b: list[Any], ratio: float) -> bool:
     """Two partners' downloads are within `ratio` times the smaller norm of each other, as `download_ok` bounds
     a download against our own model (two models of zeros agree)."""
-    diff, na, nb = norms.diff_sq(a, b), norms.sum_sq(a), norms.sum_sq(b)
-    return all(math.isfinite(v) for v in (diff, na, nb)) and math.sqrt(diff) <= ratio * math.sqrt(min(na, nb))
+    return within_ratio(norms.diff_sq(a, b), norms.sum_sq(a), norms.sum_sq(b), ratio)
 
 
 class Downloads:

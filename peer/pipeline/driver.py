@@ -51,6 +51,7 @@ from peer.concurrency import together
 from peer.membership.reach import ReachBusy, Unreachable
 from peer.pipeline.balancer import Balancer
 from peer.pipeline.directory import PipelineKey
+from peer.per_peer import count
 from peer.pipeline.kept import longest_microbatch_s
 from peer.pipeline.server import LOCAL_DRIVER
 from peer.pipeline.verify import MAX_RERUNS, Answer, Verifier, floor
@@ -311,8 +312,8 @@ class Driver:
 
     async def _ack(self, pid: str, ids: list[int], accumulate: bool) -> tuple[set[int], set[int]] | None:
         """One StageAck to `pid` (in-process for our own stage); the ids whose gradient entered its stage and those
-        its own state change dropped (`moved`), None if it did not answer. Its session was kept up while we owed it this ack (`calling`); one closed anyway is
-        redialed (`reach`: partial views), all within `call_timeout`."""
+        its own state change dropped (`moved`), None if it did not answer. Its session was kept up while we owed
+        it this ack (`calling`); one closed anyway is redialed (`reach`: partial views), all within `call_timeout`."""
         if pid == self.service.me:
             server = self.service.server
             entered = set(await server.acknowledge(LOCAL_DRIVER, ids, accumulate=accumulate))
@@ -449,7 +450,7 @@ class Driver:
     def _strike(self, peer_id: str, reason: str) -> None:
         """A strike for a call `peer_id` refused or failed that another peer of its stage served: in the ban list
         our checks use (verify.py; three strikes ban it from our calls, for a doubling interval)."""
-        self.stats.struck[peer_id] += 1
+        count(self.stats.struck, peer_id)  # bounded to the peers most recently struck: keys are free
         if self.verifier.bans.strike(peer_id, reason, trio.current_time()):
             log.warning("banned %s from our pipeline calls: %s", peer_id[:8],
                         self.verifier.bans.banned(peer_id, trio.current_time()))

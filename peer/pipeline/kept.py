@@ -45,7 +45,7 @@ HOLD_MARGIN_CALLS = 3
 """Past the longest microbatch (`longest_microbatch_s`), a gradient is kept this many more `max_call_timeout`s:
 the checks of its last call (two calls, verify.py) end before its attempt does, then its ack (one call)."""
 STALE = "stale"  # why a gradient goes when our stage state is replaced (a move, a peer's state loaded)
-MAX_STALE_REMEMBERED = 4 * 64
+MAX_STALE_REMEMBERED = 4 * MAX_KEPT
 """(driver, id) pairs dropped as stale that an ack may still name: a few books' worth (the book holds MAX_KEPT),
 each answered `moved`, so the driver does not fail a microbatch for a replica that is gone."""
 
