@@ -194,7 +194,8 @@ def scale_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
         own = item.get_closest_marker("timeout")
         limit = float(own.args[0]) if own is not None and own.args else default
         if limit > 0:
-            item.add_marker(pytest.mark.timeout(pace.scaled(limit)))
+            # first: pytest-timeout reads the closest marker, and a test's own one would be found before an appended one
+            item.add_marker(pytest.mark.timeout(pace.scaled(limit)), append=False)
 
 
 def cap_examples(item: pytest.Item) -> None:
