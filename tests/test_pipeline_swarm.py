@@ -155,10 +155,16 @@ def test_kill_of_a_stage_peer_loses_no_microbatch(cluster):
           for i in range(n)]
     sts = [None] * n
 
-    def mid_run() -> bool:
-        sts[:] = cluster.statuses()
-        return all(s and 80 <= (trainer(s).get("samples") or 0) < samples for s in sts)
-    cluster.wait(lambda _: mid_run(), timeout=START_S, what="every daemon to be driving", interval=0.2)
+    readings: list = []  # samples per driver at each look: what the failure message shows
+
+    def mid_run(got) -> bool:
+        sts[:] = got
+        readings.append([trainer(s).get("samples") if s else None for s in got])
+        return all(s and 80 <= (trainer(s).get("samples") or 0) < samples for s in got)
+    try:
+        cluster.wait(mid_run, timeout=START_S, what="every daemon to be driving", interval=0.2)
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}; samples per driver, last looks: {[r for i, r in enumerate(readings) if i == 0 or r != readings[i - 1]][:40]}") from None
     ids = [s["peer_id"] for s in sts]
     smap = stage_peers(sts[0])
 

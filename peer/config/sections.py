@@ -144,9 +144,11 @@ class PipelineSection:
     """Bounds on the swarm pipeline's calls (peer/pipeline/): what a driver waits for and what a server holds."""
 
     max_queue: int = _f(16, "Stage calls this daemon holds at once (received, queued or computing), from all "
-                        "drivers; more are refused as busy (the driver tries another peer of the stage).",
+                        "drivers; more are refused as busy (the driver tries another peer of the stage). A quarter is kept "
+                        "for backward and loss calls, which are also computed first.",
                         lo=1, hi=4096)
-    max_queue_per_peer: int = _f(8, "Stage calls one driver may have at this daemon at once.", lo=1, hi=4096)
+    max_queue_per_peer: int = _f(8, "Stage calls one driver may have at this daemon at once (a quarter kept "
+                                 "for its backward and loss calls).", lo=1, hi=4096)
     call_timeout: float = _f(10.0, "Base deadline of one stage call; a call's deadline adds 4x its expected "
                              "queue, compute and transfer time (measured), up to max_call_timeout.",
                              lo=0.1, hi=_HOUR, unit="s")

@@ -5,8 +5,10 @@ is one this stage serves, the batch is within the stage's `max_batch`, and the a
 the specs the stage expects for that kind and batch (the session then refuses any header that contradicts
 them, peer/session/groups.py). A call over `[pipeline] max_queue` (this daemon) or `max_queue_per_peer`
 (that driver) is refused as busy, so a driver cannot make us hold more than those many calls' tensors; each
-held call is bounded in time by the driver's deadline for it, at most `[pipeline] max_call_timeout`. Compute runs one call at a time in a worker
-thread (the model is CPU/GPU bound; more threads would only share the same cores). A call whose inputs the
+held call is bounded in time by the driver's deadline for it, at most `[pipeline] max_call_timeout`. A share of
+both bounds is kept for backward and loss calls (`BACKWARD_SHARE`). Compute runs one call at a time in a worker
+thread (the model is CPU/GPU bound; more threads would only share the same cores), backwards before forwards
+(peer/pipeline/turns.py). A call whose inputs the
 stage rejects (NaN, wrong values) is answered with an error naming why; a malformed call closes the session
 (the router does that for a ProtocolError).
 
@@ -29,6 +31,7 @@ import trio
 
 from peer.pipeline.directory import PipelineKey
 from peer.pipeline.kept import STALE, HeldGradient, Kept, KeptGradients, hold_s
+from peer.pipeline.turns import FIRST, NEXT, ComputeTurns
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
 from protocol.schema.gossip import TensorSpec
@@ -41,6 +44,24 @@ log = logging.getLogger("peertrain.pipeline")
 
 LOCAL_DRIVER = ""
 """Who our own driver's calls are kept for (no peer ID is empty)."""
+
+FINISHING = frozenset({"backward", "loss"})
+"""Calls that finish a microbatch's work at this stage: computed first (peer/pipeline/turns.py), and admitted into
+a share of the queue that calls starting work cannot fill (`room`)."""
+BACKWARD_SHARE = 0.25
+"""The share of `max_queue` (and of `max_queue_per_peer`) only finishing calls may fill. Without it a stage full
+of forwards refuses the backwards that would drain it, and new forwards take every place a call frees: a
+microbatch's backward then waits behind the forwards of others, its stage steps more often meanwhile, and its
+gradient is older when it enters (docs/benchmarks.md, 2026-11-28: the demo's loss). A quarter: with the
+defaults (16 and 8) 4 and 2 places, the calls a stage computes in a few backwards' time."""
+
+
+def room(limit: int, finishing: bool) -> int:
+    """How many calls may be held when one of this sort arrives: all of `limit` for a finishing call, the rest
+    of it, less the backwards' share (at least 1 place when the limit allows two), for a call that starts work."""
+    if finishing:
+        return limit
+    return limit - min(limit - 1, max(1, round(limit * BACKWARD_SHARE))) if limit > 1 else limit
 
 
 class StageHandler(Protocol):
@@ -82,7 +103,7 @@ class StageServer:
         self.stage: ServedStage | None = None
         self.stats = ServerStats()
         self.per_peer: Counter = Counter()  # driver -> calls held for it now
-        self.compute_lock = trio.Lock()  # one computation at a time (see module docstring)
+        self.turns = ComputeTurns()  # one computation at a time, finishing calls first (see module docstring)
         self.kept = KeptGradients(hold_s=hold_s(cfg, 1))  # set for the pipeline's stages when we serve one
 
     def switch(self, stage: ServedStage | None) -> None:
@@ -117,11 +138,14 @@ class StageServer:
         if got != want:
             return Refusal(Code.WRONG_SPECS, f"{call.kind} of stage {st.stage} with batch {call.batch} takes "
                                              f"(dtype, shape) {want}, not {got}"[:500])
-        if self.stats.queue >= self.cfg.max_queue:
-            return Refusal(Code.BUSY, f"{self.stats.queue} calls held, the most this peer takes ([pipeline] max_queue)")
-        if self.per_peer[peer_id] >= self.cfg.max_queue_per_peer:
+        finishing = call.kind in FINISHING
+        if self.stats.queue >= room(self.cfg.max_queue, finishing):
+            return Refusal(Code.BUSY, f"{self.stats.queue} calls held, the most this peer takes for a {call.kind} "
+                                      f"([pipeline] max_queue {self.cfg.max_queue}, a share kept for backwards)")
+        if self.per_peer[peer_id] >= room(self.cfg.max_queue_per_peer, finishing):
             return Refusal(Code.BUSY, f"{self.per_peer[peer_id]} of your calls held, the most one driver may have "
-                                      "([pipeline] max_queue_per_peer)")
+                                      f"for a {call.kind} ([pipeline] max_queue_per_peer {self.cfg.max_queue_per_peer},"
+                                      " a share kept for backwards)")
         return None
 
     async def compute_local(self, call: StageCall, tensors: list[Any]) -> tuple[float | None, list[Any], int, float]:
@@ -136,7 +160,7 @@ class StageServer:
         st = self.stage
         self.stats.queue += 1
         try:
-            async with self.compute_lock:
+            async with self.turns.turn(FIRST if call.kind in FINISHING else NEXT):
                 if self.stage is not st:
                     self.stats.handed_back += 1
                     raise Refused(Refusal(Code.MOVED, "this peer moved to another stage while the call waited"))
@@ -177,7 +201,7 @@ class StageServer:
             hold = min(self.cfg.max_call_timeout, call.deadline_s or self.cfg.max_call_timeout)
             with trio.fail_after(hold):  # past the driver's deadline nobody waits for the answer
                 inputs = await theirs.receive(timeout=hold)
-                async with self.compute_lock:
+                async with self.turns.turn(FIRST if call.kind in FINISHING else NEXT):
                     if self.stage is not st:  # we moved (or stopped serving) while it waited: hand it back
                         self.stats.handed_back += 1
                         await session.reply(env, ErrorReply.of(Refusal(Code.MOVED, "this peer left the stage while "
