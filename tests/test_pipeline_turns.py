@@ -13,9 +13,8 @@ from peer.pipeline.turns import FIRST, NEXT, ComputeTurns
 pytestmark = pytest.mark.unit
 
 
-def test_waiting_backwards_go_before_waiting_forwards_in_arrival_order():
-    order: list[str] = []
-
+def run_calls(order: list[str], body):
+    """Run `body(turns, call)` under a mock clock; `call(name, priority)` holds a turn for a second, noting it."""
     async def main():
         turns = ComputeTurns()
 
@@ -25,6 +24,14 @@ def test_waiting_backwards_go_before_waiting_forwards_in_arrival_order():
                 order.append(name)
                 await trio.sleep(1)
 
+        await body(turns, call)
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_waiting_backwards_go_before_waiting_forwards_in_arrival_order():
+    order: list[str] = []
+
+    async def body(turns, call):
         async with trio.open_nursery() as n:
             await n.start(call, "f0", NEXT)  # holds the lock
             await trio.testing.wait_all_tasks_blocked()
@@ -32,22 +39,14 @@ def test_waiting_backwards_go_before_waiting_forwards_in_arrival_order():
                 await n.start(call, name, prio)
                 await trio.testing.wait_all_tasks_blocked()
             assert turns.waiting == 4
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    run_calls(order, body)
     assert order == ["f0", "b1", "b2", "f1", "f2"]
 
 
 def test_a_waiter_cancelled_leaves_the_lock_usable():
     order: list[str] = []
 
-    async def main():
-        turns = ComputeTurns()
-
-        async def call(name: str, priority: int, task_status=trio.TASK_STATUS_IGNORED):
-            task_status.started()
-            async with turns.turn(priority):
-                order.append(name)
-                await trio.sleep(1)
-
+    async def body(turns, call):
         async with trio.open_nursery() as n:
             await n.start(call, "f0", NEXT)
             await trio.testing.wait_all_tasks_blocked()
@@ -58,7 +57,7 @@ def test_a_waiter_cancelled_leaves_the_lock_usable():
             await n.start(call, "f1", NEXT)
         async with turns.turn(NEXT):  # free again
             order.append("after")
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    run_calls(order, body)
     assert order == ["f0", "f1", "after"]
 
 
