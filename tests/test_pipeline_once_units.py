@@ -467,9 +467,9 @@ def test_a_server_keeping_a_gradient_for_us_keeps_its_session_until_the_ack():
     async def main():
         call = StageCall(pipeline="p", stage=1, kind="loss", batch=BATCH, seed=1, tensors=[], streams=[], cuts=[1])
         _, _, kept, _ = await srv.compute_local(call, [])
-        driver._owe("s1p0", +1)  # as _call_once does for a reply naming a kept gradient
+        driver.acks.owe("s1p0", +1)  # as _call_once does for a reply naming a kept gradient
         assert driver.calling("s1p0") and not driver.calling("s0p0")
-        assert await driver._ack("s1p0", [kept], True) == ({kept}, set())
+        assert await driver.acks.ack("s1p0", [kept], True) == ({kept}, set())
         assert not driver.calling("s1p0")
     run(main)
 

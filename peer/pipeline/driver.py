@@ -24,7 +24,7 @@ done. One its server dropped because its own stage state was replaced since (it 
 peer's state: `moved` in the reply) fails nothing: that replica is gone with all it had accumulated, acknowledged
 or not (`ack_moved`). An ack not answered (the server died) is counted lost too, but nobody can tell whether it entered. An
 ack goes over the session the call used, kept up while the ack is owed (`calling`), or one a lookup redials
-(partial views).
+(partial views): peer/pipeline/acks.py sends and counts them.
 An attempt runs at most `longest_microbatch_s` (kept.py), so the servers' hold outlives it.
 
 A share of the completed calls (`[pipeline] verify_fraction`) is checked: the same call at another peer of the
@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import queue
 import random
-from collections import Counter, defaultdict, deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,11 +49,11 @@ import trio
 from peer.averaging.bans import BanList
 from peer.concurrency import together
 from peer.membership.reach import ReachBusy, Unreachable
+from peer.pipeline.acks import WAIT_POLL_S, Acks, KeptAt
 from peer.pipeline.balancer import Balancer
 from peer.pipeline.directory import PipelineKey
 from peer.per_peer import count
 from peer.pipeline.kept import longest_microbatch_s
-from peer.pipeline.server import LOCAL_DRIVER
 from peer.pipeline.verify import MAX_RERUNS, Answer, Verifier, floor
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
@@ -61,7 +61,7 @@ from peertrain.swarm import TrainerStopped
 from protocol.errors import ProtocolError
 from protocol.refusal import ASKERS_FAULT, STALE_VIEW, TRY_LATER, Code, Refusal, Refused
 from protocol.schema.gossip import TensorSpec
-from protocol.schema.pipeline import StageAck, StageAckReply, StageCall, StageReply
+from protocol.schema.pipeline import StageCall, StageReply
 from protocol.schema.session import ErrorReply
 from protocol.tensor_codec import FLOAT_DTYPES
 
@@ -69,7 +69,6 @@ log = logging.getLogger("peertrain.pipeline")
 
 DEADLINE_SLACK = 4.0  # a call's deadline allows this many times its expected time (plus the base timeout)
 ASSUMED_BYTES_PER_S = 10e6  # for a peer whose calls we never timed: a slow link (80 Mbit/s), so deadlines err long
-WAIT_POLL_S = 0.2  # how often a driver waiting for a stage looks again (a peer appears within a record interval)
 # A refused call is handled by its code (protocol/refusal.py): TRY_LATER (the peer is full, not broken): re-sent,
 # the peer avoided only briefly (the balancer), no attempt used. ASKERS_FAULT (any peer of the stage would refuse
 # it again): the microbatch fails at once instead of being retried. STALE_VIEW (our stage map was stale: the peer
@@ -154,15 +153,6 @@ class DriverStats:
     struck: Counter = field(default_factory=Counter)  # peer -> strikes for calls it refused or failed (see _call)
 
 
-@dataclass(frozen=True)
-class KeptAt:
-    """A gradient a server of `stage` keeps for one of our microbatches until we acknowledge it."""
-
-    stage: int
-    peer: str
-    id: int
-
-
 @dataclass
 class _Attempt:
     """One run of a microbatch through the stages: what its calls left behind, and what its checks found."""
@@ -190,7 +180,7 @@ class Driver:
         self.stats = DriverStats()
         self.verifier = Verifier(self.cfg.verify_fraction, service.me, bans if bans is not None else BanList(), rng)
         self._waiting_calls: Counter = Counter()  # stage -> calls waiting for a usable peer of it
-        self._owed: Counter = Counter()  # peer -> gradients it keeps for us that we have not acknowledged yet
+        self.acks = Acks(service, self.stats)  # settles each microbatch's kept gradients (acks.py)
         self.longest_s = longest_microbatch_s(self.cfg, self.stages)
 
     async def run(self, mb: Microbatch) -> Outcome:
@@ -216,7 +206,7 @@ class Driver:
                         failure = MicrobatchFailed(f"answered by outliers ({', '.join(p[:8] for p in outliers)}) "
                                                    f"after {reruns} re-runs")
                     else:
-                        await self._settle(mb, at.kept, accumulate=False)
+                        await self.acks.settle(mb.id, mb.batch, at.kept, accumulate=False)
                         avoid |= outliers
                         reruns += 1
                         self.verifier.stats.reruns += 1
@@ -224,13 +214,13 @@ class Driver:
                                     "running it again without", mb.id, ", ".join(p[:8] for p in outliers))
                         continue
                 if failure is not None:
-                    await self._settle(mb, at.kept, accumulate=False)
+                    await self.acks.settle(mb.id, mb.batch, at.kept, accumulate=False)
                     self.stats.failed += 1
                     self.stats.failures.append((mb.id, str(failure)))
                     log.warning("microbatch %d failed after %d re-sent calls: %s", mb.id, resent[0], failure)
                     return Outcome(mb.id, False, mb.batch, resent=resent[0], reruns=reruns,
                                    seconds=trio.current_time() - t0, reason=str(failure), evaluate=mb.evaluate)
-                lost = await self._settle(mb, at.kept, accumulate=True)
+                lost = await self.acks.settle(mb.id, mb.batch, at.kept, accumulate=True)
                 if lost:  # a stage no longer had its part: not done (the others did take theirs)
                     self.stats.failed += 1
                     reason = f"stage {', '.join(map(str, lost))} no longer had its gradient (evicted or expired)"
@@ -271,96 +261,10 @@ class Driver:
         loss, _, _ = await self._call(mb, self.stages - 1, "evaluate", [h, mb.y], at)
         return loss
 
-    async def _settle(self, mb: Microbatch, kept: list[KeptAt], *, accumulate: bool) -> list[int]:
-        """Tell every server that kept a gradient of `mb` to add it to its stage (`accumulate`: the backward
-        completed through every stage) or to drop it (the microbatch failed); count what each confirmed; the
-        stages whose server answered that it no longer had its gradient (evicted, expired: when accumulating).
-        Each ack is bounded by `call_timeout`; one not answered (the server died, say) is counted lost, but
-        nobody can tell whether it entered, so it fails nothing."""
-        lost: list[int] = []
-        if not kept:
-            return lost
-        by_peer: dict[str, list[KeptAt]] = defaultdict(list)
-        for k in kept:
-            by_peer[k.peer].append(k)
-
-        async def settle(pid: str, ks: list[KeptAt]) -> None:
-            answer = await self._ack(pid, [k.id for k in ks], accumulate)
-            entered, moved = answer if answer is not None else (None, set())
-            if not accumulate:
-                self.stats.dropped += len(ks)
-                return
-            for k in ks:
-                if entered is not None and k.id in entered:
-                    self.stats.acked += 1
-                    self.stats.acked_samples[k.stage] += mb.batch
-                elif k.id in moved:  # the server's replica was replaced (a move): gone with what it held
-                    self.stats.ack_moved += 1
-                    log.info("microbatch %d: stage %d at %s moved or replaced its state before our ack", mb.id,
-                             k.stage, pid[:8])
-                else:
-                    self.stats.ack_lost += 1
-                    if entered is not None:
-                        lost.append(k.stage)
-                    log.warning("microbatch %d: stage %d at %s %s", mb.id, k.stage, pid[:8],
-                                "did not answer its ack" if entered is None else "no longer had its gradient")
-
-        async with trio.open_nursery() as n:
-            for pid, ks in by_peer.items():
-                n.start_soon(settle, pid, ks)
-        return sorted(lost)
-
-    async def _ack(self, pid: str, ids: list[int], accumulate: bool) -> tuple[set[int], set[int]] | None:
-        """One StageAck to `pid` (in-process for our own stage); the ids whose gradient entered its stage and those
-        its own state change dropped (`moved`), None if it did not answer. Its session was kept up while we owed
-        it this ack (`calling`); one closed anyway is redialed (`reach`: partial views), all within `call_timeout`."""
-        if pid == self.service.me:
-            server = self.service.server
-            entered = set(await server.acknowledge(LOCAL_DRIVER, ids, accumulate=accumulate))
-            return entered, set(server.kept.moved(LOCAL_DRIVER, ids))
-        try:
-            with trio.move_on_after(self.cfg.call_timeout):
-                session = await self._session_for_ack(pid)
-                if session is None:
-                    return None
-                env = await session.request(StageAck(kept=ids, accumulate=accumulate), timeout=self.cfg.call_timeout)
-                reply = env.message
-                if not isinstance(reply, StageAckReply):
-                    return None
-                return set(reply.accumulated) & set(ids), set(reply.moved) & set(ids)
-            return None
-        except (trio.TooSlowError, SessionClosed, Unreachable):
-            return None
-        finally:
-            self._owe(pid, -len(ids))
-
-    async def _session_for_ack(self, pid: str):
-        """The session to ack `pid` over: the one we have, else one a lookup makes (waiting while lookups are busy;
-        the caller bounds it). None when nothing reaches it (full views without a session)."""
-        session = self.service.session_of(pid)
-        if session is not None:
-            return session
-        reach = getattr(self.service, "reach", None)
-        if reach is None:
-            return None
-        while True:
-            try:
-                return await reach(pid)
-            except ReachBusy:
-                await trio.sleep(WAIT_POLL_S)
-
-    def _owe(self, pid: str, n: int) -> None:
-        """Count gradients `pid` keeps for us until our ack (its session stays up meanwhile: `calling`)."""
-        left = self._owed[pid] + n
-        if left > 0:
-            self._owed[pid] = left
-        else:
-            self._owed.pop(pid, None)
-
     def calling(self, peer_id: str) -> bool:
         """Whether a call of ours is out at `peer_id`, or it keeps a gradient we owe an ack for (its session must
         stay up meanwhile: partial views close idle ones, and the ack would find none)."""
-        return peer_id in self._owed or any((e := b.peers.get(peer_id)) is not None and e.outstanding > 0
+        return self.acks.owes(peer_id) or any((e := b.peers.get(peer_id)) is not None and e.outstanding > 0
                                             for b in self.balancers)
 
     def _seed(self, mb: Microbatch, stage: int) -> int:
@@ -476,7 +380,7 @@ class Driver:
         async def drop(answers: list[Answer]) -> None:
             async with trio.open_nursery() as n:
                 for a in answers:
-                    n.start_soon(self._ack, a.peer, [a.kept], False)
+                    n.start_soon(self.acks.ack, a.peer, [a.kept], False)
 
         async def check() -> None:
             odd = await self.verifier.check(first, stage, kind, floor_, ask, drop, self.stats.done)
@@ -595,7 +499,7 @@ class Driver:
             raise Refused(NO_LOSS)  # its kept gradient (if any) is never acknowledged: it expires there
         kept = reply.kept if kind in ("backward", "loss") else 0  # only those keep one: an id on others is ignored
         if kept:
-            self._owe(pid, +1)  # until our ack, whatever happens to the microbatch now (kept up: `calling`)
+            self.acks.owe(pid, +1)  # until our ack, whatever happens to the microbatch now (kept up: `calling`)
         return reply.loss, outputs, kept, reply.compute_s
 
 
