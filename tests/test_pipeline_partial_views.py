@@ -53,10 +53,17 @@ def test_a_driver_reaches_stage_servers_it_has_no_session_with(cluster):
     servers = [cluster.start(f"s{i}", config=config(swarm, [listen], "server"), env=rank_env(i, SERVERS))
                for i in range(SERVERS)]
 
+    seen: list = []  # each server's stages with peers, at the last look: what a failure shows
+
     def both_stages_served() -> bool:
         sts = [d.try_status() for d in servers]
-        return all(s and [e["stage"] for e in pipe(s).get("stage_map", []) if e["peers"]] == [0, 1] for s in sts)
-    wait_for(both_stages_served, timeout=START_S, interval=0.5, what="the servers to cover both stages")
+        seen[:] = [s and [e["stage"] for e in pipe(s).get("stage_map", []) if e["peers"]] for s in sts]
+        return all(m == [0, 1] for m in seen)
+    try:
+        wait_for(both_stages_served, timeout=START_S, interval=0.5, what="the servers to cover both stages")
+    except TimeoutError as exc:
+        cluster.dump_logs()
+        raise TimeoutError(f"{exc}; stages each server saw served: {seen}") from None
 
     served_s = time.monotonic() - t0
     server_ids = {s.peer_id for s in servers}
