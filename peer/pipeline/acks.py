@@ -21,7 +21,9 @@ from protocol.schema.pipeline import StageAck, StageAckReply
 
 log = logging.getLogger("peertrain.pipeline")
 
-WAIT_POLL_S = 0.2  # how often a driver waiting (for a stage's peer, a busy lookup) looks again: a peer appears within a record interval
+WAIT_POLL_S = 0.2
+"""How often a driver waiting (for a peer of a stage, for a busy lookup) looks again: a peer appears within a
+record interval."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class Acks:
         for k in kept:
             by_peer[k.peer].append(k)
 
-        async def settle(pid: str, ks: list[KeptAt]) -> None:
+        async def settle_with(pid: str, ks: list[KeptAt]) -> None:
             answer = await self.ack(pid, [k.id for k in ks], accumulate)
             entered, moved = answer if answer is not None else (None, set())
             if not accumulate:
@@ -83,13 +85,14 @@ class Acks:
 
         async with trio.open_nursery() as n:
             for pid, ks in by_peer.items():
-                n.start_soon(settle, pid, ks)
+                n.start_soon(settle_with, pid, ks)
         return sorted(lost)
 
     async def ack(self, pid: str, ids: list[int], accumulate: bool) -> tuple[set[int], set[int]] | None:
         """One StageAck to `pid` (in-process for our own stage); the ids whose gradient entered its stage and those
         its own state change dropped (`moved`), None if it did not answer. Its session was kept up while we owed
-        it this ack (`Driver.calling`); one closed anyway is redialed (`reach`: partial views), all within `call_timeout`."""
+        it this ack (`Driver.calling`); one closed anyway is redialed (`reach`: partial views), all within
+        `call_timeout`."""
         if pid == self.service.me:
             server = self.service.server
             entered = set(await server.acknowledge(LOCAL_DRIVER, ids, accumulate=accumulate))

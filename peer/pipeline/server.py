@@ -59,9 +59,7 @@ defaults (16 and 8) 4 and 2 places, the calls a stage computes in a few backward
 def room(limit: int, finishing: bool) -> int:
     """How many calls may be held when one of this sort arrives: all of `limit` for a finishing call, the rest
     of it, less the backwards' share (at least 1 place when the limit allows two), for a call that starts work."""
-    if finishing:
-        return limit
-    return limit - min(limit - 1, max(1, round(limit * BACKWARD_SHARE))) if limit > 1 else limit
+    return limit if finishing else limit - min(limit - 1, max(1, round(limit * BACKWARD_SHARE)))
 
 
 class StageHandler(Protocol):
