@@ -9,6 +9,7 @@ microbatches, in order), so a gap between them is the pipeline's doing.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ def evaluate(model: PipelineModel, test: Any, *, microbatch: int, eval_batches: 
 def train_reference(
     model: PipelineModel, train: Any, test: Any, *, batch_size: int, microbatch: int, lr: float,
     samples: int, seed: int = 0, optimizer: str = "adam", eval_batches: int = 8,
+    microbatches: Iterator[tuple[Any, Any]] | None = None,
 ) -> dict[str, Any]:
     """Train `model.sequential()` in place until `samples` samples; returns val_loss, train_loss (last
     batch), samples, steps, seconds (training only).
@@ -52,7 +54,8 @@ def train_reference(
     Each batch is batch_size // microbatch microbatches; each microbatch backpropagates its mean
     loss weighted by its share of the batch's samples, so the step sees the gradient of the mean
     over the batch even when an epoch's last microbatch is short. Dropout draws from an RNG
-    seeded by `seed` (the caller's RNG state is restored afterwards).
+    seeded by `seed` (the caller's RNG state is restored afterwards). `microbatches`: the (x, y) to train on, in
+    order (a pipeline driver's own, to compare with it on the same ones); by default `train`, shuffled by `seed`.
     """
     if microbatch < 1 or batch_size < microbatch or batch_size % microbatch:
         raise ValueError(f"train_reference: batch_size ({batch_size}) must be a positive multiple "
@@ -66,8 +69,9 @@ def train_reference(
     gen = torch.Generator().manual_seed(seed)
 
     # endless: epoch after epoch from the same generator
-    stream = torch_data.endless(torch_data.loader(train, microbatch, generator=gen), "the train set",
-                                empty="train_reference: the training set is empty")
+    stream = microbatches if microbatches is not None else torch_data.endless(
+        torch_data.loader(train, microbatch, generator=gen), "the train set",
+        empty="train_reference: the training set is empty")
     done, steps, train_loss = 0, 0, float("nan")
     net.train()
     with seeded(seed, dev):
