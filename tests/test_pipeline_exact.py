@@ -2,7 +2,7 @@
 
 Three daemons serve three stages; one of them drives. Its microbatches go two at a time (the trainer's default
 in_flight), so a stage may step between a microbatch's forward and its backward (the backward then recomputes
-the forward against the current weights: docs/design.md, "The weights a backward runs against"), and each gradient
+the forward against the current weights: docs/design.md, "Swarm pipeline"), and each gradient
 enters each stage once. One
 process training the same blocks on the same microbatches in the same order with the same optimizer
 (trainers/pipeline/reference.py) must reach the same validation loss within 2%.

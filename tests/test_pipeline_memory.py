@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from peer.pipeline import memory as peer_memory
 from peer.pipeline.directory import PipelineKey, StagePeer
+from peer.pipeline.kept import MAX_KEPT
 from peer.pipeline.memory import AUTO_MARGIN as HOST_MARGIN, UNLIMITED, Budget, budget, rss_bytes
 from protocol import identity as ident
 from protocol.errors import ProtocolError
@@ -48,19 +49,21 @@ def test_state_bytes_counts_parameters_gradient_and_the_optimizers_slots():
     assert memory.state_bytes(0, "adam") == 0
 
 
-def overhead(params: list[int]) -> int:
-    """The step's temporaries, the allocator's slack and the process's growth of a stage of these blocks."""
-    return memory.STEP_TEMPORARIES * max(params) + int(memory.ALLOCATOR_SLACK * sum(params)) + memory.PROCESS_GROWTH
+def overhead(params: list[int], outs: list[int], lo: int, hi: int) -> int:
+    """The kept calls' inputs, the step's temporaries, the allocator's slack and the process's growth of a stage
+    of blocks [lo, hi)."""
+    kept = MAX_KEPT * ((outs[lo - 1] if lo else outs[lo]) + outs[hi - 1])
+    return kept + memory.STEP_TEMPORARIES * max(params[lo:hi]) + int(memory.ALLOCATOR_SLACK * sum(params[lo:hi])) \
+        + memory.PROCESS_GROWTH
 
 
 def test_stage_bytes_sums_only_the_stages_blocks():
     params, outs = [10, 20, 30, 40], [1, 2, 3, 4]
     # blocks [1, 3): 50 parameter bytes, 5 output bytes
-    want = 50 * (2 + 1) + memory.HELD_GRADIENTS * 50 + memory.ACTIVATION_FACTOR * 5 + overhead([20, 30])
-    assert memory.stage_bytes(params, outs, 1, 3, "sgd") == want
+    want = 50 * (2 + 1) + memory.ACTIVATION_FACTOR * 5 + overhead(params, outs, 1, 3)
+    assert memory.stage_bytes(params, outs, 1, 3, "sgd") == want  # no copy of the gradient per call kept
     whole = memory.stage_bytes(params, outs, 0, 4, "adam")
-    assert whole == 100 * 4 + memory.HELD_GRADIENTS * 100 + memory.ACTIVATION_FACTOR * 10 + overhead(params)
-    assert memory.stage_bytes(params, outs, 0, 4, "adam", held=0) == whole - memory.HELD_GRADIENTS * 100
+    assert whole == 100 * 4 + memory.ACTIVATION_FACTOR * 10 + overhead(params, outs, 0, 4)
     assert memory.stage_bytes(params, outs, 2, 2, "adam") == 0  # no block, no bytes
 
 
@@ -76,6 +79,20 @@ def test_cap_for_stages_is_the_stages_th_largest_room():
     # nobody announced a budget: no constraint
     assert memory.cap_for_stages([], 2) is None
     assert memory.cap_for_stages([0, 0], 1) is None
+
+
+def test_the_caps_rooms_are_those_of_placed_peers_never_bare_claims():
+    """The cheapest attack on the cut's cap: records claiming 1 PiB of room, one per free key. Only peers that serve
+    a stage of the pipeline at a measured speed count, so those claims leave the cap at what real peers hold."""
+    def ann(room_mib: int, speed: float, pipeline: str = "p") -> StageAnnouncement:
+        return StageAnnouncement(pipeline=pipeline, stage=0, stages=2, cuts=[1], samples_per_s=speed,
+                                 stage_room_mib=room_mib)
+    ours = 2000 * MiB
+    sybils = [ann(MAX_MEMORY_MIB, 0.0) for _ in range(8)]  # claimed, never served a call
+    assert memory.cap_for_stages([ours] + [MAX_MEMORY_MIB * MiB] * 8, 4) == MAX_MEMORY_MIB * MiB  # every claim: gone
+    assert memory.cap_for_stages([ours] + memory.placed_rooms(sybils, "p"), 4) == ours
+    placed = [ann(3000, 12.5), ann(1500, 3.0), ann(9000, 4.0, pipeline="other")]
+    assert sorted(memory.placed_rooms(placed + sybils, "p")) == [1500 * MiB, 3000 * MiB]
 
 
 def test_fits_and_mib():
@@ -171,10 +188,9 @@ def test_the_memory_model_of_trainers_pipeline_memory_drives_the_cut():
     costs = SMALL
     params, outs = [c.param_bytes for c in costs], [1 * MiB] * len(costs)
     mem = functools.partial(memory.stage_bytes, params, outs, optimizer="adam")
-    # 2 + 2 blocks: the second stage holds 50 MiB of parameters, 6x in state and held gradients, 16 MiB of outputs
+    # 2 + 2 blocks: the second stage holds 50 MiB of parameters, 4x in state, 16 MiB of outputs
     need = mem(2, 4)
-    assert need == 50 * MiB * (4 + memory.HELD_GRADIENTS) + memory.ACTIVATION_FACTOR * 2 * MiB \
-        + overhead(params[2:4])
+    assert need == 50 * MiB * 4 + memory.ACTIVATION_FACTOR * 2 * MiB + overhead(params, outs, 2, 4)
     plan = plan_stages(costs, 2, memory=lambda lo, hi: mem(lo, hi), memory_cap=need - 1)
     assert plan.bounds == [(0, 3), (3, 4)]
 

@@ -46,12 +46,15 @@ class Held:
         self.stage.taken.append(self.samples)
         return True
 
+    def release(self) -> None:
+        self.stage.released.append(self.samples)
+
 
 class FakeStage:
     """A stage handler whose "backward" and "loss" hold a gradient; accepts any call (no tensors)."""
 
     def __init__(self, kinds=("forward", "backward")):
-        self._kinds, self.taken = kinds, []
+        self._kinds, self.taken, self.released = kinds, [], []
 
     def kinds(self):
         return self._kinds

@@ -18,7 +18,7 @@ from torch import nn
 from trainers.baseline import make_optimizer, seeded_model
 from trainers.pipeline.blocks import PipelineModel, char_transformer_pipeline, from_factory, seeded
 from trainers.pipeline import shapes
-from trainers.pipeline.stage import StageWorker
+from trainers.pipeline.stage import COPY, DEFERRED, PROVISIONAL, StageWorker
 
 VOCAB, BLOCK = 20, 16
 BOUNDS = [(0, 1), (1, 3), (3, 5), (5, 6)]
@@ -177,10 +177,11 @@ def test_chain_with_dropout_matches_per_stage_seeds() -> None:
     assert_close(all_grads(ws), grads)
 
 
-def test_a_held_gradient_enters_once_and_only_when_accumulated() -> None:
-    """A request's gradient is held, not added: one never accumulated (a lost reply, a failed microbatch) leaves
-    no trace; one accumulated twice enters once; one held across a state load is dropped; the stage steps on
-    the samples that entered."""
+def test_a_held_gradient_counts_once_and_only_when_acknowledged() -> None:
+    """A call's gradient goes into the stage provisionally: one released (a lost reply, a failed microbatch) leaves
+    no trace; one accumulated twice counts once; one held across a state load is dropped; the stage steps on the
+    samples that were acknowledged, never while a provisional gradient is in it (calls meanwhile defer theirs).
+    What is kept is the call's inputs, never a copy of the parameters' gradient."""
     ws = workers(tiny(0.0))
     w, ref = ws[1], workers(tiny(0.0))[1]
     w.accumulate_samples = ref.accumulate_samples = 8
@@ -189,19 +190,71 @@ def test_a_held_gradient_enters_once_and_only_when_accumulated() -> None:
     _, _, lost = w.compute("backward", [h, other], 1)  # computed, never acknowledged
     _, _, held = w.compute("backward", [h, grad_out], 2)
     assert (w.samples, w.pending_samples, w.steps) == (0, 0, 0)
-    assert all(float(v.abs().max()) == 0 for v in w.accumulated_grads().values())
-    assert held.samples == 4 and held.nbytes == sum(p.numel() * 4 for p in w.params().values())
+    assert held.samples == 4 and held.nbytes == 2 * h.numel() * 4 and not held.deferred
     assert held.accumulate() and not held.accumulate()
+    lost.release()
+    lost.release()  # twice: taken out once
+    assert not lost.accumulate()  # released: it never counts
     _, _, r = ref.compute("backward", [h, grad_out], 2)
     assert r.accumulate()
-    assert_close(w.accumulated_grads(), ref.accumulated_grads(), rel=0.0)
+    assert_close(w.accumulated_grads(), ref.accumulated_grads(), rel=1e-6)
     assert (w.samples, w.pending_samples, w.steps) == (4, 4, 0)
-    assert not ws[2].accumulate(lost)  # another worker's
+    _, _, stale = w.compute("backward", [h, other], 3)
+    assert not ws[2].accumulate(stale)  # another worker's
     w.load_state_dict(w.state_dict())
-    assert not lost.accumulate() and w.samples == 4  # held before the state was replaced: dropped
+    assert not stale.accumulate() and w.samples == 4  # held before the state was replaced: dropped
+    ref.load_state_dict(ref.state_dict())
     _, _, a = w.compute("backward", [h, grad_out], 2)
     _, _, b = w.compute("backward", [h, grad_out], 2)
-    assert a.accumulate() and w.steps == 0 and b.accumulate() and w.steps == 1  # 8 samples entered: a step
+    _, _, c = w.compute("backward", [h, other], 4)  # p.grad holds a step's worth: this one waits apart, a copy
+    assert not a.deferred and c.state == COPY and c.nbytes == sum(p.numel() * 4 for p in w.params().values())
+    assert a.accumulate() and w.steps == 0 and b.accumulate() and w.steps == 1  # the step on a and b alone
+    c.release()
+    for _ in range(2):
+        _, _, r = ref.compute("backward", [h, grad_out], 2)
+        assert r.accumulate()
+    assert ref.steps == 1 and w.pending_samples == 0
+    assert_close(w.params(), ref.params(), rel=1e-6)
+    w.max_held = 0  # no room for a copy beside the stage: past a step's worth, calls defer to their ack
+    held = [w.compute("backward", [h, grad_out], 5)[2] for _ in range(3)]
+    assert [x.state for x in held] == [PROVISIONAL, PROVISIONAL, DEFERRED] and held[2].nbytes == held[0].nbytes
+    assert all(x.accumulate() for x in held) and w.steps == 2 and w.pending_samples == 4  # added now, stepped on
+
+
+def test_a_provisional_gradient_that_holds_a_step_back_too_long_is_deferred(monkeypatch) -> None:
+    """A driver that never acknowledges delays a due step by SETTLE_FACTOR x the typical wait for an ack, no more:
+    its gradient is then taken out and deferred, and the step comes on the acknowledged samples."""
+    from trainers.pipeline import stage as stage_mod
+
+    monkeypatch.setattr(stage_mod, "SETTLE_MIN_S", 0.0)
+    w, ref = workers(tiny(0.0))[1], workers(tiny(0.0))[1]
+    w.accumulate_samples = ref.accumulate_samples = 4
+    h, grad_out, other = torch.randn(4, BLOCK, 32), torch.randn(4, BLOCK, 32), torch.randn(4, BLOCK, 32)
+    _, _, silent = w.compute("backward", [h, other], 1)
+    _, _, acked = w.compute("backward", [h, grad_out], 2)
+    w._settle_s = 0.0  # acks come at once here: the silent one is late as soon as the step is due
+    assert acked.accumulate() and w.steps == 1 and silent.deferred
+    _, _, r = ref.compute("backward", [h, grad_out], 2)
+    assert r.accumulate() and ref.steps == 1
+    assert_close(w.params(), ref.params(), rel=1e-6)
+    assert silent.accumulate() and w.samples == 8 and w.steps == 2  # a late ack still counts it, computed now
+
+
+def test_a_non_finite_gradient_leaves_the_stage_as_it_was() -> None:
+    """A call whose gradient overflows is refused, and the part of it that went into p.grad comes out again: the
+    stage then accumulates as one that never saw the call. (Taking a gradient out is exact up to rounding at its
+    own magnitude: docs/design.md, "Swarm pipeline": what at-most-once keeps.)"""
+    w, ref = workers(tiny(0.0))[1], workers(tiny(0.0))[1]
+    w.accumulate_samples = ref.accumulate_samples = 100
+    h, grad_out = torch.randn(4, BLOCK, 32), torch.randn(4, BLOCK, 32)
+    with pytest.raises(ValueError, match="not finite"):
+        w.compute("backward", [h, torch.full_like(grad_out, 3e37)], 3)
+    assert all(float(g.abs().max()) == 0 for g in w.accumulated_grads().values()) and w.samples == 0
+    for worker in (w, ref):
+        _, _, ok = worker.compute("backward", [h, grad_out], 2)
+        assert ok.accumulate()
+    w.accumulate_samples = ref.accumulate_samples = 4  # read the sums (accumulated_grads divides by the samples)
+    assert_close(w.accumulated_grads(), ref.accumulated_grads(), rel=1e-6)
 
 
 def test_adding_an_acknowledged_gradient_counts_in_the_stage_speed() -> None:
@@ -629,7 +682,7 @@ def test_deferred_gradients_equal_held_ones() -> None:
     assert run_chain(held_ws, x, y, [11, 12, 13]) == run_chain(deferred_ws, x, y, [11, 12, 13])
     assert_close(all_grads(deferred_ws), all_grads(held_ws), rel=1e-6)
     _, _, kept = deferred_ws[1].compute("backward", [torch.randn(4, BLOCK, 32), torch.randn(4, BLOCK, 32)], 5)
-    assert kept is not None and kept.replay is not None and kept.nbytes == 2 * 4 * BLOCK * 32 * 4
+    assert kept is not None and kept.deferred and kept.nbytes == 2 * 4 * BLOCK * 32 * 4
     assert kept.accumulate() and not kept.accumulate()  # at most once
 
 

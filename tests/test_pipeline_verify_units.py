@@ -219,7 +219,8 @@ class Stage:
             return None, [x * self.lie], None
         if kind == "evaluate":
             return float(x.mean()), [], None
-        held = SimpleNamespace(samples=BATCH, nbytes=100, deferred=False, accumulate=lambda: self.taken.append(BATCH) or True)
+        held = SimpleNamespace(samples=BATCH, nbytes=100, deferred=False, accumulate=lambda: self.taken.append(BATCH) or True,
+                               release=lambda: None)
         if kind == "loss":
             return float(x.mean()), [torch.full_like(tensors[0], self.weight) * self.lie], held
         return None, [tensors[1] * self.weight * self.lie], held

@@ -51,7 +51,6 @@ from trainers.options import option, parse_options
 from trainers.pipeline import memory, profiles, shapes
 from trainers.pipeline.blocks import char_transformer_pipeline, from_factory
 from trainers.pipeline.keeper import SeatKeeper
-from trainers.pipeline.memory import MiB
 from trainers.pipeline.partition import format_plan, plan_stages
 from trainers.pipeline.placement import adopted_cut, initial_stage
 from trainers.pipeline.seat import Memory, StageSeat, stage_wrapper
@@ -246,8 +245,8 @@ def run(swarm, options: dict) -> dict:
                                       profiles.announced(swarm.stage_announcements(), o.pipeline), device=device)
     plan = plan_stages(costs, o.stages, link_bytes_per_s=o.link_mbit * 1e6 / 8, memory=mem.need,
                        memory_cap=memory.cap_for_stages(
-                           [mem.room] + [a.stage_room_mib * MiB for a in swarm.stage_announcements().values()
-                                         if a.pipeline == o.pipeline], o.stages))
+                           [mem.room] + memory.placed_rooms(swarm.stage_announcements().values(), o.pipeline),
+                           o.stages))
     own_cuts = tuple(hi for _, hi in plan.bounds[:-1])
     swarm.log("planned cut of %s into %d stages (block costs: %d measured by the pipeline's peers, %d from blocks of "
               "the same kind, %d estimated from their size):\n%s", o.pipeline, o.stages, how["measured"],
@@ -332,10 +331,10 @@ def _memory(swarm, o: SwarmPipelineOptions, traced: shapes.ModelShapes, device: 
     room = max(1, budget - baseline) if budget > 0 else 0
     out = [traced.out_bytes(i, o.microbatch) for i in range(len(traced.param_bytes))]
 
-    def need(lo: int, hi: int) -> int:  # the stage with one gradient: the one a call or an ack computes
-        return memory.stage_bytes(traced.param_bytes, out, lo, hi, o.optimizer, held=1)
+    def need(lo: int, hi: int) -> int:
+        return memory.stage_bytes(traced.param_bytes, out, lo, hi, o.optimizer)
 
-    def max_held(lo: int, hi: int) -> int | None:  # more gradients held than the room allows are deferred
+    def max_held(lo: int, hi: int) -> int | None:  # gradient copies the room holds beside the stage's plan
         params = sum(traced.param_bytes[lo:hi])
         return max(0, (room - need(lo, hi)) // params) if room and params else None
 

@@ -73,8 +73,13 @@ class HeldGradient(Protocol):
     deferred: bool  # computed when acknowledged, not when called (its ack is answered before the computation)
 
     def accumulate(self) -> bool:
-        """Add it to the stage's accumulated gradient (in a worker thread): False if the stage's state was
-        replaced since it was computed (then it is dropped)."""
+        """Count it in the stage (in a worker thread): False if the stage's state was replaced since it was
+        computed (then it is dropped)."""
+        ...
+
+    def release(self) -> None:
+        """It was dropped: leave no trace in the stage (in a worker thread; a stage may have added it
+        provisionally, trainers/pipeline/stage.py)."""
         ...
 
 
@@ -111,6 +116,7 @@ class KeptGradients:
         self._stale: OrderedDict[tuple[str, int], None] = OrderedDict()  # (driver, id) dropped as stale, newest last
         self._bytes = 0
         self._ids = itertools.count(1)
+        self.released: list[HeldGradient] = []  # dropped, for the server to `release()` (a worker thread's job)
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -143,6 +149,11 @@ class KeptGradients:
 
     def _oldest_of(self, driver: str) -> int:
         return next(k.id for k in self._kept.values() if k.driver == driver)
+
+    def take_released(self) -> list[HeldGradient]:
+        """The dropped gradients not yet released, no longer listed here."""
+        out, self.released = self.released, []
+        return out
 
     def take(self, driver: str, ids: list[int], now: float) -> list[Kept]:
         """The gradients of `ids` kept for `driver`, no longer kept (acknowledged: the caller adds them to the
@@ -204,8 +215,10 @@ class KeptGradients:
     def _drop(self, kept_id: int, why: str) -> None:
         kept = self._pop(kept_id)
         self.stats.dropped[why] += 1
-        if why == STALE:
+        if why == STALE:  # the stage state it was computed for is gone, and what it added with it
             self.remember_stale(kept.driver, kept_id)
+        else:
+            self.released.append(kept.gradient)
 
     def remember_stale(self, driver: str, kept_id: int) -> None:
         """`driver`'s gradient `kept_id` went with a state change of ours: its ack is answered `moved`."""

@@ -103,6 +103,27 @@ class StageServer:
         self.per_peer: Counter = Counter()  # driver -> calls held for it now
         self.turns = ComputeTurns()  # one computation at a time, finishing calls first (see module docstring)
         self.kept = KeptGradients(hold_s=hold_s(cfg, 1))  # set for the pipeline's stages when we serve one
+        self._dropped = trio.Event()  # set when the kept book dropped gradients that `release_dropped` releases
+
+    def poke(self) -> None:
+        """After the kept book may have dropped gradients (a bound, an expiry, a failed microbatch): have them
+        released (`release_dropped`)."""
+        if self.kept.released:
+            self._dropped.set()
+
+    async def release_dropped(self) -> None:
+        """Forever: take the dropped gradients out of the stage (each is a computation: a worker thread), so a
+        step that waits for them comes (trainers/pipeline/stage.py). Run by the pipeline service."""
+        while True:
+            await self._dropped.wait()
+            self._dropped = trio.Event()
+            dropped = self.kept.take_released()
+            if dropped:
+                try:
+                    await trio.to_thread.run_sync(lambda: [g.release() for g in dropped])
+                except Exception as exc:  # a bug here must not take the daemon down
+                    self.stats.last_error = f"releasing dropped gradients: {type(exc).__name__}: {exc}"[:300]
+                    log.exception("releasing dropped gradients failed")
 
     def switch(self, stage: ServedStage | None) -> None:
         """Serve `stage` from now on (None: nothing); gradients kept for another stage are dropped."""
@@ -174,6 +195,7 @@ class StageServer:
         self.stats.compute_s += seconds
         self.stats.served += 1
         kept = 0 if held is None else self.kept.keep(LOCAL_DRIVER, st, held, trio.current_time())
+        self.poke()
         return (loss if loss is None or math.isfinite(loss) else None), outputs, kept, seconds
 
     async def on_call(self, session, env, nursery: trio.Nursery) -> None:
@@ -218,6 +240,7 @@ class StageServer:
                     seconds = time.perf_counter() - t0
                     if held is not None:
                         kept = self.kept.keep(session.peer_id, st, held, trio.current_time())
+                        self.poke()
                 self.stats.compute_s += seconds
                 if loss is not None and not math.isfinite(loss):
                     loss = None  # the driver sees a missing loss, not a NaN on the wire (which decoding refuses)
@@ -246,15 +269,19 @@ class StageServer:
                 self.stats.served += 1
             elif kept:  # the driver cannot have its reply: nobody will acknowledge the gradient
                 self.kept.discard(kept, "unsent")
+                self.poke()
 
     # ---- acknowledgements ----------------------------------------------------------------------------
     def _claim(self, driver: str, ids: list[int], accumulate: bool) -> list[Kept]:
         """Take the gradients of `ids` kept for `driver` (to add them), or drop them (`accumulate` False)."""
         now = trio.current_time()
-        if accumulate:
-            return self.kept.take(driver, ids, now)
-        self.kept.drop(driver, ids, now)
-        return []
+        try:
+            if accumulate:
+                return self.kept.take(driver, ids, now)
+            self.kept.drop(driver, ids, now)
+            return []
+        finally:
+            self.poke()
 
     async def _accumulate(self, taken: list[Kept]) -> list[int]:
         """Add acknowledged gradients to the stage, if they were computed for the stage we serve now and its

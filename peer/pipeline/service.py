@@ -77,10 +77,12 @@ class PipelineService:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as n:
             self._nursery = n  # owns the calls we serve and the microbatches our drivers move
+            n.start_soon(self.server.release_dropped)
             task_status.started()
             while True:  # gradients nobody acknowledged go even when no call comes (they hold memory)
                 await trio.sleep(SWEEP_S)
                 self.server.kept.expire(trio.current_time())
+                self.server.poke()
 
     async def _on_call(self, session, env) -> None:
         await self.server.on_call(session, env, self._nursery)

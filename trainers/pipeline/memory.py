@@ -4,11 +4,10 @@ memory constraint (docs/design.md, "Memory is a budget").
 A peer announces its budget (`[pipeline] memory_mib`, or what its host, cgroup or GPU had free at start) in its
 stage record. A stage of blocks [lo, hi) needs, on the peer serving it:
 
-  parameters + their gradient + the optimizer's per-parameter state (Adam: 2 moments; SGD: 1 momentum)
-  + `held` copies of the parameter gradient (kept aside until their microbatch's driver acknowledges them:
-    peer/pipeline/kept.py): the trainer's `in_flight`, the microbatches one driver has past a stage at most.
-    The server's kept book is bounded by what the room leaves (at least `held` gradients); gradients of more
-    drivers than that are dropped oldest first and counted (`dropped: full` in `peer status`)
+  parameters + their gradient + the optimizer's per-parameter state (Adam: 2 moments; SGD: 1 momentum): what a
+    plain torch loop holds. At-most-once keeps no copy of the gradient: a call's gradient goes into it at once,
+    provisionally (trainers/pipeline/stage.py), and what waits for the driver's ack is the call's inputs
+  + MAX_KEPT calls' inputs (the kept book's bound in count, peer/pipeline/kept.py)
   + ACTIVATION_FACTOR x the stage's block outputs for one microbatch (autograd keeps each block's
     intermediates while it recomputes the forward for a backward; a transformer block keeps ~8 outputs' worth)
   + STEP_TEMPORARIES x its largest block's parameters (the optimizer steps one parameter at a time, and Adam's
@@ -22,15 +21,13 @@ budget's margin, and a peer's real use is shown in `peer status` next to it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 # The daemon's (peer/pipeline/memory.py), re-exported: a GPU's budget keeps the host's margin, figures their unit.
+from peer.pipeline.kept import MAX_KEPT
 from peer.pipeline.memory import AUTO_MARGIN as AUTO_MARGIN, mib as mib
 from protocol.limits import MiB as MiB
 OPTIMIZER_SLOTS = {"adam": 2, "sgd": 1}  # per-parameter state tensors each optimizer keeps (trainers/baseline.py)
-HELD_GRADIENTS = 2
-"""Parameter-gradient copies a stage is planned to keep aside at once when the caller does not say: a trainer
-keeps 2 microbatches in flight by default (module docstring)."""
 ACTIVATION_FACTOR = 8
 """Block outputs' worth of memory autograd keeps per block during one backward (a pre-norm transformer block keeps
 its LayerNorm, attention and MLP intermediates: about 8 outputs at 4x MLP width, measured at d 256)."""
@@ -39,9 +36,11 @@ its LayerNorm, attention and MLP intermediates: about 8 outputs at 4x MLP width,
 STEP_TEMPORARIES = 2
 """Parameter-sized temporaries of one optimizer step (torch's single-tensor Adam on the CPU: sqrt, then divide)."""
 ALLOCATOR_SLACK = 0.75
-"""Parameter bytes' worth a stage holds beyond its tensors: a 227 M-parameter stage of wide linear blocks with Adam
-and one held gradient peaked at 5.98 x its parameter bytes above the process's baseline (/tmp probe, 2026-11-26:
-build, then compute, accumulate and step in a loop), where its tensors and the step's temporaries make 5.33 x."""
+"""Parameter bytes' worth a stage holds beyond its tensors, what the allocator and the step's bookkeeping keep.
+Measured (trainers/pipeline/memory_probe.py, 2026-11-28, `peer bench pipeline --memory`'s stages of
+wide:issue_stage): above the process's baseline, a stage peaked at 4.72 x its parameter bytes with Adam (four
+4096² blocks; a plain torch loop: 4.53 x), 3.72 x with SGD (torch: 3.28 x), and 5.43 x for the first and the last
+two blocks (torch: 5.05 x); this slack keeps the estimate 7-16% above each."""
 PROCESS_GROWTH = 64 * MiB
 """What a serving daemon's heap grows by after its stage is built (sessions, tensor buffers, the allocator):
 measured 50 MiB for 4 daemons training a 151 M-parameter model (tests/test_pipeline_big.py)."""
@@ -52,13 +51,14 @@ def state_bytes(param_bytes: int, optimizer: str) -> int:
     return param_bytes * (2 + OPTIMIZER_SLOTS.get(optimizer, 2))
 
 
-def stage_bytes(param_bytes: Sequence[int], out_bytes: Sequence[int], lo: int, hi: int, optimizer: str,
-                held: int = HELD_GRADIENTS) -> int:
-    """What serving blocks [lo, hi) holds beyond the process's baseline (module docstring); no block, nothing."""
+def stage_bytes(param_bytes: Sequence[int], out_bytes: Sequence[int], lo: int, hi: int, optimizer: str) -> int:
+    """What serving blocks [lo, hi) holds beyond the process's baseline (module docstring); no block, nothing.
+    `out_bytes[i]`: block i's output for one microbatch."""
     if hi <= lo:
         return 0
     params = sum(param_bytes[lo:hi])
-    return (state_bytes(params, optimizer) + held * params + ACTIVATION_FACTOR * sum(out_bytes[lo:hi])
+    call_inputs = (out_bytes[lo - 1] if lo else out_bytes[lo]) + out_bytes[hi - 1]  # (h, grad_out), about
+    return (state_bytes(params, optimizer) + MAX_KEPT * call_inputs + ACTIVATION_FACTOR * sum(out_bytes[lo:hi])
             + STEP_TEMPORARIES * max(param_bytes[lo:hi], default=0) + int(ALLOCATOR_SLACK * params)
             + PROCESS_GROWTH)
 
@@ -71,6 +71,14 @@ def cap_for_stages(budgets_bytes: Sequence[int], stages: int) -> int | None:
     if not known:
         return None
     return known[min(stages, len(known)) - 1]
+
+
+def placed_rooms(announcements: Iterable, pipeline: str) -> list[int]:
+    """The stage rooms (bytes) of the peers placed in `pipeline`: serving one of its stages at a measured speed,
+    so they hold a stage and compute its calls (which drivers check, peer/pipeline/verify.py). A record that
+    only claims a room counts for nothing here: keys are free, and a few records claiming 1 PiB would otherwise
+    lift the cut's cap (`cap_for_stages`) past what any real peer holds."""
+    return [a.stage_room_mib * MiB for a in announcements if a.pipeline == pipeline and a.samples_per_s > 0]
 
 
 def fits(need_bytes: int, budget_bytes: int, baseline_bytes: int) -> bool:

@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from peer.pipeline.directory import PipelineKey
-from peer.pipeline.kept import MAX_KEPT, MAX_KEPT_BYTES
 from peer.pipeline.state import StateUnavailable
 from trainers.baseline import make_optimizer
 from trainers.datasets import load_factory
@@ -87,7 +86,7 @@ class Memory:
     budget: int
     room: int
     need: Callable[[int, int], int]
-    max_held: Callable[[int, int], int | None] = lambda lo, hi: None  # gradients a stage may hold (stage.py)
+    max_held: Callable[[int, int], int | None] = lambda lo, hi: None  # gradient copies a stage may keep (stage.py)
 
     def holds(self, nbytes: int) -> bool:
         """Whether `nbytes` fit the room (an unknown room holds anything)."""
@@ -158,16 +157,14 @@ class StageSeat:
 
     def _copy_in_memory(self, copy_bytes: int, stage: int) -> bool:
         """Whether a copy of `copy_bytes` (of `stage`'s state) may stay in memory: only where the room is known
-        and holds, beside the stage we serve and the copies already in memory (but an older one of `stage`,
-        which it replaces), as many held gradients as the kept book ever keeps (peer/pipeline/kept.py) — so a
-        copy never takes memory the stage may need. Otherwise it goes to disk.
+        and holds, beside the stage we serve (with what its kept book keeps: `need`) and the copies already in
+        memory (but an older one of `stage`, which it replaces) — so a copy never takes memory the stage may
+        need. Otherwise it goes to disk.
         (docs/design.md, "Memory is a budget")"""
         if self.mem.room <= 0 or self.key is None:
             return False
-        lo, hi = self.bounds(self.key, self.stage)
-        held = min(MAX_KEPT * sum(self.model_shapes.param_bytes[lo:hi]), MAX_KEPT_BYTES)
         others = sum(c.nbytes for c in self._copies_in_memory() if c.stage != stage)
-        return self.mem.holds(self.need(self.key, self.stage) + held + others + copy_bytes)
+        return self.mem.holds(self.need(self.key, self.stage) + others + copy_bytes)
 
     def _copies_to_disk(self) -> None:
         """Before a move: the copies held in memory go to disk (kept still, to hand out), so the move's checks
@@ -185,9 +182,9 @@ class StageSeat:
             device=device if device is not None else self.device)
         worker.max_held = self.mem.max_held(*self.bounds(key, stage))
         if worker.max_held is not None and worker.device.type != "meta":
-            self.swarm.log("stage %d: this peer's budget holds %d microbatches' gradients beside the stage; calls "
-                           "past them keep their inputs and compute the gradient when acknowledged (a forward and "
-                           "a backward more per microbatch)", stage, worker.max_held)
+            self.swarm.log("stage %d: the memory room holds %d gradient copies beside the stage; calls past them "
+                           "while a step waits for acks keep their inputs and compute the gradient when "
+                           "acknowledged (a forward and a backward more)", stage, worker.max_held)
         return worker
 
     def _serve(self, *, ready: bool = True) -> None:

@@ -10,12 +10,15 @@ Gradients accumulate as the gradient of the *summed* loss ("loss" backpropagates
 so a step uses the gradient of the mean loss over exactly those samples: the same as one
 single-process batch of them.
 
-A request's parameter gradient does not enter the accumulated gradient when it is computed: `compute`
-returns it as a `HeldGradient`, and it enters when its `accumulate()` is called, which the daemon does
-once the driver acknowledged the request's microbatch (peer/pipeline/kept.py): a reply lost and the
-request re-sent elsewhere, or a microbatch failed at an earlier stage, leaves nothing here. `samples`
-and the step count follow what entered. Nothing more is copied than before: autograd returns fresh
-tensors, kept as they are until they are added.
+A request's parameter gradient counts in the stage only once the driver acknowledged the request's microbatch
+(peer/pipeline/kept.py): a reply lost and the request re-sent elsewhere, or a microbatch failed at an earlier
+stage, leaves nothing here. Until the gradient holds a step's worth of samples, a call's gradient is added to it
+when computed, provisionally, and the stage does not step while any provisional gradient is in it: so a
+dropped one (`release`) is taken out exactly, by the same computation with the opposite sign, and a step uses
+only acknowledged samples. Such a call keeps only its inputs (activations' worth), not a copy of the
+parameters' gradient: the stage holds what a plain torch loop holds. Past a step's worth, until the step, a
+call's gradient waits apart: as a copy while the memory room holds copies (`max_held`), else deferred to its
+ack (`HeldGradient`). One provisional gradient that holds a due step back too long is taken out and deferred.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import functools
 import math
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -49,29 +51,54 @@ ACCUMULATE = "accumulate"
 # Largest seed torch.manual_seed accepts, so a bad seed from a peer is a ValueError, not a RuntimeError.
 MAX_SEED = 2**64 - 1
 
+SETTLE_FACTOR = 4.0
+"""A provisional gradient that has held a due step back this many times the stage's typical wait for an ack
+(`_settle_s`) is taken out and deferred: a driver slow to ack (or never acking) delays our steps that long, no
+longer."""
+SETTLE_FIRST_S = 10.0
+"""The typical wait for an ack before one was measured: a microbatch's backward through a few loaded stages."""
+SETTLE_MIN_S = 0.5  # below this, scheduling jitter alone would defer calls whose acks are on their way
+
 FIRST_KINDS = ("forward", "backward")
 LAST_KINDS = ("loss", "evaluate")
 
 
+PROVISIONAL, COPY, DEFERRED, SETTLED = "provisional", "copy", "deferred", "settled"
+
+
 @dataclass(eq=False)
 class HeldGradient:
-    """One request's parameter gradient, kept out of the stage until `accumulate()` (at most once)."""
+    """One call's parameter gradient, waiting for its driver's ack (peer/pipeline/kept.py): at most once.
+
+    `provisional`: added to the stage's accumulated gradient when computed, under weights that do not change
+    until it settles (no step while any is provisional), so `release()` takes it out again exactly: the call
+    recomputed under its seed and backpropagated with the opposite sign. It keeps only the call's inputs.
+    Once the gradient holds a step's worth of samples, the next calls' gradients wait apart until the step:
+    `copy`, a copy of the parameters' gradient kept until the ack (while the memory room holds them), else
+    `deferred`, only the inputs kept and the gradient computed on the ack, against the weights of then
+    (docs/design.md, "Swarm pipeline": what at-most-once keeps)."""
 
     worker: "StageWorker"
-    grads: list[Tensor | None]  # per parameter of the worker, in its order
     samples: int
     generation: int  # the worker's state generation it was computed against
-    nbytes: int
-    replay: tuple[str, list[Tensor], int] | None = None  # deferred: (kind, the call's inputs, seed) instead of grads
+    nbytes: int  # what it keeps: the call's inputs
+    replay: tuple[str, list[Tensor], int]  # (kind, the call's inputs, seed)
+    state: str = PROVISIONAL
+    grads: list[Tensor | None] | None = None  # `copy`: per parameter of the worker, in its order
+    born: float = 0.0  # time.monotonic() when computed: a provisional one that holds a step back too long is deferred
 
     @property
     def deferred(self) -> bool:
-        return self.replay is not None
+        return self.state == DEFERRED
 
     def accumulate(self) -> bool:
-        """Add it to the stage's accumulated gradient (and step if the stage's share is reached); False if it was
-        added already or the stage's state was replaced since it was computed (then it is dropped)."""
+        """Acknowledged: count it in the stage (adding it now if deferred), and step if the stage's share is
+        reached; False if it settled already or the stage's state was replaced since it was computed."""
         return self.worker.accumulate(self)
+
+    def release(self) -> None:
+        """Dropped (never acknowledged, its microbatch failed, a check's call): leave no trace in the stage."""
+        self.worker.release(self)
 
 
 def _dtype_name(dtype: torch.dtype, where: str) -> str:
@@ -133,15 +160,17 @@ class StageWorker:
         self._optimizer = optimizer(self._params)
         self.lock = threading.Lock()
         self._accumulate = max_batch
-        # Keep a call's inputs, not its parameter gradient, until it is acknowledged, and compute the gradient
-        # then: activations' worth of memory per held call instead of parameters' worth, for a forward and a
-        # backward more per microbatch (counted in the stage's measured speed). Always (tests), or past max_held.
+        # Always keep a call's inputs and compute its parameter gradient when it is acknowledged (tests); by
+        # default a call's gradient is added at once, provisionally (HeldGradient), and deferred only while a
+        # due step waits for the provisional ones to settle.
         self.defer_gradients = False
-        # The gradients this stage may hold at once (None: no bound): past it, calls are deferred as above. The
-        # seat sets it from the memory budget; held gradients are tracked weakly, so one the kept book drops
-        # (never acknowledged) stops counting once it is collected.
+        self._provisional: dict[HeldGradient, None] = {}  # added to p.grad, not yet acknowledged or dropped
+        self._provisional_samples = 0
+        # Gradient copies this stage may keep at once (None: no bound): past it, calls that cannot go into p.grad
+        # are deferred. The seat sets it from the memory room left beside the stage's plan.
         self.max_held: int | None = None
-        self._outstanding: weakref.WeakSet[HeldGradient] = weakref.WeakSet()
+        self._copies = 0  # `copy` gradients kept now
+        self._settle_s: float | None = None  # EWMA of the wait from a call to its ack (SETTLE_FACTOR)
         self._pending = 0  # samples whose gradients are accumulated since the last step
         self._generation = 0  # bumped when the state is replaced: gradients held from before are dropped
         self.steps = 0
@@ -244,87 +273,174 @@ class StageWorker:
 
     def _train(self, kind: str, xs: list[Tensor], seed: int,
                batch: int) -> tuple[float | None, list[Tensor], HeldGradient]:
-        """Recompute the forward under `seed`, backpropagate; the parameter gradient held, if all is finite.
-        With `defer_gradients`, only the input's gradient is computed now and the call's inputs are held instead:
-        the parameter gradient is computed when it is acknowledged (`accumulate`)."""
-        inp = xs[0] if self.first else xs[0].detach().requires_grad_(True)
-        defer = self.defer_gradients or (self.max_held is not None and len(self._outstanding) >= self.max_held)
-        params = [] if defer else self._params
-        wrt = params + ([] if self.first else [inp])
-        loss: float | None = None
-        with seeded(seed, self.device), torch.enable_grad():
-            out = self.module(inp)
-            if kind == "loss":
-                mean = self.loss_fn(out, xs[1])
-                loss = float(mean.detach())
-                if not math.isfinite(loss):
-                    raise ValueError(f"stage {self.stage} loss: the loss is {loss}")
-                target, grad_out = mean * batch, None  # the SUM over the microbatch, see the module doc
-            else:
-                target, grad_out = out, xs[1]
-            grads = list(torch.autograd.grad(target, wrt, grad_outputs=grad_out, allow_unused=True)) if wrt else []
-        present = [g for g in grads if g is not None]
-        if present and not bool(torch.stack([g.isfinite().all() for g in present]).all()):
-            raise ValueError(f"stage {self.stage} {kind}: the gradients are not finite (inputs too large?)")
-        if defer:
-            kept = [t.detach() for t in xs]
-            held = HeldGradient(self, [], batch, self._generation, sum(t.numel() * t.element_size() for t in kept),
-                                replay=(kind, kept, seed))
+        """Recompute the forward under `seed`, backpropagate: the input's gradient for the reply, and the
+        parameters' added to the stage provisionally (HeldGradient), if all is finite. While a due step waits for
+        provisional gradients to settle (or with `defer_gradients`), only the input's gradient is computed: the
+        parameters' is computed when the call is acknowledged."""
+        self._defer_the_late()
+        if self.defer_gradients:
+            state = DEFERRED
+        elif self._pending + self._provisional_samples < self._accumulate:
+            state = PROVISIONAL  # the gradient holds less than a step's worth: this one goes in
+        elif self.max_held is None or self._copies < self.max_held:
+            state = COPY
         else:
-            own = grads[:len(self._params)]
-            held = HeldGradient(self, own, batch, self._generation,
-                                sum(g.numel() * g.element_size() for g in own if g is not None))
-            self._outstanding.add(held)  # until it is added, or dropped by the kept book (then collected)
-        if self.first:
-            return loss, [], held
-        grad_in = grads[-1]
-        return loss, [grad_in if grad_in is not None else torch.zeros_like(inp)], held
+            state = DEFERRED
+        loss, grad_in, grads = self._backprop(kind, xs, seed, batch, sign=1.0, params=state != DEFERRED,
+                                              apart=state == COPY)
+        kept = [t.detach() for t in xs] if state != COPY else []
+        held = HeldGradient(self, batch, self._generation, sum(t.numel() * t.element_size() for t in kept),
+                            replay=(kind, kept, seed), state=state, grads=grads, born=time.monotonic())
+        if state == PROVISIONAL:
+            self._provisional[held] = None
+            self._provisional_samples += batch
+        elif state == COPY:
+            held.nbytes = sum(g.numel() * g.element_size() for g in grads or [] if g is not None)
+            self._copies += 1
+        return loss, ([] if self.first else [grad_in]), held
+
+    def _backprop(self, kind: str, xs: list[Tensor], seed: int, batch: int, *, sign: float, params: bool,
+                  apart: bool = False, undo: bool = False) -> tuple[float | None, Tensor | None, list | None]:
+        """The call's forward under `seed` and its backward: (the mean loss for "loss", the input's gradient unless
+        first, the parameters' gradient if `apart`). With `params`, `sign` times the parameters' gradient is added
+        into their `.grad` in place (one parameter at a time, as torch's own backward does: no second gradient of
+        the stage), or with `apart` returned as fresh tensors instead. ValueError, leaving `.grad` as it was, if the
+        loss or a gradient is not finite. `undo`: taking a gradient out again (the same computation, `sign`
+        negated): its non-finite parts are left out as they were."""
+        inp = xs[0] if self.first else xs[0].detach().requires_grad_(True)
+        into = params and not apart
+        wrt = (self._params if params else []) + ([] if self.first else [inp])
+        bad: list[bool] = []
+
+        def finite_only(g: Tensor) -> Tensor:  # a non-finite gradient never reaches p.grad
+            if not bool(torch.isfinite(g).all()):
+                bad.append(True)
+                return torch.zeros_like(g)
+            return g
+        hooks = [p.register_hook(finite_only) for p in self._params] if into else []
+        loss: float | None = None
+        grads: list | None = None
+        grad_in: Tensor | None = None
+        try:
+            with seeded(seed, self.device), torch.enable_grad():
+                out = self.module(inp)
+                if kind == "loss":
+                    mean = self.loss_fn(out, xs[1])
+                    loss = float(mean.detach())
+                    if not math.isfinite(loss):
+                        raise ValueError(f"stage {self.stage} loss: the loss is {loss}")
+                    target, grad_out = mean * (batch * sign), None  # the SUM over the microbatch (module doc)
+                else:
+                    target, grad_out = out, (xs[1] if sign == 1.0 else xs[1] * sign)
+                if apart:
+                    got = list(torch.autograd.grad(target, wrt, grad_outputs=grad_out, allow_unused=True))
+                    grads, grad_in = got[:len(self._params)], (None if self.first else got[-1])
+                    bad = [True] if any(g is not None and not bool(torch.isfinite(g).all()) for g in grads) else []
+                elif wrt:
+                    torch.autograd.backward(target, grad_tensors=grad_out, inputs=wrt)
+                    grad_in = None if self.first else inp.grad
+        finally:
+            for h in hooks:
+                h.remove()
+        if undo:
+            return loss, grad_in, None
+        if bad or (grad_in is not None and not bool(torch.isfinite(grad_in).all())):
+            if into:  # what did enter goes out again: same weights, same seed, the same gradient
+                self._backprop(kind, xs, seed, batch, sign=-sign, params=True, undo=True)
+            raise ValueError(f"stage {self.stage} {kind}: the gradients are not finite (inputs too large?)")
+        if grad_in is None and not self.first:
+            grad_in = torch.zeros_like(inp)
+        return loss, grad_in, grads
+
+    def _step_due(self) -> bool:
+        return self._pending >= self._accumulate
+
+    def _defer_the_late(self) -> None:
+        """While a step is due: provisional gradients older than SETTLE_FACTOR x the typical wait for an ack are
+        taken out and deferred (their ack, if it comes, adds them then), so no driver holds our steps back for
+        longer; then step if nothing provisional is left. Under `lock`."""
+        if not (self._step_due() and self._provisional):
+            return
+        typical = self._settle_s if self._settle_s is not None else SETTLE_FIRST_S
+        too_old = time.monotonic() - max(SETTLE_MIN_S, SETTLE_FACTOR * typical)
+        for held in [h for h in self._provisional if h.born < too_old]:
+            self._take_out(held)
+            held.state = DEFERRED
+        self._maybe_step()
+
+    def _take_out(self, held: HeldGradient) -> None:
+        kind, xs, seed = held.replay
+        self._settle_provisional(held)
+        self._backprop(kind, xs, seed, held.samples, sign=-1.0, params=True, undo=True)
+
+    def _settle_provisional(self, held: HeldGradient) -> None:
+        if held in self._provisional:
+            del self._provisional[held]
+            self._provisional_samples -= held.samples
+
+    def _maybe_step(self) -> None:
+        """Step once this stage's share of samples entered and no provisional gradient is in p.grad."""
+        if self._step_due() and not self._provisional:
+            self._step()
 
     def accumulate(self, held: HeldGradient) -> bool:
-        """Add a gradient `compute` held to the accumulated gradient, and step once this stage's share of
-        samples has entered (`accumulate_samples`). False, changing nothing, if `held` entered already, is
-        another worker's, or was computed before the state was replaced (`load_state_dict`, `import_state`)."""
+        """`held` acknowledged: count its samples (a deferred one is computed and added now), and step once this
+        stage's share of samples has entered (`accumulate_samples`) and nothing provisional is in the gradient.
+        False, changing nothing, if `held` settled already, is another worker's, or was computed before the
+        state was replaced (`load_state_dict`, `import_state`)."""
         with self.lock:
-            if held.worker is not self or held.generation != self._generation or not (held.grads or held.replay):
+            if held.worker is not self or held.generation != self._generation or held.state == SETTLED:
                 return False
             start = time.perf_counter()
-            if held.replay is not None:  # deferred: the parameter gradient of the call, computed now
-                (kind, xs, seed), held.replay = held.replay, None  # at most once
-                grads = self._param_grads(kind, xs, seed, held.samples)
+            if held.state == DEFERRED:
+                kind, xs, seed = held.replay
+                try:
+                    self._backprop(kind, xs, seed, held.samples, sign=1.0, params=True)
+                except ValueError:  # not finite under the weights of now: it counts nowhere
+                    self._settle(held)
+                    return False
+            elif held.state == COPY:
+                self._add(held.grads or [])
             else:
-                grads, held.grads = held.grads, []  # at most once: the tensors are ours now
-                self._outstanding.discard(held)
-            for i, (p, g) in enumerate(zip(self._params, grads)):
-                if g is not None:
-                    if p.grad is None:  # adopted, not copied (a copy is a stage's worth of memory), unless
-                        p.grad = g if g.is_contiguous() else g.clone()  # autograd handed out a view (expanded)
-                    else:
-                        p.grad.add_(g)
-                    grads[i] = g = None  # freed as it is added: the step below must not hold a second gradient
-            del grads
+                self._settle_provisional(held)
+                wait = time.monotonic() - held.born
+                self._settle_s = wait if self._settle_s is None else self._settle_s + EWMA_ALPHA * (wait - self._settle_s)
+            self._settle(held)  # at most once; what it kept is freed
             self.samples += held.samples
             self._pending += held.samples
-            if self._pending >= self._accumulate:
-                self._step()
+            self._defer_the_late()
+            self._maybe_step()
             # Adding and stepping are the stage's work too, done on the ack rather than in the call: they count
             # in its measured speed (what routing, placement and rebalancing read), as when the call did them.
             self._observe(ACCUMULATE, held.samples, time.perf_counter() - start)
             return True
 
-    def _param_grads(self, kind: str, xs: list[Tensor], seed: int, batch: int) -> list[Tensor | None]:
-        """A deferred call's parameter gradient: its forward again under its seed, backpropagated into the
-        parameters only (against the weights as they are now: a step may have come since the call)."""
-        with seeded(seed, self.device), torch.enable_grad():
-            out = self.module(xs[0])
-            if kind == "loss":
-                target, grad_out = self.loss_fn(out, xs[1]) * batch, None
-            else:
-                target, grad_out = out, xs[1]
-            grads = list(torch.autograd.grad(target, self._params, grad_outputs=grad_out, allow_unused=True))
-        present = [g for g in grads if g is not None]
-        if present and not bool(torch.stack([g.isfinite().all() for g in present]).all()):
-            return [None] * len(grads)  # not finite now (the weights moved): this call's gradient is left out
-        return grads
+    def release(self, held: HeldGradient) -> None:
+        """`held` dropped: a provisional gradient is taken out of p.grad (exactly: no step came since it went
+        in), a copy or a deferred one just forgotten; then a step that waited for it may come."""
+        with self.lock:
+            if held.state == SETTLED:
+                return
+            if held.worker is self and held.generation == self._generation and held.state == PROVISIONAL:
+                self._take_out(held)
+            self._settle(held)
+            self._maybe_step()
+
+    def _settle(self, held: HeldGradient) -> None:
+        """`held` counts no more here (taken or dropped): what it kept is freed."""
+        if held.state == COPY and held.worker is self and held.generation == self._generation:
+            self._copies -= 1
+        held.state, held.grads, held.replay = SETTLED, None, (held.replay[0], [], held.replay[2])
+
+    def _add(self, grads: list[Tensor | None]) -> None:
+        """Add a copy's gradient to p.grad, each tensor freed as it is added (no second gradient held after)."""
+        for i, (p, g) in enumerate(zip(self._params, grads)):
+            if g is not None:
+                if p.grad is None:  # adopted, not copied, unless autograd handed out a view (expanded)
+                    p.grad = g if g.is_contiguous() else g.clone()
+                else:
+                    p.grad.add_(g)
+                grads[i] = g = None
 
     def _step(self) -> None:
         """Average the accumulated gradients over their samples, clip (this stage's norm), step."""
@@ -357,7 +473,8 @@ class StageWorker:
         return self._pending
 
     def accumulated_grads(self) -> dict[str, Tensor]:
-        """Name -> the gradient the next step would use (accumulated / samples, before clipping); copies."""
+        """Name -> the gradient the next step would use (accumulated / samples, before clipping); copies. Provisional
+        gradients (not yet acknowledged) are in it too."""
         with self.lock:
             out = {}
             for name, p in self._named_params():
@@ -421,11 +538,12 @@ class StageWorker:
         "pending_samples" samples), holding `lock` meanwhile: the tensors are the live ones, not copies, so a
         stage that fills its memory budget can still be checkpointed (nothing computes until it is written)."""
         with self.lock:
+            whole = not self._provisional  # p.grad holds unacknowledged gradients too: then it is not saved
             write({"module": {self._global(k): v.detach() for k, v in self.module.state_dict().items()},
                    "optimizer": self._optimizer.state_dict(), "steps": self.steps, "samples": self.samples,
                    "grad_sums": {name: p.grad.detach() for name, p in self._named_params()
-                                 if p.grad is not None and self._pending},
-                   "pending_samples": self._pending})
+                                 if p.grad is not None and self._pending and whole},
+                   "pending_samples": self._pending if whole else 0})
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore a `state_dict()` of the same stage; drops gradients accumulated against the old weights."""
@@ -450,6 +568,8 @@ class StageWorker:
                 raise ValueError(f"stage {self.stage}: cannot load state dict: {e}") from e
             self._optimizer.zero_grad(set_to_none=True)
             self._pending = 0
+            self._provisional.clear()  # they were in the gradient just dropped: nothing to take out
+            self._provisional_samples = self._copies = 0
             self._generation += 1
             self.steps = int(d["steps"])
             self.samples = int(d.get("samples", self.samples))
@@ -509,5 +629,7 @@ class StageWorker:
             self.module.load_state_dict({self._local(k): v for k, v in module.items()})
             self._optimizer.zero_grad(set_to_none=True)
             self._pending = 0
+            self._provisional.clear()  # they were in the gradient just dropped: nothing to take out
+            self._provisional_samples = self._copies = 0
             self._generation += 1
             self.steps, self.samples = steps, samples
