@@ -273,8 +273,19 @@ def pipeline_arguments(p: Parser) -> None:
         "model_mib, memory_cap_mib, max_daemon_rss_mib, samples_per_s, efficiency against the slowest stage's "
         "bound, lost and duplicate_gradients. Needs root and memory cgroups (v1 or v2); ~12 GB of RAM in all, ~5 minutes on 2 CPUs.")
     b.add_argument("--big", action="store_true", help="train a model bigger than any one daemon's memory cap")
+    b.add_argument("--big-model", default="trainers.pipeline.wide:big_bench", metavar="FACTORY",
+                   help="the model factory --big trains (default trainers.pipeline.wide:big_bench; "
+                        "trainers.pipeline.wide:issue_235m is issue 39's 235 M-parameter model, for 4 daemons at "
+                        "--memory-mib 1800)")
     b.add_argument("--memory-mib", type=int, default=1960,
                    help="each daemon's memory cap and [pipeline] memory_mib (default 1960: the model is 3.1x it)")
+    m = p.add_argument_group(
+        "a stage's memory against plain torch (issue 39)",
+        "--memory runs a stage of four 4096² blocks (67 M parameters) twice, in fresh processes: as a plain torch "
+        "loop and as a pipeline stage served as the daemon serves it, with Adam and with SGD; reports each one's "
+        "peak resident memory, memory_vs_torch (their ratio) and the plan's estimate against the measured peak. "
+        "No daemons; ~1 minute and ~2 GB of RAM. The plain run reports the Adam figures too, under `memory`.")
+    m.add_argument("--memory", action="store_true", help="compare a stage's peak memory with a plain torch loop's")
     c = p.add_argument_group(
         "codecs compared (issue 28)",
         "--codec runs, for each codec named (raw always, as the reference), a fresh swarm of 4 daemons, one per "

@@ -2,8 +2,8 @@
 
 `--daemons` daemons (default 6), one stage each, each in a memory cgroup of `--memory-mib` MiB (cgroup v2
 `memory.max` or v1 `memory.limit_in_bytes`: peer/bench/memory_caps.py) with `[pipeline] memory_mib` the same,
-train `trainers.pipeline.wide:big_bench` (42 residual blocks of 3072², 397 M parameters: 5.9 GiB with gradients
-and Adam's moments, the bench's `model_mib`) on the digits. Every daemon drives `--samples` samples, `--in-flight`
+train `--big-model` (default `trainers.pipeline.wide:big_bench`: 42 residual blocks of 3072², 397 M
+parameters: 5.9 GiB with gradients and Adam's moments, the bench's `model_mib`) on the digits. Every daemon drives `--samples` samples, `--in-flight`
 microbatches at once; the throughput is measured from the moment every driver has finished a microbatch until
 the first driver is done, against the slowest stage's bound (the stage map's announced, measured samples/s).
 
@@ -29,7 +29,6 @@ from peer.bench.pipeline_figures import capacities_over, driver_of, rate
 from peer.testing.rss import RssSampler
 from peer.testing.swarm import LocalSwarm, rank_env, swarm_config, unique_swarm
 
-MODEL = "trainers.pipeline.wide:big_bench"
 DATA = "trainers.pipeline.wide:digits"
 MICROBATCH, BATCH = 8, 32
 LR = 3e-5  # 1e-4 and above diverge on 32 wide residual blocks in 160 samples (trainers/pipeline/wide.py)
@@ -37,7 +36,7 @@ DRIVE_TIMEOUT_S = 1800.0  # the drivers' samples at a few samples/s, with room
 
 
 def _options(a, i: int) -> dict:
-    return {"model_factory": MODEL, "dataset_factory": DATA, "stages": a.daemons, "initial_stage": i,
+    return {"model_factory": a.big_model, "dataset_factory": DATA, "stages": a.daemons, "initial_stage": i,
             "microbatch": MICROBATCH, "batch_size": BATCH, "lr": LR, "samples": a.samples, "in_flight": a.in_flight,
             "rebalance": False, "copy_every": 0.0, "checkpoint_every": 0.0, "eval_batches": 2, "threads": 1,
             "join_wait": 300.0, "seed": a.seed}
@@ -135,7 +134,7 @@ def run(a) -> int:
         "stage_memory": memory, "cuts": end.statuses[0]["pipeline"]["cuts"],
         "daemons": a.daemons, "stages": a.daemons, "samples_per_driver": a.samples, "in_flight_per_driver": a.in_flight,
         "memory_cap": {"mechanism": support.mechanism, "swap": caps.swap_rule},
-        "model": {"factory": MODEL, "data": DATA, "microbatch": MICROBATCH, "batch_size": BATCH, "lr": LR},
+        "model": {"factory": a.big_model, "data": DATA, "microbatch": MICROBATCH, "batch_size": BATCH, "lr": LR},
         "window_s": [round(t0, 1), round(t1, 1)],
         "goals": {"model_at_least_3x_cap": model_mib is not None and model_mib >= 3 * a.memory_mib,
                   "rss_within_cap": max_rss <= a.memory_mib,

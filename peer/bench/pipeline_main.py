@@ -2,7 +2,8 @@
 
 The plain run (pipeline.py: throughput against the slowest stage, kill -9 recovery); with `--uneven` or
 `--churn`, the rebalancing run (pipeline_uneven.py), which builds on the plain run's setup; with `--big`, a model
-bigger than any one daemon across memory-capped daemons (pipeline_big.py); with `--codec`,
+bigger than any one daemon across memory-capped daemons (pipeline_big.py); with `--memory`, a stage's peak memory
+against a plain torch loop's (pipeline_memory.py, no daemons); with `--codec`,
 the codec comparison (pipeline_codecs.py: validation loss and bytes per codec), which reuses it too; with `--liar`,
 a lying stage server against the drivers' checks (pipeline_liar.py). Choosing
 here keeps them from importing each other.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from peer.bench import pipeline, pipeline_big, pipeline_codecs, pipeline_liar, pipeline_uneven
+from peer.bench import pipeline, pipeline_big, pipeline_codecs, pipeline_liar, pipeline_memory, pipeline_uneven
 
 IN_FLIGHT = 2  # the plain and rebalancing runs' default (see --in-flight)
 IN_FLIGHT_CODECS = 1  # the codec comparison's: one microbatch at a time per driver keeps its run deterministic;
@@ -27,6 +28,8 @@ def run(args: argparse.Namespace) -> int:
         args.in_flight = IN_FLIGHT_CODECS if args.codec or args.big or args.liar else IN_FLIGHT
     if args.samples is None:
         args.samples = SAMPLES_BIG if args.big else SAMPLES_LIAR if args.liar else SAMPLES_CODECS
+    if args.memory:
+        return pipeline_memory.run(args)
     if args.liar:
         return pipeline_liar.run(args)
     if args.big:

@@ -54,6 +54,19 @@ def big_bench():
     return wide(3072, 42)
 
 
+def issue_235m():
+    """Issue 39's user model: 25 blocks of 3072² (236 M parameters, 0.9 GB of weights; 3.5 GB with gradients and
+    Adam's moments), for 4 stages on 4 daemons capped at 1.8 GB (`peer bench pipeline --big --daemons 4
+    --memory-mib 1800 --big-model trainers.pipeline.wide:issue_235m`)."""
+    return wide(3072, 25)
+
+
+def issue_stage():
+    """`peer bench pipeline --memory`'s model: four blocks of 4096² between the input and the head, so blocks
+    [1, 5) are the stage of issue 39 (67 M parameters, 256 MiB of weights)."""
+    return wide(4096, 4)
+
+
 def digits():
     """(train, test) torch datasets of the digits: (64,) float features, int64 labels."""
     train, test = load_digits()
