@@ -72,8 +72,10 @@ def test_bench_pipeline_tiny_loopback_run_reports_every_figure() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = json.loads(proc.stdout)
     for key in ("samples_per_s", "slowest_stage_bound_samples_per_s", "efficiency", "bytes_per_microbatch", "done",
-                "retried", "lost", "recovery_s", "request_deadline_s"):
+                "retried", "lost", "recovery_s", "request_deadline_s", "loss_vs_reference", "memory_vs_torch"):
         assert key in out, key
+    assert out["loss_vs_reference"] > 0 and out["reference_samples"] > 0  # one process on as many samples
+    assert out["memory_vs_torch"] is None  # --tiny skips the 67 M-parameter probes
     assert out["samples_per_s"] > 0 and out["slowest_stage_bound_samples_per_s"] > 0
     assert 0 < out["efficiency"] == pytest.approx(out["samples_per_s"] / out["slowest_stage_bound_samples_per_s"], rel=0.01)
     assert out["done"] > 0 and out["retried"] >= 0 and out["lost"] >= 0

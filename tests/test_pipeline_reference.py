@@ -39,3 +39,23 @@ def test_same_seed_same_run_and_errors() -> None:
         train_reference(model, train, test, batch_size=6, microbatch=4, lr=1e-3, samples=8)
     with pytest.raises(ValueError, match="eval_batches"):
         evaluate(model, test, microbatch=4, eval_batches=0)
+
+
+@pytest.mark.process
+def test_the_reference_run_command_trains_a_pipeline_runs_options() -> None:
+    """`python -m trainers.pipeline.reference_run`, what `peer bench pipeline` compares its loss with: the run's
+    own options, trained for the samples asked, one JSON line."""
+    import json
+    import subprocess
+    import sys
+
+    opts = {"d_model": 32, "n_layers": 2, "n_heads": 2, "block": BLOCK, "microbatch": 8, "batch_size": 16,
+            "stages": 2, "samples": 0}
+    done = subprocess.run([sys.executable, "-m", "trainers.pipeline.reference_run", "--options", json.dumps(opts),
+                           "--samples", "64"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["samples"] == 64 and got["steps"] == 4 and got["val_loss"] > 0, got
+    bad = subprocess.run([sys.executable, "-m", "trainers.pipeline.reference_run", "--options", json.dumps(opts),
+                          "--samples", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--samples must be at least 1" in bad.stderr

@@ -172,7 +172,8 @@ class PipelineData:
     source: str
 
 
-def _data_and_model(o: SwarmPipelineOptions):
+def data_and_model(o: SwarmPipelineOptions):
+    """The run's data and model, from its options (a factory's, or the built-in corpus and char transformer)."""
     corpus = None
     if o.dataset_factory:
         data = PipelineData(*torch_data.load_datasets(o.dataset_factory),
@@ -235,7 +236,7 @@ def run(swarm, options: dict) -> dict:
     torch.set_num_threads(o.threads)
     device = torch.device(swarm.stage_device())  # [pipeline] device: our stage's blocks live and compute there
     swarm.log("memory: %s", memory.fix_allocator())  # before any block: freed tensors go back (memory.py says why)
-    data, model = _data_and_model(o)
+    data, model = data_and_model(o)
     if o.stages > len(model):
         raise ValueError(f"[trainer.options] stages: {o.stages} stages for a model of {len(model)} blocks")
     sample_x, sample_y = sample_microbatch(data, o.microbatch, o.seed)

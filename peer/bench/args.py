@@ -452,7 +452,8 @@ BENCHES = {
                        "sleeper): honest accuracy vs no attack, bans, false positives, the defence's cost",
                        byzantine_arguments),
     "pipeline": Bench("peer.bench.pipeline_main",
-                      "4-stage swarm pipeline across CPU-capped daemons: samples/s vs the slowest stage, kill -9 recovery",
+                      "4-stage swarm pipeline across CPU-capped daemons: samples/s vs the slowest stage, kill -9 recovery, "
+                      "validation loss vs one process, a stage's memory vs plain torch",
                       pipeline_arguments),
     "scale": Bench("peer.bench.scale",
                    "simulated swarm of N peers running the partial-view and local rewiring rules: state and "

@@ -11,6 +11,9 @@ window (throughput of all drivers; the slowest-stage bound from the stage map's 
 samples/s; their ratio is the efficiency), then a kill -9 of one peer of a stage that has two, and the time
 until the survivors' throughput over a `--window` is back within 10% of the baseline (scaled down by the
 bound's drop, if losing the peer lowered the bound). The figures are computed in peer/bench/pipeline_figures.py.
+Then a survivor's validation loss against one process trained on as many samples (`loss_vs_reference`,
+peer/bench/pipeline_reference.py), and a stage's peak memory against a plain torch loop's (`memory_vs_torch`,
+peer/bench/pipeline_memory.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 
+from peer.bench import pipeline_memory
+from peer.bench import pipeline_reference as reference
 from peer.bench.cpu_caps import CpuCaps
 from peer.bench.hosts import DAEMON_PORT, netns_refused, run_root
 from peer.bench.pipeline_figures import (Poll, bytes_per_microbatch, capacities_over, driver_of, median_deadline,
@@ -34,6 +39,7 @@ STAGES = 4  # the issue's benchmark: 4 stages
 POLL_S = 0.5  # seconds between status rounds: fine enough for a recovery measured in seconds, cheap for capped daemons
 START_TIMEOUT_S = 300.0  # start-up (imports, profiling and planning under a third of a CPU each) to the first microbatches
 WARMUP_SHARE, BASELINE_SHARE = 0.15, 0.35  # of --duration; the rest follows the kill
+EVALUATE_TIMEOUT_S = 300.0  # a pass of the validation microbatches through 4 CPU-capped stages, after the run
 STATUS_TIMEOUT_S = 10.0  # a capped daemon busy computing can take a while to answer its control socket
 
 
@@ -215,6 +221,7 @@ def measure(a, swarm: LocalSwarm, caps) -> dict:
             "slowest_stage_bound_samples_per_s": _r(bound),
             "efficiency": round(before / bound, 3) if before and bound else None,
             "done": sum(d.get("done", 0) for d in drivers),
+            "done_by_survivors": sum(driver_of(st).get("done", 0) for st in final),
             "retried": sum(d.get("retried", 0) for d in drivers),
             "retried_after_kill": sum(d.get("retried", 0) for d in drivers) - (retried_before or 0),
             "resent_calls": sum(d.get("resent", 0) for d in drivers),
@@ -275,6 +282,15 @@ def run(args) -> int:
         swarm = stack.enter_context(LocalSwarm(root))
         _start(swarm, args, lan, caps, options)
         figures = measure(args, swarm, caps)
+        live = [d for i, d in enumerate(swarm.daemons) if i != figures["kill"].get("daemon")]
+        evaluated = live[0].command("evaluate", timeout=EVALUATE_TIMEOUT_S)
+        # the drivers kept training until now: the samples the evaluated model has seen are those done by now
+        done_now = sum(driver_of(d.try_status(timeout=STATUS_TIMEOUT_S)).get("done", 0) for d in live)
+    samples = (figures["done"] - figures.pop("done_by_survivors") + done_now) * model.microbatch
+    figures.update(reference.loss_vs_reference(evaluated.get("val_loss"), options, samples))
+    # the issue's 67 M-parameter stage (peer/bench/pipeline_memory.py), ~1 minute and 2 GB: not for --tiny's checks
+    figures["memory"] = None if args.tiny else pipeline_memory.figures("adam")
+    figures["memory_vs_torch"] = None if args.tiny else figures["memory"]["memory_vs_torch"]
     act = [model.microbatch, model.block, model.d_model]
     tokens = model.microbatch * model.block * 8  # int64 token ids
     out = {
@@ -288,6 +304,10 @@ def run(args) -> int:
                     else f"UNCAPPED: {support.reason}"},
         "model": {"name": "built-in char transformer (Shakespeare)", **asdict(model)},
         "goals": {"efficiency_at_least_0.8": None if figures["efficiency"] is None else figures["efficiency"] >= 0.8,
+                  "loss_vs_reference_at_most_1.02": (None if figures["loss_vs_reference"] is None
+                                                     else figures["loss_vs_reference"] <= 1.02),
+                  "memory_vs_torch_at_most_1.15": (None if figures["memory_vs_torch"] is None
+                                                   else figures["memory_vs_torch"] <= 1.15),
                   "recovery_under_2x_deadline": (None if figures["recovery_s"] is None or not figures["request_deadline_s"]
                                                  else figures["recovery_s"] < 2 * figures["request_deadline_s"]),
                   "zero_lost": figures["lost"] == 0},
