@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from peer.bench.pipeline_codecs import CodecRun, codecs_of, figures
-from peer.bench.pipeline_figures import Poll, bytes_per_microbatch, rate, recovery, stage_capacities
+from peer.bench.pipeline_figures import Poll, busy_shares, bytes_per_microbatch, rate, recovery, stage_capacities
 from peer.bench.pipeline_rebalance import (best_assignment, cpu_caps_from_shares, cumulative, fraction, moved, predicted,
                                            reported_moves, round_robin, series_rate, shares, speed_factors,
                                            stage_changes, stage_rates, windowed)
@@ -42,6 +42,16 @@ def test_stage_capacity_is_the_sum_of_its_peers_and_unmeasured_means_unknown() -
     assert stage_capacities(st, 2) == [4.0, 9.0]
     assert stage_capacities(_st(0, [4.0, 0.0]), 2) is None
     assert stage_capacities(st, 3) is None
+
+
+def test_busy_share_is_the_compute_seconds_a_server_added_per_second() -> None:
+    def st(compute_s: float | None, stage: int = 1) -> dict:
+        return {"pipeline": {"my_stage": stage, "server": {"compute_s": compute_s}}}
+    polls = [Poll(0.0, [st(1.0), st(0.0), None]), Poll(1.0, [st(1.5), None, st(5.0)]),
+             Poll(4.0, [st(4.9, 2), st(3.0), st(6.0)])]
+    assert busy_shares(polls, [0, 1, 2], 0.0, 4.0) == [{"stage": 2, "busy": 0.975}, {"stage": 1, "busy": 0.75},
+                                                       {"stage": 1, "busy": 0.333}]
+    assert busy_shares(polls, [1], 0.5, 4.0) == [None]  # seen in one poll only
 
 
 def test_recovery_is_the_first_window_after_the_kill_back_within_ten_percent() -> None:
@@ -85,6 +95,8 @@ def test_bench_pipeline_tiny_loopback_run_reports_every_figure() -> None:
     assert sorted(out["bytes_per_microbatch"]["per_cut"]) == ["float16", "q8", "raw"]
     assert out["daemons"] == 5 and out["stages"] == 4 and sum(out["peers_per_stage"]) == 5
     assert out["cpu_cap"]["note"]  # capped, or a clear reason why not
+    assert len(out["compute_busy_by_daemon"]) == 5
+    assert all(b is None or 0 <= b["busy"] <= 1.5 for b in out["compute_busy_by_daemon"])
 
 
 # ---- --codec (issue 28): pipeline_codecs.py ------------------------------------------------------------------

@@ -15,6 +15,13 @@ from pathlib import Path
 
 PERIOD_US = 100_000  # the kernel's default CFS period: quotas are a fraction of 100 ms
 MIN_QUOTA_US = 1_000  # the smallest quota the kernel accepts
+# The period for benches that read a peer's measured speed (the pipeline's stage capacities): with the kernel's
+# 100 ms, a peer busy only now and then computes a whole quota at full speed (a 0.5-CPU peer busy ~20% of the
+# time measured 97 samples/s on a stage where its speed measured on a busy stage predicted 52; a 1/3-CPU peer of
+# `peer bench pipeline` ~35 on a stage it measured ~20 on when saturated), so its measured speed would depend on
+# how busy its stage keeps it. In 10 ms periods a call of ~60 ms CPU is throttled all along, so speeds follow the
+# caps whatever the load.
+SPEED_PERIOD_US = 10_000
 
 
 @dataclass(frozen=True)

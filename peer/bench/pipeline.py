@@ -4,7 +4,8 @@ N daemons (default 6) host `trainers.swarm_pipeline`: peer r serves stage r for 
 stage with the least capacity, and every peer drives microbatches until stopped. With `--netns` (the default
 as root) each daemon has its own network namespace on one virtual LAN; every daemon is capped at
 `--cpus`/N CPUs (cgroup `cpu.max`, or v1 `cpu.cfs_quota_us` where the cpu controller lives there:
-peer/bench/cpu_caps.py), so a peer's CPU is its own, as on separate small machines.
+peer/bench/cpu_caps.py), so a peer's CPU is its own, as on separate small machines; in 10 ms periods, so a peer's
+measured speed (the bound below) is what its cap sustains, not a quota's burst after idling (cpu_caps.py).
 
 Phases, on the bench's clock from the moment every driver has finished a microbatch: warm-up, then a baseline
 window (throughput of all drivers; the slowest-stage bound from the stage map's announced, measured
@@ -28,10 +29,10 @@ from dataclasses import asdict, dataclass
 
 from peer.bench import pipeline_memory
 from peer.bench import pipeline_reference as reference
-from peer.bench.cpu_caps import CpuCaps
+from peer.bench.cpu_caps import SPEED_PERIOD_US, CpuCaps
 from peer.bench.hosts import DAEMON_PORT, netns_refused, run_root
-from peer.bench.pipeline_figures import (Poll, bytes_per_microbatch, capacities_over, driver_of, median_deadline,
-                                         rate, recovery, session_bytes_out, total)
+from peer.bench.pipeline_figures import (Poll, busy_shares, bytes_per_microbatch, capacities_over, driver_of,
+                                         median_deadline, rate, recovery, session_bytes_out, total)
 from peer.testing.netns import virtual_lan
 from peer.testing.swarm import LocalSwarm, rank_env, swarm_config, unique_swarm
 
@@ -231,6 +232,7 @@ def measure(a, swarm: LocalSwarm, caps) -> dict:
             "recovery_s": _r(recovery_s),
             "request_deadline_s": median_deadline(final),
             "stage_capacity_samples_per_s": [_r(c) for c in caps_before] if caps_before else None,
+            "compute_busy_by_daemon": busy_shares(poller.polls, everyone, t_base0, t_base1),
             "peers_per_stage": _peers_per_stage(last.statuses[0]),
             "cuts": st0["pipeline"]["cuts"],
             "session_bytes_out_per_microbatch_measured": measured_bytes,
@@ -278,7 +280,8 @@ def run(args) -> int:
     with ExitStack() as stack:
         root = run_root(stack, args.logs, "peertrain-pipeline-")
         lan = stack.enter_context(virtual_lan(args.daemons, prefix="ptp", subnet="10.77.16")) if netns else None
-        caps = stack.enter_context(CpuCaps(args.daemons, cpus_each, support)) if use_caps else None
+        caps = stack.enter_context(CpuCaps(args.daemons, cpus_each, support, period_us=SPEED_PERIOD_US)) \
+            if use_caps else None
         swarm = stack.enter_context(LocalSwarm(root))
         _start(swarm, args, lan, caps, options)
         figures = measure(args, swarm, caps)
@@ -300,6 +303,7 @@ def run(args) -> int:
         "daemons": args.daemons, "stages": STAGES, "in_flight_per_driver": args.in_flight, "netns": netns,
         "cpu_cap": {"mechanism": support.mechanism if use_caps else None,
                     "cpus_each": cpus_each if use_caps else None, "cpus_total": args.cpus if use_caps else None,
+                    "period_us": SPEED_PERIOD_US if use_caps else None,
                     "note": ("off (--no-caps)" if args.no_caps else support.reason) if use_caps or args.no_caps
                     else f"UNCAPPED: {support.reason}"},
         "model": {"name": "built-in char transformer (Shakespeare)", **asdict(model)},

@@ -115,6 +115,23 @@ def bytes_per_microbatch(act_shape: list[int], stages: int, forward_codec: str, 
     }
 
 
+def busy_shares(polls: list[Poll], daemons: list[int], t0: float, t1: float) -> list[dict | None]:
+    """Per daemon, its stage and the share of [t0, t1] its server spent computing calls (its `compute_s`, waits for
+    the compute thread included, the adding of acknowledged gradients not): near 1 for a stage that is the
+    bottleneck and kept busy; less means calls did not reach it fast enough (None: not seen in two polls)."""
+    out: list[dict | None] = []
+    for i in daemons:
+        seen = [(p.t, sv["compute_s"], pl.get("my_stage")) for p in polls if t0 - 1e-9 <= p.t <= t1 + 1e-9
+                and (pl := ((p.statuses[i] or {}).get("pipeline") or {})) and (sv := pl.get("server"))
+                and sv.get("compute_s") is not None]
+        if len(seen) < 2 or seen[-1][0] <= seen[0][0]:
+            out.append(None)
+            continue
+        (ta, ca, _), (tb, cb, stage) = seen[0], seen[-1]
+        out.append({"stage": stage, "busy": round((cb - ca) / (tb - ta), 3)})
+    return out
+
+
 def session_bytes_out(st: dict | None) -> int | None:
     """Encrypted session bytes this daemon has sent to all peers (pipeline calls, averaging, control)."""
     if not st:

@@ -49,18 +49,14 @@ from dataclasses import asdict
 from peer.bench.hosts import netns_refused, run_root
 from peer.bench import pipeline as base
 from peer.bench import pipeline_rebalance as pr
-from peer.bench.cpu_caps import CpuCaps
+from peer.bench.cpu_caps import SPEED_PERIOD_US, CpuCaps
 from peer.bench.pipeline_figures import driver_of
 from peer.bench.pipeline_runs import Swarm, lost, window
 from peer.testing.netns import virtual_lan
 
 STAGES = base.STAGES
 DEFAULT_SHARES = (2.0, 2.0, 1.5, 1.0, 1.0, 0.5)
-# The caps' period: with the kernel's 100 ms, a peer busy only now and then computes a whole quota at full
-# speed (a 0.5-CPU peer busy ~20% of the time measured 97 samples/s on a stage where its speed measured on a
-# busy stage predicted 52), so its measured speed would depend on how busy its stage keeps it. In 10 ms
-# periods a call of ~60 ms CPU is throttled all along, so speeds follow the caps whatever the load.
-CAP_PERIOD_US = 10_000
+CAP_PERIOD_US = SPEED_PERIOD_US  # measured speeds that follow the caps, not the load (cpu_caps.py)
 
 
 def _measure(s: Swarm, a) -> dict:
