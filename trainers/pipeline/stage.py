@@ -274,9 +274,9 @@ class StageWorker:
     def _train(self, kind: str, xs: list[Tensor], seed: int,
                batch: int) -> tuple[float | None, list[Tensor], HeldGradient]:
         """Recompute the forward under `seed`, backpropagate: the input's gradient for the reply, and the
-        parameters' added to the stage provisionally (HeldGradient), if all is finite. While a due step waits for
-        provisional gradients to settle (or with `defer_gradients`), only the input's gradient is computed: the
-        parameters' is computed when the call is acknowledged."""
+        parameters' (if all is finite) added to `.grad` provisionally while it holds less than a step's worth,
+        else kept apart as a copy while the room holds one, else deferred: computed when the call is acknowledged
+        (always, with `defer_gradients`). The module docstring says why."""
         self._defer_the_late()
         if self.defer_gradients:
             state = DEFERRED
