@@ -24,14 +24,13 @@ import trio
 from peer.averaging.engine import GossipEngine
 from peer.averaging.shared import SharedTensors
 from peer.training_report import TrainingReport, failure_state
-from peer.pipeline.directory import PipelineKey, StagePeer
+from peer.pipeline.copies import KeptCopy
 from peer.pipeline.service import PipelineService
 from peer.topology.service import TopologyService
 from peer.pipeline.driver import DriverHandle
-from peer.pipeline.server import StageHandler
-from peer.pipeline.state import FetchedState, KeptCopy
 from peer.services import DaemonContext, RecordFields
 from peertrain.checkpoints import load_checkpoint, save_checkpoint
+from peertrain.pipeline import FetchedState, PipelineKey, ReplyShapes, StageHandler, StagePeer
 from peertrain.swarm import LATEST_CHECKPOINT, ExchangeResult, TrainerStopped, shard_index, wait_for_peers
 from protocol.schema.pipeline import StageAnnouncement
 
@@ -129,7 +128,7 @@ class TrainerSwarm:
     def fetch_stage_state(self, key: PipelineKey, stage: int, peer_id: str, check) -> FetchedState:
         """Download stage `stage`'s state (weights, optimizer state, step) from `peer_id`, a peer serving it or
         keeping a copy; `check(specs)` refuses a list of (name, dtype, shape) that is not this stage's state
-        before anything is allocated. Raises StateUnavailable with the reason (peer/pipeline/state.py)."""
+        before anything is allocated. Raises StateUnavailable (peertrain/pipeline.py) with the reason."""
         return self._call(self._host.pipeline.fetch_state, key, stage, peer_id, check)
 
     def keep_stage_copy(self, key: PipelineKey, stage: int, tensors: list, step: int, samples: int, *,
@@ -156,7 +155,7 @@ class TrainerSwarm:
         """Record one of our moves (from, to, reason, ...) for `peer status`."""
         self._call_sync(self._host.pipeline.note_move, move)
 
-    def open_driver(self, key: PipelineKey, *, reply_shapes, in_flight: int, forward_codec: str = "raw",
+    def open_driver(self, key: PipelineKey, *, reply_shapes: ReplyShapes, in_flight: int, forward_codec: str = "raw",
                     backward_codec: str = "raw") -> DriverHandle:
         """A driver of microbatches through pipeline `key`, at most `in_flight` at once (peer/pipeline/driver.py)."""
         return self._call_sync(self._host.pipeline.open_driver, key, reply_shapes=reply_shapes,

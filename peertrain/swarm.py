@@ -23,11 +23,9 @@ from typing import TYPE_CHECKING, Any, ContextManager, Protocol, runtime_checkab
 
 from protocol.refusal import Code  # stdlib only: the refusal codes every handle reports
 
-if TYPE_CHECKING:  # only for annotations: the pipeline's types live with the daemon
-    from peer.pipeline.directory import PipelineKey, StagePeer
-    from peer.pipeline.driver import DriverHandle
-    from peer.pipeline.server import StageHandler
-    from peer.pipeline.state import FetchedState, KeptCopy
+if TYPE_CHECKING:  # only for annotations: the pipeline's types (peertrain/pipeline.py, a leaf too)
+    from peertrain.pipeline import (FetchedState, KeptStateCopy, MicrobatchDriver, PipelineKey, ReplyShapes,
+                                    StageHandler, StagePeer, Spec)
     from protocol.schema.pipeline import StageAnnouncement
 
 # How `average` pairs up: "one" random neighbour (pairwise, AD-PSGD), or "all" of them at once
@@ -190,12 +188,12 @@ class HostedSwarm(Swarm, Protocol):
     def stage_partners(self) -> set[str]: ...
 
     def fetch_stage_state(self, key: PipelineKey, stage: int, peer_id: str,
-                          check: Callable[[list[tuple[str, str, tuple[int, ...]]]], None]) -> FetchedState: ...
+                          check: Callable[[list[Spec]], None]) -> FetchedState: ...
 
     def keep_stage_copy(self, key: PipelineKey, stage: int, tensors: list[Any], step: int, samples: int, *,
                         in_memory: bool = False) -> None: ...
 
-    def stage_copy(self, key: PipelineKey, stage: int) -> KeptCopy | None: ...
+    def stage_copy(self, key: PipelineKey, stage: int) -> KeptStateCopy | None: ...
 
     def drop_stage_copy(self, key: PipelineKey, stage: int) -> None: ...
 
@@ -203,8 +201,8 @@ class HostedSwarm(Swarm, Protocol):
 
     def note_move(self, **move: Any) -> None: ...
 
-    def open_driver(self, key: PipelineKey, *, reply_shapes: Any, in_flight: int, forward_codec: str = "raw",
-                    backward_codec: str = "raw") -> DriverHandle: ...
+    def open_driver(self, key: PipelineKey, *, reply_shapes: ReplyShapes, in_flight: int, forward_codec: str = "raw",
+                    backward_codec: str = "raw") -> MicrobatchDriver: ...
 
     def stage_device(self) -> str:
         """Where a pipeline stage computes ('cpu' or 'cuda:N': `[pipeline] device` resolved)."""

@@ -19,9 +19,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from peer.pipeline import memory as peer_memory
-from peer.pipeline.directory import PipelineKey, StagePeer
 from peer.pipeline.kept import MAX_KEPT
 from peer.pipeline.memory import AUTO_MARGIN as HOST_MARGIN, UNLIMITED, Budget, budget, rss_bytes
+from peertrain.pipeline import PipelineKey, StagePeer
 from protocol import identity as ident
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS

@@ -14,10 +14,10 @@ import trio.testing
 
 from peer.averaging.bans import BAN_AFTER
 from peer.config import PipelineSection
-from peer.pipeline.directory import PipelineKey, StagePeer
-from peer.pipeline.driver import NO_LOSS, Driver, Microbatch, _CallFailed
+from peer.pipeline.driver import NO_LOSS, Driver, _CallFailed
 from peer.pipeline.kept import KeptGradients
 from peer.pipeline.server import LOCAL_DRIVER, ServedStage, StageServer
+from peertrain.pipeline import Microbatch, PipelineKey, StagePeer
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS
 from protocol.messages import Envelope

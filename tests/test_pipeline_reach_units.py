@@ -19,11 +19,11 @@ from peer.config import PipelineSection
 from peer.membership.peers import PeerInfo
 from peer.membership.reach import MAX_REACHING, Reach, ReachBusy, Unreachable
 from peer.membership.view_mode import FullView
-from peer.pipeline.directory import PipelineKey, StagePeer
 from peer.pipeline.driver import Driver, _CallFailed
 from peer.pipeline.server import StageServer
 from peer.pipeline.service import PipelineService
 from peer.topology.records import signed_record
+from peertrain.pipeline import PipelineKey, StagePeer
 from protocol import identity as ident
 from protocol.addresses import MAX_ENTRY_ADDRESSES
 from protocol.errors import ProtocolError

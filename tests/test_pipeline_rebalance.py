@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from peer.pipeline.directory import StagePeer
+from peertrain.pipeline import StagePeer
 from protocol.schema.pipeline import StageAnnouncement, StageCopy
 from trainers.pipeline.rebalance import (Source, empty_stages, may_switch, plan_move, predicted_throughput, settling,
                                          state_sources, takeover_order)

@@ -16,11 +16,11 @@ import trio
 from peer.config import PipelineSection
 from peer.home import Home
 from peer.membership.view_mode import FullView
-from peer.pipeline.directory import PipelineKey
 from peer.pipeline.server import ServedStage, StageServer
 from peer.pipeline.service import PipelineService
-from peer.pipeline.copies import COPY_SUFFIX, CopyUnreadable, KeptCopy, copy_file
+from peer.pipeline.copies import COPY_SUFFIX, KeptCopy, copy_file
 from peer.pipeline.state import StageStates
+from peertrain.pipeline import CopyUnreadable, PipelineKey
 from protocol.schema.pipeline import BlockProfile
 from protocol import identity as ident
 from protocol.errors import ProtocolError

@@ -13,8 +13,9 @@ import pytest
 
 from peer.config import PipelineSection
 from peer.pipeline.balancer import DEFAULT_SECONDS_PER_SAMPLE, Balancer
-from peer.pipeline.directory import PipelineKey, StagePeer, bottleneck, capacity, stage_map
+from peer.pipeline.directory import bottleneck, capacity, stage_map
 from peer.pipeline.server import ServedStage, StageServer
+from peertrain.pipeline import PipelineKey, StagePeer
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS
 from protocol.refusal import ASKERS_FAULT, Code, Refusal, Refused
@@ -257,7 +258,8 @@ def drive(script: list, *, max_retries: int = 1) -> tuple:
     import trio
     import trio.testing
 
-    from peer.pipeline.driver import Driver, Microbatch
+    from peer.pipeline.driver import Driver
+    from peertrain.pipeline import Microbatch
 
     key = PipelineKey("one", ())
     peers = [StagePeer(f"peer{i}", 0, 10.0, 0) for i in range(5)]

@@ -17,11 +17,11 @@ import trio.testing
 
 from peer.averaging.bans import BanList
 from peer.config import PipelineSection
-from peer.pipeline.directory import PipelineKey, StagePeer
-from peer.pipeline.driver import Driver, Microbatch
+from peer.pipeline.driver import Driver
 from peer.pipeline.server import LOCAL_DRIVER, ServedStage, StageServer
 from peer.pipeline.verify import (FAR, GROSS_NORM, GROSS_REL, HISTORY, K_NORM, K_REL, MIN_NORM, MIN_REL, MIN_SAMPLES,
                                   ODD_TO_STRIKE, Answer, Calibration, Distance, Verifier, distance, floor, verdict)
+from peertrain.pipeline import Microbatch, PipelineKey, StagePeer
 from protocol.schema.pipeline import StageAck, StageAckReply, StageCall
 from protocol.messages import Envelope
 

@@ -189,6 +189,38 @@ def test_import_peertrain_loads_no_daemon() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+LEAVES = ("peertrain.swarm", "peertrain.pipeline")  # what a job sees of its daemon: its names and their types
+
+
+def _every_import(module: str) -> list[tuple[str, list[str]]]:
+    """(module imported, names taken from it) for every import statement of `module`, under TYPE_CHECKING too."""
+    out = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.append((node.module or "", [a.name for a in node.names]))
+    return out
+
+
+def test_the_leaves_name_nothing_of_the_daemon() -> None:
+    """peertrain/swarm.py and peertrain/pipeline.py import the standard library, protocol/ and each other only,
+    annotations included: the types crossing between a job and its daemon are the leaves' own."""
+    bad = {m: sorted(n for n, _ in _every_import(m) if n.split(".")[0] not in sys.stdlib_module_names
+                     and n.split(".")[0] != "protocol" and n not in LEAVES) for m in LEAVES}
+    assert not {m: n for m, n in bad.items() if n}, bad
+
+
+def test_jobs_take_the_pipeline_types_from_the_leaf() -> None:
+    """No module of trainers/ or peertrain/ imports from peer/ a name that peertrain/pipeline.py defines."""
+    from peertrain import pipeline
+
+    leaf = {n for n, v in vars(pipeline).items() if getattr(v, "__module__", None) == pipeline.__name__}
+    bad = {m: sorted(leaf & {x for n, names in _every_import(m) if n.split(".")[0] == "peer" for x in names})
+           for m in MODULES if m.split(".")[0] in ("trainers", "peertrain")}
+    assert not {m: n for m, n in bad.items() if n}, bad
+
+
 @pytest.mark.slow
 def test_mypy_is_clean_on_the_typed_packages() -> None:
     """mypy over protocol/ and peertrain/ (the leaf interface included): settings in pyproject.toml."""

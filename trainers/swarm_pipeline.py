@@ -41,9 +41,8 @@ from typing import Any
 
 import torch
 
-from peer.pipeline.directory import PipelineKey
-from peer.pipeline.driver import Microbatch
 from peer.pipeline.memory import rss_bytes
+from peertrain.pipeline import Microbatch, PipelineKey
 from peertrain.swarm import RANK_ENV
 from trainers import torch_data
 from trainers.datasets import load_char_corpus

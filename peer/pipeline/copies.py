@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from peer.home import atomic_write
-from peer.pipeline.directory import PipelineKey
+from peertrain.pipeline import CopyUnreadable, Named, PipelineKey, Spec
 from peertrain.checkpoints import CheckpointRefused, read_checkpoint
 
 log = logging.getLogger("peertrain.pipeline")
@@ -35,14 +35,6 @@ log = logging.getLogger("peertrain.pipeline")
 COPY_FORMAT = 1  # the file layout's version: a file of another layout is refused, never misread
 COPY_SUFFIX = ".copy.pt"
 NAME_CHARS = 32  # of the pipeline's name kept in a file name, for a person listing the folder; a hash tells them apart
-
-Named = list[tuple[str, Any]]  # (name, tensor), as a stage's export_state gives them
-Spec = tuple[str, str, tuple[int, ...]]  # (name, dtype without "torch.", shape)
-
-
-class CopyUnreadable(Exception):
-    """A kept copy's file is gone or does not hold that copy; the message names the file and why."""
-
 
 def spec_of(name: str, tensor: Any) -> Spec:
     return name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)

@@ -8,40 +8,8 @@ ones only, joined with membership: a peer counts as live for a stage only while 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from peertrain.pipeline import PipelineKey as PipelineKey, StagePeer as StagePeer  # the leaf types (re-exported)
 from protocol.schema.pipeline import StageAnnouncement
-
-
-@dataclass(frozen=True)
-class StagePeer:
-    peer_id: str
-    stage: int
-    samples_per_s: float  # as the peer announced it (0: not measured yet)
-    queue: int  # calls it announced as waiting or running
-    me: bool = False
-    step: int = 0  # optimizer steps of its stage's state
-    moving_to: int = -1  # the stage it is moving to (rebalancing), or -1
-    moved_from: int = -1  # the stage it left lately, or -1
-    memory_mib: int = 0  # its memory budget (0: not said)
-    stage_room_mib: int = 0  # of which a stage may use (0: not said: any stage fits, as far as we know)
-    memory_used_mib: int = 0  # what it holds now
-
-
-@dataclass(frozen=True)
-class PipelineKey:
-    """A pipeline is its name and where the model is cut: peers that cut it elsewhere serve other stages."""
-
-    name: str
-    cuts: tuple[int, ...]
-
-    @property
-    def stages(self) -> int:
-        return len(self.cuts) + 1
-
-    @classmethod
-    def of(cls, ann: StageAnnouncement) -> "PipelineKey":
-        return cls(ann.pipeline, tuple(ann.cuts))
 
 
 def stage_map(key: PipelineKey, announcements: dict[str, StageAnnouncement], live: set[str],

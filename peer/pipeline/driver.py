@@ -57,6 +57,7 @@ from peer.pipeline.kept import longest_microbatch_s
 from peer.pipeline.verify import MAX_RERUNS, Answer, Verifier, floor
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
+from peertrain.pipeline import Microbatch, Outcome, ReplyShapes
 from peertrain.swarm import TrainerStopped
 from protocol.errors import ProtocolError
 from protocol.refusal import ASKERS_FAULT, STALE_VIEW, TRY_LATER, Code, Refusal, Refused
@@ -85,36 +86,6 @@ NO_LOSS = Refusal(Code.BAD_INPUT, "the stage returned no loss (not finite?)")
 """A loss or evaluate call answered without a finite loss: our inputs give any peer of the stage the same."""
 STOP_POLL_S = 0.2  # a trainer waiting for a free microbatch slot notices a stop this soon
 RECENT_FAILURES = 20  # failed microbatches kept for status, with their reasons
-
-ReplyShapes = Callable[[int, str, int], list[tuple[str, list[int]]]]
-"""(stage, kind, batch) -> the (dtype, shape) of each tensor the reply must carry (from the model's cut)."""
-
-
-@dataclass
-class Microbatch:
-    id: int
-    x: Any  # torch tensors
-    y: Any
-    seed: int
-    evaluate: bool = False  # forward only, the loss at the last stage: a validation microbatch
-
-    @property
-    def batch(self) -> int:
-        return int(self.x.shape[0])
-
-
-@dataclass
-class Outcome:
-    id: int
-    ok: bool
-    samples: int
-    loss: float | None = None
-    resent: int = 0  # calls re-sent to another peer
-    reruns: int = 0  # times the whole microbatch was run again without an outlier a check found (verify.py)
-    seconds: float = 0.0
-    reason: str = ""
-    evaluate: bool = False
-
 
 class MicrobatchFailed(Exception):
     pass

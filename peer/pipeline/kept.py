@@ -25,7 +25,9 @@ from __future__ import annotations
 import itertools
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
+
+from peertrain.pipeline import HeldGradient  # what a stage handler returns: the leaf's protocol
 
 MAX_KEPT = 64
 """Gradients one server keeps for all drivers together. One waits only for the rest of its microbatch's backward
@@ -63,24 +65,6 @@ def hold_s(cfg: Any, stages: int) -> float:
     return longest_microbatch_s(cfg, stages) + HOLD_MARGIN_CALLS * cfg.max_call_timeout
 SWEEP_S = 5.0
 """How often the daemon drops the gradients past their hold when no call or ack comes (they hold memory)."""
-
-
-class HeldGradient(Protocol):
-    """One call's parameter gradient, as the stage handler computed it (trainers/pipeline/stage.py)."""
-
-    samples: int
-    nbytes: int
-    deferred: bool  # computed when acknowledged, not when called (its ack is answered before the computation)
-
-    def accumulate(self) -> bool:
-        """Count it in the stage (in a worker thread): False if the stage's state was replaced since it was
-        computed (then it is dropped)."""
-        ...
-
-    def release(self) -> None:
-        """It was dropped: leave no trace in the stage (in a worker thread; a stage may have added it
-        provisionally, trainers/pipeline/stage.py)."""
-        ...
 
 
 @dataclass

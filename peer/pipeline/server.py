@@ -25,15 +25,16 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
 from peer.pipeline.directory import PipelineKey
-from peer.pipeline.kept import STALE, HeldGradient, Kept, KeptGradients, hold_s
+from peer.pipeline.kept import STALE, Kept, KeptGradients, hold_s
 from peer.pipeline.turns import FIRST, NEXT, ComputeTurns
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
+from peertrain.pipeline import StageHandler  # the leaf's protocol (the job implements it)
 from protocol.schema.gossip import TensorSpec
 from protocol.schema.pipeline import StageAck, StageAckReply, StageCall, StageReply
 from protocol.refusal import Code, Refusal, Refused
@@ -60,17 +61,6 @@ def room(limit: int, finishing: bool) -> int:
     """How many calls may be held when one of this sort arrives: all of `limit` for a finishing call, the rest
     of it, less the backwards' share (at least 1 place when the limit allows two), for a call that starts work."""
     return limit if finishing else limit - min(limit - 1, max(1, round(limit * BACKWARD_SHARE)))
-
-
-class StageHandler(Protocol):
-    """What a trainer gives the daemon to serve a stage (trainers/pipeline/stage.py implements it)."""
-
-    def kinds(self) -> tuple[str, ...]: ...
-    def input_specs(self, kind: str, batch: int) -> list[tuple[str, str, list[int]]]: ...
-    def compute(self, kind: str, tensors: list[Any], seed: int) -> tuple[float | None, list[Any], HeldGradient | None]:
-        """(loss, output tensors, the call's parameter gradient: kept until acknowledged; None for no gradient)."""
-    def samples_per_s(self) -> float: ...
-    def export_state(self) -> tuple[list[tuple[str, Any]], int, int]: ...  # (named tensors, steps, samples)
 
 
 @dataclass

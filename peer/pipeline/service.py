@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from peer.averaging.bans import BanList
-from peer.pipeline.directory import PipelineKey, StagePeer, bottleneck, capacity, stage_map
+from peer.pipeline.directory import bottleneck, capacity, stage_map
 from peer.pipeline.driver import Driver, DriverHandle
 from peer.pipeline import memory
 from peer.pipeline.kept import SWEEP_S
-from peer.pipeline.server import ServedStage, StageHandler, StageServer
-from peer.pipeline.state import FetchedState, KeptCopy, SpecCheck, StageStates, StateUnavailable
+from peer.pipeline.server import ServedStage, StageServer
+from peer.pipeline.state import KeptCopy, SpecCheck, StageStates
 from peer.services import RecordFields
+from peertrain.pipeline import FetchedState, PipelineKey, StageHandler, StagePeer, StateUnavailable
 from protocol.bounds import MAX_ADDRESS_CHARS
 from protocol.schema.pipeline import (MAX_BLOCKS, MAX_MEMORY_MIB, MAX_PROFILED_BLOCKS, MAX_QUEUE, MAX_SAMPLES_PER_S,
                                       MAX_STEP, BlockProfile, StageAck, StageAnnouncement, StageCall,

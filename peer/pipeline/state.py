@@ -38,8 +38,8 @@ from typing import Any, Callable
 import trio
 
 from peer.membership.reach import Unreachable
-from peer.pipeline.copies import CopyUnreadable, KeptCopy, remove_files, remove_stale
-from peer.pipeline.directory import PipelineKey
+from peer.pipeline.copies import KeptCopy, remove_files, remove_stale
+from peertrain.pipeline import CopyUnreadable, FetchedState, PipelineKey, StateUnavailable
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
 from protocol.errors import ProtocolError
@@ -51,26 +51,6 @@ from protocol.schema.session import ErrorReply
 log = logging.getLogger("peertrain.pipeline")
 
 SpecCheck = Callable[[list[tuple[str, str, list[int]]]], "str | None"]
-
-
-@dataclass
-class FetchedState:
-    tensors: list[tuple[str, Any]]
-    step: int
-    samples: int
-    live: bool  # from a peer serving the stage (else from a copy)
-    source: str  # the peer it came from
-    nbytes: int
-    seconds: float
-
-
-class StateUnavailable(Exception):
-    """The state could not be had from that peer; the message says why, and `refusal` what the peer said
-    when it refused (None when the fetch failed otherwise: no session, a deadline, a bad reply)."""
-
-    def __init__(self, reason: str, refusal: Refusal | None = None):
-        super().__init__(reason)
-        self.refusal = refusal
 
 
 @dataclass

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import random
 
-from peer.pipeline.directory import PipelineKey, StagePeer, bottleneck
+from peer.pipeline.directory import bottleneck
+from peertrain.pipeline import PipelineKey, StagePeer
 
 
 def adopted_cut(name: str, own: tuple[int, ...], announcements: dict, me: str) -> tuple[int, ...]:

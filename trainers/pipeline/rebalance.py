@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from peer.pipeline.directory import StagePeer
+from peertrain.pipeline import StagePeer
 from protocol.schema.pipeline import StageAnnouncement
 
 StageMap = dict[int, list[StagePeer]]

@@ -33,8 +33,7 @@ from typing import Any
 
 import torch
 
-from peer.pipeline.directory import PipelineKey
-from peer.pipeline.state import StateUnavailable
+from peertrain.pipeline import PipelineKey, StateUnavailable
 from trainers.baseline import make_optimizer
 from trainers.datasets import load_factory
 from trainers.pipeline import memory, shapes
