@@ -24,7 +24,10 @@ from peer.testing.process import wait_for
 from peer.testing.swarm import rank_env, unique_swarm
 from tests.pipeline_status import driver, no_one_struck, pipe, trainer
 
-pytestmark = pytest.mark.slow
+# Serial: eleven daemons start at once, and beside another worker's daemons on 2 cores their heartbeats missed
+# the 4 s `dead_after` at start-up (sessions closed, views of degree 1-3 reshuffled); twice in full runs
+# (2026-11-28) one server then never saw a stage-0 record within START_S. Alone it passes in ~60 s.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 SERVERS = 4  # 2 per stage
 PLAIN = 6  # daemons with no trainer, the contact among them
