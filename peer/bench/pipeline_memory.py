@@ -13,9 +13,9 @@ under-count). The plain run (`peer bench pipeline`) reports the same figures und
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
+
+from peer.testing.process import module_json
 
 MODEL = "trainers.pipeline.wide:issue_stage"
 DATA = "trainers.pipeline.wide:digits"
@@ -24,12 +24,10 @@ PROBE_TIMEOUT_S = 600.0  # 16 microbatches of a 67 M-parameter stage: ~15 s here
 
 
 def probe(mode: str, optimizer: str, max_held: int = 0) -> dict:
-    cmd = [sys.executable, "-m", "trainers.pipeline.memory_probe", "--mode", mode, "--model", MODEL,
-           "--data", DATA, "--lo", str(LO), "--hi", str(HI), "--optimizer", optimizer, "--max-held", str(max_held)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return module_json("trainers.pipeline.memory_probe",
+                       ["--mode", mode, "--model", MODEL, "--data", DATA, "--lo", str(LO), "--hi", str(HI),
+                        "--optimizer", optimizer, "--max-held", str(max_held)],
+                       timeout=PROBE_TIMEOUT_S, what=f"the memory probe ({mode}, {optimizer})")
 
 
 def figures(optimizer: str = "adam") -> dict:

@@ -9,8 +9,8 @@ asynchrony (stale gradients, steps of other sizes), kills and re-sends included.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+
+from peer.testing.process import module_json
 
 REFERENCE_TIMEOUT_S = 900.0  # a few thousand samples of the bench's model on this machine's CPUs: ~1-3 minutes
 
@@ -21,11 +21,7 @@ def loss_vs_reference(val_loss: float | None, options: dict, samples: int) -> di
     if val_loss is None or samples < 1:
         return {"loss_vs_reference": None, "val_loss": val_loss, "reference_val_loss": None,
                 "reference_samples": samples}
-    cmd = [sys.executable, "-m", "trainers.pipeline.reference_run", "--options", json.dumps(options),
-           "--samples", str(samples)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=REFERENCE_TIMEOUT_S)
-    if done.returncode != 0:
-        raise RuntimeError(f"the single-process reference failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-    ref = json.loads(done.stdout.strip().splitlines()[-1])
+    ref = module_json("trainers.pipeline.reference_run", ["--options", json.dumps(options), "--samples", str(samples)],
+                      timeout=REFERENCE_TIMEOUT_S, what="the single-process reference")
     return {"loss_vs_reference": round(val_loss / ref["val_loss"], 4), "val_loss": round(val_loss, 4),
             "reference_val_loss": ref["val_loss"], "reference_samples": ref["samples"]}

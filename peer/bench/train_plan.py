@@ -4,12 +4,11 @@ daemons get and the matching all-reduce flags, so that every mode trains the sam
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import dataclass
 
 from peer.bench.args import (DIGITS_MODES, LM_BATCH, LM_EVAL_EVERY, LM_EVAL_SAMPLES, LM_MAX_STEPS, LM_MODEL,
                              LM_MODEL_OPTIONS, LM_MODES, LM_REPEATS, LM_TARGET_LOSS, LM_TOPOLOGY)
+from peer.testing.process import module_json
 
 RECIPE_TIMEOUT = 120.0  # the baseline imports torch and loads the data set before it answers
 # Our local modes: gossip_sgd mode "local" with these outer exchanges (the outer optimizer keeps its defaults)
@@ -59,12 +58,10 @@ def default_modes(model: str) -> str:
 def recipe(model: str, a) -> dict:
     """The hyperparameters gossip_sgd and the baseline resolve for this model (asked of the baseline: peer/
     does not import trainers)."""
-    argv = [sys.executable, "-m", "trainers.allreduce_baseline", "--world", str(a.n), "--model", model,
-            "--print-recipe", *(["--batch-size", str(a.batch_size)] if a.batch_size else [])]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=RECIPE_TIMEOUT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"cannot resolve the recipe of {model!r}: {proc.stderr.strip()[-500:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return module_json("trainers.allreduce_baseline",
+                       ["--world", str(a.n), "--model", model, "--print-recipe",
+                        *(["--batch-size", str(a.batch_size)] if a.batch_size else [])],
+                       timeout=RECIPE_TIMEOUT, what=f"resolving the recipe of {model!r}")
 
 
 def make_plan(a) -> Plan:

@@ -26,9 +26,18 @@ class Budget:
 
 def rss_bytes(pid: int | str = "self") -> int:
     """Resident set size of a process (0 if it cannot be read)."""
+    return _status_bytes(pid, "VmRSS")
+
+
+def peak_rss_bytes(pid: int | str = "self") -> int:
+    """The largest resident set size a process has had (VmHWM; 0 if it cannot be read)."""
+    return _status_bytes(pid, "VmHWM")
+
+
+def _status_bytes(pid: int | str, field: str) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass

@@ -9,6 +9,7 @@ sleep for a guessed time.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -89,6 +90,16 @@ def proc_status_mb(pid: int, name: str) -> float | None:
     except OSError:
         pass
     return None
+
+
+def module_json(module: str, args: list[str], *, timeout: float, what: str) -> Any:
+    """Run `python -m module args` and parse the last line it printed as JSON (how benches ask a trainers/ module
+    for a figure: peer/ does not import trainers); RuntimeError naming `what` and the end of its stderr if it
+    fails."""
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _pump(stream, log, echo: Callable[[str], None]) -> None:

@@ -23,29 +23,22 @@ import sys
 
 import torch
 
-from peer.pipeline.memory import rss_bytes
+from peer.pipeline.memory import peak_rss_bytes, rss_bytes
+from trainers import torch_data
 from trainers.baseline import make_optimizer
 from trainers.pipeline import memory, shapes
 from trainers.pipeline.blocks import from_factory
 from trainers.pipeline.memory import MiB
 from trainers.pipeline.stage import StageWorker
+from trainers.swarm_pipeline import PipelineData, sample_microbatch
 
 SEED_X, SEED_G = 1, 2  # the inputs' and the gradients' random draws (values do not change what memory holds)
 
 
-def _hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _inputs(model, data: str, microbatch: int, lo: int, hi: int):
     """(sample x, sample y of the model, the stage's input, the gradient of its output or the targets)."""
-    train, _ = from_factory_data(data)
-    xs, ys = zip(*(train[i] for i in range(microbatch)))
-    x, y = torch.stack(xs), torch.stack([torch.as_tensor(v) for v in ys])
+    train, test = torch_data.load_datasets(data)
+    x, y = sample_microbatch(PipelineData(train, test, data), microbatch, SEED_X)
     traced = shapes.trace(model, x, y)
     gen = torch.Generator().manual_seed(SEED_X)
     b_in, b_out = traced.boundary[lo], traced.boundary[hi]
@@ -53,13 +46,6 @@ def _inputs(model, data: str, microbatch: int, lo: int, hi: int):
     last = hi == len(model)
     g = y if last else torch.randn(microbatch, *b_out.shape, generator=gen.manual_seed(SEED_G)).to(b_out.dtype)
     return x, y, traced, h, g
-
-
-def from_factory_data(spec: str):
-    import importlib
-
-    mod, _, fn = spec.partition(":")
-    return getattr(importlib.import_module(mod), fn)()
 
 
 def plain_torch(model, lo: int, hi: int, h, g, *, optimizer: str, microbatches: int, accumulate: int) -> None:
@@ -136,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         as_a_stage(model, a.lo, a.hi, x, y, h, g, optimizer=a.optimizer, microbatches=a.microbatches,
                    accumulate=a.accumulate, in_flight=a.in_flight, drop_every=a.drop_every,
                    max_held=None if a.max_held < 0 else a.max_held)
-    hwm = _hwm_bytes()
+    hwm = peak_rss_bytes()
     outs = [traced.out_bytes(i, a.microbatch) for i in range(len(model))]
     estimate = memory.stage_bytes(traced.param_bytes, outs, a.lo, a.hi, a.optimizer) - memory.PROCESS_GROWTH
     print(json.dumps({"mode": a.mode, "hwm_mib": round(hwm / MiB, 1), "baseline_mib": round(baseline / MiB, 1),
