@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from peer.pipeline.kept import MAX_KEPT, MAX_KEPT_BYTES
 from peertrain.pipeline import PipelineKey, StateUnavailable
 from trainers.baseline import make_optimizer
 from trainers.datasets import load_factory
@@ -156,14 +157,17 @@ class StageSeat:
 
     def _copy_in_memory(self, copy_bytes: int, stage: int) -> bool:
         """Whether a copy of `copy_bytes` (of `stage`'s state) may stay in memory: only where the room is known
-        and holds, beside the stage we serve (with what its kept book keeps: `need`) and the copies already in
-        memory (but an older one of `stage`, which it replaces) — so a copy never takes memory the stage may
-        need. Otherwise it goes to disk.
+        and holds, beside the stage we serve, the copies already in memory (but an older one of `stage`, which it
+        replaces) and as many gradient copies as the kept book ever keeps (peer/pipeline/kept.py; the stage keeps
+        copies while a step waits, as many as the room beside its plan holds: `max_held`) — so a copy never takes
+        memory the stage may need. Otherwise it goes to disk.
         (docs/design.md, "Memory is a budget")"""
         if self.mem.room <= 0 or self.key is None:
             return False
+        lo, hi = self.bounds(self.key, self.stage)
+        held = min(MAX_KEPT * sum(self.model_shapes.param_bytes[lo:hi]), MAX_KEPT_BYTES)
         others = sum(c.nbytes for c in self._copies_in_memory() if c.stage != stage)
-        return self.mem.holds(self.need(self.key, self.stage) + others + copy_bytes)
+        return self.mem.holds(self.need(self.key, self.stage) + held + others + copy_bytes)
 
     def _copies_to_disk(self) -> None:
         """Before a move: the copies held in memory go to disk (kept still, to hand out), so the move's checks
