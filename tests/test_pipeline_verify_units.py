@@ -286,7 +286,9 @@ def test_a_lying_peer_is_banned_and_what_it_answered_is_run_again(lie):
     v = driver.verifier
     assert all(o.ok for o in outs), [o.reason for o in outs if not o.ok]
     assert set(v.stats.outliers) == {"liar"} and set(v.stats.strikes) == {"liar"} and v.stats.bans == 1
-    assert v.stats.reruns >= 1 and sum(o.reruns for o in outs) == v.stats.reruns
+    # a gross lie stands out in the check of a call it answered; a 1.05x scale is first named in the triples its
+    # stage is calibrated on, where the checker drawn at random may be the liar itself (no call of it to run again)
+    assert v.stats.reruns >= (1 if lie != 1.05 else 0) and sum(o.reruns for o in outs) == v.stats.reruns
     # once banned it gets no call; before, what it answered and a check found was run again without it
     assert v.stats.first_ban_at is not None and v.stats.first_ban_at < 60
     # at most once per stage: the checks' gradients were dropped, and each microbatch entered each stage once
@@ -319,6 +321,42 @@ def test_a_stage_of_two_strangers_names_no_outlier_and_one_of_ours_does():
     outs = drive(driver, 30)
     v = driver.verifier
     assert all(o.ok for o in outs) and set(v.stats.outliers) == {"liar"} and v.stats.bans == 1
+
+
+def test_two_colluders_at_a_stage_we_serve_are_banned_and_frame_nobody():
+    """Two peers of our stage lie alike (issue 40): a majority of three named us the outlier and them nobody, so
+    neither was ever struck. Our own answer is the reference now: both are banned, and we are never the outlier."""
+    driver, servers = pipeline({0: [("s0", 1.0)], 1: [("me", 1.0), ("l1", 1.05), ("l2", 1.05)], 2: [("s2", 1.0)]})
+    outs = drive(driver, 120)
+    v = driver.verifier
+    assert all(o.ok for o in outs), [o.reason for o in outs if not o.ok]
+    assert set(v.stats.outliers) == {"l1", "l2"} and v.bans.banned("l1", 0.0) and v.bans.banned("l2", 0.0)
+    assert "me" not in v.stats.strikes and taken(servers, ["me", "l1", "l2"]) == 120 * BATCH
+
+
+def test_a_check_asks_us_where_we_serve_the_stage_else_a_peer_drawn_at_random():
+    driver, _ = pipeline({0: [("s0", 1.0)], 1: [("a", 1.0), ("b", 1.0), ("c", 1.0), ("liar", 1.0)], 2: [("s2", 1.0)]})
+    asked: list[str] = []
+
+    async def call_once(pid, peer, mb, stage, kind, tensors):
+        asked.append(pid)
+        return None, [], 0, 0.0
+    driver._call_once = call_once
+    mb = Microbatch(1, torch.zeros(BATCH, 3), torch.zeros(BATCH), seed=1)
+
+    async def main():
+        for _ in range(300):
+            await driver._ask(mb, 1, "forward", [], exclude={"a"})
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    # the fast peer ("liar" is the one the harness answers soonest: the balancer would send it most) gets no more
+    assert set(asked) == {"b", "c", "liar"} and all(60 <= asked.count(p) <= 140 for p in ("b", "c", "liar")), asked
+    driver, _ = pipeline({0: [("s0", 1.0)], 1: [("a", 1.0), ("me", 1.0), ("b", 1.0)], 2: [("s2", 1.0)]})
+    asked.clear()
+    driver._call_once = call_once
+    trio.run(lambda: driver._ask(mb, 1, "forward", [], exclude={"a"}))
+    assert asked == ["me"]
+    labels = {driver._label() for _ in range(100)}  # the calls' wire ids: fresh each call, nothing to match
+    assert len(labels) == 100 and all(0 <= x < 2 ** 31 for x in labels)
 
 
 def test_validation_is_checked_too_and_a_zero_fraction_checks_nothing():

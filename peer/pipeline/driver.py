@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import queue
 import random
+import secrets
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,6 +86,7 @@ inputs of ours end it after one re-send. Each such refuser is struck once anothe
 NO_LOSS = Refusal(Code.BAD_INPUT, "the stage returned no loss (not finite?)")
 """A loss or evaluate call answered without a finite loss: our inputs give any peer of the stage the same."""
 STOP_POLL_S = 0.2  # a trainer waiting for a free microbatch slot notices a stop this soon
+LABEL_BITS = 31  # a call's wire id (`Driver._label`): random, as large as the ids a trainer numbers its microbatches with
 RECENT_FAILURES = 20  # failed microbatches kept for status, with their reasons
 
 class MicrobatchFailed(Exception):
@@ -153,6 +155,7 @@ class Driver:
         self._waiting_calls: Counter = Counter()  # stage -> calls waiting for a usable peer of it
         self.acks = Acks(service, self.stats)  # settles each microbatch's kept gradients (acks.py)
         self.longest_s = longest_microbatch_s(self.cfg, self.stages)
+        self._labels = random.Random(secrets.randbits(64))  # the calls' wire ids (`_label`): unguessable
 
     async def run(self, mb: Microbatch) -> Outcome:
         """One microbatch, start to end; never raises for what peers do (the outcome says it). A check that finds
@@ -237,6 +240,12 @@ class Driver:
         stay up meanwhile: partial views close idle ones, and the ack would find none)."""
         return self.acks.owes(peer_id) or any((e := b.peers.get(peer_id)) is not None and e.outstanding > 0
                                             for b in self.balancers)
+
+    def _label(self) -> int:
+        """The microbatch id a call carries on the wire (a server only logs it): drawn fresh for every call, so a
+        check's call carries nothing that tells a server it repeats another (colluders comparing inputs still
+        can: what holds against them is the checker drawn at random and our own compute, verify.py)."""
+        return self._labels.getrandbits(LABEL_BITS)
 
     def _seed(self, mb: Microbatch, stage: int) -> int:
         return (mb.seed * 1_000_003 + stage * 7919) & 0x7FFF_FFFF
@@ -362,15 +371,17 @@ class Driver:
 
     async def _ask(self, mb: Microbatch, stage: int, kind: str, tensors: list[Any],
                    exclude: set[str]) -> Answer | None:
-        """A check's call: the same call, once, to the peer of `stage` the balancer picks outside `exclude`
-        (None if there is none, or the call fails: no verdict; the balancer counts the failure as any)."""
+        """A check's call: the same call, once, to another peer of `stage` outside `exclude`: ourselves where we
+        serve the stage (our own compute is the one answer no colluders control), else one drawn at random (the
+        balancer's choice favours new and fast peers: a liar announcing speed would check itself). None if there
+        is none, or the call fails: no verdict; the balancer counts the failure as any."""
         balancer = self.balancers[stage]
         now = trio.current_time()
-        peers = self._peers(stage, now)
-        pid = balancer.choose(peers, mb.batch, now, exclude=exclude)
-        if pid is None:
+        peers = [p for p in self._peers(stage, now) if p.peer_id not in exclude]
+        if not peers:
             return None
-        peer = next(p for p in peers if p.peer_id == pid)
+        peer = next((p for p in peers if p.peer_id == self.service.me), None) or self.verifier.rng.choice(peers)
+        pid = peer.peer_id
         t0 = trio.current_time()
         try:
             loss, outputs, kept, compute_s = await self._call_once(pid, peer, mb, stage, kind, tensors)
@@ -397,7 +408,7 @@ class Driver:
         """Our own stage serves our own microbatch in-process: same checks and compute, nothing on the wire."""
         specs = [TensorSpec(f"in{i}", str(t.dtype).removeprefix("torch."), list(t.shape)) for i, t in enumerate(tensors)]
         call = StageCall(pipeline=self.key.name, cuts=list(self.key.cuts), stage=stage, kind=kind, batch=mb.batch,
-                         seed=self._seed(mb, stage), tensors=specs, streams=[0] * len(specs), microbatch=mb.id)
+                         seed=self._seed(mb, stage), tensors=specs, streams=[0] * len(specs), microbatch=self._label())
         loss, outputs, kept, seconds = await self.service.server.compute_local(call, tensors)  # Refused as a peer would
         if kind in ("loss", "evaluate") and loss is None:
             raise Refused(NO_LOSS)
@@ -433,7 +444,7 @@ class Driver:
         self.stats.deadlines.append(timeout)
         ours = OutgoingGroup(session, specs)
         call = StageCall(pipeline=self.key.name, cuts=list(self.key.cuts), stage=stage, kind=kind, batch=mb.batch, seed=self._seed(mb, stage),
-                         tensors=specs, streams=ours.streams, microbatch=mb.id, codec=reply_codec,
+                         tensors=specs, streams=ours.streams, microbatch=self._label(), codec=reply_codec,
                          deadline_s=timeout)
         replies: list = []
         theirs: IncomingGroup | None = None

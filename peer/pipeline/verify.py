@@ -9,8 +9,14 @@ when each is within its tolerance for that stage and kind of call: `max(floor, M
 and `honest_x` the median of the smallest distance of this driver's recent triples of answers at that stage
 (`Calibration`: with one liar among three, at most the honest pair's, so no lie raises it).
 
-A mismatch asks a third peer: the one answer that disagrees with the two others, which agree with each other,
-is the outlier, and a microbatch one of whose calls it answered is run again without it. A peer that just
+Who answers a check: ourselves where we serve the stage, else a peer of the stage drawn at random (not the
+balancer's choice, which favours new and fast peers), and every call carries a fresh wire id (driver.py), so
+nothing but its inputs tells a check from a first call. Where our own answer is one of the two, it is the
+reference: once the stage is calibrated the other answer, if it disagrees, is the outlier, however many others
+would agree with it. Otherwise a mismatch asks a third peer: the one answer that disagrees with the two others,
+which agree with each other, is the outlier, and a microbatch one of whose calls it answered is run again
+without it. (A majority of three is what two colluders who answer alike win at a stage we do not serve: it
+names the honest third; docs/design.md, "Verified stage calls", says what that costs and what bounds it.) A peer that just
 stepped is sometimes that outlier once; a liar is it every time its lie shows: a peer is struck only when it
 was the outlier in ODD_TO_STRIKE of its HISTORY latest verdicts on one kind of call (a liar may lie in one
 kind only: its honest answers in another would dilute the lies), and three strikes within ten minutes ban it
@@ -291,6 +297,13 @@ class Verifier:
         cal = self._calibration(stage, kind)
         tol = cal.tolerance(floor_)
         d12 = distance(first, second)
+        if self.me in (first.peer, second.peer) and cal.calibrated and not d12.within(tol):
+            # our own compute answered (we serve the stage: the driver asks us first): it is the reference, and
+            # the other answer the outlier, whoever else would agree with it (two colluders answer alike)
+            self.stats.mismatches += 1
+            other = second.peer if first.peer == self.me else first.peer
+            return self._found(other, [first.peer, second.peer], stage, kind,
+                               {_pair(first.peer, second.peer): d12}, tol, done_microbatches)
         refresh = not cal.calibrated or self.rng.random() < REFRESH
         if d12.within(tol) and not refresh:
             self.stats.agreed += 1
