@@ -232,6 +232,29 @@ def test_a_status_heals_an_edge_that_only_one_end_counts():
     assert not v.handle(them.peer_id, Status(5, (me, other), 1e9), 3.0) and v.active[them.peer_id].degree == 5
 
 
+def test_keys_that_ask_urgently_and_say_they_are_short_take_no_honest_edge():
+    """Issue 40's eclipse by the sender's word: 16 fresh keys from 2 /24s, one a second for ten minutes, each
+    asking for an edge as urgent (below min_degree: taken above the target) and then saying in its Status that
+    it is short. Any edge could be handed to a short neighbour, so each such key took one of the victim's honest
+    edges: all four were gone within a minute. The edge handed over or dropped is now the youngest: the keys
+    only hand each other on, and every honest edge stays."""
+    me = entry(0)
+    v = Views(me, QUIET, random.Random(0))
+    honest = [entry(i) for i in range(1, 5)]
+    for h in honest:
+        v.handle(h.peer_id, NeighbourRequest(h, 3, False), 0.0)
+        v.handle(h.peer_id, Status(4, (me,), None), 0.0)
+    keys = [Entry(f"sybil{k:015d}", (f"203.0.113.{k % 2 + 1}:7100",)) for k in range(16)]
+    for t in range(1, 601):
+        key = keys[t % len(keys)]
+        v.handle(key.peer_id, NeighbourRequest(key, 0, True), float(t))
+        for p in [p for p in v.active if p.startswith("sybil")]:
+            v.handle(p, Status(1, (me,), None), float(t))
+        v.tick(float(t))
+        assert all(h.peer_id in v.active for h in honest), t
+        assert_bounded(v)
+
+
 # ---- bounded whatever happens -------------------------------------------------------------------------
 
 def _messages(ids: st.SearchStrategy[int]) -> st.SearchStrategy:
