@@ -255,6 +255,44 @@ def test_keys_that_ask_urgently_and_say_they_are_short_take_no_honest_edge():
         assert_bounded(v)
 
 
+def test_keys_from_two_prefixes_push_out_only_their_own_passive_entries():
+    """A full passive view of honest entries from 30 prefixes; 400 entries of fresh keys from 2 /24s arrive by
+    shuffles and joins. Evicting at random, they held nearly every place; now only what their prefixes held."""
+    v = Views(entry(0), CFG, random.Random(0))
+    for i in range(1, CFG.passive_size + 1):
+        v.learn(Entry(f"honest{i:014d}", (f"198.51.{i}.7:7100",)))
+    keys = [Entry(f"sybil{k:015d}", (f"203.0.113.{k % 200 + 1}:7100" if k % 2 else f"192.0.2.{k % 200 + 1}:7100",))
+            for k in range(400)]
+    for t in range(0, 400, 8):
+        v._integrate(keys[t:t + 4], sent=())  # a shuffle's entries, nothing of mine sent
+        for k in keys[t + 4:t + 8]:
+            v.handle(k.peer_id, Join(k), float(t))  # a join puts the newcomer in the passive view
+    sybils = [p for p in v.passive if p.startswith("sybil")]
+    assert len(v.passive) == CFG.passive_size and len(sybils) <= 4, sybils
+
+
+def test_sends_that_only_a_forwarded_message_vouches_for_are_bounded():
+    """A shuffle's origin and a join walk's newcomer are the forwarding peer's word: each answer may be a dial to
+    addresses a stranger chose. A burst of FORWARDED_DIALS, then one per FORWARDED_DIAL_S."""
+    from peer.membership.views import FORWARDED_DIAL_S, FORWARDED_DIALS
+
+    v = Views(entry(0), CFG, random.Random(0))
+    forger = entry(1)
+    sent = []
+    for i in range(100):  # forged walks' ends, all within one second: each names another "origin"
+        origin = Entry(f"victim{i:014d}", (f"192.0.2.{i + 1}:22",))
+        out = v.handle(forger.peer_id, Shuffle(origin, 0, (), 4), 0.5) + v.handle(
+            forger.peer_id, JoinWalk(origin, 0), 0.5)
+        sent += [a.to.peer_id for a in out if isinstance(a, Send) and a.to.peer_id.startswith("victim")]
+    assert len(sent) == FORWARDED_DIALS and v.forwarded_refused == 200 - FORWARDED_DIALS
+    later = v.handle(forger.peer_id, Shuffle(Entry("victim" + "9" * 14, ("192.0.2.9:22",)), 0, (), 4),
+                     0.5 + FORWARDED_DIAL_S)
+    assert any(isinstance(a, Send) for a in later)
+    # its own shuffle, first hop: the sender vouches for itself, no token taken
+    own = v.handle(forger.peer_id, Shuffle(forger, 0, (), 4), 0.6 + FORWARDED_DIAL_S)
+    assert any(isinstance(a, Send) and a.to == forger for a in own)
+
+
 # ---- bounded whatever happens -------------------------------------------------------------------------
 
 def _messages(ids: st.SearchStrategy[int]) -> st.SearchStrategy:

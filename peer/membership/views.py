@@ -51,9 +51,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Union
 
+from peer.session.handshake_slots import source_of
 from peer.topology.graph import LinkEstimate
 from peer.topology.local_gap import GapReading
 from peer.topology.local_rewire import LocalRewireConfig, NeighbourFacts, plan_local_move, slower_half
+from protocol.addresses import RELAY_MARK, parse_address
 from protocol.schema.views import (MAX_ENTRIES, MAX_WALK, Disconnect, Entry, Join, JoinReply, JoinWalk, NeighbourReply,
                                    NeighbourRequest, Seek, Shuffle, ShuffleReply, Status, SwapReply, SwapRequest,
                                    ViewMessage, WalkEnd, encoded_size)
@@ -137,6 +139,14 @@ itself with such edges alone and closes into an island that no repair leaves aga
 `tests/test_scale_sim.py`'s concurrent churn: 93-95% of the peers in one component after 90 s); a mix swaps
 the local edge for one to a random passive peer, nearly always outside the island."""
 PAIRING_TRIES = 16  # random orders a leaving peer tries to pair its (at most max_degree) neighbours without clashes
+FORWARDED_DIALS = 8
+"""Messages a peer sends, in a burst, to entries only a forwarded message vouched for (a shuffle's origin at a
+walk's end, a join walk's newcomer, a seeker met on a walk): each may be a dial to addresses a stranger chose,
+and one forged message at the end of a walk aimed our dial anywhere. Refilled at FORWARDED_DIAL_S."""
+FORWARDED_DIAL_S = 5.0
+"""Seconds per token of FORWARDED_DIALS: 12 such messages a minute. An honest peer answers a shuffle about
+every `shuffle_interval` (30 s) and ends a few walks when peers join; past the bound, the rest are not sent,
+which the rules already survive (a shuffle unanswered, a walk that ends nowhere)."""
 
 
 # ---- actions ------------------------------------------------------------------------------------------
@@ -202,6 +212,16 @@ class Pending:
     move: str = ""  # the rewiring move it carries out ("speed", "mix"), if any
 
 
+def entry_prefix(entry: Entry) -> str:
+    """The network prefix an entry's first address lies in (IPv4 /24, IPv6 /48: `source_of`); a relayed address
+    counts by its relay's address, and an entry without a parseable address is a prefix of its own ID."""
+    for text in entry.addresses[:1]:
+        parsed = parse_address(text.split(RELAY_MARK, 1)[0])
+        if parsed is not None:
+            return source_of(parsed[0])[1]
+    return "id:" + entry.peer_id
+
+
 class Views:
     """One peer's active and passive views, and the rules that change them (see the module docstring)."""
 
@@ -233,6 +253,8 @@ class Views:
         self._next_contact = now + cfg.request_timeout  # when NeedContact may be said again
         self._contacts: dict[str, float] = {}  # contacts I asked to join through: until when their reply is taken
         self.moves: dict[str, int] = {}  # rewiring swaps I started that were accepted, by kind
+        self._forwarded = (float(FORWARDED_DIALS), now)  # tokens for sends a forwarded message vouched for, and when
+        self.forwarded_refused = 0  # such sends not made (the bound): counted for status and tests
 
     # ---- queries --------------------------------------------------------------------------------------
     @property
@@ -445,7 +467,7 @@ class Views:
         nxt = [p for p in self.active if p != sender and p != joiner.peer_id]
         if msg.ttl > 0 and nxt:
             self._send(self.active[self.rng.choice(nxt)].entry, JoinWalk(joiner, min(msg.ttl, self.cfg.walk_length) - 1))
-        elif joiner.peer_id not in self.active:
+        elif joiner.peer_id not in self.active and (joiner.peer_id == sender or self._vouched_send(now)):
             self._send(joiner, WalkEnd(self.me))
 
     def _on_WalkEnd(self, sender: str, msg: WalkEnd, now: float) -> None:
@@ -480,7 +502,8 @@ class Views:
             if until <= now or p == origin.peer_id:
                 continue
             del self.seekers[p]
-            self._send(e, Seek(origin, 0))
+            if self._vouched_send(now):
+                self._send(e, Seek(origin, 0))
             return
         self.seekers.pop(origin.peer_id, None)
         self.seekers[origin.peer_id] = (origin, now + 2 * self.cfg.seek_interval)
@@ -603,6 +626,8 @@ class Views:
             self._send(self.active[self.rng.choice(nxt)].entry,
                        Shuffle(origin, min(msg.ttl, self.cfg.walk_length) - 1, msg.entries, msg.degree))
             return
+        if origin.peer_id != sender and not self._vouched_send(now):
+            return  # the walk's origin is a forwarded message's word: no answer past the bound
         reply = self._sample(min(len(msg.entries) + 1, MAX_ENTRIES), exclude={origin.peer_id}, passive_first=True)
         self._send(origin, ShuffleReply(tuple(reply), self.degree))
         self._integrate((origin, *msg.entries), sent=reply)
@@ -860,11 +885,12 @@ class Views:
         if peer == self.me.peer_id or peer in self.active:
             return
         if peer not in self.passive and len(self.passive) >= self.cfg.passive_size:
-            del self.passive[self.rng.choice(list(self.passive))]
+            del self.passive[self._passive_victim(entry, [])]
         self.passive[peer] = entry
 
     def _integrate(self, entries, *, sent) -> None:
-        """Shuffled entries into the passive view; when full, those I just sent away go first (Cyclon)."""
+        """Shuffled entries into the passive view; when full, those I just sent away go first (Cyclon), unless
+        the newcomer's prefix holds the most already (`_passive_victim`)."""
         evict = [e.peer_id for e in sent]
         for e in entries:
             p = e.peer_id
@@ -873,9 +899,41 @@ class Views:
             if len(self.passive) >= self.cfg.passive_size:
                 while evict and evict[-1] not in self.passive:
                     evict.pop()
-                victim = evict.pop() if evict else self.rng.choice(list(self.passive))
+                victim = self._passive_victim(e, evict)
+                if evict and victim == evict[-1]:
+                    evict.pop()
                 del self.passive[victim]
             self.passive[p] = e
+
+    def _passive_victim(self, newcomer: Entry, preferred: list[str]) -> str:
+        """Which passive entry makes room for `newcomer` in a full view: one of its own prefix (IPv4 /24, IPv6
+        /48, `entry_prefix`) if that prefix holds the most entries already, else the last of `preferred` (a
+        shuffle's: what I just sent away), else a random one of the prefix holding the most. Why: keys are
+        free and one /24 holds 254 addresses; evicting at random, entries from two prefixes pushed out every
+        other (issue 40); now a flood only pushes out its own prefix's entries, and a LAN swarm, all in one
+        prefix, evicts at random as before."""
+        by_prefix: dict[str, list[str]] = {}
+        for p, e in self.passive.items():
+            by_prefix.setdefault(entry_prefix(e), []).append(p)
+        largest = max(len(ps) for ps in by_prefix.values())
+        own = by_prefix.get(entry_prefix(newcomer), [])
+        if own and len(own) >= largest:
+            return self.rng.choice(own)
+        if preferred:
+            return preferred[-1]
+        return self.rng.choice(self.rng.choice([ps for ps in by_prefix.values() if len(ps) == largest]))
+
+    def _vouched_send(self, now: float) -> bool:
+        """Take a token for a send to an entry only a forwarded message vouched for (FORWARDED_DIALS); False,
+        counted, when none is left."""
+        tokens, at = self._forwarded
+        tokens = min(float(FORWARDED_DIALS), tokens + max(0.0, now - at) / FORWARDED_DIAL_S)
+        if tokens < 1.0:
+            self._forwarded = (tokens, now)
+            self.forwarded_refused += 1
+            return False
+        self._forwarded = (tokens - 1.0, now)
+        return True
 
     def _sample(self, k: int, *, exclude: set[str], passive_first: bool = False) -> list[Entry]:
         passive = [e for p, e in self.passive.items() if p not in exclude]
