@@ -39,8 +39,10 @@ Hostile peers: every message is bounded by its schema (protocol/schema/views.py)
 `view_messages.check` refuses one whose entry is not its sender, before it is handled; what a peer can
 make a `Views` hold is bounded (views, leads, pending requests, backoffs, seekers); an unsolicited reply
 changes nothing; a split is granted at most once per `split_cooldown`. What a `Views` cannot stop on its
-own, the daemon must: a peer sending requests at a high rate (per-session rate limits), and a peer
-filling others' passive views with identities it controls (an eclipse: HyParView's weakness too).
+own, the daemon must: a peer sending requests at a high rate (per-session rate limits). Keys are free, so an
+eclipse (HyParView's weakness too) is bounded by what keys cannot make cheaply: an edge handed on or dropped
+above the target is the youngest (`_trim`), a full passive view evicts from the prefix holding the most
+(`_passive_victim`), and sends that only a forwarded message vouches for are rate-bounded (`_vouched_send`).
 """
 
 from __future__ import annotations
