@@ -10,17 +10,18 @@ an exchange of that group with partner p is
     ceiling   = max_update_ratio * ||x||            (none for a model of all zeros: see below)
     robust(p) = max(RADIUS_MARGIN * d_ref(p), RADIUS_FLOOR * ||x||)
     d_ref(p)  = over our *other* partners, each one's largest distance of the last PEAK_WINDOW_S (or its
-                latest, within RADIUS_MEMORY_S), each distance held at the radius we applied to it; those
-                whose latest exchange we clipped only if no other partner is left; the largest of those
-                once the farthest ceil(β n) of the n are set aside, one at least kept (β = [gossip]
-                byzantine_share, the share of partners assumed to lie)
+                latest, within RADIUS_MEMORY_S), each distance held at the radius we applied to it; the
+                largest of those once the farthest ceil(β n) of the n are set aside, one at least kept
+                (β = [gossip] byzantine_share, the share of partners assumed to lie)
 
-and none (inf) where there is nothing to judge by. Why held at the radius, clipped partners aside and ceil,
-not floor (issue 40): a partner's distance is a reference for every *other* partner, so two colluders each
-sitting 3.9 radii out (unstruck: under STRIKE_EXCESS) lent each other their distances, and floor(β n) set
-none aside at the default degree: in tests/test_averaging_radius.py's swarm the honest radii grew 230-500x,
-to the ceiling, in two rounds. Now 4.7-4.9x: what the colluders' clipped pushes still move the honest
-peers apart. This is the self-centred clipping of ClippedGossip (He,
+and none (inf) where there is nothing to judge by. Why held at the radius, and ceil, not floor (issue 40): a
+partner's distance is a reference for every *other* partner, so two colluders each sitting 3.9 radii out
+(unstruck: under STRIKE_EXCESS) lent each other their distances, and floor(β n) set none aside at the
+default degree: in tests/test_averaging_radius.py's swarm the honest radii grew 230-500x, to the ceiling,
+in two rounds. Now 9.5x: what the colluders' clipped pushes still move the honest peers apart. Held, not
+dropped: a laggard's honest partners are all clipped at first, and their held distances raise its radius
+towards theirs; leaving clipped partners aside locked it at its nearest partner's (and banned honest
+peers in tests/test_byzantine.py). This is the self-centred clipping of ClippedGossip (He,
 Karimireddy and Jaggi, 2022) with an adaptive radius in the manner of CS+-RG (Gaucher, Dieuleveut and
 Hendrikx): the far tail that may be Byzantine sets no radius. Why p's own distances are left out: a liar
 that stays far would otherwise set its own radius. Why per partner, not a window of exchanges: a peer that
@@ -107,12 +108,9 @@ class _Seen:
     at: float  # when (the caller's clock)
     peaks: deque = field(default_factory=deque)  # [bucket start, largest distance in it], oldest first
     run: _Run | None = None
-    clipped: bool = False  # its latest exchange was past the radius we applied: no reference for others now
 
-    def observe(self, distance: float, now: float, *, clipped: bool = False) -> None:
-        self.latest, self.at, self.clipped = distance, now, clipped
-        if clipped:  # kept out of the peaks too: a distance past the radius lends no one a larger one
-            return
+    def observe(self, distance: float, now: float) -> None:
+        self.latest, self.at = distance, now
         if self.peaks and now - self.peaks[-1][0] < PEAK_BUCKET_S:
             self.peaks[-1][1] = max(self.peaks[-1][1], distance)
         else:
@@ -149,10 +147,7 @@ class Radii:
         PEAK_WINDOW_S) once the farthest floor(β n) are set aside; None if none is known (distances of 0 say
         nothing: equal models)."""
         seen = self._seen.get(group, {})
-        known = [(s.clipped, d) for p, s in seen.items() if p != peer and (d := s.reference(now)) is not None and d > 0.0]
-        # partners whose latest exchange we had to clip lend no reference while others can (a liar sitting just
-        # inside the strike rule is clipped on every exchange); with none unclipped, theirs, held at the radius
-        others = sorted(d for clipped, d in known if not clipped) or sorted(d for _, d in known)
+        others = sorted(d for p, s in seen.items() if p != peer and (d := s.reference(now)) is not None and d > 0.0)
         if not others:
             return None
         return others[len(others) - 1 - min(len(others) - 1, math.ceil(self.byzantine_share * len(others)))]
@@ -172,10 +167,9 @@ class Radii:
             return "sent values whose distance from ours overflows"
         # what it becomes a reference for our other partners with: at most the radius applied to it, so a
         # partner far out (unstruck within STRIKE_EXCESS radii) lends no colluder a radius larger than its own
-        clipped = math.isfinite(radius.announced) and distance > radius.announced
         if rec is None:
             rec = _Seen(distance, now)
-        rec.observe(min(distance, radius.announced), now, clipped=clipped)
+        rec.observe(min(distance, radius.announced), now)
         seen[peer] = rec  # most recently touched last
         while len(seen) > MAX_PARTNERS:
             seen.popitem(last=False)
