@@ -274,6 +274,7 @@ class PipelineService:
             "server": {"served": self.server.stats.served, "refused": dict(self.server.stats.refused),
                        "failed": self.server.stats.failed, "handed_back": self.server.stats.handed_back,
                        "queue": self.server.stats.queue,
+                       "queue_remote": sum(self.server.per_peer.values()),  # of which other drivers' calls
                        "compute_s": round(self.server.stats.compute_s, 3), "last_error": self.server.stats.last_error,
                        "accumulated_samples": self.server.stats.accumulated_samples,
                        "accumulated_by_stage": {str(s): n for s, n in sorted(self.server.stats.accumulated_by_stage.items())},
