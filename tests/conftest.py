@@ -44,6 +44,7 @@ UNIT_MODULES = frozenset({
     "test_bench_gossip.py",
     "test_bench_nat.py",
     "test_bench_pipeline.py",
+    "test_bench_sybil.py",
     "test_bench_train.py",
     "test_byzantine_units.py",
     "test_checkpoints.py",

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from peer.averaging import radius as radius_mod
-from peer.averaging.bans import BAN_AFTER, BanList
-from peer.averaging.bounds import OPPOSED_MIN_ELEMENTS, clip_scale, opposed
+from peer.averaging.bans import BAN_AFTER
+from peer.averaging.bounds import OPPOSED_MIN_ELEMENTS, opposed
+from peer.testing.averaging_sim import Swarm, ratchet_run
 from peer.averaging.radius import (FAR_EXCESS, RADIUS_FLOOR, RADIUS_MARGIN, RADIUS_MEMORY_S, RUN_GRACE, RUN_GRACE_S, Radii,
                                    Radius)
 
@@ -155,64 +156,6 @@ def test_a_fresh_model_with_no_reference_gets_no_one_struck():
 
 # ---- simulated swarms --------------------------------------------------------------------------------
 
-class Swarm:
-    """n peers on a ring with chords (degree 4), AD-PSGD: a random peer takes a noisy step with its own data's
-    bias, then averages with a random neighbour by the real rule (pairwise weight 1/3). `lie(i, x_i)` gives
-    the values a lying peer answers peer i with."""
-
-    def __init__(self, n: int = 8, dim: int = 256, *, seed: int = 0, heterogeneity: float = 3.0,
-                 noise: float = 0.01, lie=None, liars: frozenset = frozenset()):
-        self.rng = np.random.default_rng(seed)
-        self.noise = noise  # a step's size: with these defaults the peers disagree by ~1/5 of the model's norm
-        self.n = n
-        self.x = np.tile(self.rng.standard_normal(dim), (n, 1))  # a trained model, shared start
-        self.bias = self.rng.standard_normal((n, dim)) * heterogeneity
-        self.nbrs = {i: sorted({(i + k) % n for k in (-2, -1, 1, 2)} - {i}) for i in range(n)}
-        self.radii = [Radii(max_ratio=8.0, byzantine_share=0.25) for _ in range(n)]
-        self.bans = [BanList() for _ in range(n)]
-        self.struck: dict[tuple[int, int], int] = {}  # (judge, peer) -> strikes
-        self.judged: list[tuple[int, int, bool]] = []  # (judge, peer, struck) of every exchange
-        self.clipped = self.exchanges = 0
-        self.lie, self.liars = lie, liars
-        self.t = 0.0
-
-    def step(self) -> tuple[int, int, float]:
-        self.t += 0.05
-        i = int(self.rng.integers(self.n))
-        if i not in self.liars:
-            self.x[i] += self.noise * (self.rng.standard_normal(self.x.shape[1]) + self.bias[i])
-        j = int(self.rng.choice(self.nbrs[i]))
-        if self.bans[i].banned(str(j), self.t) or self.bans[j].banned(str(i), self.t):
-            return i, j, 1.0
-        return i, j, self.exchange(i, j)
-
-    def values(self, i: int, partner: int) -> np.ndarray:
-        return self.lie(self.x[partner]) if i in self.liars else self.x[i]
-
-    def exchange(self, i: int, j: int) -> float:
-        a, b = self.values(i, j), self.values(j, i)
-        ra = self.radii[i].radius("g", str(j), float(np.linalg.norm(self.x[i])), self.t)
-        rb = self.radii[j].radius("g", str(i), float(np.linalg.norm(self.x[j])), self.t)
-        d = float(np.linalg.norm(b - a))
-        pointing_away = opposed(d * d, float(a @ b), a.shape[0])
-        s = clip_scale(d * d, ra.announced, rb.announced, dot=float(a @ b), elements=a.shape[0])
-        w = 1 / 3
-        self.x[i] += w * s * (b - a)
-        self.x[j] += w * s * (a - b)
-        self.exchanges += 1
-        self.clipped += s < 1.0
-        for me, other, r in ((i, j, ra), (j, i, rb)):
-            if me in self.liars:
-                continue
-            reason = self.radii[me].judge("g", str(other), distance=d, radius=r, moved=w * s, now=self.t,
-                                          opposed=pointing_away)
-            self.judged.append((me, other, bool(reason)))
-            if reason:
-                self.struck[(me, other)] = self.struck.get((me, other), 0) + 1
-                self.bans[me].strike(str(other), reason, self.t)
-        return s
-
-
 @pytest.mark.parametrize("heterogeneity", [0.0, 3.0, 10.0])
 def test_an_honest_swarm_strikes_no_one_and_is_rarely_clipped(heterogeneity):
     sw = Swarm(heterogeneity=heterogeneity, seed=int(heterogeneity))
@@ -293,49 +236,6 @@ def test_a_fresh_model_of_zeros_in_a_swarm_that_started_from_zeros_is_pulled_in_
     assert sw.struck == {}, sw.struck
 
 
-def _ratchet_run(colluders: bool, seed: int) -> tuple[float, float, dict]:
-    """The largest radius honest peers announce to honest partners, and to peers 0 and 1, over 4000 steps of a
-    swarm whose peers' steps also pull their models back to a minimum (what training does: the bare simulation
-    has no loss), with peers 0 and 1 colluding or honest. Colluding, each answers its partner with the
-    partner's own model moved 3.9 of the partner's radii along one fixed direction: never struck (within
-    STRIKE_EXCESS radii), and its distance became a reference for every other partner of that peer."""
-    sw = Swarm(seed=seed, noise=0.001)
-    minimum = sw.x[0].copy()
-    liars = {0, 1}
-    step = sw.step
-
-    def pulled_step():
-        got = step()
-        for k in range(sw.n):
-            if k not in sw.liars:
-                sw.x[k] -= 0.01 * (sw.x[k] - minimum) / sw.n
-        return got
-    sw.step = pulled_step
-    for _ in range(500):
-        sw.step()
-    u = sw.rng.standard_normal(sw.x.shape[1])
-    u /= np.linalg.norm(u)
-    if colluders:
-        def lie(i: int, partner: int) -> np.ndarray:
-            r = sw.radii[partner].radius("g", str(i), float(np.linalg.norm(sw.x[partner])), sw.t).announced
-            return sw.x[partner] + 3.9 * (r if math.isfinite(r) else 0.0) * u
-        sw.values = lambda i, partner: lie(i, partner) if i in sw.liars else sw.x[i]
-        sw.liars = frozenset(liars)
-    honest = to_liars = 0.0
-    for k in range(4000):
-        sw.step()
-        if k % 20:
-            continue
-        for v in set(range(sw.n)) - liars:
-            for p in sw.nbrs[v]:
-                r = sw.radii[v].radius("g", str(p), float(np.linalg.norm(sw.x[v])), sw.t).announced
-                if p in liars:
-                    to_liars = max(to_liars, r)
-                else:
-                    honest = max(honest, r)
-    return honest, to_liars, sw.struck
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_two_colluders_cannot_ratchet_the_radius_to_the_ceiling(seed):
     """Issue 40's ratchet: before, each colluder's distance (3.9 radii, unstruck) was a reference for the other,
@@ -343,7 +243,7 @@ def test_two_colluders_cannot_ratchet_the_radius_to_the_ceiling(seed):
     partner's distance lends others at most the radius applied to it, and ceil sets one aside: 9.5x (docs/design.md,
     "Robust averaging"; the issue's goal is 2: the push the colluders may still make moves the honest peers apart,
     which the radius then follows)."""
-    base_honest, base_to_liars, _ = _ratchet_run(False, seed)
-    honest, to_liars, struck = _ratchet_run(True, seed)
+    base_honest, base_to_liars, _ = ratchet_run(False, seed)
+    honest, to_liars, struck = ratchet_run(True, seed)
     assert honest / base_honest < 16.0 and to_liars / base_to_liars < 16.0, (honest / base_honest, to_liars / base_to_liars)
     assert not [k for k in struck if k[1] not in (0, 1)], struck  # no honest peer struck

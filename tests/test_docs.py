@@ -65,6 +65,7 @@ DAEMON_COMMANDS = {
     "bench nat": "tests/test_bench_nat.py::test_bench_nat_small_run_reports_every_figure",
     "bench attach": "tests/test_bench_attach.py::test_bench_attach_smoke_reports_every_figure",
     "bench scale": "tests/test_scale_sim.py::test_bench_scale_small_run_reports_every_figure",
+    "bench sybil": "tests/test_bench_sybil.py::test_bench_sybil_reports_every_figure_and_goal",
 }
 NEEDS_A_DAEMON = {"start", "stop", "status", "local", "export", "bench"}
 # The quick start's demos start daemons too: each `./dev demo ...` line names the test that runs what it runs.

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from peer.bench.scale_sim import SimConfig, Simulator
 from peer.membership.view_messages import BadMessage, check, wire_size
 from peer.membership.views import MAX_SEEKERS, EdgeDown, EdgeUp, NeedContact, Send, ViewConfig, Views
+from peer.testing.views_attacks import forged_walk_ends, passive_flood, urgent_short_eclipse
 from peer.topology.local_gap import GapConfig
 from peer.topology.local_rewire import LocalRewireConfig
 from protocol.errors import ProtocolError
@@ -238,37 +239,15 @@ def test_keys_that_ask_urgently_and_say_they_are_short_take_no_honest_edge():
     it is short. Any edge could be handed to a short neighbour, so each such key took one of the victim's honest
     edges: all four were gone within a minute. The edge handed over or dropped is now the youngest: the keys
     only hand each other on, and every honest edge stays."""
-    me = entry(0)
-    v = Views(me, QUIET, random.Random(0))
-    honest = [entry(i) for i in range(1, 5)]
-    for h in honest:
-        v.handle(h.peer_id, NeighbourRequest(h, 3, False), 0.0)
-        v.handle(h.peer_id, Status(4, (me,), None), 0.0)
-    keys = [Entry(f"sybil{k:015d}", (f"203.0.113.{k % 2 + 1}:7100",)) for k in range(16)]
-    for t in range(1, 601):
-        key = keys[t % len(keys)]
-        v.handle(key.peer_id, NeighbourRequest(key, 0, True), float(t))
-        for p in [p for p in v.active if p.startswith("sybil")]:
-            v.handle(p, Status(1, (me,), None), float(t))
-        v.tick(float(t))
-        assert all(h.peer_id in v.active for h in honest), t
-        assert_bounded(v)
+    got = urgent_short_eclipse(seconds=600, keys=16, prefixes=2)
+    assert got["honest_edges_left"] == got["honest_edges_at_start"] and got["honest_active_fraction_min"] >= 0.8, got
 
 
 def test_keys_from_two_prefixes_push_out_only_their_own_passive_entries():
     """A full passive view of honest entries from 30 prefixes; 400 entries of fresh keys from 2 /24s arrive by
-    shuffles and joins. Evicting at random, they held nearly every place; now only what their prefixes held."""
-    v = Views(entry(0), CFG, random.Random(0))
-    for i in range(1, CFG.passive_size + 1):
-        v.learn(Entry(f"honest{i:014d}", (f"198.51.{i}.7:7100",)))
-    keys = [Entry(f"sybil{k:015d}", (f"203.0.113.{k % 200 + 1}:7100" if k % 2 else f"192.0.2.{k % 200 + 1}:7100",))
-            for k in range(400)]
-    for t in range(0, 400, 8):
-        v._integrate(keys[t:t + 4], sent=())  # a shuffle's entries, nothing of mine sent
-        for k in keys[t + 4:t + 8]:
-            v.handle(k.peer_id, Join(k), float(t))  # a join puts the newcomer in the passive view
-    sybils = [p for p in v.passive if p.startswith("sybil")]
-    assert len(v.passive) == CFG.passive_size and len(sybils) <= 4, sybils
+    shuffles and joins. Evicting at random, they held every place; now only what their prefixes held."""
+    got = passive_flood(entries=400, prefixes=2)
+    assert got["passive_size"] == CFG.passive_size and got["attacker_passive_entries"] <= 4, got
 
 
 def test_sends_that_only_a_forwarded_message_vouches_for_are_bounded():
@@ -276,20 +255,17 @@ def test_sends_that_only_a_forwarded_message_vouches_for_are_bounded():
     addresses a stranger chose. A burst of FORWARDED_DIALS, then one per FORWARDED_DIAL_S."""
     from peer.membership.views import FORWARDED_DIAL_S, FORWARDED_DIALS
 
+    got = forged_walk_ends(messages=100, seconds=0.5)
+    assert got["answers_sent"] == FORWARDED_DIALS and got["held_back"] == 200 - FORWARDED_DIALS, got
     v = Views(entry(0), CFG, random.Random(0))
     forger = entry(1)
-    sent = []
-    for i in range(100):  # forged walks' ends, all within one second: each names another "origin"
-        origin = Entry(f"victim{i:014d}", (f"192.0.2.{i + 1}:22",))
-        out = v.handle(forger.peer_id, Shuffle(origin, 0, (), 4), 0.5) + v.handle(
-            forger.peer_id, JoinWalk(origin, 0), 0.5)
-        sent += [a.to.peer_id for a in out if isinstance(a, Send) and a.to.peer_id.startswith("victim")]
-    assert len(sent) == FORWARDED_DIALS and v.forwarded_refused == 200 - FORWARDED_DIALS
+    for i in range(FORWARDED_DIALS):
+        v.handle(forger.peer_id, JoinWalk(Entry(f"victim{i:014d}", ("192.0.2.1:22",)), 0), 0.0)
     later = v.handle(forger.peer_id, Shuffle(Entry("victim" + "9" * 14, ("192.0.2.9:22",)), 0, (), 4),
-                     0.5 + FORWARDED_DIAL_S)
-    assert any(isinstance(a, Send) for a in later)
+                     FORWARDED_DIAL_S)
+    assert any(isinstance(a, Send) for a in later)  # a token back after FORWARDED_DIAL_S
     # its own shuffle, first hop: the sender vouches for itself, no token taken
-    own = v.handle(forger.peer_id, Shuffle(forger, 0, (), 4), 0.6 + FORWARDED_DIAL_S)
+    own = v.handle(forger.peer_id, Shuffle(forger, 0, (), 4), FORWARDED_DIAL_S)
     assert any(isinstance(a, Send) and a.to == forger for a in own)
 
 

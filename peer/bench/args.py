@@ -409,6 +409,12 @@ def scale_arguments(p: Parser) -> None:
                    help="with --real: keep daemon homes and logs under DIR (default: a temp dir, removed)")
 
 
+def sybil_arguments(p: Parser) -> None:
+    p.add_argument("--seeds", type=int, default=3,
+                   help="seeds per simulated attack whose outcome varies (the radius ratchet, the colluding "
+                        "servers; default 3)")
+
+
 @dataclass(frozen=True)
 class Bench:
     """One `peer bench` command: the module whose `run(args) -> int` it calls, and how it is described."""
@@ -459,6 +465,10 @@ BENCHES = {
                    "simulated swarm of N peers running the partial-view and local rewiring rules: state and "
                    "control bytes per peer, connectivity after half fail, gap vs random regular, join time",
                    scale_arguments),
+    "sybil": Bench("peer.bench.sybil",
+                   "colluders and many cheap keys against the real rules, simulated in-process: a radius ratchet, "
+                   "an eclipse of partial views, stage servers that lie alike, a ban-list flush",
+                   sybil_arguments),
     "nat": Bench("peer.bench.nat",
                  "daemons behind NATs (internet lab): how each pair connects, seconds to it, throughput direct vs "
                  "punched vs relayed", nat_arguments),
