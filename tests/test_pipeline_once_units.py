@@ -17,6 +17,7 @@ from peer.config import PipelineSection
 from peer.pipeline.driver import NO_LOSS, Driver, _CallFailed
 from peer.pipeline.kept import KeptGradients
 from peer.pipeline.server import LOCAL_DRIVER, ServedStage, StageServer
+from peer.testing.verify_sim import PeerSession
 from peertrain.pipeline import Microbatch, PipelineKey, StagePeer
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS
@@ -266,18 +267,6 @@ def test_unacknowledged_gradients_expire_and_a_stage_switch_or_new_state_drops_t
 
 
 # ---- the driver's acks ---------------------------------------------------------------------------------------
-
-class PeerSession:
-    """A peer's stage server reached in-process: the driver's acks go to its `acknowledge`."""
-
-    def __init__(self, server: StageServer):
-        self.server = server
-
-    async def request(self, message, *, timeout):
-        assert isinstance(message, StageAck)
-        got = await self.server.acknowledge(LOCAL_DRIVER, message.kept, accumulate=message.accumulate)
-        return Envelope(StageAckReply(accumulated=got, moved=self.server.kept.moved(LOCAL_DRIVER, message.kept)), 0, 1)
-
 
 DRIVER_CFG = PipelineSection(max_retries=2, verify_fraction=0.0)
 

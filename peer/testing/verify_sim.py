@@ -67,6 +67,8 @@ class Stage:
 
 
 class PeerSession:
+    """A peer's stage server reached in-process: the driver's acks go to its `acknowledge`."""
+
     def __init__(self, server: StageServer):
         self.server = server
 
