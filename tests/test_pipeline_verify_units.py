@@ -265,6 +265,14 @@ def test_a_check_asks_us_where_we_serve_the_stage_else_a_peer_drawn_at_random():
     driver._call_once = call_once
     trio.run(lambda: driver._ask(mb, 1, "forward", [], exclude={"a"}))
     assert asked == ["me"]
+    # a peer that stalled a call (the balancer avoids it for a while) is not drawn: it would hold the check slot
+    driver, _ = pipeline({0: [("s0", 1.0)], 1: [("a", 1.0), ("b", 1.0), ("c", 1.0)], 2: [("s2", 1.0)]})
+    driver.balancers[1].done("c", BATCH, 30.0, 0.0, failure="no answer within its deadline")
+    asked.clear()
+    driver._call_once = call_once
+    for _ in range(20):  # the mock clock starts at 0: c is avoided for first_ban seconds from there
+        trio.run(lambda: driver._ask(mb, 1, "forward", [], exclude={"a"}), clock=trio.testing.MockClock())
+    assert set(asked) == {"b"}, asked
     labels = {driver._label() for _ in range(100)}  # the calls' wire ids: fresh each call, nothing to match
     assert len(labels) == 100 and all(0 <= x < 2 ** 31 for x in labels)
 

@@ -372,12 +372,15 @@ class Driver:
     async def _ask(self, mb: Microbatch, stage: int, kind: str, tensors: list[Any],
                    exclude: set[str]) -> Answer | None:
         """A check's call: the same call, once, to another peer of `stage` outside `exclude`: ourselves where we
-        serve the stage (our own compute is the one answer no colluders control), else one drawn at random (the
-        balancer's choice favours new and fast peers: a liar announcing speed would check itself). None if there
-        is none, or the call fails: no verdict; the balancer counts the failure as any."""
+        serve the stage (our own compute is the one answer no colluders control), else one drawn at random among
+        those the balancer does not avoid (its choice favours new and fast peers: a liar announcing speed would
+        check itself). None if there is none, or the call fails: no verdict; the balancer counts the failure as
+        any, so a peer that stalls a check is not drawn again while it is avoided."""
         balancer = self.balancers[stage]
         now = trio.current_time()
-        peers = [p for p in self._peers(stage, now) if p.peer_id not in exclude]
+        # not one the balancer avoids (it failed or stalled a call lately, a check's too): a peer that stalls
+        # checks would otherwise hold the driver's one check slot to each deadline, drawn again and again
+        peers = [p for p in self._peers(stage, now) if p.peer_id not in exclude and balancer.avoided(p.peer_id, now) is None]
         if not peers:
             return None
         peer = next((p for p in peers if p.peer_id == self.service.me), None) or self.verifier.rng.choice(peers)
