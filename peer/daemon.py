@@ -90,7 +90,7 @@ class Daemon:
         # the home first, then its key: a second daemon on this home is refused before it touches the key
         # (held for the life of this process; `claim` is the one `peer start` took before logging)
         self.claim = claim or home.claim()
-        self.identity = home.load_or_create_identity()
+        self.identity = home.load_or_create_identity(config.membership.identity_bits)
         self.peer_id = ident.peer_id_from_public_bytes(ident.public_key_bytes(self.identity))
         self.psk = read_swarm_key(config)
         self.ciphers = resolve_ciphers(config.security.ciphers)
@@ -117,7 +117,8 @@ class Daemon:
         listeners, self.listen_addr = await open_listeners(host, port)
         transport = TransportConfig(
             identity=self.identity, swarm=cfg.daemon.swarm, psk=self.psk, ciphers=self.ciphers,
-            allowed_peer_ids=frozenset(cfg.security.allow_peers) or None, limits=wire_limits(cfg),
+            allowed_peer_ids=frozenset(cfg.security.allow_peers) or None, identity_bits=cfg.membership.identity_bits,
+            limits=wire_limits(cfg),
             handshake_timeout=cfg.membership.handshake_timeout,
             app_payload={"port": self.listen_addr[1], "ver": __version__},
             chunk_bytes=cfg.gossip.chunk_kib * KiB)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import stat
 import tempfile
@@ -23,6 +24,8 @@ from typing import Any, BinaryIO
 
 from peertrain.swarm import LATEST_CHECKPOINT
 from protocol import identity as ident
+
+log = logging.getLogger("peertrain.daemon")
 
 
 class HomeError(Exception):
@@ -212,14 +215,26 @@ class Home:
             os.chmod(path, 0o600)
         return key
 
-    def load_or_create_identity(self):
-        """The Ed25519 identity key: created once (mode 0600), then the same peer ID forever. Creation is
-        exclusive: if another process creates it first, its key is the one returned."""
+    def load_or_create_identity(self, bits: int = 0):
+        """The Ed25519 identity key: created once (mode 0600), then the same peer ID forever; a new one carries
+        `bits` of work (`[membership] identity_bits`); an existing one with less is refused, with the fix.
+        Creation is exclusive: if another process creates it first, its key is the one returned."""
         self.ensure()
         key = self._read_identity()
-        if key is not None:
-            return key
-        key = ident.generate_identity()
+        if key is None:
+            key = self._create_identity(bits)
+        work = ident.identity_work(ident.public_key_bytes(key))
+        if work < bits:
+            raise HomeError(f"identity key {self.identity_file} carries {work} bits of work and this swarm asks "
+                            f"[membership] identity_bits = {bits}: its peers would refuse it. Move the key away "
+                            f"(a new peer ID) and start again: a key with {bits} bits is made")
+        return key
+
+    def _create_identity(self, bits: int):
+        if bits:
+            log.info("making an identity key with %d bits of work ([membership] identity_bits): about 2^%d "
+                     "keys drawn, once", bits, bits)
+        key = ident.generate_identity(bits)
         if create_exclusive(self.identity_file, ident.private_key_to_bytes(key), mode=0o600):
             return key
         return self._read_identity()

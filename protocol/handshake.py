@@ -38,7 +38,8 @@ from . import PROTOCOL_VERSION
 from .cipher import CIPHERS, DEFAULT_REKEY_INTERVAL, CipherState
 from .errors import HandshakeError, ProtocolError
 from .frames import LengthPrefixedReader, encode_length_prefixed
-from .identity import KEY_SIZE, SIGNATURE_SIZE, peer_id_from_public_bytes, public_key_bytes, sign, verify
+from .identity import (KEY_SIZE, MAX_IDENTITY_BITS, SIGNATURE_SIZE, identity_work, peer_id_from_public_bytes,
+                       public_key_bytes, sign, verify)
 from .noise import AUTHENTICATION_FAILED, TAG_LEN, NoiseXXState
 
 __all__ = [
@@ -140,6 +141,7 @@ class Handshake:
         allowed_peer_ids: frozenset[str] | None = None,
         rekey_interval: int = DEFAULT_REKEY_INTERVAL,
         static_key: X25519PrivateKey | None = None,
+        min_identity_bits: int = 0,
     ) -> None:
         ciphers = tuple(ciphers)
         if not ciphers:
@@ -153,11 +155,14 @@ class Handshake:
             raise ValueError("app_payload must be a dict")
         if rekey_interval < 1:
             raise ValueError("rekey_interval must be at least 1")
+        if not 0 <= min_identity_bits <= MAX_IDENTITY_BITS:
+            raise ValueError(f"min_identity_bits must be in [0, {MAX_IDENTITY_BITS}], got {min_identity_bits}")
 
         self.initiator: Final = initiator
         self._ciphers = ciphers
         self._expected = expected_peer_id
         self._allowed = allowed_peer_ids
+        self._min_bits = min_identity_bits  # work a remote's identity key must carry (identity_work)
         self._rekey_interval = rekey_interval
         static = static_key if static_key is not None else X25519PrivateKey.generate()
         self._noise = NoiseXXState(
@@ -311,6 +316,9 @@ class Handshake:
             raise HandshakeError(f"expected peer {self._expected} but remote proved identity {peer_id}")
         if self._allowed is not None and peer_id not in self._allowed:
             raise HandshakeError(f"peer {peer_id} is not on this swarm's allow-list")
+        if self._min_bits and (work := identity_work(public)) < self._min_bits:
+            raise HandshakeError(f"peer {peer_id}'s identity key carries {work} bits of work; this swarm asks "
+                                 f"{self._min_bits} ([membership] identity_bits)")
         app = body.get("app", {})
         if not isinstance(app, dict):
             raise HandshakeError("remote app payload is not a map")

@@ -139,3 +139,29 @@ def test_address_merging_is_linear_and_bounded():
     info.add_addresses(("10.0.0.1", i) for i in range(1, 90_001))
     assert time.perf_counter() - t0 < 0.5 and len(info.addresses) == MAX_ADDRESSES
     assert not info.add_addresses([info.addresses[0]])
+
+
+def test_a_swarm_asking_work_of_keys_refuses_a_free_one_and_takes_a_worked_one(cluster, tmp_path):
+    """`[membership] identity_bits` (issue 40): the daemon makes its own key with the work, refuses a fresh
+    key without it at the handshake, and takes a key made with it."""
+    from peer.home import Home
+
+    bits = 12  # ~4,000 keys drawn: a fraction of a second
+    cfg = swarm_config(swarm=unique_swarm(), mdns=False).replace(membership={"identity_bits": bits})
+    d = cluster.start("victim", config=write_config(tmp_path / "c.toml", cfg))
+    status = d.wait_ready()
+    own = Home(d.home).load_or_create_identity()
+    assert ident.identity_work(ident.public_key_bytes(own)) >= bits
+    free = next(k for k in iter(ident.generate_identity, None) if ident.identity_work(ident.public_key_bytes(k)) < bits)
+
+    async def attack() -> None:
+        # the responder checks the initiator's key in the handshake's last message: our side has sent it and
+        # holds a session, which the daemon closes at once, saying why in its log
+        async with attacker_session(status, identity=free) as s:
+            with trio.fail_after(20):
+                await s.closed.wait()
+        async with attacker_session(status, identity=ident.generate_identity(bits)) as s:
+            await s.request(Ping(sent=1.0), timeout=10)
+    trio.run(attack)
+    wait_for(lambda: f"this swarm asks {bits} ([membership] identity_bits)" in d.log_path.read_text(), timeout=10,
+             what="the refusal in the daemon's log")

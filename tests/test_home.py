@@ -115,3 +115,16 @@ def test_two_daemons_started_at_once_on_a_fresh_home(tmp_path) -> None:
     finally:
         for d in ds:
             d.kill()
+
+
+def test_a_swarm_asking_work_of_keys_makes_a_new_key_so_and_refuses_a_weaker_one_with_the_fix(tmp_path) -> None:
+    home = Home(tmp_path / "h")
+    key = home.load_or_create_identity(8)  # [membership] identity_bits = 8: ~256 keys drawn
+    assert ident.identity_work(ident.public_key_bytes(key)) >= 8
+    weak = Home(tmp_path / "weak")
+    old = next(k for k in iter(ident.generate_identity, None) if ident.identity_work(ident.public_key_bytes(k)) < 8)
+    weak.ensure()
+    create_exclusive(weak.identity_file, ident.private_key_to_bytes(old), mode=0o600)
+    with pytest.raises(HomeError, match=r"bits of work and this swarm asks \[membership\] identity_bits = 8.*Move the key away"):
+        weak.load_or_create_identity(8)
+    assert ident.peer_id_of(weak.load_or_create_identity(0)) == ident.peer_id_of(old)  # kept, untouched

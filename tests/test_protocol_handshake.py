@@ -190,6 +190,29 @@ def test_allow_list_refusal_by_initiator_and_acceptance() -> None:
     assert init.complete and resp.complete
 
 
+def test_a_swarm_that_asks_work_of_keys_refuses_a_key_without_it() -> None:
+    """`[membership] identity_bits` (issue 40: keys are free): a remote key must carry that many leading zero
+    bits of work, checked at the handshake by both ends; a key made with them passes."""
+    from protocol.identity import MAX_IDENTITY_BITS, identity_work
+
+    weak = next(k for k in iter(generate_identity, None) if identity_work(public_key_bytes(k)) < 10)
+    strong = generate_identity(10)
+    assert identity_work(public_key_bytes(strong)) >= 10
+    resp = make(False, identity=strong, min_identity_bits=10)
+    with pytest.raises(HandshakeError) as info:
+        exchange(make(True, identity=weak), resp)
+    assert str(info.value) == (f"peer {peer_id_of(weak)}'s identity key carries {identity_work(public_key_bytes(weak))} "
+                               "bits of work; this swarm asks 10 ([membership] identity_bits)")
+    init, resp = make(True, identity=generate_identity(10), min_identity_bits=10), make(False, identity=strong,
+                                                                                      min_identity_bits=10)
+    exchange(init, resp)
+    assert init.complete and resp.complete
+    with pytest.raises(ValueError, match="min_identity_bits"):
+        make(True, min_identity_bits=MAX_IDENTITY_BITS + 1)
+    with pytest.raises(ValueError, match="identity bits"):
+        generate_identity(-1)
+
+
 def test_no_common_cipher() -> None:
     resp = make(False, ciphers=["aes-256-gcm"])
     with pytest.raises(HandshakeError, match="no cipher in common"):

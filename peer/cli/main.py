@@ -40,7 +40,11 @@ def cmd_start(args) -> int:
     cfg = effective_config(args)
     home = Home(home_of(args)).ensure()
     claim = home.claim()  # before the identity key: a second daemon on this home stops here
-    key = home.load_or_create_identity()
+    bits = cfg.membership.identity_bits
+    if bits and not home.identity_file.exists():
+        print(f"making this home's identity key with {bits} bits of work ([membership] identity_bits): about "
+              f"2^{bits} keys drawn, once", file=sys.stderr, flush=True)
+    key = home.load_or_create_identity(bits)
     peer_id = ident.peer_id_from_public_bytes(ident.public_key_bytes(key))
     setup_logging(fmt=cfg.daemon.log_format, level=cfg.daemon.log_level, peer=ident.short_id(peer_id))
     daemon = Daemon(cfg, home, claim=claim)
@@ -114,7 +118,7 @@ def cmd_id(args) -> int:
     from peer.home import Home
     from protocol import identity as ident
 
-    key = Home(home_of(args)).ensure().load_or_create_identity()
+    key = Home(home_of(args)).ensure().load_or_create_identity(args.identity_bits)
     print(ident.peer_id_from_public_bytes(ident.public_key_bytes(key)))
     return 0
 
@@ -175,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("id", help="print this home's peer ID (creating the identity key if needed)")
     add_home(p)
+    p.add_argument("--identity-bits", type=int, default=0, metavar="N",
+                   help="the work the key must carry, as a swarm's [membership] identity_bits asks: a new key is "
+                        "made so (about 2^N tries), an older weaker one refused (default 0)")
     p.set_defaults(fn=cmd_id)
 
     p = sub.add_parser("config", help="show the effective config, or the reference of every key")

@@ -57,6 +57,10 @@ class MembershipSection:
                             lo=_TICK, hi=_DAY, unit="s")
     handshake_timeout: float = _f(5.0, "Seconds a handshake may take before the connection is dropped (slowloris guard).",
                                    lo=0.1, hi=120.0, unit="s")
+    identity_bits: int = _f(0, "Work every identity key must carry (leading zero bits of a hash of it), checked "
+                            "at the handshake: keys then cost about 2^bits tries to make (20: ~1 min of a core "
+                            "once per peer, 12 h for a thousand Sybil keys). A new home's key is made so; an "
+                            "older, weaker key is refused at start, with the fix. 0: off.", lo=0, hi=32)
     max_connections: int = _f(64, "Most sessions this daemon keeps open at once.", lo=1, hi=65536)
     max_connections_per_ip: int = _f(16, "Most sessions from one remote IP address.", lo=1, hi=65536)
     reconnect_min: float = _f(0.5, "First reconnect delay in seconds; doubles with jitter on each failure.",

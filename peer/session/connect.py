@@ -69,7 +69,8 @@ def _handshake_for(cfg: TransportConfig, *, initiator: bool, expected_peer_id: s
         payload["dialed"] = dialed
     return Handshake(
         initiator=initiator, identity=cfg.identity, swarm=cfg.swarm, psk=cfg.psk, ciphers=cfg.ciphers,
-        app_payload=payload, expected_peer_id=expected_peer_id, allowed_peer_ids=cfg.allowed_peer_ids)
+        app_payload=payload, expected_peer_id=expected_peer_id, allowed_peer_ids=cfg.allowed_peer_ids,
+        min_identity_bits=cfg.identity_bits)
 
 
 async def handshake_stream(stream: trio.SocketStream, cfg: TransportConfig, *, initiator: bool,

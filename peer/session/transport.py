@@ -66,6 +66,7 @@ class TransportConfig:
     psk: bytes | None = None
     ciphers: tuple[str, ...] = CIPHERS
     allowed_peer_ids: frozenset[str] | None = None
+    identity_bits: int = 0  # work each remote's identity key must carry ([membership] identity_bits)
     limits: WireLimits = field(default_factory=WireLimits)
     handshake_timeout: float = 5.0
     app_payload: dict = field(default_factory=dict)

@@ -23,8 +23,10 @@ DIAL_TIMEOUT = 10.0  # a daemon on a loaded 2-core machine completes a handshake
 
 
 def attacker_config(swarm: str, **kw) -> TransportConfig:
-    """A TransportConfig for a throwaway identity in `swarm` (pass psk=..., limits=..., app_payload=...)."""
-    return TransportConfig(identity=ident.generate_identity(), swarm=swarm, **kw)
+    """A TransportConfig for a throwaway identity in `swarm` (pass psk=..., limits=..., app_payload=..., or an
+    identity=... of its own)."""
+    kw.setdefault("identity", ident.generate_identity())
+    return TransportConfig(swarm=swarm, **kw)
 
 
 @asynccontextmanager
