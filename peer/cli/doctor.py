@@ -212,7 +212,8 @@ def probe_all(cfg: Config, psk: bytes | None, timeout: float) -> list[Probe]:
     from protocol.cipher import CIPHERS
 
     configured = cfg.security.ciphers
-    transport = TransportConfig(identity=ident.generate_identity(), swarm=cfg.daemon.swarm, psk=psk,
+    # a throwaway identity (the home's may be a running daemon's), with the work the swarm's peers ask of keys
+    transport = TransportConfig(identity=ident.generate_identity(cfg.membership.identity_bits), swarm=cfg.daemon.swarm, psk=psk,
                                 ciphers=CIPHERS if "auto" in configured else tuple(dict.fromkeys(configured)),
                                 app_payload={"probe": True}, handshake_timeout=timeout)
     addresses = list(dict.fromkeys(cfg.daemon.join))
