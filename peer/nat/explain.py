@@ -126,6 +126,10 @@ def _explain_handshake(msg: str, where: str) -> DialProblem:
         return DialProblem(f"{where} is peer {peer}, which is not on the allow-list ([security] allow_peers)",
                            f"if it belongs in the swarm, add {peer} to [security] allow_peers on the side "
                            "that refuses (each side checks the other against its own list)")
+    if "bits of work; this swarm asks" in msg:
+        return DialProblem(f"{where} refused a key without enough work: {msg}",
+                           "the same [membership] identity_bits on every peer of the swarm; a peer whose key was "
+                           "made before it was set needs a new key (move its identity key away: a new peer ID)")
     if msg.startswith("expected peer"):
         words = msg.split()
         expected, actual = words[2], words[-1]
