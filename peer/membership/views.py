@@ -488,10 +488,12 @@ class Views:
                 self.backoff.pop(origin.peer_id, None)
                 self._repair(now)
                 return
-            spare = [p for p in slower_half(self._facts(), self.cfg.rewire) if p != sender]
+            spare = list(self.active)  # the sender too: it loses our edge and gains one to the seeker
             if self.degree > self.cfg.target_degree and not self.pending and spare:
-                # an edge to spare: hand one neighbour over to the seeker (both of us end at the target)
-                n = self.active.pop(self.rng.choice(spare))
+                # an edge to spare: hand one neighbour over to the seeker (both of us end at the target); the
+                # youngest, as `_trim` does: a seek's origin is a forwarded word, and a key that put us over the
+                # target with an urgent request and then sent a seek would otherwise have an honest edge handed off
+                n = self.active.pop(self._youngest(spare))
                 self._out.append(EdgeDown(n.entry.peer_id, "handed over to a peer one edge short"))
                 self._mark_status(now)
                 self._send(n.entry, Disconnect(origin))

@@ -8,7 +8,7 @@ import random
 
 from peer.membership.views import Send, ViewConfig, Views
 from peer.topology.local_rewire import LocalRewireConfig
-from protocol.schema.views import Entry, Join, JoinWalk, NeighbourRequest, Shuffle, Status
+from protocol.schema.views import Entry, Join, JoinWalk, NeighbourRequest, Seek, Shuffle, Status
 
 QUIET = ViewConfig(rewire=LocalRewireConfig(interval=1e6))  # no rewiring moves: what the attack does, alone
 ATTACKER_PREFIXES = ("203.0.113", "192.0.2")  # documentation /24s: the attackers' addresses
@@ -27,9 +27,10 @@ def key_entry(k: int, prefixes: int = 2) -> Entry:
 def urgent_short_eclipse(*, seconds: int = 600, keys: int = 16, prefixes: int = 2, seed: int = 0,
                          cfg: ViewConfig = QUIET) -> dict:
     """A victim at its target degree of honest neighbours; each second one of `keys` fresh keys asks it for an
-    edge as urgent (below min_degree: taken above the target) and every key that is a neighbour says in its
-    Status that it is short (one edge), for `seconds`. Returns the smallest share of honest neighbours seen,
-    and the honest edges left at the end."""
+    edge as urgent (below min_degree: taken above the target), sends it a seek walk's end naming another key
+    (a peer one edge short: one above the target hands it a neighbour), and every key that is a neighbour says
+    in its Status that it is short (one edge), for `seconds`. Returns the smallest share of honest neighbours
+    seen, and the honest edges left at the end."""
     me = Entry("victim" + "0" * 14, ("198.51.100.1:7100",))
     v = Views(me, cfg, random.Random(seed))
     honest = [honest_entry(i) for i in range(1, cfg.target_degree + 1)]
@@ -42,6 +43,7 @@ def urgent_short_eclipse(*, seconds: int = 600, keys: int = 16, prefixes: int = 
     for t in range(1, seconds + 1):
         key = attackers[t % len(attackers)]
         v.handle(key.peer_id, NeighbourRequest(key, 0, True), float(t))
+        v.handle(key.peer_id, Seek(attackers[(t + 1) % len(attackers)], 0), float(t))
         for p in [p for p in v.active if p.startswith("sybil")]:
             v.handle(p, Status(1, (me,), None), float(t))
         v.tick(float(t))
