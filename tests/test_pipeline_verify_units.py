@@ -165,8 +165,10 @@ def test_two_answers_name_nobody_unless_one_is_ours_and_the_other_grossly_off():
     assert v.stats.unresolved == 1 and v.stats.mismatches == 1
     assert checked({"me": answer("me", x), "b": answer("b", x * 1.1)}, "b", v, []) is None  # not gross
     assert checked({"me": answer("me", x), "b": answer("b", -x)}, "b", v, []) == "b"
-    assert checked({"me": answer("me", -x), "a": answer("a", x), "b": answer("b", x)}, "me", v, []) is None
-    assert "me" not in v.stats.outliers  # we never strike ourselves
+    # our own answer is the reference: grossly off it, the other is the outlier however many agree with it (two
+    # colluders answer alike, issue 40); we never strike ourselves
+    assert checked({"me": answer("me", -x), "a": answer("a", x), "b": answer("b", x)}, "me", v, []) == "a"
+    assert "me" not in v.stats.outliers
 
 
 def test_which_calls_are_drawn_for_a_check():
@@ -234,9 +236,10 @@ def test_a_stage_of_two_strangers_names_no_outlier_and_one_of_ours_does():
 
 
 def test_two_colluders_at_a_stage_we_serve_are_banned_and_frame_nobody():
-    """Two peers of our stage lie alike (issue 40): a majority of three named us the outlier and them nobody, so
-    neither was ever struck. Our own answer is the reference now: both are banned, and we are never the outlier."""
-    driver, servers = pipeline({0: [("s0", 1.0)], 1: [("me", 1.0), ("l1", 1.05), ("l2", 1.05)], 2: [("s2", 1.0)]})
+    """Two peers of our stage lie alike, grossly (issue 40): a majority of three named us the outlier and them
+    nobody, so neither was ever struck. Our own answer is the reference now, for lies past GROSS_x: both are
+    banned, and we are never the outlier. (A 1.05x lie alike is within what honest pairs differ by: unresolved.)"""
+    driver, servers = pipeline({0: [("s0", 1.0)], 1: [("me", 1.0), ("l1", 1.5), ("l2", 1.5)], 2: [("s2", 1.0)]})
     outs = drive(driver, 120)
     v = driver.verifier
     assert all(o.ok for o in outs), [o.reason for o in outs if not o.ok]

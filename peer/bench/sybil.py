@@ -8,8 +8,8 @@ swarm of real daemons measured (the byzantine bench runs lying daemons: `peer be
   * eclipse: 16 keys from 2 /24s ask a peer for urgent edges and say they are short, one a second for ten
     simulated minutes; 400 of their entries flood its passive view; forged walk ends aim its answers at a third
     party (peer/testing/views_attacks.py);
-  * colluding stage servers: two servers of a stage answer 1.05x alike; a driver's checks (peer/testing/
-    verify_sim.py) at a stage it serves itself and at one it does not, over `--seeds` seeds;
+  * colluding stage servers: two servers of a stage answer alike, 1.5x (gross) or 1.05x (subtle); a driver's
+    checks (peer/testing/verify_sim.py) at a stage it serves itself and at one it does not, over `--seeds` seeds;
   * ban flush: a live ban, then 2,000 strikes from fresh keys against the ban list (peer/averaging/bans.py).
 """
 
@@ -27,6 +27,8 @@ GOALS = {
     "honest_servers_banned": ("==", 0),
     "ban_flush_lifted": ("==", False),
 }
+GROSS_LIE = 1.5  # outputs times 1.5: past verify.GROSS_NORM (log 1.5 = 0.41 > 0.2), what our own answer judges alone
+SUBTLE_LIE = 1.05  # within what honest pairs differ by in real swarms: only a majority of three tells it
 MICROBATCHES = 200  # per colluding-servers run: a stage's checks calibrate in ~10 and ban a liar within ~30
 FLUSH_STRIKES = 2000  # fresh keys' strikes against a full ban list (MAX_TRACKED is 1024)
 
@@ -59,8 +61,9 @@ def eclipse() -> dict:
 def colluding_servers(seeds: int) -> dict:
     from peer.testing.verify_sim import drive, inline_compute, pipeline
 
-    layouts = {"stage_we_serve": [("me", 1.0), ("h2", 1.0), ("l1", 1.05), ("l2", 1.05)],
-               "stage_we_do_not_serve": [("h1", 1.0), ("h2", 1.0), ("h3", 1.0), ("l1", 1.05), ("l2", 1.05)]}
+    layouts = {"stage_we_serve": [("me", 1.0), ("h2", 1.0), ("l1", GROSS_LIE), ("l2", GROSS_LIE)],
+               "stage_we_serve_subtle": [("me", 1.0), ("h2", 1.0), ("l1", SUBTLE_LIE), ("l2", SUBTLE_LIE)],
+               "stage_we_do_not_serve": [("h1", 1.0), ("h2", 1.0), ("h3", 1.0), ("l1", SUBTLE_LIE), ("l2", SUBTLE_LIE)]}
     out: dict = {}
     for name, stage in layouts.items():
         runs = []
@@ -76,6 +79,8 @@ def colluding_servers(seeds: int) -> dict:
     served = out["stage_we_serve"]
     return {"colluding_servers_banned": all(r["colluders_banned"] == ["l1", "l2"] for r in served),
             "honest_servers_banned": sum(len(r["honest_banned"]) for r in served),
+            "subtle_colluders_banned_at_a_stage_we_serve": sum(r["colluders_banned"] == ["l1", "l2"]
+                                                                for r in out["stage_we_serve_subtle"]),
             "honest_servers_banned_at_stages_we_do_not_serve": sum(len(r["honest_banned"])
                                                                     for r in out["stage_we_do_not_serve"]),
             "runs": out}

@@ -12,7 +12,7 @@ and `honest_x` the median of the smallest distance of this driver's recent tripl
 Who answers a check: ourselves where we serve the stage, else a peer of the stage drawn at random (not the
 balancer's choice, which favours new and fast peers), and every call carries a fresh wire id (driver.py), so
 nothing but its inputs tells a check from a first call. Where our own answer is one of the two, it is the
-reference: once the stage is calibrated the other answer, if it disagrees, is the outlier, however many others
+reference: the other answer, if it is grossly off ours (over GROSS_x), is the outlier, however many others
 would agree with it. Otherwise a mismatch asks a third peer: the one answer that disagrees with the two others,
 which agree with each other, is the outlier, and a microbatch one of whose calls it answered is run again
 without it. (A majority of three is what two colluders who answer alike win at a stage we do not serve: it
@@ -112,6 +112,7 @@ class Distance:
 
 
 FAR = Distance(math.inf, math.inf)
+GROSS = Distance(GROSS_REL, GROSS_NORM)  # what no honest pair differs by: a pair with our own answer is judged so
 
 
 def distance(a: Answer, b: Answer) -> Distance:
@@ -297,9 +298,11 @@ class Verifier:
         cal = self._calibration(stage, kind)
         tol = cal.tolerance(floor_)
         d12 = distance(first, second)
-        if self.me in (first.peer, second.peer) and cal.calibrated and not d12.within(tol):
+        if self.me in (first.peer, second.peer) and not d12.within(GROSS):
             # our own compute answered (we serve the stage: the driver asks us first): it is the reference, and
-            # the other answer the outlier, whoever else would agree with it (two colluders answer alike)
+            # an answer grossly off it the outlier, whoever else would agree with it (two colluders answer alike).
+            # Grossly: an honest pair's own distance reached 3.9x the calibrated tolerance in the swarm tests
+            # (the tolerance is calibrated on triples' closest pairs), so a pair judged by it struck honest peers
             self.stats.mismatches += 1
             other = second.peer if first.peer == self.me else first.peer
             return self._found(other, [first.peer, second.peer], stage, kind,
@@ -356,7 +359,7 @@ class Verifier:
     def _two_peer_outlier(self, first: Answer, second: Answer, d: Distance) -> str | None:
         """Two answers only: we trust our own compute, so the other is the outlier if it is grossly off (with no
         third opinion there is no calibration)."""
-        if self.me not in (first.peer, second.peer) or d.within(Distance(GROSS_REL, GROSS_NORM)):
+        if self.me not in (first.peer, second.peer) or d.within(GROSS):
             return None
         return second.peer if first.peer == self.me else first.peer
 
