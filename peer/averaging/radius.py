@@ -10,18 +10,10 @@ an exchange of that group with partner p is
     ceiling   = max_update_ratio * ||x||            (none for a model of all zeros: see below)
     robust(p) = max(RADIUS_MARGIN * d_ref(p), RADIUS_FLOOR * ||x||)
     d_ref(p)  = over our *other* partners, each one's largest distance of the last PEAK_WINDOW_S (or its
-                latest, within RADIUS_MEMORY_S), each distance held at the radius we applied to it; the
-                largest of those once the farthest ceil(β n) of the n are set aside, one at least kept
-                (β = [gossip] byzantine_share, the share of partners assumed to lie)
+                latest, within RADIUS_MEMORY_S); the largest of those once the farthest floor(β n) of the
+                n are set aside (β = [gossip] byzantine_share, the share of partners assumed to lie)
 
-and none (inf) where there is nothing to judge by. Why held at the radius, and ceil, not floor (issue 40): a
-partner's distance is a reference for every *other* partner, so two colluders each sitting 3.9 radii out
-(unstruck: under STRIKE_EXCESS) lent each other their distances, and floor(β n) set none aside at the
-default degree: in tests/test_averaging_radius.py's swarm the honest radii grew 230-500x, to the ceiling,
-in two rounds. Now 9.5x: what the colluders' clipped pushes still move the honest peers apart. Held, not
-dropped: a laggard's honest partners are all clipped at first, and their held distances raise its radius
-towards theirs; leaving clipped partners aside locked it at its nearest partner's (and banned honest
-peers in tests/test_byzantine.py). This is the self-centred clipping of ClippedGossip (He,
+and none (inf) where there is nothing to judge by. This is the self-centred clipping of ClippedGossip (He,
 Karimireddy and Jaggi, 2022) with an adaptive radius in the manner of CS+-RG (Gaucher, Dieuleveut and
 Hendrikx): the far tail that may be Byzantine sets no radius. Why p's own distances are left out: a liar
 that stays far would otherwise set its own radius. Why per partner, not a window of exchanges: a peer that
@@ -150,7 +142,7 @@ class Radii:
         others = sorted(d for p, s in seen.items() if p != peer and (d := s.reference(now)) is not None and d > 0.0)
         if not others:
             return None
-        return others[len(others) - 1 - min(len(others) - 1, math.ceil(self.byzantine_share * len(others)))]
+        return others[len(others) - 1 - int(self.byzantine_share * len(others))]
 
     def judge(self, group: str, peer: str, *, distance: float, radius: Radius, moved: float, now: float,
               opposed: bool = False) -> str | None:
@@ -165,11 +157,9 @@ class Radii:
             if rec is not None:
                 seen[peer] = rec
             return "sent values whose distance from ours overflows"
-        # what it becomes a reference for our other partners with: at most the radius applied to it, so a
-        # partner far out (unstruck within STRIKE_EXCESS radii) lends no colluder a radius larger than its own
         if rec is None:
             rec = _Seen(distance, now)
-        rec.observe(min(distance, radius.announced), now)
+        rec.observe(distance, now)
         seen[peer] = rec  # most recently touched last
         while len(seen) > MAX_PARTNERS:
             seen.popitem(last=False)

@@ -139,8 +139,7 @@ class GossipSection:
                                  "norm).", lo=1.0, hi=1e6)
     # 1/4: with the default degree 4 one lying neighbour in four; with 4 to 7 other partners the farthest is set aside
     byzantine_share: float = _f(0.25, "Share of our averaging partners assumed to lie: the clip radius comes from "
-                                "the others' distances once this share of the farthest is set aside (rounded "
-                                "up: one of three at 0.25; one at least is kept).",
+                                "the others' distances once this share of the farthest is set aside.",
                                 lo=0.0, hi=0.5, hi_open=True)
 
 
