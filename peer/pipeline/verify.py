@@ -306,7 +306,7 @@ class Verifier:
             self.stats.mismatches += 1
             other = second.peer if first.peer == self.me else first.peer
             return self._found(other, [first.peer, second.peer], stage, kind,
-                               {_pair(first.peer, second.peer): d12}, tol, done_microbatches)
+                               {_pair(first.peer, second.peer): d12}, GROSS, done_microbatches)
         refresh = not cal.calibrated or self.rng.random() < REFRESH
         if d12.within(tol) and not refresh:
             self.stats.agreed += 1
