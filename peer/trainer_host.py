@@ -30,7 +30,8 @@ from peer.topology.service import TopologyService
 from peer.pipeline.driver import DriverHandle
 from peer.services import DaemonContext, RecordFields
 from peertrain.checkpoints import load_checkpoint, save_checkpoint
-from peertrain.pipeline import FetchedState, PipelineKey, ReplyShapes, StageHandler, StagePeer
+from peertrain.pipeline import (FetchedState, MoveOrder, PipelineKey, ReplyShapes, SeatFigures, StageHandler,
+                                StagePeer, StateSource)
 from peertrain.swarm import LATEST_CHECKPOINT, ExchangeResult, TrainerStopped, shard_index, wait_for_peers
 from protocol.schema.pipeline import StageAnnouncement
 
@@ -147,13 +148,41 @@ class TrainerSwarm:
     def drop_stage_copy(self, key: PipelineKey, stage: int) -> None:
         self._call(self._host.pipeline.drop_copy, key, stage)
 
-    def announce_move(self, moving_to: int = -1, moved_from: int = -1) -> None:
-        """Tell the swarm (our record) that we are moving to a stage, or lately left one (-1: neither)."""
-        self._call_sync(self._host.pipeline.announce_move, moving_to, moved_from)
+    def announce_move(self, moving_to: int = -1) -> None:
+        """Tell the swarm (our record) that we are moving to a stage (-1: not any more)."""
+        self._call_sync(self._host.pipeline.announce_move, moving_to)
 
     def note_move(self, **move: Any) -> None:
-        """Record one of our moves (from, to, reason, ...) for `peer status`."""
+        """Record one of our moves (from, to, reason, ...) for `peer status`; the stage left cools down."""
         self._call_sync(self._host.pipeline.note_move, move)
+
+    # -- where we serve: the daemon decides (peer/pipeline/seating.py), the job moves ----------------------
+    def seat(self, figures: SeatFigures) -> None:
+        """The job's figures for the cut it serves (each stage's compute and memory): the daemon decides where
+        this peer serves from them and the records, from now on."""
+        self._call_sync(self._host.pipeline.seating.set_figures, figures)
+
+    def first_move(self, figures: SeatFigures, rank: int | None) -> MoveOrder:
+        """The stage to start on (a numbered peer's `rank` counts while the pipeline has not trained), and
+        whether the pipeline trains yet (`starting` False: fetch the stage's state)."""
+        return self._call_sync(self._host.pipeline.seating.first_order, figures, rank)
+
+    def next_move(self, timeout: float) -> MoveOrder | None:
+        """The next move the daemon decided for us, waiting at most `timeout` seconds (None: stay). Asking
+        again means the last one is over, made or given up."""
+        return self._call(self._host.pipeline.seating.next_order, timeout)
+
+    def may_switch(self, from_stage: int) -> str | None:
+        """None if we may stop serving `from_stage` now (it keeps a peer not itself leaving); else why not."""
+        return self._call_sync(self._host.pipeline.seating.may_switch, from_stage)
+
+    def adopted_cut(self, pipeline: str, own_cuts: tuple[int, ...]) -> tuple[int, ...]:
+        """Where pipeline `pipeline` is cut: as the smallest serving peer ID announces it, else `own_cuts`."""
+        return self._call_sync(self._host.pipeline.adopted_cut, pipeline, own_cuts)
+
+    def state_sources(self, key: PipelineKey, stage: int) -> list[StateSource]:
+        """Live peers that can hand out `stage`'s state (serving it or keeping a copy), freshest first."""
+        return self._call_sync(self._host.pipeline.state_sources, key, stage)
 
     def open_driver(self, key: PipelineKey, *, reply_shapes: ReplyShapes, in_flight: int, forward_codec: str = "raw",
                     backward_codec: str = "raw") -> DriverHandle:

@@ -101,6 +101,29 @@ class FetchedState:
     seconds: float
 
 
+@dataclass(frozen=True)
+class StateSource:
+    """A peer that can hand out a stage's state (`HostedSwarm.state_sources`): serving it (`live`) or keeping
+    a copy of it, at optimizer step `step`."""
+
+    peer_id: str
+    step: int
+    live: bool
+
+
+@dataclass(frozen=True)
+class MoveOrder:
+    """The daemon's word that this peer should serve `to_stage` (peer/pipeline/seating.py says when): the job
+    makes the move. `settle_s`: announce the move at least this long before switching, so peers that decided
+    at the same moment see each other. `starting`: the pipeline has not trained yet, so there is no state to
+    fetch (the job takes the stage fresh)."""
+
+    to_stage: int
+    reason: str
+    settle_s: float
+    starting: bool = False
+
+
 class StateUnavailable(Exception):
     """The state could not be had from that peer; the message says why, and `refusal` what the peer said
     when it refused (None when the fetch failed otherwise: no session, a deadline, a bad reply)."""
@@ -112,6 +135,36 @@ class StateUnavailable(Exception):
 
 class CopyUnreadable(Exception):
     """A kept copy's file is gone or does not hold that copy; the message names the file and why."""
+
+
+# -- values: the job builds them, the daemon reads them ----------------------------------------------------
+
+@dataclass(frozen=True)
+class SeatFigures:
+    """What the daemon decides this peer's stage from (`HostedSwarm.seat`; peer/pipeline/seating.py): the job's
+    figures for the cut it serves, which need the model (torch) to compute. The rest (who serves what, how
+    fast, what memory they announce) the daemon reads from the records it holds."""
+
+    key: PipelineKey
+    stage_seconds: tuple[float, ...]  # compute seconds per microbatch of each stage (measured blocks where any)
+    stage_bytes: tuple[int, ...]  # what serving each stage takes on a peer (trainers/pipeline/memory.py)
+    room_bytes: int  # what a stage may take here (0: unknown: any stage fits)
+    settling: bool  # peers starting together spread over the stages (no training yet: no state to move)
+    pinned: bool = False  # the job pinned its stage (`initial_stage`): the daemon never moves it
+    rebalance_every: float = 0.0  # seconds between rebalancing decisions; 0: neither rebalance nor take over
+    min_gain: float = 0.0  # the least predicted gain a rebalancing move must promise
+
+    def __post_init__(self) -> None:
+        n = self.key.stages
+        if len(self.stage_seconds) != n or len(self.stage_bytes) != n:
+            raise ValueError(f"SeatFigures: {n} stages, but {len(self.stage_seconds)} stage seconds and "
+                             f"{len(self.stage_bytes)} stage sizes")
+        if not all(s > 0 and s == s and s != float("inf") for s in self.stage_seconds):
+            raise ValueError(f"SeatFigures: stage seconds must be positive and finite, got {self.stage_seconds}")
+        if any(b < 0 for b in self.stage_bytes) or self.room_bytes < 0:
+            raise ValueError("SeatFigures: stage sizes and the room must not be negative")
+        if not (self.rebalance_every >= 0 and self.min_gain >= 0):
+            raise ValueError("SeatFigures: rebalance_every and min_gain must not be negative (or NaN)")
 
 
 # -- daemon objects, as the job sees them ----------------------------------------------------------------

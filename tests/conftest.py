@@ -66,6 +66,7 @@ UNIT_MODULES = frozenset({
     "test_pipeline_reach_units.py",
     "test_pipeline_partition.py",
     "test_pipeline_rebalance.py",
+    "test_pipeline_seating.py",
     "test_pipeline_reference.py",
     "test_pipeline_stage.py",
     "test_pipeline_state_units.py",

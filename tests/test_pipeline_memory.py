@@ -34,8 +34,8 @@ from tests.test_pipeline_units import roundtrip, tampered
 from trainers.pipeline import memory, profiles
 from trainers.pipeline.blocks import char_transformer_pipeline, from_factory
 from trainers.pipeline.partition import BlockCost, DoesNotFit, plan_stages
-from trainers.pipeline.placement import better_stage, initial_stage
-from trainers.pipeline.rebalance import plan_move, takeover_order
+from peer.pipeline.placement import better_stage, initial_stage
+from peer.pipeline.rebalance import plan_move, takeover_order
 from trainers.pipeline.shapes import trace
 from protocol.limits import MiB
 

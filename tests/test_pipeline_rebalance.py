@@ -1,4 +1,4 @@
-"""The rebalancing rules of trainers/pipeline/rebalance.py, pure: which peer moves to the bottleneck stage (and
+"""The rebalancing rules of peer/pipeline/rebalance.py, pure: which peer moves to the bottleneck stage (and
 when none does), that no two peers leave one stage at once (also in a seeded simulation of many peers deciding
 on shared and stale views), who takes over an empty stage, and where a stage's state is fetched from."""
 
@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from peertrain.pipeline import StagePeer
+from peertrain.pipeline import StagePeer, StateSource
 from protocol.schema.pipeline import StageAnnouncement, StageCopy
-from trainers.pipeline.rebalance import (Source, empty_stages, may_switch, plan_move, predicted_throughput, settling,
+from peer.pipeline.rebalance import (empty_stages, may_switch, plan_move, predicted_throughput, settling,
                                          state_sources, takeover_order)
 
 
@@ -376,9 +376,9 @@ def test_state_sources_freshest_first_live_before_a_copy_of_the_same_step():
     }
     live = {"a", "b", "c", "d", "e", "me", "other"}
     got = state_sources(anns, live, lambda a: a.pipeline == "p", 1, "me")
-    assert got == [Source("c", 12, True), Source("b", 12, False), Source("d", 11, False), Source("a", 10, True)]
-    assert state_sources(anns, live, lambda a: a.pipeline == "p", 2, "me") == [Source("e", 30, True),
-                                                                               Source("b", 30, False)]
+    assert got == [StateSource("c", 12, True), StateSource("b", 12, False), StateSource("d", 11, False), StateSource("a", 10, True)]
+    assert state_sources(anns, live, lambda a: a.pipeline == "p", 2, "me") == [StateSource("e", 30, True),
+                                                                               StateSource("b", 30, False)]
     assert state_sources(anns, set(), lambda a: True, 1, "me") == []
 
 

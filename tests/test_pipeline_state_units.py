@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 
-from peer.config import PipelineSection
+from peer.config import PipelineSection, TopologySection
 from peer.home import Home
 from peer.membership.view_mode import FullView
 from peer.pipeline.server import ServedStage, StageServer
@@ -307,13 +307,13 @@ def test_our_announcement_carries_step_move_and_copies_and_drops_a_stale_move(co
     svc.states = StageStates(svc, PipelineSection(), copies_dir)
     keep(svc.states, KEY, 0, step=100)
     keep(svc.states, KEY, 1, step=50, in_memory=True)  # the stage we serve again: not announced as a copy
-    svc.moving_to, svc.moved_from = 2, 0
+    svc.moving_to, svc.seating = 2, SimpleNamespace(cooling_from=0)
     svc.profiles, svc.memory_mib, svc.stage_room_mib = [BlockProfile(3, 0.01, 1024, 4096)], 900, 500
     a = svc.announcement()
     assert (a.profiles, a.memory_mib, a.stage_room_mib) == (svc.profiles, 900, 500) and a.memory_used_mib > 0
     assert (a.stage, a.step, a.moving_to, a.moved_from, a.samples_per_s) == (1, 120, 2, 0, 4.0)
     assert a.copies == [StageCopy(0, 100)]
-    svc.moving_to, svc.moved_from = 1, 7  # stale: we serve stage 1 now; no stage 7 in this pipeline
+    svc.moving_to, svc.seating.cooling_from = 1, 7  # stale: we serve stage 1 now; no stage 7 in this pipeline
     a = svc.announcement()
     assert (a.moving_to, a.moved_from) == (-1, -1)
     assert roundtrip(record(a)) == record(a)
@@ -482,7 +482,8 @@ def test_the_pipeline_service_keeps_copies_in_its_homes_folder_and_empties_it_at
     home = Home(tmp_path / "home")
     home.stage_copies.mkdir(parents=True)
     (home.stage_copies / f"left-by-an-earlier-run{COPY_SUFFIX}").write_bytes(b"old")
-    daemon = SimpleNamespace(config=SimpleNamespace(pipeline=PipelineSection()), peer_id="me", home=home,
+    daemon = SimpleNamespace(config=SimpleNamespace(pipeline=PipelineSection(), topology=TopologySection()),
+                             peer_id="me", home=home,
                              router=SimpleNamespace(register=lambda *a: None),
                              membership=SimpleNamespace(views=None))
     svc = PipelineService(daemon, SimpleNamespace(announce_soon=lambda: None))

@@ -4,7 +4,7 @@ and any peer holding data drives microbatches through whichever peers of each st
 Start-up: build the model's blocks (the built-in char transformer on the shipped Shakespeare corpus, or the
 user's `model_factory`), profile every block's forward+backward time and activation size, cut the model with
 PipeDream's dynamic program (printed), agree on one cut with the peers already serving it, pick a stage
-(trainers/pipeline/placement.py), keep only that stage's blocks on `[pipeline] device` (a GPU when there is one), download the stage's current state from a
+(peer/pipeline/placement.py), keep only that stage's blocks on `[pipeline] device` (a GPU when there is one), download the stage's current state from a
 peer of the stage if it is already training, and serve it.
 
 Learning: a server keeps each backward's gradient aside until the microbatch's driver acknowledges it (the
@@ -13,10 +13,11 @@ it accumulates acknowledged gradients until it has seen its share of `batch_size
 peers of the stage, so the stage as a whole steps once per `batch_size` samples, as one process would), steps its own optimizer (its state stays local), then averages the stage's parameters with another peer
 of the same stage through the gossip engine (partners: the peers of that stage only).
 
-Moving (trainers/pipeline/seat.py, keeper.py, rebalance.py): a background thread moves this peer to the
-bottleneck stage when a move beats the measured noise, carrying the stage's weights, optimizer state and step
-from a live peer; takes over a stage left without peers from the freshest copy; backs up the next stage's
-state every `copy_every` seconds and checkpoints its own every `checkpoint_every`. A restarted peer resumes its
+Moving (trainers/pipeline/seat.py, keeper.py): the daemon decides where this peer serves
+(peer/pipeline/seating.py, from the figures the seat gives it and the records): to the bottleneck stage when a
+move beats the measured noise, or to a stage left without peers. A background thread makes the moves it
+orders, carrying the stage's weights, optimizer state and step from a live peer or the freshest copy; it backs
+up the next stage's state every `copy_every` seconds and checkpoints its own every `checkpoint_every`. A restarted peer resumes its
 stage from its checkpoint if nobody serves it.
 
 Data: the built-in Shakespeare corpus, or `dataset_factory` returning (train, test) torch datasets, map-style or
@@ -51,7 +52,6 @@ from trainers.pipeline import memory, profiles, shapes
 from trainers.pipeline.blocks import char_transformer_pipeline, from_factory
 from trainers.pipeline.keeper import SeatKeeper
 from trainers.pipeline.partition import format_plan, plan_stages
-from trainers.pipeline.placement import adopted_cut, initial_stage
 from trainers.pipeline.seat import Memory, StageSeat, stage_wrapper
 
 DRAIN_S = 600.0  # most seconds to wait for the microbatches still in flight when driving ends (each is bounded anyway)
@@ -259,19 +259,18 @@ def run(swarm, options: dict) -> dict:
     state = StageSeat(swarm, o, model, sample_x, sample_y, costs, device=device, mem=mem)
     keeper = None
     if o.role != "driver":
-        key = PipelineKey(o.pipeline, adopted_cut(o.pipeline, own_cuts, swarm.stage_announcements(), swarm.peer_id))
+        key = PipelineKey(o.pipeline, swarm.adopted_cut(o.pipeline, own_cuts))
         state.key = key
         ckpt = _own_checkpoint(swarm, key)
         if ckpt is None or not state.resume(ckpt):
-            smap = swarm.stage_map(key)
             # Joining a pipeline that already trains: the stage that needs us most, whatever our rank says.
-            running = any(p.step > 0 for peers in smap.values() for p in peers)
-            first = o.initial_stage if o.initial_stage >= 0 else \
-                initial_stage(key, smap, None if running else env_rank, rng, state.stage_seconds(key),
-                              state.fits(key))
-            state.take(key, first, ready=not running)  # a joiner takes calls once it holds the stage's state
+            first = swarm.first_move(state.seat_figures(key, settling=True), env_rank)
+            running = not first.starting
+            state.settling = not running
+            state.take(key, o.initial_stage if o.initial_stage >= 0 else first.to_stage,
+                       ready=not running)  # a joiner takes calls once it holds the stage's state
             if not running:  # peers starting together agree on a cut and spread out; a joiner need not wait
-                state.settle(own_cuts, env_rank, rng, deadline=time.monotonic() + SETTLE_S)
+                state.settle(own_cuts, env_rank, deadline=time.monotonic() + SETTLE_S)
         key = state.key
     else:
         key = _wait_for_cut(swarm, o, own_cuts)
@@ -381,7 +380,7 @@ def _wait_for_cut(swarm, o, own_cuts) -> PipelineKey:
         anns = swarm.stage_announcements()
         if any(a.pipeline == o.pipeline for a in anns.values()):
             time.sleep(SETTLE_S / 2)  # let servers starting with us agree first
-            return PipelineKey(o.pipeline, adopted_cut(o.pipeline, own_cuts, swarm.stage_announcements(), swarm.peer_id))
+            return PipelineKey(o.pipeline, swarm.adopted_cut(o.pipeline, own_cuts))
         time.sleep(0.2)
     return PipelineKey(o.pipeline, own_cuts)
 

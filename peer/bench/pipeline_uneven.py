@@ -67,7 +67,7 @@ def _measure(s: Swarm, a) -> dict:
 
 def _plan(statuses: list[dict | None]) -> tuple[list[float], int]:
     """The planned ms per stage of the daemon with the smallest peer ID (its cut is the one every peer
-    adopted: trainers/pipeline/placement.py), and that daemon."""
+    adopted: peer/pipeline/placement.py), and that daemon."""
     have = [(st["peer_id"], i, st["trainer"]["plan_ms"]) for i, st in enumerate(statuses)
             if st and (st.get("trainer") or {}).get("plan_ms")]
     if not have:

@@ -25,10 +25,13 @@ from peer.pipeline.directory import bottleneck, capacity, stage_map
 from peer.pipeline.driver import Driver, DriverHandle
 from peer.pipeline import memory
 from peer.pipeline.kept import SWEEP_S
+from peer.pipeline.placement import adopted_cut
+from peer.pipeline.rebalance import state_sources
+from peer.pipeline.seating import Seating
 from peer.pipeline.server import ServedStage, StageServer
 from peer.pipeline.state import KeptCopy, SpecCheck, StageStates
 from peer.services import RecordFields
-from peertrain.pipeline import FetchedState, PipelineKey, StageHandler, StagePeer, StateUnavailable
+from peertrain.pipeline import FetchedState, PipelineKey, StageHandler, StagePeer, StateSource, StateUnavailable
 from protocol.bounds import MAX_ADDRESS_CHARS
 from protocol.schema.pipeline import (MAX_BLOCKS, MAX_MEMORY_MIB, MAX_PROFILED_BLOCKS, MAX_QUEUE, MAX_SAMPLES_PER_S,
                                       MAX_STEP, BlockProfile, StageAck, StageAnnouncement, StageCall,
@@ -57,7 +60,8 @@ class PipelineService:
         self.loss: dict[str, Any] = {}  # the trainer's latest figures for the stage map (publish_pipeline)
         self.states = StageStates(self, self.cfg, daemon.home.stage_copies)
         self.moving_to = -1  # the stage we are moving to (downloading its state), announced while it lasts
-        self.moved_from = -1  # the stage we left lately, announced while the trainer's cool-down lasts
+        # where we serve: decided here from the records, the job's figures and a record interval's patience
+        self.seating = Seating(self, self.me, confirm_s=daemon.config.topology.record_interval)
         self.moves: deque[dict] = deque(maxlen=MOVES_KEPT)
         self.budget = memory.budget(self.cfg.memory_mib)  # read once, at start (memory.py says why)
         self.profiles: list[BlockProfile] = []  # our measured blocks, announced (trainers/pipeline/profiles.py)
@@ -79,6 +83,7 @@ class PipelineService:
         async with trio.open_nursery() as n:
             self._nursery = n  # owns the calls we serve and the microbatches our drivers move
             n.start_soon(self.server.release_dropped)
+            n.start_soon(self.seating.run)
             task_status.started()
             while True:  # gradients nobody acknowledged go even when no call comes (they hold memory)
                 await trio.sleep(SWEEP_S)
@@ -109,9 +114,13 @@ class PipelineService:
         if self.server.stage is not None:
             self.server.stage.ready = True
 
-    def announce_move(self, moving_to: int, moved_from: int) -> None:
-        """Say in our record that we are moving to a stage (-1: not), or lately left one (-1: cooled down)."""
-        self.moving_to, self.moved_from = moving_to, moved_from
+    def announce_move(self, moving_to: int) -> None:
+        """Say in our record that we are moving to a stage (-1: not any more). The stage we left lately is
+        seating's to announce (its cool-down)."""
+        self.moving_to = moving_to
+        self.topology.announce_soon()
+
+    def announce_soon(self) -> None:
         self.topology.announce_soon()
 
     def announce_profile(self, profiles: list[BlockProfile], memory_bytes: int, stage_room_bytes: int) -> None:
@@ -122,8 +131,11 @@ class PipelineService:
         self.topology.announce_soon()
 
     def note_move(self, move: dict) -> None:
-        """Remember one of our moves for `peer status` (what, when, why, how long the state took)."""
+        """Remember one of our moves for `peer status` (what, when, why, how long the state took); the stage
+        left cools down (seating)."""
         self.moves.append({"at": time.time(), **move})
+        if isinstance(move.get("from"), int) and isinstance(move.get("to"), int):
+            self.seating.moved(move["from"], move["to"])
 
     async def fetch_state(self, key: PipelineKey, stage: int, peer_id: str, check: SpecCheck) -> FetchedState:
         if why := self.banned(peer_id):
@@ -166,7 +178,7 @@ class PipelineService:
         return StageAnnouncement(st.key.name, st.stage, st.key.stages, samples_per_s=rate,
                                  queue=min(MAX_QUEUE, self.server.stats.queue), cuts=list(st.key.cuts),
                                  step=min(MAX_STEP, max(0, int(getattr(st.handler, "steps", 0)))),
-                                 moving_to=other(self.moving_to), moved_from=other(self.moved_from),
+                                 moving_to=other(self.moving_to), moved_from=other(self.seating.cooling_from),
                                  copies=self.states.announced(st.key, st.stage),
                                  profiles=[p for p in self.profiles if p.block < MAX_BLOCKS],
                                  memory_mib=min(MAX_MEMORY_MIB, self.memory_mib),
@@ -205,6 +217,20 @@ class PipelineService:
         connected = self.daemon.membership.connected()
         return {p.peer_id for p in self.stage_map(st.key)[st.stage]
                 if not p.me and p.peer_id in connected and not self.banned(p.peer_id)}
+
+    def state_sources(self, key: PipelineKey, stage: int) -> list[StateSource]:
+        """Live peers of `key` that can hand out `stage`'s state, freshest first (rebalance.state_sources)."""
+        live = {p.peer_id for peers in self.stage_map(key).values() for p in peers}
+        return state_sources(self.announcements(), live, lambda a: PipelineKey.of(a) == key, stage, self.me)
+
+    def own_copy_step(self, key: PipelineKey, stage: int) -> int | None:
+        """The step of our copy of `stage`, or None."""
+        copy = self.states.get(key, stage)
+        return copy.step if copy is not None else None
+
+    def adopted_cut(self, name: str, own: tuple[int, ...]) -> tuple[int, ...]:
+        """The cut of pipeline `name` to serve (placement.adopted_cut): the smallest announcing peer ID's."""
+        return adopted_cut(name, own, self.announcements(), self.me)
 
     def banned(self, peer_id: str) -> str | None:
         """Why our drivers banned `peer_id` for lying in its stage's answers, or None."""
@@ -270,6 +296,7 @@ class PipelineService:
                        "used_mib": memory.mib(memory.rss_bytes()), "source": self.budget.source},
             "moving_to": self.moving_to if self.moving_to >= 0 else None,
             "moves": list(self.moves),
+            "seating": self.seating.status(),
             "state_transfers": self.states.status(),
             "server": {"served": self.server.stats.served, "refused": dict(self.server.stats.refused),
                        "failed": self.server.stats.failed, "handed_back": self.server.stats.handed_back,

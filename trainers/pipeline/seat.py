@@ -3,7 +3,11 @@
 `StageSeat` owns the peer's StageWorker for one stage of one cut of the model, tells the daemon to serve it,
 shares its parameters with the stage's other peers (gossip partners: that stage's peers only), and checkpoints it.
 
-Moving (`move`, trainers/pipeline/rebalance.py says when and where): the peer announces the move, builds a
+Where it serves, the daemon decides (peer/pipeline/seating.py) from the figures this seat gives it
+(`seat_figures`: each stage's compute seconds and memory, which need the model) and the records it holds; the
+seat makes the moves it orders.
+
+Moving (`move`): the peer announces the move, builds a
 worker for the target stage and downloads that stage's state (weights, optimizer state, step) from the
 freshest holder, a peer serving it or keeping a copy, while its old stage keeps serving. Only when the state is
 loaded, and the records still say its old stage keeps another peer, does it switch: the daemon serves the new
@@ -24,7 +28,6 @@ move's own memory checks hold.
 from __future__ import annotations
 
 import gc
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -34,15 +37,12 @@ from typing import Any
 import torch
 
 from peer.pipeline.kept import MAX_KEPT, MAX_KEPT_BYTES
-from peertrain.pipeline import PipelineKey, StateUnavailable
+from peertrain.pipeline import PipelineKey, SeatFigures, StateUnavailable
 from trainers.baseline import make_optimizer
 from trainers.datasets import load_factory
 from trainers.pipeline import memory, shapes
-from trainers.pipeline.memory import MiB
 from trainers.pipeline.partition import cached_profile, profile_stage
-from trainers.pipeline.placement import adopted_cut, better_stage, initial_stage
 from trainers.pipeline.profiles import announced, announced_profiles, swarm_costs
-from trainers.pipeline.rebalance import state_sources
 from trainers.pipeline.shapes import ModelShapes
 from trainers.pipeline.slowed import Slowed
 from trainers.pipeline.stage import StageWorker
@@ -109,9 +109,8 @@ class StageSeat:
         self.group = None
         self.averaged_at = 0
         self.lock = threading.Lock()  # the worker and group swap under it; housekeeping reads them under it
-        self.moved_at = float("-inf")  # when this peer last switched stage (monotonic)
-        self.cooling_from = -1  # the stage we left, announced until `cool_until`
-        self.cool_until = 0.0
+        self.settling = True  # peers starting together still spread out (until `join_stage`)
+        self._told: SeatFigures | None = None  # the figures the daemon last had from us
         self.dropped_samples = 0  # accumulated samples whose gradients a move dropped
         self._shadow: StageWorker | None = None  # a worker of the stage we back up, for its specs only
 
@@ -140,15 +139,21 @@ class StageSeat:
         """Per stage of `key`: whether this peer can hold it."""
         return [self.mem.holds(self.need(key, s)) for s in range(key.stages)]
 
-    def peer_fits(self, peer_id: str, stage: int) -> bool:
-        """Whether `peer_id` can hold `stage` of our cut, by the room it announced (none announced: it can)."""
-        if peer_id == self.swarm.peer_id:
-            return self.fits(self.key)[stage]
-        for peers in self.swarm.stage_map(self.key).values():
-            for p in peers:
-                if p.peer_id == peer_id:
-                    return p.stage_room_mib <= 0 or self.need(self.key, stage) <= p.stage_room_mib * MiB
-        return True
+    def seat_figures(self, key: PipelineKey, *, settling: bool) -> SeatFigures:
+        """What the daemon decides our stage from (peertrain/pipeline.py): our figures for `key`'s stages."""
+        o = self.o
+        return SeatFigures(key, tuple(self.stage_seconds(key)), tuple(self.need(key, s) for s in range(key.stages)),
+                           self.mem.room, settling, pinned=o.initial_stage >= 0,
+                           rebalance_every=o.rebalance_every if o.rebalance else 0.0, min_gain=o.min_gain)
+
+    def tell_daemon(self) -> None:
+        """Give the daemon our figures for the cut we serve, if they changed (block costs get measured)."""
+        if self.key is None or self.worker is None:
+            return
+        figures = self.seat_figures(self.key, settling=self.settling)
+        if figures != self._told:
+            self.swarm.seat(figures)
+            self._told = figures
 
     def _copies_in_memory(self) -> list:
         """The copies of our cut's stages the daemon holds in memory."""
@@ -240,27 +245,25 @@ class StageSeat:
         self.worker, self.key, self.stage = self._worker(key, stage), key, stage
         self._serve(ready=ready)
         self._announce_profile()
+        self.tell_daemon()
 
-    def settle(self, own_cuts, rank: int | None, rng: random.Random, *, deadline: float) -> None:
-        """Agree on the cut and spread over the stages with the peers starting with us
-        (trainers/pipeline/placement.py). A pinned peer (`initial_stage`) keeps its stage."""
+    def settle(self, own_cuts, rank: int | None, *, deadline: float) -> None:
+        """Agree on the cut and spread over the stages with the peers starting with us: the cut is the smallest
+        serving peer ID's, and the daemon orders a peer of a crowded stage to an empty one (seating.py). A
+        pinned peer (`initial_stage`) keeps its stage."""
         while time.monotonic() < deadline and not self.swarm.should_stop():
-            time.sleep(0.5)
-            cut = adopted_cut(self.o.pipeline, own_cuts, self.swarm.stage_announcements(), self.swarm.peer_id)
+            order = self.swarm.next_move(timeout=0.5)
+            cut = self.swarm.adopted_cut(self.o.pipeline, own_cuts)
             if cut != self.key.cuts:
                 key = PipelineKey(self.o.pipeline, cut)
                 self.swarm.log("adopting the cut %s announced by the pipeline's smallest peer ID", list(cut))
                 pinned = self.o.initial_stage
                 self.take(key, pinned if pinned >= 0 else
-                          initial_stage(key, self.swarm.stage_map(key), rank, rng, self.stage_seconds(key),
-                                        self.fits(key)))
+                          self.swarm.first_move(self.seat_figures(key, settling=True), rank).to_stage)
                 continue
-            if self.o.initial_stage >= 0:
-                continue
-            move = better_stage(self.swarm.stage_map(self.key), self.stage, self.swarm.peer_id, self.fits(self.key))
-            if move is not None:
-                self.swarm.log("stage %d has no peer: moving there from stage %d", move, self.stage)
-                self.take(self.key, move)
+            if order is not None:
+                self.swarm.log("%s", order.reason)
+                self.take(self.key, order.to_stage)
 
     def resume(self, ckpt: dict) -> bool:
         """Take the stage our checkpoint holds if it is still needed (no live peer serves it), from the
@@ -269,6 +272,7 @@ class StageSeat:
         if not isinstance(stage, int) or not 0 <= stage < self.key.stages or self.swarm.stage_map(self.key)[stage]:
             return False
         step = int(ckpt["worker"].get("steps", 0))
+        self.settling = False  # the pipeline trained before: we rejoin it
         self.worker, self.stage = self._worker(self.key, stage), stage
         self._serve(ready=False)
         self._announce_profile()
@@ -290,6 +294,8 @@ class StageSeat:
                                self.stage, JOIN_WAIT_S)
         self._share()
         self.swarm.stage_ready()
+        self.settling = False
+        self.tell_daemon()
 
     def _adopt_as_member(self, stage: int, *, fresher_than: int) -> dict | None:
         """`_adopt`, for a peer that has just announced the stage: holders refuse it until our record reaches
@@ -314,10 +320,8 @@ class StageSeat:
 
     # ---- state transfer -------------------------------------------------------------------------
     def sources(self, stage: int):
-        """Live peers of our pipeline that can hand out `stage`'s state, freshest first (rebalance.state_sources)."""
-        anns = self.swarm.stage_announcements()
-        live = {p.peer_id for peers in self.swarm.stage_map(self.key).values() for p in peers}
-        return state_sources(anns, live, lambda a: PipelineKey.of(a) == self.key, stage, self.swarm.peer_id)
+        """Live peers of our pipeline that can hand out `stage`'s state, freshest first (the daemon's reading)."""
+        return self.swarm.state_sources(self.key, stage)
 
     def _adopt(self, worker: StageWorker, stage: int) -> dict | None:
         """Load `stage`'s freshest state into `worker`: from our own copy if none is fresher, else downloaded.
@@ -371,9 +375,9 @@ class StageSeat:
                                        in_memory=self._copy_in_memory(state, target))
             return
 
-    def move(self, to: int, reason: str, *, may_switch, settle_s: float) -> dict | None:
-        """Move to stage `to` (module docstring). `may_switch(from_stage)` is asked last (None: go). Returns
-        the move's record, or None if it was given up (logged)."""
+    def move(self, to: int, reason: str, *, settle_s: float) -> dict | None:
+        """Move to stage `to` (module docstring), as the daemon ordered; it is asked last whether we may leave
+        our stage (`may_switch`: None, go). Returns the move's record, or None if it was given up (logged)."""
         key, old_stage, t0 = self.key, self.stage, time.monotonic()
         self._copies_to_disk()
         if not self.mem.holds(self.need(key, to)):
@@ -381,10 +385,9 @@ class StageSeat:
                            to, memory.mib(self.need(key, to)), memory.mib(self.mem.room))
             return None
         if not self.mem.holds(self.need(key, old_stage) + self.need(key, to)):
-            return self._move_freeing_first(to, reason, may_switch=may_switch, settle_s=settle_s)
+            return self._move_freeing_first(to, reason, settle_s=settle_s)
         self.swarm.log("moving from stage %d to stage %d: %s", old_stage, to, reason)
-        self.swarm.announce_move(moving_to=to, moved_from=self.cooling_from)
-        switched = False
+        self.swarm.announce_move(moving_to=to)
         try:
             worker = self._worker(key, to)
             got = self._adopt(worker, to)
@@ -395,7 +398,7 @@ class StageSeat:
                 self.swarm.log("stage %d has no peer and nobody holds a copy: it restarts from our blocks", to)
                 got = {"source": "none (restarted)", "step": 0, "live": False, "mb": 0.0, "download_s": 0.0}
             time.sleep(max(0.0, t0 + settle_s - time.monotonic()))  # let every peer see our claim first
-            why = may_switch(old_stage)
+            why = self.swarm.may_switch(old_stage)
             if why is not None:
                 self.swarm.log("move to stage %d given up: %s", to, why)
                 return None
@@ -404,7 +407,6 @@ class StageSeat:
                 dropped = old.pending_samples
                 self.worker, self.stage = worker, to
                 self._serve()
-                switched = True
                 self.swarm.unshare(old_group)
                 self._share()
             self._announce_profile()
@@ -414,12 +416,11 @@ class StageSeat:
             self.swarm.keep_stage_copy(key, old_stage, tensors, step, samples,
                                        in_memory=self._copy_in_memory(sum(t.numel() * t.element_size()
                                                                           for _, t in tensors), old_stage))
-            return self._moved(old_stage, to, t0, settle_s, {"reason": reason, "dropped_samples": dropped, **got})
+            return self._moved(old_stage, to, t0, {"reason": reason, "dropped_samples": dropped, **got})
         finally:
-            self.swarm.announce_move(moving_to=-1, moved_from=self.cooling_from if switched or
-                                     time.monotonic() < self.cool_until else -1)
+            self.swarm.announce_move(moving_to=-1)
 
-    def _move_freeing_first(self, to: int, reason: str, *, may_switch, settle_s: float) -> dict | None:
+    def _move_freeing_first(self, to: int, reason: str, *, settle_s: float) -> dict | None:
         """`move` for a peer that cannot hold both stages: once the swarm has seen our claim and our old stage
         may lose us, keep a copy of its state (on disk: peer/pipeline/state.py), drop it, then build the new
         stage and fetch its state. Calls held for the old stage are handed back (their drivers re-send them).
@@ -427,11 +428,10 @@ class StageSeat:
         key, old_stage, t0 = self.key, self.stage, time.monotonic()
         self.swarm.log("moving from stage %d to stage %d, freeing the old one first (both do not fit this peer's "
                        "budget): %s", old_stage, to, reason)
-        self.swarm.announce_move(moving_to=to, moved_from=self.cooling_from)
-        switched = False
+        self.swarm.announce_move(moving_to=to)
         try:
             time.sleep(max(0.0, t0 + settle_s - time.monotonic()))  # let every peer see our claim first
-            why = may_switch(old_stage)
+            why = self.swarm.may_switch(old_stage)
             if why is not None:
                 self.swarm.log("move to stage %d given up: %s", to, why)
                 return None
@@ -461,37 +461,29 @@ class StageSeat:
             with self.lock:
                 self.worker, self.stage = worker, to
                 self._serve()
-                switched = True
                 self._share()
             self._announce_profile()
             self.dropped_samples += dropped
-            return self._moved(old_stage, to, t0, settle_s,
+            return self._moved(old_stage, to, t0,
                                {"reason": reason, "dropped_samples": dropped, "freed_first": True, **got})
         finally:
-            self.swarm.announce_move(moving_to=-1, moved_from=self.cooling_from if switched or
-                                     time.monotonic() < self.cool_until else -1)
+            self.swarm.announce_move(moving_to=-1)
 
-    def _moved(self, old_stage: int, to: int, t0: float, settle_s: float, facts: dict) -> dict:
-        """After a switch to `to`: its copy goes (we serve it now: its state is live here), the stage we left
-        cools down, and the move is recorded for `peer status` and the log."""
+    def _moved(self, old_stage: int, to: int, t0: float, facts: dict) -> dict:
+        """After a switch to `to`: its copy goes (we serve it now: its state is live here), the daemon hears of
+        the move (for `peer status`, and the stage we left cools down there), and our figures follow."""
         self.swarm.drop_stage_copy(self.key, to)
         self._shadow = None
-        self.moved_at = time.monotonic()
-        self.cooling_from, self.cool_until = old_stage, self.moved_at + max(self.o.rebalance_every, settle_s)
-        record = {"from": old_stage, "to": to, "took_s": round(self.moved_at - t0, 3), **facts}
+        took = time.monotonic() - t0
+        record = {"from": old_stage, "to": to, "took_s": round(took, 3), **facts}
         self.swarm.note_move(**record)
-        self.swarm.log("now serving stage %d (was %d) after %.2fs", to, old_stage, self.moved_at - t0)
+        self.swarm.log("now serving stage %d (was %d) after %.2fs", to, old_stage, took)
+        self.tell_daemon()
         return record
 
     @property
     def model_shapes(self) -> ModelShapes:
         return shapes.trace(self.model, self.sample_x, self.sample_y)
-
-    def cool_down(self) -> None:
-        """Stop announcing the stage we left once its cool-down is over."""
-        if self.cooling_from >= 0 and time.monotonic() >= self.cool_until:
-            self.cooling_from = -1
-            self.swarm.announce_move(moving_to=-1, moved_from=-1)
 
     # ---- while training -------------------------------------------------------------------------
     def housekeeping(self) -> None:

@@ -1,4 +1,5 @@
-"""When a peer should move to another stage, and where a stage's state comes from: pure rules over the stage map.
+"""When a peer should move to another stage, and where a stage's state comes from: pure rules over the stage map,
+which the daemon applies (peer/pipeline/seating.py).
 
 A pipeline runs at its slowest stage's pace, and which stage that is changes as peers join, die or slow down.
 Every peer reads the same stage records (peer/pipeline/directory.py) and applies the same rules, so peers agree
@@ -35,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from peertrain.pipeline import StagePeer
+from peertrain.pipeline import StagePeer, StateSource
 from protocol.schema.pipeline import StageAnnouncement
 
 StageMap = dict[int, list[StagePeer]]
@@ -198,15 +199,8 @@ def may_switch(smap: StageMap, me: str, from_stage: int) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class Source:
-    peer_id: str
-    step: int
-    live: bool
-
-
 def state_sources(announcements: dict[str, StageAnnouncement], live: set[str], key_of, stage: int,
-                  me: str) -> list[Source]:
+                  me: str) -> list[StateSource]:
     """Peers that can hand out `stage`'s state, freshest first (serving it or keeping a copy; a live server
     before a copy of the same step). `key_of(ann)` says if an announcement is of our pipeline and cut."""
     out = []
@@ -214,9 +208,9 @@ def state_sources(announcements: dict[str, StageAnnouncement], live: set[str], k
         if pid == me or pid not in live or not key_of(ann):
             continue
         if ann.stage == stage:
-            out.append(Source(pid, ann.step, True))
+            out.append(StateSource(pid, ann.step, True))
         for c in ann.copies:
             if c.stage == stage:
-                out.append(Source(pid, c.step, False))
+                out.append(StateSource(pid, c.step, False))
     out.sort(key=lambda s: (-s.step, not s.live, s.peer_id))
     return out
