@@ -143,7 +143,7 @@ class Home:
 
     @property
     def stage_copies(self) -> Path:
-        """Copies of pipeline stages this daemon keeps on disk (peer/pipeline/state.py); emptied at start."""
+        """Copies of pipeline stages this daemon keeps on disk (peer/pipeline/state_transfer.py); emptied at start."""
         return self.root / "stage-copies"
 
     @property

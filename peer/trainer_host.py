@@ -136,7 +136,7 @@ class TrainerSwarm:
                         in_memory: bool = False) -> None:
         """Keep a copy of a stage's state (one we left, or back up) to hand to whoever takes the stage over: in
         a file in the daemon's home, or in memory if `in_memory` (memory allows it). Waits until it is kept
-        (the daemon writes the file in a worker thread: peer/pipeline/state.py); the caller may then let go of
+        (the daemon writes the file in a worker thread: peer/pipeline/state_transfer.py); the caller may then let go of
         `tensors`."""
         self._call(self._host.pipeline.keep_copy, key, stage, tensors, step, samples, in_memory=in_memory)
 
@@ -193,7 +193,7 @@ class TrainerSwarm:
 
     def stage_memory(self) -> tuple[int, str]:
         """This daemon's memory budget for a stage, in bytes (0: unknown), and where the figure came from
-        (peer/pipeline/memory.py): `[pipeline] memory_mib`, the cgroup's limit or the memory free at start."""
+        (peer/pipeline/memory_budget.py): `[pipeline] memory_mib`, the cgroup's limit or the memory free at start."""
         b = self._host.pipeline.budget
         return b.bytes, b.source
 

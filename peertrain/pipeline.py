@@ -90,7 +90,7 @@ class Outcome:
 
 @dataclass
 class FetchedState:
-    """A stage's state downloaded from a peer (peer/pipeline/state.py)."""
+    """A stage's state downloaded from a peer (peer/pipeline/state_transfer.py)."""
 
     tensors: Named
     step: int

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from peer.pipeline import memory as peer_memory
+from peer.pipeline import memory_budget as peer_memory
 from peer.pipeline.kept import MAX_KEPT
-from peer.pipeline.memory import AUTO_MARGIN as HOST_MARGIN, UNLIMITED, Budget, budget, rss_bytes
+from peer.pipeline.memory_budget import AUTO_MARGIN as HOST_MARGIN, UNLIMITED, Budget, budget, rss_bytes
 from peertrain.pipeline import PipelineKey, StagePeer
 from protocol import identity as ident
 from protocol.errors import ProtocolError
@@ -35,7 +35,7 @@ from trainers.pipeline import memory, profiles
 from trainers.pipeline.blocks import char_transformer_pipeline, from_factory
 from trainers.pipeline.partition import BlockCost, DoesNotFit, plan_stages
 from peer.pipeline.placement import better_stage, initial_stage
-from peer.pipeline.rebalance import plan_move, takeover_order
+from peer.pipeline.stage_moves import plan_move, takeover_order
 from trainers.pipeline.shapes import trace
 from protocol.limits import MiB
 
@@ -549,7 +549,7 @@ def test_a_largest_stage_record_is_small_enough_to_batch():
     assert size < 64 * 1024 < DEFAULT_LIMITS.max_message_bytes
 
 
-# ---- peer/pipeline/memory.py: the daemon's budget ---------------------------------------------------------------
+# ---- peer/pipeline/memory_budget.py: the daemon's budget ---------------------------------------------------------------
 
 def test_a_configured_budget_wins(monkeypatch):
     monkeypatch.setattr(peer_memory, "_cgroup_limit", lambda: pytest.fail("the cgroup was read"))

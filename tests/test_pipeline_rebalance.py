@@ -1,4 +1,4 @@
-"""The rebalancing rules of peer/pipeline/rebalance.py, pure: which peer moves to the bottleneck stage (and
+"""The rebalancing rules of peer/pipeline/stage_moves.py, pure: which peer moves to the bottleneck stage (and
 when none does), that no two peers leave one stage at once (also in a seeded simulation of many peers deciding
 on shared and stale views), who takes over an empty stage, and where a stage's state is fetched from."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from peertrain.pipeline import StagePeer, StateSource
 from protocol.schema.pipeline import StageAnnouncement, StageCopy
-from peer.pipeline.rebalance import (empty_stages, may_switch, plan_move, predicted_throughput, settling,
+from peer.pipeline.stage_moves import (empty_stages, may_switch, plan_move, predicted_throughput, settling,
                                          state_sources, takeover_order)
 
 
@@ -350,7 +350,7 @@ def test_a_moving_peer_is_not_a_taker():
 
 
 def test_a_copy_held_outside_the_stage_map_does_not_hide_the_freshest_live_holder():
-    """The keeper passes every announced copy of the stage (any pipeline, dead peers too): only copies of
+    """Seating passes every announced copy of the stage (any pipeline, dead peers too): only copies of
     peers on this stage map can make a taker."""
     smap = smap_of(3, ("a", 0, 10.0), ("b", 0, 10.0), ("c", 1, 10.0))
     order = takeover_order(smap, [1.0] * 3, 2, {"b": 40, "gone": 90})

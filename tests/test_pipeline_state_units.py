@@ -19,7 +19,7 @@ from peer.membership.view_mode import FullView
 from peer.pipeline.server import ServedStage, StageServer
 from peer.pipeline.service import PipelineService
 from peer.pipeline.copies import COPY_SUFFIX, KeptCopy, copy_file
-from peer.pipeline.state import StageStates
+from peer.pipeline.state_transfer import StageStates
 from peertrain.pipeline import CopyUnreadable, PipelineKey
 from protocol.schema.pipeline import BlockProfile
 from protocol import identity as ident

@@ -13,7 +13,7 @@ it accumulates acknowledged gradients until it has seen its share of `batch_size
 peers of the stage, so the stage as a whole steps once per `batch_size` samples, as one process would), steps its own optimizer (its state stays local), then averages the stage's parameters with another peer
 of the same stage through the gossip engine (partners: the peers of that stage only).
 
-Moving (trainers/pipeline/seat.py, keeper.py): the daemon decides where this peer serves
+Moving (trainers/pipeline/seat.py, mover.py): the daemon decides where this peer serves
 (peer/pipeline/seating.py, from the figures the seat gives it and the records): to the bottleneck stage when a
 move beats the measured noise, or to a stage left without peers. A background thread makes the moves it
 orders, carrying the stage's weights, optimizer state and step from a live peer or the freshest copy; it backs
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from peer.pipeline.memory import rss_bytes
+from peer.pipeline.memory_budget import rss_bytes
 from peertrain.pipeline import Microbatch, PipelineKey
 from peertrain.swarm import RANK_ENV
 from trainers import torch_data
@@ -50,13 +50,13 @@ from trainers.datasets import load_char_corpus
 from trainers.options import option, parse_options
 from trainers.pipeline import memory, profiles, shapes
 from trainers.pipeline.blocks import char_transformer_pipeline, from_factory
-from trainers.pipeline.keeper import SeatKeeper
+from trainers.pipeline.mover import SeatMover
 from trainers.pipeline.partition import format_plan, plan_stages
 from trainers.pipeline.seat import Memory, StageSeat, stage_wrapper
 
 DRAIN_S = 600.0  # most seconds to wait for the microbatches still in flight when driving ends (each is bounded anyway)
 EVAL_S = 600.0  # most seconds one validation pass may take
-KEEPER_STOP_S = 30.0  # most seconds to wait for the keeper's round (a move's download is bounded by state_timeout)
+MOVER_STOP_S = 30.0  # most seconds to wait for the mover.s round (a move's download is bounded by state_timeout)
 SETTLE_S = 6.0  # seconds peers starting together take to agree on a cut and spread over the stages: 3 record intervals
 BUILTIN_SOURCE = "the built-in Shakespeare corpus"
 NO_TEST = "no test set: dataset_factory returned None for it"  # val_error in status, said in the log
@@ -257,7 +257,7 @@ def run(swarm, options: dict) -> dict:
     rng = random.Random(hash((swarm.peer_id, o.seed)))
 
     state = StageSeat(swarm, o, model, sample_x, sample_y, costs, device=device, mem=mem)
-    keeper = None
+    mover = None
     if o.role != "driver":
         key = PipelineKey(o.pipeline, swarm.adopted_cut(o.pipeline, own_cuts))
         state.key = key
@@ -283,8 +283,8 @@ def run(swarm, options: dict) -> dict:
         swarm.log("not every stage has a peer after %.0fs; driving anyway (microbatches wait for them)", o.join_wait)
     if o.role != "driver":
         state.join_stage()
-        keeper = SeatKeeper(state, rng)
-        keeper.start()
+        mover = SeatMover(state, rng)
+        mover.start()
     swarm.on_checkpoint_request(state.save)
 
     result: dict = {}
@@ -309,8 +309,8 @@ def run(swarm, options: dict) -> dict:
     while not swarm.should_stop() and o.role != "driver":
         state.housekeeping()
         time.sleep(0.2)
-    if keeper is not None:
-        keeper.stop(timeout=KEEPER_STOP_S)
+    if mover is not None:
+        mover.stop(timeout=MOVER_STOP_S)
     state.save()
     return dict(result, state="done")
 

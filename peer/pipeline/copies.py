@@ -1,6 +1,6 @@
 """A copy of a pipeline stage's state that a daemon keeps: on disk in its home by default, in memory if asked.
 
-A copy (the stage a peer left, or a backup of the next one: peer/pipeline/state.py) is the stage's whole state,
+A copy (the stage a peer left, or a backup of the next one: peer/pipeline/state_transfer.py) is the stage's whole state,
 weights and optimizer state, several times its parameters' bytes. The pipeline exists to train models bigger
 than one host, so a copy goes to a file in HOME/stage-copies/ (peer/home.py, `Home.stage_copies`) and the daemon
 keeps only what it announces and checks: key, stage, step, samples, each tensor's name, dtype and shape, and

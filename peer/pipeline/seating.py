@@ -4,13 +4,13 @@ The job (trainers/swarm_pipeline.py) holds the model, so only it can say what ea
 compute and memory; it gives those figures (`SeatFigures`, peertrain/pipeline.py) whenever they change. The
 rest (who serves which stage, how fast, what memory they announce, who keeps copies) is in the records this
 daemon already holds, so the decisions are made here, every TICK_S, by the pure rules of placement.py and
-rebalance.py:
+stage_moves.py:
 
 - placement: the stage to start on (`first_order`), and while peers starting together spread out
   (`settling`), a peer of a crowded stage takes an empty one (`placement.better_stage`) once it has stayed
   empty for a record interval: a peer starting beside us announces its stage within one, and moving to a stage
   about to be served leaves ours short (the start-up race tests met);
-- takeover: a stage with no peer is taken by the best-placed peer (`rebalance.takeover_order`); the k-th in
+- takeover: a stage with no peer is taken by the best-placed peer (`stage_moves.takeover_order`); the k-th in
   that order steps in only after k grace periods with the stage still empty;
 - measuring: while no peer moves or cools down from a move, the predicted throughput is sampled every tick;
   its spread over the last `rebalance_every` seconds is the noise a move must beat;
@@ -33,8 +33,8 @@ from typing import Protocol
 
 import trio
 
-from peer.pipeline import placement, rebalance
-from peer.pipeline.rebalance import StageMap
+from peer.pipeline import placement, stage_moves
+from peer.pipeline.stage_moves import StageMap
 from peertrain.pipeline import MoveOrder, PipelineKey, SeatFigures, StateSource
 from protocol.limits import MiB
 
@@ -120,10 +120,10 @@ class Seating:
         return MoveOrder(stage, why, 0.0, starting=not running)
 
     def may_switch(self, from_stage: int) -> str | None:
-        """None if we may stop serving `from_stage` now (rebalance.may_switch); else why not."""
+        """None if we may stop serving `from_stage` now (stage_moves.may_switch); else why not."""
         if self.figures is None:
             return "no figures for our cut"
-        return rebalance.may_switch(self.records.stage_map(self.figures.key), self.me, from_stage)
+        return stage_moves.may_switch(self.records.stage_map(self.figures.key), self.me, from_stage)
 
     def moved(self, from_stage: int, to_stage: int) -> None:
         """The job switched from `from_stage` to `to_stage`: the stage left cools down (announced), and this
@@ -193,14 +193,14 @@ class Seating:
                                    starting=True))
 
     def _takeover(self, now: float, f: SeatFigures, smap: StageMap) -> bool:
-        empty = rebalance.empty_stages(smap)
+        empty = stage_moves.empty_stages(smap)
         self._track_empty(now, empty)
         for e in empty:
             copies = {src.peer_id: src.step for src in self.records.state_sources(f.key, e) if not src.live}
             own = self.records.own_copy_step(f.key, e)
             if own is not None:
                 copies[self.me] = own
-            order = rebalance.takeover_order(smap, list(f.stage_seconds), e, copies, fits=self._peer_fits(f, smap))
+            order = stage_moves.takeover_order(smap, list(f.stage_seconds), e, copies, fits=self._peer_fits(f, smap))
             mine = next((i for i, m in enumerate(order) if m.peer_id == self.me), None)
             if mine is None or now - self.empty_since[e] < mine * TAKEOVER_GRACE_S:
                 continue
@@ -211,10 +211,10 @@ class Seating:
 
     def _measure(self, now: float, f: SeatFigures, smap: StageMap) -> None:
         """Sample today's predicted throughput while nothing moves; a move (anyone's) starts the window afresh."""
-        if rebalance.settling(smap) or rebalance.empty_stages(smap):
+        if stage_moves.settling(smap) or stage_moves.empty_stages(smap):
             self.predictions.clear()
             return
-        self.predictions.append((now, rebalance.predicted_throughput(smap, list(f.stage_seconds))))
+        self.predictions.append((now, stage_moves.predicted_throughput(smap, list(f.stage_seconds))))
         while self.predictions and self.predictions[0][0] < now - f.rebalance_every:
             self.predictions.popleft()
 
@@ -223,7 +223,7 @@ class Seating:
         if measured_for < f.rebalance_every / 2 or now - self.moved_at < MIN_STAY_EVALS * f.rebalance_every:
             return
         threshold = max(f.min_gain, self.noise())
-        plan = rebalance.plan_move(smap, list(f.stage_seconds), min_gain=threshold, fits=self._peer_fits(f, smap))
+        plan = stage_moves.plan_move(smap, list(f.stage_seconds), min_gain=threshold, fits=self._peer_fits(f, smap))
         if plan is None or plan.peer_id != self.me:
             return
         self._decide(MoveOrder(plan.to_stage, plan.reason + f" (noise {threshold:.0%})", CLAIM_SETTLE_S))
@@ -248,7 +248,7 @@ class Seating:
         """Per stage: whether this peer can hold it (an unknown room holds anything)."""
         return [f.room_bytes <= 0 or need <= f.room_bytes for need in f.stage_bytes]
 
-    def _peer_fits(self, f: SeatFigures, smap: StageMap) -> rebalance.Fits:
+    def _peer_fits(self, f: SeatFigures, smap: StageMap) -> stage_moves.Fits:
         """(peer, stage) -> whether that peer can hold the stage, by the room it announced (none: it can)."""
         rooms = {p.peer_id: p.stage_room_mib for peers in smap.values() for p in peers}
         own = self._own_fits(f)

@@ -23,13 +23,13 @@ import trio
 from peer.averaging.bans import BanList
 from peer.pipeline.directory import bottleneck, capacity, stage_map
 from peer.pipeline.driver import Driver, DriverHandle
-from peer.pipeline import memory
+from peer.pipeline import memory_budget
 from peer.pipeline.kept import SWEEP_S
 from peer.pipeline.placement import adopted_cut
-from peer.pipeline.rebalance import state_sources
+from peer.pipeline.stage_moves import state_sources
 from peer.pipeline.seating import Seating
 from peer.pipeline.server import ServedStage, StageServer
-from peer.pipeline.state import KeptCopy, SpecCheck, StageStates
+from peer.pipeline.state_transfer import KeptCopy, SpecCheck, StageStates
 from peer.services import RecordFields
 from peertrain.pipeline import FetchedState, PipelineKey, StageHandler, StagePeer, StateSource, StateUnavailable
 from protocol.bounds import MAX_ADDRESS_CHARS
@@ -63,9 +63,9 @@ class PipelineService:
         # where we serve: decided here from the records, the job's figures and a record interval's patience
         self.seating = Seating(self, self.me, confirm_s=daemon.config.topology.record_interval)
         self.moves: deque[dict] = deque(maxlen=MOVES_KEPT)
-        self.budget = memory.budget(self.cfg.memory_mib)  # read once, at start (memory.py says why)
+        self.budget = memory_budget.budget(self.cfg.memory_mib)  # read once, at start (memory_budget.py says why)
         self.profiles: list[BlockProfile] = []  # our measured blocks, announced (trainers/pipeline/profiles.py)
-        self.memory_mib = memory.mib(self.budget.bytes)  # the budget we announce (the trainer's, on a GPU)
+        self.memory_mib = memory_budget.mib(self.budget.bytes)  # the budget we announce (the trainer's, on a GPU)
         self.stage_room_mib = 0  # of which a stage may use
         # Peers our drivers' checks found lying (peer/pipeline/verify.py): no call goes to them, our stage does not
         # average with them nor fetch its state from them, while banned. One list for all our drivers.
@@ -127,7 +127,7 @@ class PipelineService:
         """Announce our measured blocks and our memory (budget, and what a stage may use of it): planners and
         movers elsewhere read them (trainers/pipeline/profiles.py, memory.py)."""
         self.profiles = list(profiles)[:MAX_PROFILED_BLOCKS]
-        self.memory_mib, self.stage_room_mib = memory.mib(max(0, memory_bytes)), memory.mib(max(0, stage_room_bytes))
+        self.memory_mib, self.stage_room_mib = memory_budget.mib(max(0, memory_bytes)), memory_budget.mib(max(0, stage_room_bytes))
         self.topology.announce_soon()
 
     def note_move(self, move: dict) -> None:
@@ -183,7 +183,7 @@ class PipelineService:
                                  profiles=[p for p in self.profiles if p.block < MAX_BLOCKS],
                                  memory_mib=min(MAX_MEMORY_MIB, self.memory_mib),
                                  stage_room_mib=min(MAX_MEMORY_MIB, self.stage_room_mib),
-                                 memory_used_mib=min(MAX_MEMORY_MIB, memory.mib(memory.rss_bytes())),
+                                 memory_used_mib=min(MAX_MEMORY_MIB, memory_budget.mib(memory_budget.rss_bytes())),
                                  addresses=self._my_addresses())
 
     def _my_addresses(self) -> list[str]:
@@ -219,7 +219,7 @@ class PipelineService:
                 if not p.me and p.peer_id in connected and not self.banned(p.peer_id)}
 
     def state_sources(self, key: PipelineKey, stage: int) -> list[StateSource]:
-        """Live peers of `key` that can hand out `stage`'s state, freshest first (rebalance.state_sources)."""
+        """Live peers of `key` that can hand out `stage`'s state, freshest first (stage_moves.state_sources)."""
         live = {p.peer_id for peers in self.stage_map(key).values() for p in peers}
         return state_sources(self.announcements(), live, lambda a: PipelineKey.of(a) == key, stage, self.me)
 
@@ -293,7 +293,7 @@ class PipelineService:
                                       "avoided": driver.balancers[s].avoided(p.peer_id, now) if driver else None}
                                      for p in peers]} for s, peers in smap.items()],
             "memory": {"budget_mib": self.memory_mib, "stage_room_mib": self.stage_room_mib,
-                       "used_mib": memory.mib(memory.rss_bytes()), "source": self.budget.source},
+                       "used_mib": memory_budget.mib(memory_budget.rss_bytes()), "source": self.budget.source},
             "moving_to": self.moving_to if self.moving_to >= 0 else None,
             "moves": list(self.moves),
             "seating": self.seating.status(),

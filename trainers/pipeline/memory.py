@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-# The daemon's (peer/pipeline/memory.py), re-exported: a GPU's budget keeps the host's margin, figures their unit.
+# The daemon's (peer/pipeline/memory_budget.py), re-exported: a GPU's budget keeps the host's margin, figures their unit.
 from peer.pipeline.kept import MAX_KEPT
-from peer.pipeline.memory import AUTO_MARGIN as AUTO_MARGIN, mib as mib
+from peer.pipeline.memory_budget import AUTO_MARGIN as AUTO_MARGIN, mib as mib
 from protocol.limits import MiB as MiB
 OPTIMIZER_SLOTS = {"adam": 2, "sgd": 1}  # per-parameter state tensors each optimizer keeps (trainers/baseline.py)
 ACTIVATION_FACTOR = 8

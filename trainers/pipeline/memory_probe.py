@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from peer.pipeline.memory import peak_rss_bytes, rss_bytes
+from peer.pipeline.memory_budget import peak_rss_bytes, rss_bytes
 from trainers import torch_data
 from trainers.baseline import make_optimizer
 from trainers.pipeline import memory, shapes

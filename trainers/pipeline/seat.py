@@ -19,7 +19,7 @@ worker had accumulated toward its next step are dropped with it (at most one ste
 Copies: besides the stage it left, a peer keeps a backup of the next stage's state, pulled every `copy_every`
 seconds from a live peer of it (pull, not push: nobody can make us hold what we did not ask for). A stage that
 loses its last peer to a crash is taken over from the freshest copy any live peer holds, so at most
-`copy_every` seconds of that stage's training are lost. The daemon holds the copies (peer/pipeline/state.py)
+`copy_every` seconds of that stage's training are lost. The daemon holds the copies (peer/pipeline/state_transfer.py)
 and announces them in our record: on disk, or in memory where the room holds them beside everything the
 stage may come to hold (`_copy_in_memory`); a move first puts the copies held in memory on disk, so the
 move's own memory checks hold.
@@ -422,7 +422,7 @@ class StageSeat:
 
     def _move_freeing_first(self, to: int, reason: str, *, settle_s: float) -> dict | None:
         """`move` for a peer that cannot hold both stages: once the swarm has seen our claim and our old stage
-        may lose us, keep a copy of its state (on disk: peer/pipeline/state.py), drop it, then build the new
+        may lose us, keep a copy of its state (on disk: peer/pipeline/state_transfer.py), drop it, then build the new
         stage and fetch its state. Calls held for the old stage are handed back (their drivers re-send them).
         If the new stage's state cannot be had, the old stage is rebuilt from that copy and served again."""
         key, old_stage, t0 = self.key, self.stage, time.monotonic()

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from protocol.tensor_codec import DTYPES
-from trainers.pipeline import shapes, stage_state, staging
+from trainers.pipeline import shapes, state_tensors, staging
 from trainers.pipeline.blocks import LossFn, PipelineModel, seeded
 from trainers.pipeline.shapes import Boundary
 
@@ -574,17 +574,17 @@ class StageWorker:
             self.steps = int(d["steps"])
             self.samples = int(d.get("samples", self.samples))
 
-    # --- live state transfer (names: see trainers/pipeline/stage_state.py) -----------------------
+    # --- live state transfer (names: see trainers/pipeline/state_tensors.py) -----------------------
 
     @functools.cached_property
-    def _layout(self) -> stage_state.StateLayout:
+    def _layout(self) -> state_tensors.StateLayout:
         """Fixed once built: loads copy into the same tensors, and gossip averages them in place."""
         names = {id(p): n for n, p in self._named_params()}
-        params = {names[id(p)]: (i, p) for i, p in enumerate(stage_state.optimizer_params(self._optimizer))
+        params = {names[id(p)]: (i, p) for i, p in enumerate(state_tensors.optimizer_params(self._optimizer))
                   if id(p) in names}
-        module = {self._global(k): (stage_state.dtype_name(v), list(v.shape))
+        module = {self._global(k): (state_tensors.dtype_name(v), list(v.shape))
                   for k, v in self.module.state_dict().items()}
-        return stage_state.StateLayout(module, params, stage_state.probe_keys(self._optimizer))
+        return state_tensors.StateLayout(module, params, state_tensors.probe_keys(self._optimizer))
 
     def export_state(self) -> tuple[list[tuple[str, Tensor]], int, int]:
         """(named tensors, steps, samples): copies (detached, contiguous, on CPU) taken under `lock`, of
@@ -594,14 +594,14 @@ class StageWorker:
         named = [(name, p) for name, (_, p) in self._layout.params.items()]
         with self.lock:
             module = [(self._global(k), v) for k, v in self.module.state_dict().items()]
-            tensors = stage_state.flatten(module, named, self._optimizer.state)
+            tensors = state_tensors.flatten(module, named, self._optimizer.state)
             return tensors, self.steps, self.samples
 
     def check_state_specs(self, specs: list[tuple[str, str, list[int]]]) -> str | None:
         """None if `specs` [(name, dtype, shape)] is a state this stage can load; else a reason naming
         the first offending entry (<= 300 chars). Pure; allocates nothing proportional to the specs
         beyond a set of names. Call it before allocating the tensors of a state from a peer."""
-        return stage_state.check_specs(self._layout, specs)
+        return state_tensors.check_specs(self._layout, specs)
 
     def import_state(self, tensors: list[tuple[str, Tensor]], steps: int, samples: int) -> None:
         """Load an `export_state()` of the same blocks: module entries, optimizer state, counters; drops
@@ -615,10 +615,10 @@ class StageWorker:
         if not isinstance(tensors, (list, tuple)) or not all(
                 isinstance(e, tuple) and len(e) == 2 and isinstance(e[1], Tensor) for e in tensors):
             raise ValueError(f"{where}: expected a list of (name, tensor) pairs")
-        why = self.check_state_specs([(n, stage_state.dtype_name(t), list(t.shape)) for n, t in tensors])
+        why = self.check_state_specs([(n, state_tensors.dtype_name(t), list(t.shape)) for n, t in tensors])
         if why is not None:
             raise ValueError(f"{where}: {why}")
-        module, state = stage_state.split(self._layout, list(tensors))
+        module, state = state_tensors.split(self._layout, list(tensors))
         with self.lock:
             old = self._optimizer.state_dict()
             try:  # the receiver's param_groups: hyperparameters are its own

@@ -1,6 +1,6 @@
-"""The seat's keeper: a background thread that makes the moves the daemon orders, and keeps copies.
+"""The seat's mover: a background thread that makes the moves the daemon orders, and keeps copies.
 
-Beside the trainer's own thread (which drives microbatches), the keeper waits for the daemon's next move
+Beside the trainer's own thread (which drives microbatches), the mover waits for the daemon's next move
 (peer/pipeline/seating.py decides takeovers and rebalancing from the records; `next_move` waits at most
 TICK_S) and makes it (`StageSeat.move`: build the stage, fetch its state, switch). Between moves it tells the
 daemon our figures when they change (block costs get measured), every FIGURES_EVERY_S; every `copy_every`
@@ -26,12 +26,12 @@ TICK_S = 0.5  # the longest a round waits for the daemon's next move before it s
 FIGURES_EVERY_S = 2.0  # how often our figures are refreshed: block costs arrive in records, one per record interval
 
 
-class SeatKeeper:
+class SeatMover:
     def __init__(self, seat: StageSeat, rng: random.Random):
         self.seat, self.swarm, self.o = seat, seat.swarm, seat.o
         self.rng = rng
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pipeline-keeper", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="pipeline-mover", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -66,5 +66,5 @@ class SeatKeeper:
             except TrainerStopped:
                 return
             except Exception:  # one failed round must not end the peer's training; the next one tries again
-                log.exception("pipeline keeper round failed")
+                log.exception("pipeline mover round failed")
                 self._stop.wait(TICK_S)
