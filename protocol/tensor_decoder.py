@@ -4,7 +4,8 @@ Memory: the decoder allocates the output array once (or uses `out=`), receives
 raw bodies straight into it, and receives float16/q8 bodies into the *tail* of
 that same buffer and then expands them front to back in place (each step reads
 its input before its output can reach it), so no second full-size buffer
-exists; q8 adds only its scales. The codecs themselves are `protocol.tensor_codec`.
+exists; q8 adds only its scales. A sparse body (a few percent of the tensor) is received into its own three
+buffers and scattered into a zeroed tensor at the end. The codecs themselves are `protocol.tensor_codec`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from protocol.errors import LimitExceeded, ProtocolError
 from protocol.limits import WireLimits
 from protocol.schema.tensor import TensorHeader
 from protocol.tensor_codec import (CONVERT_STEP, DTYPES, F16_MAX, FLOAT_DTYPES, MAX_NDIM, U32, body_spec,
-                                   f32_to_bf16, is_torch_tensor, torch_module)
+                                   f32_to_bf16, is_torch_tensor, sparse_counts, torch_module, unpack_codes)
 
 __all__ = ["DecodedTensor", "TensorDecoder"]
 
@@ -63,7 +64,7 @@ class TensorDecoder:
             raise TypeError(f"expected a TensorHeader, got {type(header).__name__}")
         what = f"tensor {str(header.name)[:64]!r}"
         try:
-            numel, body = body_spec(header.dtype, header.shape, header.codec, header.block)
+            numel, body = body_spec(header.dtype, header.shape, header.codec, header.block, header.topk)
         except ValueError as e:
             raise ProtocolError(f"{what}: {e}") from None
         if type(header.stream) is not int or not 0 <= header.stream < U32:
@@ -111,6 +112,7 @@ class TensorDecoder:
         self.shape: tuple[int, ...] = tuple(header.shape)
         self.codec: str = header.codec
         self.block: int = header.block
+        self.topk: int = header.topk
         self.nbytes: int = body
         self.allow_nonfinite = allow_nonfinite
         self._array = array
@@ -119,7 +121,16 @@ class TensorDecoder:
         raw_bytes = self._flat.view(np.uint8)
         k = wire.itemsize
         self._scales: np.ndarray | None = None
-        if self.codec == "q8":
+        self._indices: np.ndarray | None = None
+        self._codes: np.ndarray | None = None
+        if self.codec == "sparse":
+            chunks, kept = sparse_counts(numel, self.block, self.topk)
+            self._indices = np.empty(kept, dtype="<u2")
+            self._codes = np.empty(-(-kept // 4), dtype=np.uint8)
+            self._scales = np.empty(2 * chunks, dtype="<f4")
+            allocated += self._indices.nbytes + self._codes.nbytes + self._scales.nbytes
+            regions = [self._indices.view(np.uint8), self._codes, self._scales.view(np.uint8)]
+        elif self.codec == "q8":
             self._scales = np.empty(-(-numel // self.block), dtype="<f4")
             allocated += self._scales.nbytes
             regions = [raw_bytes[(k - 1) * numel :], self._scales.view(np.uint8)]
@@ -243,8 +254,13 @@ class TensorDecoder:
             self._expand_float16()
         elif self.codec == "q8":
             self._expand_q8()
+        elif self.codec == "sparse":
+            self._expand_sparse()
         if self._check_as_received:
             bad = self._nonfinite
+        elif self.codec == "sparse":  # every value is a chunk's magnitude, with a sign
+            assert self._scales is not None
+            bad = not self.allow_nonfinite and not bool(np.isfinite(self._scales).all())
         else:
             bad = not self.allow_nonfinite and self.dtype in FLOAT_DTYPES and not self._all_finite()
         if bad:
@@ -286,6 +302,43 @@ class TensorDecoder:
             if near_max and limit is not None:
                 np.clip(x, -limit, limit, out=x)
             self._store(i, x)
+
+    def _expand_sparse(self) -> None:
+        """Check the indices (within their chunk, strictly increasing) and magnitudes (not negative), then
+        scatter: every element not sent is 0. ProtocolError naming the first bad chunk."""
+        assert self._indices is not None and self._codes is not None and self._scales is not None
+        n, block, topk = self._numel, self.block, self.topk
+        full = n // block  # whole chunks; a last short one keeps min(topk, its length)
+        idx = self._indices
+        rows = idx[: full * topk].reshape(full, topk).astype(np.int32)
+        ok_rows = (rows < block).all(axis=1) & (np.diff(rows, axis=1) > 0).all(axis=1) if full else np.ones(0, bool)
+        if not ok_rows.all():
+            raise ProtocolError(f"{self._what}: sparse chunk {int(np.argmin(ok_rows))}: indices must be strictly "
+                                f"increasing and below {block}")
+        if n > full * block:
+            last = idx[full * topk :].astype(np.int32)
+            if not ((last < n - full * block).all() and (np.diff(last) > 0).all()):
+                raise ProtocolError(f"{self._what}: sparse chunk {full}: indices must be strictly increasing and "
+                                    f"below {n - full * block}")
+        with np.errstate(invalid="ignore"):
+            negative = self._scales < 0
+        if negative.any():
+            raise ProtocolError(f"{self._what}: sparse chunk {int(np.argmax(negative)) // 2}: a negative magnitude")
+        self._flat.fill(0)
+        kept = idx.shape[0]
+        step = max(1, CONVERT_STEP // topk) * topk  # whole chunks' entries at a time: bounded temporaries
+        for i in range(0, kept, step):
+            j = min(i + step, kept)
+            chunk = np.arange(i, j) // topk
+            codes = unpack_codes(self._codes[i // 4 : -(-j // 4)], j - i + i % 4)[i % 4 :]
+            values = self._scales[2 * chunk + (codes & 1)].astype(np.float64 if self.dtype == "float64" else np.float32)
+            values[codes >= 2] *= -1
+            positions = chunk.astype(np.int64) * block + idx[i:j]
+            if self.dtype == "bfloat16":
+                self._flat[positions] = f32_to_bf16(values)
+            else:
+                with np.errstate(over="ignore"):
+                    self._flat[positions] = values
 
     def _all_finite(self) -> bool:
         flat = self._flat

@@ -14,8 +14,8 @@ import numpy as np
 
 from protocol.limits import DEFAULT_CHUNK_SIZE
 from protocol.schema.tensor import TensorHeader
-from protocol.tensor_codec import (CONVERT_STEP, DEFAULT_Q8_BLOCK, DTYPES, U32, bf16_to_f32, body_spec,
-                                   is_torch_tensor, quantize, to_float16, torch_module)
+from protocol.tensor_codec import (CONVERT_STEP, DTYPES, U32, bf16_to_f32, body_spec, codec_params,
+                                   is_torch_tensor, pack_codes, quantize, sparsify, to_float16, torch_module)
 
 __all__ = ["TensorEncoder"]
 
@@ -67,21 +67,25 @@ class TensorEncoder:
         tensor: Any,
         codec: str = "raw",
         chunk_size: int = DEFAULT_CHUNK_SIZE,
-        block: int = DEFAULT_Q8_BLOCK,
+        block: int | None = None,
+        topk: int | None = None,
     ) -> None:
         if not isinstance(name, str):
             raise TypeError("tensor name must be a str")
         if type(chunk_size) is not int or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         flat, dtype, shape, keepalive = _flatten(tensor)
-        block = block if codec == "q8" else 0
+        default_block, default_topk = codec_params(codec) if isinstance(codec, str) else (0, 0)
+        block = (block if block is not None else default_block) if codec in ("q8", "sparse") else 0
+        topk = (topk if topk is not None else default_topk) if codec == "sparse" else 0
         self.name = name
         self.dtype = dtype
         self.shape = shape
         self.codec = codec
         self.block = block
+        self.topk = topk
         self.chunk_size = chunk_size
-        self.nbytes = body_spec(dtype, shape, codec, block)[1]
+        self.nbytes = body_spec(dtype, shape, codec, block, topk)[1]
         self._flat = flat
         self._keepalive = keepalive
 
@@ -97,6 +101,7 @@ class TensorEncoder:
             codec=self.codec,
             nbytes=self.nbytes,
             block=self.block,
+            topk=self.topk,
         )
 
     def chunks(self) -> Iterator[memoryview]:
@@ -108,6 +113,8 @@ class TensorEncoder:
             for i in range(0, self._flat.shape[0], step):
                 half = to_float16(self._as_float(i, i + step))
                 yield from _split(half.view(np.uint8).data, self.chunk_size)
+        elif self.codec == "sparse":
+            yield from self._sparse_chunks()
         else:
             yield from self._q8_chunks()
 
@@ -125,3 +132,19 @@ class TensorEncoder:
             yield from _split(q.view(np.uint8).data, self.chunk_size)
         if scales:
             yield from _split(np.concatenate(scales).view(np.uint8).data, self.chunk_size)
+
+    def _sparse_chunks(self) -> Iterator[memoryview]:
+        """Indices, packed codes, magnitudes (tensor_codec's layout): a few percent of the tensor, so the three
+        parts are gathered over the steps and sent after."""
+        block = self.block
+        step = max(1, CONVERT_STEP // block) * block
+        idx, codes, scales = [], [], []
+        for i in range(0, self._flat.shape[0], step):
+            a, c, s = sparsify(self._as_float(i, i + step), block, self.topk)
+            idx.append(a)
+            codes.append(c)
+            scales.append(s)
+        if not idx:
+            return
+        for part in (np.concatenate(idx), pack_codes(np.concatenate(codes)), np.concatenate(scales)):
+            yield from _split(part.view(np.uint8).data, self.chunk_size)

@@ -79,6 +79,7 @@ UNIT_MODULES = frozenset({
     "test_protocol_messages.py",
     "test_protocol_noise.py",
     "test_protocol_tensor_codec.py",
+    "test_protocol_sparse_codec.py",
     "test_router.py",
     "test_topology_math.py",
     "test_topology_records.py",

@@ -28,7 +28,7 @@ from peertrain.optimizer import MODES as GOSSIP_MODES
 from peertrain.optimizer import GossipOptimizer
 from peertrain.outer import MODES as OUTER_MODES
 from peertrain.outer import LocalStepsOptimizer
-from protocol.tensor_codec import CODECS
+from protocol.tensor_codec import DENSE_CODECS
 from trainers import torch_data
 from trainers.baseline import RECOMMENDED, make_optimizer, seeded_model
 from trainers.datasets import head, load_factory, load_sized_model
@@ -136,8 +136,8 @@ def run(swarm, options: dict) -> dict:
         raise ValueError(f"[trainer.options] mode: expected one of {', '.join(GOSSIP_MODES)}, local, got {o.mode!r}")
     if not (math.isfinite(o.target_loss) and o.target_loss >= 0):
         raise ValueError(f"[trainer.options] target_loss: expected a finite number >= 0, got {o.target_loss!r}")
-    if o.outer_codec and o.outer_codec not in CODECS:
-        raise ValueError(f"[trainer.options] outer_codec: expected one of {', '.join(CODECS)}, got {o.outer_codec!r}")
+    if o.outer_codec and o.outer_codec not in DENSE_CODECS:
+        raise ValueError(f"[trainer.options] outer_codec: expected one of {', '.join(DENSE_CODECS)}, got {o.outer_codec!r}")
     if o.outer_averaging not in OUTER_MODES:
         raise ValueError(f"[trainer.options] outer_averaging: expected one of {', '.join(OUTER_MODES)}, "
                          f"got {o.outer_averaging!r}")

@@ -28,7 +28,7 @@ from peertrain.checkpoints import load_checkpoint, save_checkpoint
 from peertrain.swarm import AVERAGE_MODES, LATEST_CHECKPOINT, ExchangeResult, shard_index, wait_for_peers
 from protocol.errors import LimitExceeded
 from protocol.refusal import Code
-from protocol.tensor_codec import CODECS
+from protocol.tensor_codec import DENSE_CODECS
 from protocol.frames import LengthPrefixedReader
 
 log = logging.getLogger("peertrain.attach")
@@ -133,9 +133,9 @@ class AttachedSwarm:
         `codec`, `error_feedback`, `averaged`: as `Swarm.share` (peertrain/swarm.py)."""
         if not (isinstance(name, str) and 0 < len(name) <= wire.MAX_GROUP):  # as SharedTensors refuses it
             raise ValueError(f"group name {name!r}: expected a string of 1 to {wire.MAX_GROUP} characters")
-        if codec is not None and codec not in CODECS:  # refused here, as the hosted handle does: to the daemon a
+        if codec is not None and codec not in DENSE_CODECS:  # refused here, as the hosted handle does: to the daemon a
             #                                             request it refuses is a broken client, and ends our session
-            raise ValueError(f"group {name!r}: codec {codec!r} is not one of {', '.join(CODECS)}")
+            raise ValueError(f"group {name!r}: codec {codec!r} is not one of {', '.join(DENSE_CODECS)}")
         group = SharedGroup(self, name, tensors)
         try:
             self._request(wire.Share(name, group.specs, codec or "", error_feedback, averaged), fds=[group.segment.fd])

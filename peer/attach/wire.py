@@ -19,7 +19,7 @@ import msgpack
 from peer.attach.shm import SEGMENT_DTYPES
 from peertrain.swarm import AVERAGE_MODES
 from protocol.schema.topology import MAX_GROUP_CHARS
-from protocol.tensor_codec import CODECS
+from protocol.tensor_codec import DENSE_CODECS
 
 PROTOCOL = 1  # bumped when a request changes meaning; a client of another version is refused at attach
 MAX_FRAME = 1 << 20  # one request (a metrics dict, a group's specs): far above honest use, small enough to hold
@@ -137,8 +137,8 @@ def decode(obj: Any) -> Request:
             shape = tuple(_int(d, f"share.specs[{i}].shape", 0, 1 << 40) for d in s[2])
             specs.append((name, s[1], shape))
         codec = obj.get("codec", "")
-        if codec not in ("", *CODECS):
-            raise WireError(f"share.codec: expected one of {', '.join(CODECS)} (or empty: the daemon's)")
+        if codec not in ("", *DENSE_CODECS):
+            raise WireError(f"share.codec: expected one of {', '.join(DENSE_CODECS)} (or empty: the daemon's)")
         flags = {k: obj.get(k, default) for k, default in (("error_feedback", False), ("averaged", True))}
         for k, v in flags.items():
             if not isinstance(v, bool):

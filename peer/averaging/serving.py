@@ -30,7 +30,7 @@ from peer.session.transport import SessionClosed
 from protocol.errors import ProtocolError
 from protocol.refusal import Code, Refusal
 from protocol.schema.gossip import AverageAccept, AverageOffer, AverageReject
-from protocol.tensor_codec import CODECS
+from protocol.tensor_codec import DENSE_CODECS
 
 log = logging.getLogger("peertrain.gossip")
 
@@ -94,7 +94,7 @@ class ExchangeServer:
             return Refusal(Code.BAD_RULE, f"unknown weight rule {offer.rule[:40]!r}")
         if not 0.0 < offer.max_weight <= 0.5:
             return Refusal(Code.BAD_WEIGHT, f"impossible weight {offer.max_weight}")
-        if offer.codec not in CODECS:
+        if offer.codec not in DENSE_CODECS:
             return Refusal(Code.BAD_CODEC, f"unknown codec {offer.codec[:40]!r}")
         if not valid_radius(offer.radius):
             return Refusal(Code.BAD_RADIUS, f"no radius or an impossible one ({offer.radius}): a peer older "

@@ -29,7 +29,7 @@ from protocol.limits import DEFAULT_LIMITS
 from protocol.schema.gossip import TensorSpec
 from protocol.schema.topology import MAX_GROUP_CHARS
 from protocol.tensor_codec import DTYPES as TENSOR_DTYPES
-from protocol.tensor_codec import CODECS, DEFAULT_Q8_BLOCK, FLOAT_DTYPES, tensor_nbytes
+from protocol.tensor_codec import DENSE_CODECS, FLOAT_DTYPES, codec_params, tensor_nbytes
 from protocol.tensor_decoder import TensorDecoder
 from protocol.tensor_encoder import TensorEncoder
 
@@ -62,8 +62,8 @@ class SharedTensors:
                 raise ValueError(f"tensor {key!r} of group {name!r} is {_dtype_name(t)}: averaging adds fractional "
                                  f"weights in place, so share only floating-point tensors ({', '.join(sorted(FLOAT_DTYPES))}); "
                                  "keep counters such as BatchNorm's num_batches_tracked out of the group")
-        if codec is not None and codec not in CODECS:
-            raise ValueError(f"group {name!r}: codec {codec!r} is not one of {', '.join(CODECS)}")
+        if codec is not None and codec not in DENSE_CODECS:
+            raise ValueError(f"group {name!r}: codec {codec!r} is not one of {', '.join(DENSE_CODECS)}")
         self.name = name
         self.tensors = dict(tensors)
         self.codec = codec  # how its exchanges encode it (None: the daemon's [gossip] codec)
@@ -128,8 +128,7 @@ class SharedTensors:
     def wire_nbytes(self, codec: str) -> int:
         """Bytes one side's tensors take on the wire with `codec` (what an exchange really sends, for the
         counters and the link measurements that rewiring trusts: a q8 exchange moves about a quarter)."""
-        block = DEFAULT_Q8_BLOCK if codec == "q8" else 0
-        return sum(tensor_nbytes(s.dtype, s.shape, codec, block) for s in self.specs)
+        return sum(tensor_nbytes(s.dtype, s.shape, codec, *codec_params(codec)) for s in self.specs)
 
     def add_residual(self, own: list[Any], codec: str) -> bool:
         """Error feedback, before a lossy send: add to our snapshot `own` (in place) what earlier sends left out,

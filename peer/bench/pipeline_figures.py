@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from protocol.tensor_codec import DEFAULT_Q8_BLOCK, tensor_nbytes
+from protocol.tensor_codec import codec_params, tensor_nbytes
 
 RECOVERED = 0.9  # "back within 10%": the windowed throughput reaches 90% of the reference
 CODECS = ("raw", "float16", "q8")
@@ -96,7 +96,7 @@ def bytes_per_microbatch(act_shape: list[int], stages: int, forward_codec: str, 
       `backward_codec`).
     """
     def nb(codec: str) -> int:
-        return tensor_nbytes("float32", act_shape, codec, DEFAULT_Q8_BLOCK if codec == "q8" else 0)
+        return tensor_nbytes("float32", act_shape, codec, *codec_params(codec))
 
     cuts = stages - 1
     act_crossings = 3 * (cuts - 1) + 2

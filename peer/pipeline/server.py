@@ -39,7 +39,7 @@ from protocol.schema.gossip import TensorSpec
 from protocol.schema.pipeline import StageAck, StageAckReply, StageCall, StageReply
 from protocol.refusal import Code, Refusal, Refused
 from protocol.schema.session import ErrorReply
-from protocol.tensor_codec import CODECS, FLOAT_DTYPES
+from protocol.tensor_codec import DENSE_CODECS, FLOAT_DTYPES
 
 log = logging.getLogger("peertrain.pipeline")
 
@@ -140,7 +140,7 @@ class StageServer:
                                             f"(it serves {', '.join(st.handler.kinds())})")
         if call.batch > st.max_batch:
             return Refusal(Code.TOO_BIG, f"batch {call.batch} is over this stage's max_batch {st.max_batch}")
-        if call.codec not in CODECS:
+        if call.codec not in DENSE_CODECS:
             return Refusal(Code.BAD_CODEC, f"unknown codec {call.codec[:20]!r}")
         want = [(d, list(s)) for _, d, s in st.handler.input_specs(call.kind, call.batch)]
         got = [(s.dtype, list(s.shape)) for s in call.tensors]  # names are the driver's to choose

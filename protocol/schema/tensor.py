@@ -20,8 +20,9 @@ class TensorHeader(Message):
     """A tensor named `name` follows on chunk stream `stream`.
 
     `dtype` is the tensor's dtype (e.g. "float32"), `codec` how its body is
-    encoded ("raw", "float16", "q8"), `nbytes` the exact body length and
-    `block` the q8 quantization block in elements (0 for other codecs).
+    encoded ("raw", "float16", "q8", "sparse"), `nbytes` the exact body length,
+    `block` the q8 quantization block or the sparse chunk in elements (0 for
+    other codecs) and `topk` the entries a sparse chunk keeps (0 for others).
     """
 
     TYPE = "tensor"
@@ -32,6 +33,7 @@ class TensorHeader(Message):
     codec: str
     nbytes: int
     block: int = 0
+    topk: int = 0
 
 
 @dataclass(frozen=True, slots=True)
