@@ -50,6 +50,11 @@ RECOMMENDED: MappingProxyType[str, Hyperparams] = MappingProxyType({
     "digits_cnn": Hyperparams(epochs=15, batch_size=32, lr=0.05, optimizer="sgd", momentum=0.9),
     "digits_wide_mlp": Hyperparams(epochs=10, batch_size=128, lr=0.1, optimizer="sgd", momentum=0.9),
     "char_transformer": Hyperparams(epochs=1, batch_size=32, lr=3e-3, optimizer="adam", momentum=0.9, max_steps=120),
+    # The link-bound language models (trainers/models.py, LM_PRESETS): a step takes 1.2 s (lm_14m, 16 x 128
+    # tokens) and 4.1 s (lm_100m, 4 x 256) on this 2-core CPU (2026-11-28); GPT-2-small-like Adam rates. Their
+    # step budgets are not yet measured against a loss target (issue 41's `peer bench wan` will).
+    "lm_14m": Hyperparams(epochs=1, batch_size=16, lr=1e-3, optimizer="adam", momentum=0.9, max_steps=300),
+    "lm_100m": Hyperparams(epochs=1, batch_size=4, lr=6e-4, optimizer="adam", momentum=0.9, max_steps=20),
 })
 
 

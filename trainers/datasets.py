@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from trainers.models import LM_PRESETS
+
 DIGITS_FILE = "digits.npz"
 CORPUS_FILE = "shakespeare.txt"
 
@@ -245,12 +247,17 @@ def load_char_corpus(
 
 
 def load_for_model(
-    model: str, *, seed: int = 0, block: int = 64
+    model: str, *, seed: int = 0, block: int | None = None
 ) -> tuple[ArrayDataset | CharDataset, ArrayDataset | CharDataset, dict[str, Any]]:
     """(train, test, model_opts) for one of the built-in model names; the opts complete `build_model`.
+    `block`: the language models' context (default: the preset's, else 64).
 
     Explicit mapping rather than magic, so a new built-in model has to say which data it trains on.
     """
+    if model in LM_PRESETS:
+        block = block or LM_PRESETS[model]["block"]
+        ctrain, ctest, vocab = load_char_corpus(block=block)
+        return ctrain, ctest, {"vocab": len(vocab), "block": block}
     if model in ("digits_mlp", "digits_wide_mlp"):
         train, test = load_digits(seed=seed)
         return train, test, {}
@@ -258,6 +265,7 @@ def load_for_model(
         train, test = load_digits(seed=seed, as_images=True)
         return train, test, {}
     if model == "char_transformer":
+        block = block or 64
         ctrain, ctest, vocab = load_char_corpus(block=block)
         return ctrain, ctest, {"vocab": len(vocab), "block": block}
     raise ValueError(f"no built-in dataset for model {model!r}")

@@ -42,7 +42,8 @@ class GossipSGDOptions:
 
     Hyperparameters left at 0 (or -1, or "") take the built-in model's recipe (trainers/baseline.py)."""
 
-    model: str = option("digits_mlp", "built-in model: digits_mlp, digits_cnn, digits_wide_mlp or char_transformer")
+    model: str = option("digits_mlp", "built-in model: digits_mlp, digits_cnn, digits_wide_mlp, char_transformer, "
+                                      "lm_14m or lm_100m (14 M and 107 M parameters, for slow links)")
     model_factory: str = option("", '"pkg.module:fn" returning an `nn.Module` (overrides `model`)')
     dataset_factory: str = option("", '"pkg.module:fn" returning `(train, test)` torch datasets, map-style or '
                                       "iterable, sharded by rank (`test` may be `None`: no accuracy)")
