@@ -165,15 +165,17 @@ def test_model_forward_shapes(name: str, opts: dict, x: torch.Tensor, out: tuple
 
 
 def test_parameter_counts() -> None:
-    counts = {
-        name: count_parameters(build_model(name, **({"vocab": 65} if name == "char_transformer" else {})))
-        for name in models.MODELS
-    }
+    counts = {}
+    for name in models.MODELS:
+        lm = name == "char_transformer" or name in models.LM_PRESETS
+        with torch.device("meta") if name in models.LM_PRESETS else contextlib.nullcontext():  # no storage
+            counts[name] = count_parameters(build_model(name, **({"vocab": 65} if lm else {})))
     print("parameter counts:", counts)
     assert counts["digits_mlp"] == 64 * 128 + 128 + 128 * 10 + 10
     assert counts["digits_cnn"] < 100_000
     assert 2_000_000 <= counts["digits_wide_mlp"] <= 8_000_000, "slow-link benchmark needs several MB"
     assert 100_000 < counts["char_transformer"] < 1_000_000
+    assert counts["lm_100m"] == 106_616_129 and counts["lm_14m"] == 14_295_617  # issue 41: >= 1e8; 10-30 M
 
 
 def test_build_model_errors() -> None:
