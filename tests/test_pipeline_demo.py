@@ -138,6 +138,12 @@ def test_peer_status_shows_moves_steps_copies_and_handed_back_calls():
     assert "1h02m" in oldest and "4.6s" in oldest and "dddddddd: step 977 live, 12.3 MB in 0.6s" in oldest
     assert " 24 " in oldest and "stage 2 is the bottleneck" in oldest and "…" in oldest
     assert "(gain 73%" not in out  # the reason is cut to fit; --json has it whole
+    assert "seating" not in out  # nothing decided, nothing cooling: no line
+    pl["seating"] = {"order": {"to_stage": 1, "reason": "stage 1 has no peer"}, "moving": False, "cooling_from": 2,
+                     "noise": 0.02, "settling": False}
+    out = _text(render_pipeline(pl, st["trainer"], now=now))
+    seat_line = next(line for line in out.splitlines() if "seating" in line)
+    assert "ordered to stage 1: stage 1 has no peer" in seat_line and "stage 2 cooling down" in seat_line
     assert "stage 1 step 977 (30s old)   stage 2 step 1180 (2m05s old)" in out
     assert "2 sent   refused busy 1   1 sending   1 fetched   1 fetches failed" in out
     assert "refused (no_state): the copy is gone" in out

@@ -179,6 +179,12 @@ def render_pipeline(pl: dict, tr: dict | None = None, *, now: float | None = Non
                              f"role {pl.get('role') or '-'}   my stage {'-' if me is None else me}"
                              + (f"   moving to stage {moving}" if moving is not None else "")
                              + ("   driving done" if tr.get("driving_done") else ""))
+    seat = pl.get("seating") or {}
+    if seat.get("order") or seat.get("cooling_from") is not None:  # the daemon's decision (peer/pipeline/seating.py)
+        order = seat.get("order") or {}
+        head.add_row("seating", (f"ordered to stage {order.get('to_stage')}: {order.get('reason')}" if order else "")
+                     + (f"   stage {seat['cooling_from']} cooling down after our move"
+                        if seat.get("cooling_from") is not None else ""))
     parts = [head, stage_map_table(pl)]
     if pl.get("driver"):
         parts.append(Panel(_driver_facts(pl["driver"], tr, pl.get("reach")), title="driver", box=box.ROUNDED,
