@@ -42,7 +42,7 @@ changes nothing; a split is granted at most once per `split_cooldown`. What a `V
 own, the daemon must: a peer sending requests at a high rate (per-session rate limits). Keys are free, so an
 eclipse (HyParView's weakness too) is bounded by what keys cannot make cheaply: an edge handed on or dropped
 above the target is the youngest (`_trim`), a full passive view evicts from the prefix holding the most
-(`_passive_victim`), and sends that only a forwarded message vouches for are rate-bounded (`_vouched_send`).
+(peer/membership/passive_view.py), and sends that only a forwarded message vouches for are rate-bounded (`_vouched_send`).
 """
 
 from __future__ import annotations
@@ -53,11 +53,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Union
 
-from peer.session.handshake_slots import source_of
+from peer.membership.passive_view import PassiveView
 from peer.topology.graph import LinkEstimate
 from peer.topology.local_gap import GapReading
 from peer.topology.local_rewire import LocalRewireConfig, NeighbourFacts, plan_local_move, slower_half
-from protocol.addresses import RELAY_MARK, parse_address
 from protocol.schema.views import (MAX_ENTRIES, MAX_WALK, Disconnect, Entry, Join, JoinReply, JoinWalk, NeighbourReply,
                                    NeighbourRequest, Seek, Shuffle, ShuffleReply, Status, SwapReply, SwapRequest,
                                    ViewMessage, WalkEnd, encoded_size)
@@ -214,16 +213,6 @@ class Pending:
     move: str = ""  # the rewiring move it carries out ("speed", "mix"), if any
 
 
-def entry_prefix(entry: Entry) -> str:
-    """The network prefix an entry's first address lies in (IPv4 /24, IPv6 /48: `source_of`); a relayed address
-    counts by its relay's address, and an entry without a parseable address is a prefix of its own ID."""
-    for text in entry.addresses[:1]:
-        parsed = parse_address(text.split(RELAY_MARK, 1)[0])
-        if parsed is not None:
-            return source_of(parsed[0])[1]
-    return "id:" + entry.peer_id
-
-
 class Views:
     """One peer's active and passive views, and the rules that change them (see the module docstring)."""
 
@@ -232,7 +221,7 @@ class Views:
         self.cfg = cfg
         self.rng = rng
         self.active: dict[str, Neighbour] = {}
-        self.passive: dict[str, Entry] = {}
+        self.passive = PassiveView(cfg.passive_size, rng)  # whom else I know (peer/membership/passive_view.py)
         self.pending: dict[str, Pending] = {}
         self.expected: dict[str, float] = {}  # peers handed to me that will ask: until when I hold a slot
         # peers to ask first: why, and for a lost neighbour's neighbour, whom we both lost
@@ -885,47 +874,14 @@ class Views:
             self.leads.popitem(last=True)
 
     def _to_passive(self, entry: Entry) -> None:
-        peer = entry.peer_id
-        if peer == self.me.peer_id or peer in self.active:
-            return
-        if peer not in self.passive and len(self.passive) >= self.cfg.passive_size:
-            del self.passive[self._passive_victim(entry, [])]
-        self.passive[peer] = entry
+        if entry.peer_id != self.me.peer_id and entry.peer_id not in self.active:
+            self.passive.add(entry)
 
     def _integrate(self, entries, *, sent) -> None:
-        """Shuffled entries into the passive view; when full, those I just sent away go first (Cyclon), unless
-        the newcomer's prefix holds the most already (`_passive_victim`)."""
-        evict = [e.peer_id for e in sent]
-        for e in entries:
-            p = e.peer_id
-            if p == self.me.peer_id or p in self.active or p in self.passive:
-                continue
-            if len(self.passive) >= self.cfg.passive_size:
-                while evict and evict[-1] not in self.passive:
-                    evict.pop()
-                victim = self._passive_victim(e, evict)
-                if evict and victim == evict[-1]:
-                    evict.pop()
-                del self.passive[victim]
-            self.passive[p] = e
-
-    def _passive_victim(self, newcomer: Entry, preferred: list[str]) -> str:
-        """Which passive entry makes room for `newcomer` in a full view: one of its own prefix (IPv4 /24, IPv6
-        /48, `entry_prefix`) if that prefix holds the most entries already, else the last of `preferred` (a
-        shuffle's: what I just sent away), else a random one of the prefix holding the most. Why: keys are
-        free and one /24 holds 254 addresses; evicting at random, entries from two prefixes pushed out every
-        other (issue 40); now a flood only pushes out its own prefix's entries, and a LAN swarm, all in one
-        prefix, evicts at random as before."""
-        by_prefix: dict[str, list[str]] = {}
-        for p, e in self.passive.items():
-            by_prefix.setdefault(entry_prefix(e), []).append(p)
-        largest = max(len(ps) for ps in by_prefix.values())
-        own = by_prefix.get(entry_prefix(newcomer), [])
-        if own and len(own) >= largest:
-            return self.rng.choice(own)
-        if preferred:
-            return preferred[-1]
-        return self.rng.choice(self.rng.choice([ps for ps in by_prefix.values() if len(ps) == largest]))
+        """Shuffled entries into the passive view (passive_view.py says which make room), but ourselves and our
+        neighbours."""
+        self.passive.integrate([e for e in entries if e.peer_id != self.me.peer_id and e.peer_id not in self.active],
+                               sent=list(sent))
 
     def _vouched_send(self, now: float) -> bool:
         """Take a token for a send to an entry only a forwarded message vouched for (FORWARDED_DIALS); False,
