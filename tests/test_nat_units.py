@@ -15,7 +15,8 @@ from peer.membership.service import Membership
 from peer.nat.addresses import RelayedAddress, parse_address, parse_relayed
 from peer.nat.reachability import Evidence, Reachability
 from peer.nat.relay import RelayServer
-from peer.nat.splice import CHUNK, CircuitStats, TokenBucket, splice
+from peer.nat.splice import CHUNK, CircuitStats, splice
+from peer.token_bucket import TokenBucket
 from peer.session.router import Router
 from protocol import circuit
 from protocol.errors import ProtocolError
@@ -119,7 +120,7 @@ async def _splice_forwards_both_ways_untouched_and_stops_at_its_byte_cap():
     payload = bytes(range(256)) * 1024  # 256 KiB
     async with trio.open_nursery() as n:
         n.start_soon(lambda: splice(left_relay, right_relay, max_bytes=len(payload) + 1000, max_seconds=30,
-                                    bucket=TokenBucket(1e9), stats=stats, tap=lambda d, c: seen.append((d, c))))
+                                    bucket=TokenBucket(1e9, clock=trio.current_time), stats=stats, tap=lambda d, c: seen.append((d, c))))
         await left_peer.send_all(payload)
         got = b""
         while len(got) < len(payload):
@@ -144,13 +145,13 @@ async def _splice_stops_at_its_duration_cap():
     b_relay, b_peer = _pair()
     stats = CircuitStats()
     with trio.fail_after(10):
-        await splice(a_relay, b_relay, max_bytes=1 << 30, max_seconds=0.2, bucket=TokenBucket(1e9), stats=stats)
+        await splice(a_relay, b_relay, max_bytes=1 << 30, max_seconds=0.2, bucket=TokenBucket(1e9, clock=trio.current_time), stats=stats)
     assert "duration" in stats.ended
 
 
 def test_bucket_rate_with_a_mock_clock():
     async def main() -> float:
-        bucket = TokenBucket(1 * MiB)
+        bucket = TokenBucket(1 * MiB, clock=trio.current_time)
         t0 = trio.current_time()
         for _ in range(48):
             await bucket.take(CHUNK)

@@ -412,13 +412,12 @@ def test_a_message_naming_another_peer_is_a_bad_message():
 def test_the_largest_view_message_fits_a_sessions_burst():
     """A message at every bound (a shuffle of 32 entries of maximal IDs and addresses, and its origin) is
     still one the per-session budget takes at once (its burst, 64 KiB), and far under a message's limit."""
-    from peer.membership.view_driver import VIEW_BYTES_PER_S
-    from peer.nat.splice import TokenBucket
+    from peer.membership.view_driver import VIEW_BURST_BYTES
     from protocol.bounds import MAX_ADDRESS_CHARS, MAX_PEER_ID_CHARS
 
     big = Entry("p" * MAX_PEER_ID_CHARS, tuple("a" * MAX_ADDRESS_CHARS for _ in range(4)))
     size = wire_size(Shuffle(big, 16, (big,) * MAX_ENTRIES, 1 << 16))
-    assert size <= TokenBucket(VIEW_BYTES_PER_S, clock=lambda: 0.0).capacity
+    assert size <= VIEW_BURST_BYTES
     assert size < DEFAULT_LIMITS.max_message_bytes
 
 
@@ -434,7 +433,7 @@ def test_an_entry_leaves_room_for_relayed_addresses():
 
 
 def test_a_refusing_token_bucket_takes_nothing_when_short():
-    from peer.nat.splice import TokenBucket
+    from peer.token_bucket import TokenBucket
 
     t = [0.0]
     b = TokenBucket(1000, clock=lambda: t[0])
@@ -442,6 +441,14 @@ def test_a_refusing_token_bucket_takes_nothing_when_short():
     assert not b.try_take(10)
     t[0] += 0.5
     assert b.try_take(400) and not b.try_take(200)  # 500 refilled, 400 taken: 100 left
+    sans_io = TokenBucket(0.2, 8, now=100.0)  # the views' forwarded sends: `now` said, no clock
+    assert all(sans_io.try_take(1, 100.0) for _ in range(8)) and not sans_io.try_take(1, 104.0)
+    assert sans_io.try_take(1, 105.0) and not sans_io.try_take(1, 105.0)
+    with pytest.raises(TypeError, match="no clock"):
+        sans_io.try_take(1)
+    for rate, capacity in ((0, 1), (1, 0), (float("nan"), 1), (1, float("inf"))):
+        with pytest.raises(ValueError, match="token bucket"):
+            TokenBucket(rate, capacity)
 
 
 def test_groups_that_joined_through_different_contacts_merge_once_they_learn_of_each_other():

@@ -38,7 +38,7 @@ from peer.membership.reach import Reach
 from peer.membership.view_messages import BadMessage, check, framed_size
 from peer.membership.views import EdgeDown, EdgeUp, NeedContact, Send, ViewConfig, Views
 from peer.nat.addresses import format_hostport, parse_address
-from peer.nat.splice import TokenBucket
+from peer.token_bucket import TokenBucket
 from peer.session.transport import Session, SessionClosed
 from peer.topology.local_gap import GapConfig, check_round
 from protocol import identity as ident
@@ -65,6 +65,7 @@ VIEW_BYTES_PER_S = 4096
 """View-message bytes one session may send us per second, after a burst of the bucket's capacity (64 KiB).
 An honest neighbour sends a few hundred bytes a minute at steady state and a few kB while joining; a peer
 faster than this is flooding us with requests, and its session is closed."""
+VIEW_BURST_BYTES = 64 * 1024  # what a session may send at once: the largest view message fits (tests/test_views.py)
 DEAD_KEPT_S = 10.0
 """A peer whose session ended stays in the peer table this long, so `peer status` shows why it ended (a bad
 message, a flood); then, with no session and no message waiting, it is forgotten."""
@@ -380,7 +381,8 @@ class ViewDriver:
         """Take a message's encoded bytes from its session's budget; a session over it is closed (False)."""
         bucket = self._buckets.get(session.peer_id)
         if bucket is None:
-            bucket = self._buckets[session.peer_id] = TokenBucket(VIEW_BYTES_PER_S)
+            bucket = self._buckets[session.peer_id] = TokenBucket(VIEW_BYTES_PER_S, VIEW_BURST_BYTES,
+                                                                  clock=trio.current_time)
         if bucket.try_take(env.size):
             return True
         reason = f"view messages faster than {VIEW_BYTES_PER_S} bytes/s"

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from peer.membership.passive_view import PassiveView
+from peer.token_bucket import TokenBucket
 from peer.topology.graph import LinkEstimate
 from peer.topology.local_gap import GapReading
 from peer.topology.local_rewire import LocalRewireConfig, NeighbourFacts, plan_local_move, slower_half
@@ -244,7 +245,7 @@ class Views:
         self._next_contact = now + cfg.request_timeout  # when NeedContact may be said again
         self._contacts: dict[str, float] = {}  # contacts I asked to join through: until when their reply is taken
         self.moves: dict[str, int] = {}  # rewiring swaps I started that were accepted, by kind
-        self._forwarded = (float(FORWARDED_DIALS), now)  # tokens for sends a forwarded message vouched for, and when
+        self._forwarded = TokenBucket(1 / FORWARDED_DIAL_S, FORWARDED_DIALS, now=now)  # sends only forwards vouched for
         self.forwarded_refused = 0  # such sends not made (the bound): counted for status and tests
 
     # ---- queries --------------------------------------------------------------------------------------
@@ -886,14 +887,10 @@ class Views:
     def _vouched_send(self, now: float) -> bool:
         """Take a token for a send to an entry only a forwarded message vouched for (FORWARDED_DIALS); False,
         counted, when none is left."""
-        tokens, at = self._forwarded
-        tokens = min(float(FORWARDED_DIALS), tokens + max(0.0, now - at) / FORWARDED_DIAL_S)
-        if tokens < 1.0:
-            self._forwarded = (tokens, now)
-            self.forwarded_refused += 1
-            return False
-        self._forwarded = (tokens - 1.0, now)
-        return True
+        if self._forwarded.try_take(1, now):
+            return True
+        self.forwarded_refused += 1
+        return False
 
     def _sample(self, k: int, *, exclude: set[str], passive_first: bool = False) -> list[Entry]:
         passive = [e for p, e in self.passive.items() if p not in exclude]

@@ -22,7 +22,8 @@ from typing import Callable
 import trio
 
 from peer.config import RelaySection
-from peer.nat.splice import CircuitStats, TokenBucket, splice
+from peer.nat.splice import CHUNK, CircuitStats, splice
+from peer.token_bucket import TokenBucket
 from protocol.circuit import READY
 from protocol.identity import short_id
 from protocol.limits import MiB
@@ -73,7 +74,8 @@ class RelayServer:
         self._tokens: dict[bytes, tuple[Circuit, str]] = {}
         self._circuits: set[Circuit] = set()  # pending or forwarding
         self._per_peer: Counter[str] = Counter()  # circuits per peer, as source or target
-        self.bucket = TokenBucket(cfg.max_bandwidth_mib_s * MiB)
+        rate = cfg.max_bandwidth_mib_s * MiB  # a burst of a second's worth, and at least one chunk a turn
+        self.bucket = TokenBucket(rate, max(rate, CHUNK), clock=trio.current_time)
         self.stats = RelayStats()
         self.tap: Callable[[str, bytes], None] | None = None  # tests: see every forwarded chunk
         self._nursery: trio.Nursery | None = None

@@ -8,43 +8,18 @@ its duration; all circuits of one relay share one token bucket, so relaying can 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import trio
+
+from peer.token_bucket import TokenBucket
+
 
 CHUNK = 64 * 1024
 """Bytes read per turn: large enough that Python's per-call cost is small next to the link (a 64 KiB
 chunk per turn moves hundreds of MB/s on one core), small enough that a circuit holds at most 2 x 64 KiB
 of the relay's memory (one chunk per direction) and circuits sharing the bucket take fine-grained turns."""
-
-
-class TokenBucket:
-    """Bytes per second shared by every circuit of one relay; a burst of one second's worth."""
-
-    def __init__(self, rate: float, clock: Callable[[], float] = trio.current_time):
-        self.rate = float(rate)
-        self.capacity = max(self.rate, float(CHUNK))
-        self.tokens = self.capacity
-        self._clock = clock
-        self._last: float | None = None
-
-    def try_take(self, n: int) -> bool:
-        """Take `n` now if the bucket holds them (True), else take nothing (False): for a limit that refuses
-        rather than waits (view messages per session, peer/membership/view_driver.py)."""
-        now = self._clock()
-        elapsed = 0.0 if self._last is None else now - self._last
-        self.tokens = min(self.capacity, self.tokens + elapsed * self.rate)
-        self._last = now
-        if self.tokens >= n:
-            self.tokens -= n
-            return True
-        return False
-
-    async def take(self, n: int) -> None:
-        """Take `n`, waiting for the bucket to refill as long as it takes (a relay's circuit)."""
-        while not self.try_take(n):
-            await trio.sleep((n - self.tokens) / self.rate)
 
 
 @dataclass
