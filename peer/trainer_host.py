@@ -327,8 +327,10 @@ class TrainerHost:
         return RecordFields(training=self.report.figures())
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        try:
-            module = importlib.import_module(self.cfg.name)
+        try:  # in a worker thread: a trainer's imports (torch: 2 CPU seconds, 10 s under a fifth of a CPU) on the
+            # event loop left heartbeats unanswered, and a restarting daemon's peers dropped every session with it
+            # (`peer bench pipeline --churn`, docs/benchmarks.md 2026-11-28 (night))
+            module = await trio.to_thread.run_sync(importlib.import_module, self.cfg.name)
         except ImportError as exc:
             raise ValueError(f"[trainer] name: cannot import {self.cfg.name!r}: {exc}") from None
         if not callable(getattr(module, "run", None)):

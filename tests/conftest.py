@@ -88,6 +88,7 @@ UNIT_MODULES = frozenset({
     "test_topology_yardsticks.py",
     "test_torch_data.py",
     "test_trainer_failure.py",
+    "test_trainer_host_units.py",
     "test_tiers_units.py",
     "test_trainers_models.py",
     "test_local_steps.py",

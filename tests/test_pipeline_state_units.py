@@ -496,3 +496,52 @@ def test_the_pipeline_service_keeps_copies_in_its_homes_folder_and_empties_it_at
     assert not svc.copy_of(KEY, 1).on_disk and files(home.stage_copies) == [copy.path.name]
     trio.run(svc.drop_copy, KEY, 2)
     assert svc.copy_of(KEY, 2) is None and files(home.stage_copies) == []
+
+
+# ---- a peer joining a stage starts from the freshest state a peer holds (trainers/pipeline/seat.py) ----------
+
+class _JoinSwarm:
+    """What `StageSeat.join_stage` asks of the swarm: the stage's sources, our own copy (none), one fetch."""
+
+    def __init__(self, sources):
+        self._sources, self.fetched, self.lines, self.ready = sources, [], [], False
+
+    def state_sources(self, key, stage):
+        return self._sources
+
+    def stage_copy(self, key, stage):
+        return None
+
+    def fetch_stage_state(self, key, stage, peer_id, check):
+        from peertrain.pipeline import FetchedState
+        self.fetched.append(peer_id)
+        return FetchedState(tensors={}, step=self._sources[0].step, samples=0, live=False, source=peer_id, nbytes=0,
+                            seconds=0.0)
+
+    def log(self, fmt, *args):
+        self.lines.append(fmt % args)
+
+    def should_stop(self):
+        return False
+
+    def stage_ready(self):
+        self.ready = True
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_a_joiner_starts_from_the_freshest_state_live_or_a_copy(live):
+    """A restarted peer placed on a stage whose last peer was killed must load the freshest copy, not serve its
+    untrained blocks (it did: only live peers were asked)."""
+    from peertrain.pipeline import StateSource
+    from trainers.pipeline.seat import StageSeat
+
+    swarm = _JoinSwarm([StateSource("holder", 59, live)])
+    worker = SimpleNamespace(steps=0, check_state_specs=None)
+    worker.import_state = lambda tensors, step, samples: setattr(worker, "steps", step)
+    seat = StageSeat.__new__(StageSeat)  # only what join_stage touches
+    seat.swarm, seat.worker, seat.stage, seat.key = swarm, worker, 0, PipelineKey("p", (1,))
+    seat._share = lambda: None
+    seat.tell_daemon = lambda: None
+    seat.join_stage()
+    assert swarm.fetched == ["holder"] and worker.steps == 59 and swarm.ready
+    assert any("joined stage 0 at its step 59" in line for line in swarm.lines)

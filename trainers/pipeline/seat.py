@@ -282,10 +282,10 @@ class StageSeat:
         return True
 
     def join_stage(self) -> None:
-        """Share the stage's parameters with its other peers, starting from their state if they are training;
-        the stage takes calls from here on."""
-        live = [s for s in self.sources(self.stage) if s.live and s.step > 0]
-        if live and self.worker.steps < live[0].step:
+        """Share the stage's parameters with its other peers, starting from the freshest state a peer holds:
+        a live peer's, or a copy's when no peer serves the stage (a restarted peer placed on a stage emptied by
+        a kill served untrained blocks; `peer bench pipeline --churn`); the stage takes calls from here on."""
+        if any(s.step > self.worker.steps for s in self.sources(self.stage)):
             got = self._adopt_as_member(self.stage, fresher_than=self.worker.steps)
             if got is not None:
                 self.swarm.log("joined stage %d at its step %d", self.stage, got["step"])
