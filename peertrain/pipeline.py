@@ -11,6 +11,7 @@ classes and trainers/pipeline/stage.py's satisfy them (mypy).
 
 from __future__ import annotations
 
+import math
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -159,11 +160,11 @@ class SeatFigures:
         if len(self.stage_seconds) != n or len(self.stage_bytes) != n:
             raise ValueError(f"SeatFigures: {n} stages, but {len(self.stage_seconds)} stage seconds and "
                              f"{len(self.stage_bytes)} stage sizes")
-        if not all(s > 0 and s == s and s != float("inf") for s in self.stage_seconds):
+        if not all(math.isfinite(s) and s > 0 for s in self.stage_seconds):
             raise ValueError(f"SeatFigures: stage seconds must be positive and finite, got {self.stage_seconds}")
         if any(b < 0 for b in self.stage_bytes) or self.room_bytes < 0:
             raise ValueError("SeatFigures: stage sizes and the room must not be negative")
-        if not (self.rebalance_every >= 0 and self.min_gain >= 0):
+        if not (self.rebalance_every >= 0 and self.min_gain >= 0):  # (NaN fails both)
             raise ValueError("SeatFigures: rebalance_every and min_gain must not be negative (or NaN)")
 
 

@@ -56,7 +56,7 @@ from trainers.pipeline.seat import Memory, StageSeat, stage_wrapper
 
 DRAIN_S = 600.0  # most seconds to wait for the microbatches still in flight when driving ends (each is bounded anyway)
 EVAL_S = 600.0  # most seconds one validation pass may take
-MOVER_STOP_S = 30.0  # most seconds to wait for the mover.s round (a move's download is bounded by state_timeout)
+MOVER_STOP_S = 30.0  # most seconds to wait for the mover's round (a move's download is bounded by state_timeout)
 SETTLE_S = 6.0  # seconds peers starting together take to agree on a cut and spread over the stages: 3 record intervals
 BUILTIN_SOURCE = "the built-in Shakespeare corpus"
 NO_TEST = "no test set: dataset_factory returned None for it"  # val_error in status, said in the log

@@ -98,6 +98,12 @@ def budget(configured_mib: int) -> Budget:
     return Budget(0, "unknown (no /proc): no memory constraint")
 
 
+def fits(need_bytes: int, budget_bytes: int, baseline_bytes: int) -> bool:
+    """Whether a stage needing `need_bytes` fits a peer with this budget and baseline (0 budget: unknown, fits).
+    The one rule for the job's plan (trainers/pipeline/memory.py) and the daemon's seating."""
+    return budget_bytes <= 0 or baseline_bytes + need_bytes <= budget_bytes
+
+
 def mib(n: float) -> int:
     """Bytes as whole MiB, rounded up (a budget or a use is never shown smaller than it is)."""
     return -(-int(n) // MiB)

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import trio
 
-from peer.pipeline import placement, stage_moves
+from peer.pipeline import memory_budget, placement, stage_moves
 from peer.pipeline.stage_moves import StageMap
 from peertrain.pipeline import MoveOrder, PipelineKey, SeatFigures, StateSource
 from protocol.limits import MiB
@@ -100,11 +100,10 @@ class Seating:
         self.busy = False
         with trio.move_on_after(timeout):
             await self._order_ready.wait()
+        self._drop_stale(self.clock())
         order = self.order
         if order is not None:
             self._withdraw()
-            if self.clock() - self.order_at > ORDER_TTL_S:
-                return None
             self.busy = True
         return order
 
@@ -146,8 +145,7 @@ class Seating:
         if self.cooling_from >= 0 and now >= self.cool_until:
             self.cooling_from = -1
             self.records.announce_soon()
-        if self.order is not None and now - self.order_at > ORDER_TTL_S:
-            self._withdraw()
+        self._drop_stale(now)
         f = self.figures
         if f is None or self.order is not None or self.busy:
             return
@@ -168,6 +166,11 @@ class Seating:
     def _decide(self, order: MoveOrder) -> None:
         self.order, self.order_at, self._settle_s = order, self.clock(), order.settle_s
         self._order_ready.set()
+
+    def _drop_stale(self, now: float) -> None:
+        """An order the job has not taken within ORDER_TTL_S goes (the next tick decides afresh)."""
+        if self.order is not None and now - self.order_at > ORDER_TTL_S:
+            self._withdraw()
 
     def _withdraw(self) -> None:
         self.order = None
@@ -246,7 +249,7 @@ class Seating:
     @staticmethod
     def _own_fits(f: SeatFigures) -> list[bool]:
         """Per stage: whether this peer can hold it (an unknown room holds anything)."""
-        return [f.room_bytes <= 0 or need <= f.room_bytes for need in f.stage_bytes]
+        return [memory_budget.fits(need, f.room_bytes, 0) for need in f.stage_bytes]
 
     def _peer_fits(self, f: SeatFigures, smap: StageMap) -> stage_moves.Fits:
         """(peer, stage) -> whether that peer can hold the stage, by the room it announced (none: it can)."""
@@ -256,7 +259,6 @@ class Seating:
         def fits(peer_id: str, stage: int) -> bool:
             if peer_id == self.me:
                 return own[stage]
-            room = rooms.get(peer_id, 0)
-            return room <= 0 or f.stage_bytes[stage] <= room * MiB
+            return memory_budget.fits(f.stage_bytes[stage], rooms.get(peer_id, 0) * MiB, 0)
 
         return fits

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 
 # The daemon's (peer/pipeline/memory_budget.py), re-exported: a GPU's budget keeps the host's margin, figures their unit.
 from peer.pipeline.kept import MAX_KEPT
-from peer.pipeline.memory_budget import AUTO_MARGIN as AUTO_MARGIN, mib as mib
+from peer.pipeline.memory_budget import AUTO_MARGIN as AUTO_MARGIN, fits as fits, mib as mib
 from protocol.limits import MiB as MiB
 OPTIMIZER_SLOTS = {"adam": 2, "sgd": 1}  # per-parameter state tensors each optimizer keeps (trainers/baseline.py)
 ACTIVATION_FACTOR = 8
@@ -79,11 +79,6 @@ def placed_rooms(announcements: Iterable, pipeline: str) -> list[int]:
     only claims a room counts for nothing here: keys are free, and a few records claiming 1 PiB would otherwise
     lift the cut's cap (`cap_for_stages`) past what any real peer holds."""
     return [a.stage_room_mib * MiB for a in announcements if a.pipeline == pipeline and a.samples_per_s > 0]
-
-
-def fits(need_bytes: int, budget_bytes: int, baseline_bytes: int) -> bool:
-    """Whether a stage needing `need_bytes` fits a peer with this budget and baseline (0 budget: unknown, fits)."""
-    return budget_bytes <= 0 or baseline_bytes + need_bytes <= budget_bytes
 
 
 MMAP_THRESHOLD = 1 * MiB

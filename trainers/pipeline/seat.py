@@ -135,10 +135,6 @@ class StageSeat:
         """Bytes serving `stage` of `key` takes (memory.py's estimate)."""
         return self.mem.need(*self.bounds(key, stage))
 
-    def fits(self, key: PipelineKey) -> list[bool]:
-        """Per stage of `key`: whether this peer can hold it."""
-        return [self.mem.holds(self.need(key, s)) for s in range(key.stages)]
-
     def seat_figures(self, key: PipelineKey, *, settling: bool) -> SeatFigures:
         """What the daemon decides our stage from (peertrain/pipeline.py): our figures for `key`'s stages."""
         o = self.o
