@@ -238,6 +238,9 @@ def run_swarm(plan: SwarmPlan, root: Path, name: str, *, timeout: float) -> dict
             time.sleep(POLL_S)
         wall = time.monotonic() - watch.t0
         liars = [trainer_of(d.try_status()) for d in roster.liars]
+        failed = [str(l.get("state")) for l in liars if str(l.get("state", "")).startswith("failed")]
+        if failed:  # its daemon would serve a frozen model on: a different attack from the one measured
+            raise RuntimeError(f"a liar's trainer failed, so {plan.attack} was not what ran: {failed}")
     peers = []
     for st in honest:
         t, g = trainer_of(st), (st or {}).get("gossip") or {}

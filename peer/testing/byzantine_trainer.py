@@ -174,6 +174,8 @@ class Liar:
     def crafted(self, attacking: bool) -> list[torch.Tensor]:
         if not attacking or self.o.attack == "none" or not self.honest:
             return self.honest_mean
+        if self.o.attack == "dissensus" and self.victim not in self.honest:  # no victim picked yet: nothing to push
+            return self.honest_mean
         return craft.craft(self.o.attack, self.honest, scale=self.o.scale, epsilon=self.epsilon, z=self.z,
                            victim=self.victim)
 
