@@ -131,7 +131,8 @@ class GossipEngine:
         once, Metropolis-Hastings weights (D-PSGD)."""
         if mode not in AVERAGE_MODES:
             raise ValueError(f"unknown averaging mode {mode!r} (choose 'one' or 'all')")
-        nbrs = [p for p in self.holders(group) if p not in self.budget.initiating and self.ledger.banned(p) is None]
+        nbrs = [p for p in self.holders(group) if p not in self.budget.initiating and self.ledger.banned(p) is None
+                and self._over_share(group, p) is None]
         g = self.groups.get(group)
         if not nbrs or g is None or not g.averaged:  # (unshared meanwhile, or download only)
             return []
@@ -189,6 +190,8 @@ class GossipEngine:
             return ExchangeResult(peer_id, False, banned, code=Code.BANNED)
         if self.budget.busy_with(peer_id):
             return ExchangeResult(peer_id, False, "exchange with this peer already in flight", code=Code.BUSY)
+        if (over := self._over_share(group_name, peer_id)) is not None:
+            return ExchangeResult(peer_id, False, over, code=Code.BUSY)
         max_weight = self.budget.offerable(cap)
         if max_weight is None:
             return ExchangeResult(peer_id, False, "too much weight in flight", code=Code.BUSY)
@@ -297,6 +300,10 @@ class GossipEngine:
         """The partners worth asking to average or download `group`: those whose record does not say they lack
         it (they would refuse); one we have no record of yet is asked."""
         return [p for p in self.partners(group) if self.topology.holds(p, group) is not False]
+
+    def _over_share(self, group: str, peer_id: str) -> str | None:
+        """Why `peer_id` has moved our `group` past its share lately (shares.py), or None."""
+        return None if self.radii is None else self.radii.shares.over(group, peer_id, trio.current_time())
 
     def role_refusal(self, peer_id: str, group: str) -> Refusal | None:
         """Who may average `group` with us or download it: a current partner for it (a neighbour, unless the

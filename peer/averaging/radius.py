@@ -59,6 +59,8 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from peer.averaging.shares import MoveShares
+
 RADIUS_MARGIN = 2.0  # times the reference: above the 1.9-2.7x honest spread simulated (docstring); with w <= 1/2, margin * w <= 1 keeps a liar's pushes from feeding the radius without end
 RADIUS_FLOOR = 1e-3  # of our norm: raw float32 rounding is ~1e-7 of it, float16's ~5e-4; a liar's reach below it is 1/3000 of the norm
 PEAK_WINDOW_S = 60.0  # a partner's reference is its largest distance this recent: a local-steps round, a start's independent models
@@ -124,6 +126,7 @@ class Radii:
         self.max_ratio = max_ratio  # [gossip] max_update_ratio: the ceiling, times our norm
         self.byzantine_share = byzantine_share  # [gossip] byzantine_share: β
         self._seen: dict[str, OrderedDict[str, _Seen]] = {}
+        self.shares = MoveShares()  # how far each partner moved us lately: the bound over time (shares.py)
 
     def radius(self, group: str, peer: str, own_norm: float, now: float) -> Radius:
         """The radius to announce for an exchange of `group` with `peer`, our norm being `own_norm`."""
@@ -160,6 +163,7 @@ class Radii:
         if rec is None:
             rec = _Seen(distance, now)
         rec.observe(distance, now)
+        self.shares.record(group, peer, moved * distance, now)
         seen[peer] = rec  # most recently touched last
         while len(seen) > MAX_PARTNERS:
             seen.popitem(last=False)
@@ -186,3 +190,4 @@ class Radii:
     def forget(self, group: str) -> None:
         """A group we no longer share: its partners' distances go with it."""
         self._seen.pop(group, None)
+        self.shares.forget(group)

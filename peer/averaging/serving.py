@@ -101,6 +101,8 @@ class ExchangeServer:
                            "than averaging protocol 3, whose clip we cannot match")
         if (refused := self.may_average(peer_id, offer.group)) is not None:
             return refused
+        if self.radii is not None and (over := self.radii.shares.over(offer.group, peer_id, trio.current_time())):
+            return Refusal(Code.BUSY, over)  # no strike: an honest neighbour of low degree may get here too
         if self.budget.loses_collision(peer_id):
             return Refusal(Code.BUSY, "exchange already in flight")  # on collision the smaller peer ID's offer wins
         if self.slots.full():

@@ -46,6 +46,8 @@ class Swarm:
         j = int(self.rng.choice(self.nbrs[i]))
         if self.bans[i].banned(str(j), self.t) or self.bans[j].banned(str(i), self.t):
             return i, j, 1.0
+        if self.radii[i].shares.over("g", str(j), self.t) or self.radii[j].shares.over("g", str(i), self.t):
+            return i, j, 1.0  # moved us past its share lately: refused as busy, as the engine does (shares.py)
         return i, j, self.exchange(i, j)
 
     def values(self, i: int, partner: int) -> np.ndarray:
