@@ -492,3 +492,29 @@ def test_a_refused_offer_carries_a_code_the_initiator_reads():
         assert (await a.exchange(b.me, "nothing")).code is Code.NO_GROUP
 
     trio.run(run_pair, body)
+
+
+def test_a_partner_past_its_share_of_our_moves_is_refused_as_busy_both_ways():
+    """peer/averaging/shares.py at the door: a partner that moved our group past its share lately is refused
+    when it offers (a code, no strike) and never picked or offered to by us, until its window drains."""
+    from protocol.refusal import Code
+
+    async def body(a, b):
+        now = trio.current_time()
+        b.radii.shares.record("params", "someone-else", 1.0, now)
+        b.radii.shares.record("params", a.me, 10.0, now)
+        result = await a.exchange(b.me, "params")
+        assert not result.ok and result.code is Code.BUSY and "moved our 'params'" in result.reason, result
+        assert b.ledger.banned(a.me) is None  # no strike for it
+        a.radii.shares.record("params", "someone-else", 1.0, now)
+        a.radii.shares.record("params", b.me, 10.0, now)
+        rejected = b.stats.rejected
+        result = await a.exchange(b.me, "params")
+        assert result.code is Code.BUSY and "moved our" in result.reason and b.stats.rejected == rejected  # ours
+        assert await a.average("params") == []  # b is the only neighbour, and past its share
+        a.radii.shares.forget("params")
+        b.radii.shares.forget("params")
+        result = await exchange_and_wait(a, b)
+        assert result.ok, result.reason
+
+    trio.run(run_pair, body)
