@@ -74,6 +74,20 @@ def test_dissensus_pushes_the_victim_away_from_its_neighbours_mean() -> None:
         craft.craft("gradient_ascent", ms)
 
 
+def test_drift_sits_a_fixed_multiple_of_the_honest_spread_out_along_one_direction_colluders_share() -> None:
+    ms = _models(4)
+    mu = _flat(craft.mean(list(ms.values())))
+    widest = max(float((_flat(ms[a]) - _flat(ms[b])).norm()) for a in ms for b in ms if a < b)
+    x = _flat(craft.craft("drift", ms, epsilon=6.0, seed=40))
+    assert math.isclose(float((x - mu).norm()), 6.0 * widest, rel_tol=1e-5)
+    other = _flat(craft.craft("drift", _models(4, seed=1), epsilon=6.0, seed=40))  # an ally, other neighbours
+    mu1 = _flat(craft.mean(list(_models(4, seed=1).values())))
+    cos = float(torch.nn.functional.cosine_similarity(x - mu, other - mu1, dim=0))
+    assert cos > 0.999  # the same direction: the colluders push one way
+    lone = {"p0": ms["p0"]}
+    assert torch.allclose(_flat(craft.craft("drift", lone, epsilon=6.0)), _flat(ms["p0"]))  # no spread seen yet
+
+
 def test_baruch_z_follows_their_rule() -> None:
     # s = floor(n/2 + 1) - f supporters; z = Φ⁻¹((n - s) / n), not below 0
     assert craft.baruch_z(8, 1) == 0.0  # s = 4: (8 - 4) / 8 = 0.5

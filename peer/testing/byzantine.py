@@ -57,6 +57,9 @@ ATTACKS = {a.name: a for a in (
     Attack("ipm_10", "sends -10μ (inner product manipulation, ε = 10)", True, {"attack": "ipm", "epsilon": 10.0}),
     Attack("dissensus", "sends x_v - 1.5 (m_v - x_v) to a victim v, m_v its honest neighbours' mean", False,
            {"attack": "dissensus", "epsilon": 1.5}),
+    Attack("drift", "sends μ + 6·d·u, d the honest models' widest distance, u one direction every colluder "
+           "shares: about 3 radii out, never struck; colluders widen each other's radius", False,
+           {"attack": "drift", "epsilon": 6.0}),
     Attack("label_flip", "trains honestly on labels 9 - y", False, {"dataset_factory": FLIPPED_DATA,
                                                                      "target_accuracy": 0.0},
            honest_trainer=True, digits_only=True),

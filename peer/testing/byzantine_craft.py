@@ -22,6 +22,12 @@ coordinate-wise mean and standard deviation of the honest models the attacker ha
   so the victim drifts from the swarm while every value sent stays near it. The paper weighs m_v by the
   victim's mixing weights; here m_v is the mean of the honest models the attacker has seen other than the
   victim's (it cannot see the victim's other neighbours), and the push is ε times the gap, as specified.
+- drift (issue 40's colluders): μ + ε·d·u, with d the largest distance between two honest models seen and u
+  one fixed unit direction that every colluder draws from the same seed. A partner's radius is twice its
+  other partners' largest distance, so at ε = 6 this sits about 3 radii out: under the 4 past which a run is
+  judged, never struck, clipped to the radius each time, and never pointing away (u is nearly orthogonal to
+  the model). Every push goes the same way, and each colluder's distance widens the radius a partner grants
+  the other (the ratchet, peer/averaging/radius.py).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch
 
 Model = list[torch.Tensor]
 
-ATTACKS = ("sign_flip", "scaled", "alie", "ipm", "dissensus")
+ATTACKS = ("sign_flip", "scaled", "alie", "ipm", "dissensus", "drift")
 
 
 def mean(models: Sequence[Model]) -> Model:
@@ -73,6 +79,24 @@ def dissensus(victim: Model, neighbours_mean: Model, epsilon: float) -> Model:
     return [v - epsilon * (m - v) for v, m in zip(victim, neighbours_mean)]
 
 
+def direction(like: Model, seed: int) -> Model:
+    """A unit vector in model space (a model shaped as `like`), the same for every colluder with `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    u = [torch.randn(t.shape, generator=g, dtype=torch.float32) for t in like]
+    norm = math.sqrt(sum(float((t * t).sum()) for t in u)) or 1.0
+    return [t / norm for t in u]
+
+
+def widest(models: Sequence[Model]) -> float:
+    """The largest distance between two of the models (0 for fewer than two)."""
+    flat = [torch.cat([t.float().reshape(-1) for t in m]) for m in models]
+    return max((float(torch.dist(a, b)) for i, a in enumerate(flat) for b in flat[i + 1:]), default=0.0)
+
+
+def drift(mu: Model, reach: float, u: Model) -> Model:
+    return [m + reach * d for m, d in zip(mu, u)]
+
+
 def baruch_z(n: int, f: int) -> float:
     """ALIE's z_max (Baruch et al. 2019): with s = floor(n/2 + 1) − f honest peers needed beside the f liars for a
     majority, the largest z such that s honest values lie farther from the mean than μ − zσ does, Φ⁻¹((n − s)/n)
@@ -87,9 +111,11 @@ def baruch_z(n: int, f: int) -> float:
 
 
 def craft(attack: str, honest: dict[str, Model], *, scale: float = -4.0, epsilon: float = 0.1, z: float = 1.0,
-          victim: str | None = None) -> Model:
+          victim: str | None = None, seed: int = 0) -> Model:
     """The model `attack` sends, from the honest models seen (peer → model). Dissensus needs `victim` among
-    them; with no other honest model than the victim's its push is 0 (it sends the victim's own model)."""
+    them; with no other honest model than the victim's its push is 0 (it sends the victim's own model).
+    Drift's direction comes from `seed` (the same for every colluder); with one honest model seen it has no
+    spread to scale by and sends the mean."""
     if not honest:
         raise ValueError("no honest model seen yet")
     models = list(honest.values())
@@ -107,4 +133,7 @@ def craft(attack: str, honest: dict[str, Model], *, scale: float = -4.0, epsilon
         others = [m for p, m in honest.items() if p != victim]
         x_v = [t.float() for t in honest[victim]]
         return dissensus(x_v, mean(others), epsilon) if others else x_v
+    if attack == "drift":
+        mu = mean(models)
+        return drift(mu, epsilon * widest(models), direction(mu, seed))
     raise ValueError(f"unknown attack {attack!r} (choose from {', '.join(ATTACKS)})")

@@ -43,7 +43,9 @@ from trainers.options import option, parse_options
 NAME = "peer.testing.byzantine_trainer"  # its `[trainer] name`: the module the daemon hosts
 ATTACKS = (*craft.ATTACKS, "none")  # none: honest-looking all along (holds the honest mean): the harness's control
 MODES = ("adpsgd", "local")  # the honest trainer's modes whose groups we mirror (dpsgd shares what adpsgd does)
-DEFAULT_EPSILON = {"ipm": 0.1, "dissensus": 1.5}  # the issue's: IPM's small case, dissensus as He et al. 2022 run it
+DEFAULT_EPSILON = {"ipm": 0.1, "dissensus": 1.5, "drift": 6.0}  # the issue's: IPM's small case, dissensus as He et al.
+#   2022 run it; drift about 3 radii out (byzantine_craft.py)
+DRIFT_SEED = 40  # drift's direction: the same for every colluder (they read the same code)
 FIRST_INTERVAL_S = 0.1  # between exchanges until two downloads tell the honest pace (eager), or between looks
 PACE_BOUNDS_S = (0.01, 5.0)  # the honest pace as an interval, kept within these (a stalled swarm: 5 s)
 RETRY_BANNED_S = 10.0  # a neighbour that refused us as banned is offered again after this (its ban may have lapsed)
@@ -55,9 +57,11 @@ MAX_ALLIES = 64  # far above any bench's liars; bounds what the option may make 
 class ByzantineOptions:
     """`[trainer.options]` of this trainer (test and benchmark only; not in docs/config.md)."""
 
-    attack: str = option("sign_flip", "sign_flip | scaled | alie | ipm | dissensus | none (peer/testing/byzantine_craft.py)")
+    attack: str = option("sign_flip", "sign_flip | scaled | alie | ipm | dissensus | drift | none "
+                                      "(peer/testing/byzantine_craft.py)")
     scale: float = option(-4.0, "scaled: the factor on the honest mean (-4: the issue's)")
-    epsilon: float = option(0.0, "ipm: the factor of -ε·mean; dissensus: the push (0: 0.1 for ipm, 1.5 for dissensus)")
+    epsilon: float = option(0.0, "ipm: the factor of -ε·mean; dissensus: the push; drift: how far out, in the honest "
+                                 "models' widest distance (0: 0.1 for ipm, 1.5 for dissensus, 6 for drift)")
     z: float = option(-1.0, "alie: standard deviations below the mean (-1: Baruch et al.'s z_max for `world` peers "
                             "of which `byzantine` lie)")
     byzantine: int = option(1, "alie's rule: how many of the `world` peers lie")
@@ -177,7 +181,7 @@ class Liar:
         if self.o.attack == "dissensus" and self.victim not in self.honest:  # no victim picked yet: nothing to push
             return self.honest_mean
         return craft.craft(self.o.attack, self.honest, scale=self.o.scale, epsilon=self.epsilon, z=self.z,
-                           victim=self.victim)
+                           victim=self.victim, seed=DRIFT_SEED)
 
     def write(self, values: list[torch.Tensor]) -> None:
         with self.group.lock, torch.no_grad():
