@@ -161,6 +161,11 @@ def test_figures_compare_worst_and_mean_with_the_no_attack_run() -> None:
     assert g["worst"] == 0.0 and g["failed_peers"] == 1  # a diverged peer counts as 0
     lm = _figures(_run([2.5, 2.6], metric="test_loss"), _run([2.4, 2.45], metric="test_loss"), None, "test_loss")
     assert lm["worst_drop"] == 0.15  # a loss: how much higher than without attack
+    ref["watch"]["radius_max"] = {"to_honest": 2.0, "to_liars": 0.0}
+    pushed = _run([0.95, 0.9, 0.97], bans=liar)
+    pushed["watch"]["radius_max"] = {"to_honest": 9.0, "to_liars": 12.0}
+    r = _figures(pushed, ref, "drift", "accuracy")
+    assert r["radius_max_to_honest"] == 9.0 and r["radius_ratio_vs_none"] == 4.5  # the ratchet, among real daemons
 
 
 class _Group:

@@ -109,6 +109,10 @@ def _figures(run: dict, ref: dict, attack: str | None, metric: str) -> dict:
             out[f"{k}_drop"] = _r(sign * (r[k] - s[k]), 2)
     w = run["watch"]
     out["honest_banned"] = w["honest_banned"]
+    radius, ref_radius = w.get("radius_max") or {}, (ref.get("watch") or {}).get("radius_max") or {}
+    out["radius_max_to_honest"] = radius.get("to_honest")
+    if attack is not None and radius.get("to_honest") and ref_radius.get("to_honest"):
+        out["radius_ratio_vs_none"] = _r(radius["to_honest"] / ref_radius["to_honest"], 2)
     if w["false_positives"]:
         out["false_positives"] = w["false_positives"]
     if attack is not None:
@@ -241,6 +245,9 @@ def run(args) -> int:
         "no_attack_exchange_time_ratio": exchange["ratio"] if exchange else None,
         "attacks": attacks_out, "no_attack": baselines, "no_attack_cost": cost, "exchange_time": exchange,
         "errors": sum(1 for f in runs if "error" in f),
+        # issue 40's ratchet among real daemons (peer bench sybil simulates it): the worst attack's ratio
+        "radius_max_ratio": max((f["radius_ratio_vs_none"] for f in runs if f.get("radius_ratio_vs_none")),
+                                default=None),
     })
     detect = [(x, frac, topo, f) for x, per in attacks_out.items() for frac, t in per.items() for topo, f in t.items()
               if ATTACKS[x].detectable]
@@ -269,6 +276,8 @@ def run(args) -> int:
                                "never banned by anyone",
         "banned_by_of_partners": "per liar: [honest peers that banned it, honest peers that exchanged with it]",
         "honest_banned": "bans of an honest peer by an honest peer, in every run (false positives)",
+        "radius_max_ratio": "the largest radius an honest peer announced to an honest partner (its status, read "
+                            "every 0.5 s) under an attack, over the same swarm's without one; the worst attack's",
         "no_attack_cost_points": "mean honest accuracy with the defence off minus with it on, no liar, per "
                                  "topology at the first fraction's honest count; the largest",
         "no_attack_exchange_time_ratio": "median seconds of a 64 MiB exchange (peer bench average, 2 daemons) "

@@ -15,6 +15,7 @@ attacker would run its daemon: that is its choice, and it only keeps it from ref
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,6 +169,7 @@ class BanWatch:
         self.exchanges: dict[tuple[int, str], int] = {}  # (honest index, liar id) -> completed exchanges, latest
         self.woke: dict[tuple[int, str], int] = {}  # (honest index, liar id) -> exchanges when the liar woke
         self.woke_at: dict[str, float] = {}  # liar id -> seconds into the run it began to attack
+        self.radius_max = {"to_honest": 0.0, "to_liars": 0.0}  # the largest radius honest peers announced (status)
 
     def poll(self) -> list[dict | None]:
         """Read every honest and liar status once; the honest ones'."""
@@ -180,9 +182,15 @@ class BanWatch:
                 for i, hs in enumerate(honest):
                     if hs is not None:
                         self.woke[(i, lid)] = _exchanges_with(hs, lid)
+        liar_ids = set(self.roster.liar_ids)
         for i, st in enumerate(honest):
             if st is None:
                 continue
+            for p, e in (((st.get("gossip") or {}).get("by_peer")) or {}).items():
+                r = (e or {}).get("radius")
+                if isinstance(r, (int, float)) and math.isfinite(r):
+                    side = "to_liars" if p in liar_ids else "to_honest"
+                    self.radius_max[side] = max(self.radius_max[side], float(r))
             bans = {b["peer"]: b.get("reason", "") for b in (st.get("gossip") or {}).get("bans") or []}
             for lid in self.roster.liar_ids:
                 self.exchanges[(i, lid)] = _exchanges_with(st, lid)
@@ -214,7 +222,7 @@ class BanWatch:
                 "exchanges_unbanned_max": max(unbanned, default=0),
                 "ban_reason": next((b["reason"] for b in banned.values()), None),
             }
-        return {"liars": liars,
+        return {"liars": liars, "radius_max": {k: round(v, 4) for k, v in self.radius_max.items()},
                 "honest_banned": len(self.false_positives),
                 "false_positives": [{"by": i, "banned": hid[:8], "reason": r}
                                     for (i, hid), r in sorted(self.false_positives.items())]}
