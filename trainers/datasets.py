@@ -254,18 +254,14 @@ def load_for_model(
 
     Explicit mapping rather than magic, so a new built-in model has to say which data it trains on.
     """
-    if model in LM_PRESETS:
-        block = block or LM_PRESETS[model]["block"]
-        ctrain, ctest, vocab = load_char_corpus(block=block)
-        return ctrain, ctest, {"vocab": len(vocab), "block": block}
     if model in ("digits_mlp", "digits_wide_mlp"):
         train, test = load_digits(seed=seed)
         return train, test, {}
     if model == "digits_cnn":
         train, test = load_digits(seed=seed, as_images=True)
         return train, test, {}
-    if model == "char_transformer":
-        block = block or 64
+    if model == "char_transformer" or model in LM_PRESETS:
+        block = block or (LM_PRESETS[model]["block"] if model in LM_PRESETS else 64)
         ctrain, ctest, vocab = load_char_corpus(block=block)
         return ctrain, ctest, {"vocab": len(vocab), "block": block}
     raise ValueError(f"no built-in dataset for model {model!r}")
