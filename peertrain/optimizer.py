@@ -18,7 +18,8 @@ a step it skips is not counted) and gradient clipping work on it as on the inner
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from contextlib import ExitStack, nullcontext
+from typing import Any, ContextManager
 
 import torch
 
@@ -35,7 +36,13 @@ def named(params: list) -> dict:
 
 class WrappingOptimizer(torch.optim.Optimizer):
     """What GossipOptimizer and LocalStepsOptimizer share: torch.optim.Optimizer's attributes taken from the
-    inner optimizer (not copied: a scheduler that changes our param_groups' lr changes the inner one's)."""
+    inner optimizer (not copied: a scheduler that changes our param_groups' lr changes the inner one's), and
+    one step: the inner step under `_step_lock()`, then `_after_step()` (the subclass's counting and gossip).
+
+    A framework that owns the optimizer (a Hugging Face Trainer, Lightning) steps the inner one itself;
+    `follow()` runs the same step around it, from the inner optimizer's step hooks (peertrain/integrations)."""
+
+    _following: tuple | None = None  # the hook handles, once follow() ran
 
     def _wrap(self, optimizer: torch.optim.Optimizer) -> list:
         """Adopt `optimizer`; its distinct floating-point parameters, in order."""
@@ -56,6 +63,46 @@ class WrappingOptimizer(torch.optim.Optimizer):
         if not params:
             raise ValueError("the optimizer has no floating-point parameters to average")
         return params
+
+    def _step_lock(self) -> ContextManager[Any]:
+        """Held around the inner step: the tensors the daemon updates in place must not change under it."""
+        return nullcontext()
+
+    def _after_step(self) -> None:
+        raise NotImplementedError
+
+    def step(self, closure=None):
+        if self._following is not None:
+            raise RuntimeError(f"this {type(self).__name__} follows its inner optimizer's steps (follow()): "
+                               "step the inner optimizer, as the framework does")
+        with self._step_lock():
+            loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self._after_step()
+        return loss
+
+    def follow(self) -> "WrappingOptimizer":
+        """Run our step around every step of the inner optimizer, whoever calls it: the lock from its pre-hook
+        to its post-hook, then `_after_step`. A step that raises leaves the lock to time out (the daemon's
+        wait is bounded); a step a GradScaler skips runs no hook and is not counted. Returns self."""
+        if self._following is None:
+            held = ExitStack()
+
+            def before(optimizer, args, kwargs) -> None:
+                held.enter_context(self._step_lock())
+
+            def after(optimizer, args, kwargs) -> None:
+                held.close()
+                self._after_step()
+
+            self._following = (self.optimizer.register_step_pre_hook(before),
+                               self.optimizer.register_step_post_hook(after))
+        return self
+
+    def unfollow(self) -> None:
+        """Remove the hooks `follow()` put on the inner optimizer (training ended; the optimizer lives on)."""
+        for handle in self._following or ():
+            handle.remove()
+        self._following = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -84,25 +131,25 @@ class GossipOptimizer(WrappingOptimizer):
         if join:
             self.join()
 
-    def join(self) -> int | None:
-        """Start from the swarm's current parameters if a partner has trained already (a peer joining late);
-        the step it was at, or None (no partner, or all at step 0). `join=True` does this when the wrapper is
-        made; a trainer that first waits for its peers passes join=False and calls this after."""
-        self.joined_at_step = self.swarm.download(self.group_name)
+    def join(self, *, min_step: int = 1) -> int | None:
+        """Start from the swarm's current parameters if a partner has trained to `min_step` or past (a peer
+        joining late; one resuming passes its own step + 1); the step it was at, or None (no such partner).
+        `join=True` does this when the wrapper is made; a trainer that first waits for its peers passes
+        join=False and calls this after."""
+        self.joined_at_step = self.swarm.download(self.group_name, min_step=min_step)
         if self.joined_at_step is not None:
             self.local_step = self.shared.step = self.joined_at_step  # what peers are told of our progress
         return self.joined_at_step
 
-    def step(self, closure=None):
-        """The inner optimizer's step (under the lock the daemon's in-place updates take), then averaging
-        every `average_every` steps."""
-        with self.shared.lock:
-            loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+    def _step_lock(self) -> ContextManager[Any]:
+        return self.shared.lock  # the daemon's in-place updates take it too
+
+    def _after_step(self) -> None:
+        """Count the step; average every `average_every` steps."""
         self.local_step += 1
         self.shared.step = self.local_step
         if self.local_step % self.average_every == 0:
             self.average()
-        return loss
 
     def average(self) -> None:
         """Average now (also called by `step`): adpsgd starts a round in the background, dpsgd waits for one."""

@@ -68,14 +68,15 @@ class LocalStepsOptimizer(WrappingOptimizer):
             self.join()
 
     # -- joining --------------------------------------------------------------------------------------
-    def join(self) -> int | None:
-        """Start from a partner's outer weights and momentum if one has trained already: its step, or None."""
-        step = self.swarm.download(self.group_name)
+    def join(self, *, min_step: int = 1) -> int | None:
+        """Start from a partner's outer weights and momentum if one has trained to `min_step` or past (one
+        resuming passes its own step + 1): its step, or None."""
+        step = self.swarm.download(self.group_name, min_step=min_step)
         if step is not None:
             self.swarm.download(f"{self.group_name}.outer", min_step=0)  # momentum: best effort
             self._check_momentum()
             self.local_step = self.shared.step = step
-            self._restart_round()
+            self.restart_round()
         self.joined_at_step = step
         return step
 
@@ -91,13 +92,13 @@ class LocalStepsOptimizer(WrappingOptimizer):
                     t.zero_()
 
     # -- the optimizer --------------------------------------------------------------------------------
-    def step(self, closure=None):
-        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+    def _after_step(self) -> None:
+        """Count the inner step; every `inner_steps`, the outer step (the inner step needs no lock: the
+        daemon updates only the outer weights)."""
         self.local_step += 1
         self.shared.step = self.local_step
         if self.local_step % self.inner_steps == 0:
             self.outer_step()
-        return loss
 
     @torch.no_grad()
     def outer_step(self) -> None:
@@ -115,9 +116,9 @@ class LocalStepsOptimizer(WrappingOptimizer):
                 self.skipped += 1
         else:
             self.swarm.average(self.group_name, mode=self.mode)
-        self._restart_round()
+        self.restart_round()
 
-    def _restart_round(self) -> None:
+    def restart_round(self) -> None:
         """The next round starts from the outer weights as they are now (an exchange may land in them any time
         after: taken under the lock, so `start` and the model hold the same cut)."""
         with torch.no_grad(), self.shared.lock:

@@ -1,0 +1,119 @@
+"""What every framework example shares: run the same script as a swarm of local peers and as one process.
+
+`compare(script, ...)` starts, as subprocesses of `script`:
+  - `--reference`: one process training on all the data with `peers` times the batch (what DDP over `peers`
+    ranks computes), for the same number of optimizer steps, so both see the same total samples;
+  - `--worker I` for I in 0..peers-1: each runs its own daemon inside it (`peertrain.start`, no mDNS), the
+    first listening on a free loopback port and the others joining it, and trains on its shard.
+Each writes a JSON result and its final parameters; `compare` prints one JSON summary: the held-out figure of
+each peer and of the reference, the worst gap in points, and how far the peers' models are apart (the largest
+distance to their mean, relative to the mean's norm).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+RUN_TIMEOUT_S = 900.0  # one example's whole run on a 2-core machine takes a few minutes at most
+# The daemons' settings for peers on one host (what `peer local` runs): they dial the loopback addresses they
+# learn of one another and allow many connections from one IP, which the defaults, made for the internet, refuse.
+LOCAL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.toml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_swarm(args):
+    """The worker's own daemon, inside its process (the example's `--worker` path calls this)."""
+    import peertrain
+
+    join = [args.join] if args.join else None
+    return peertrain.start(LOCAL_CONFIG, home=args.home, listen=args.listen, join=join, swarm=args.swarm_name,
+                           mdns=False)
+
+
+def add_worker_arguments(parser) -> None:
+    """The flags `compare` passes to the script's two other roles."""
+    parser.add_argument("--peers", type=int, default=3, help="local peers to train with (default 3)")
+    parser.add_argument("--worker", type=int, default=None, help=argparse_hidden())
+    parser.add_argument("--reference", action="store_true", help=argparse_hidden())
+    parser.add_argument("--home", help=argparse_hidden())
+    parser.add_argument("--listen", default="127.0.0.1:0", help=argparse_hidden())
+    parser.add_argument("--join", default="", help=argparse_hidden())
+    parser.add_argument("--swarm-name", default="", help=argparse_hidden())
+    parser.add_argument("--out", help=argparse_hidden())
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+def write_result(path: str, result: dict, params) -> None:
+    """A role's result: JSON, and its final parameters as one flat float64 vector (for the agreement)."""
+    import torch
+
+    flat = torch.cat([p.detach().reshape(-1).double().cpu() for p in params])
+    torch.save(flat, f"{path}.pt")
+    Path(path).write_text(json.dumps(result))
+
+
+def compare(script: str, passthrough: list[str], *, peers: int, figure: str, higher_is_better: bool = True) -> dict:
+    """Run `script` as `peers` local peers and as one reference process; print and return the summary."""
+    import torch
+
+    if peers < 2:
+        raise SystemExit("--peers: a swarm needs at least 2 peers")
+    work = Path(tempfile.mkdtemp(prefix="peertrain-example-"))
+    name, first = f"example-{uuid.uuid4().hex[:8]}", f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = {"reference": _start(script, passthrough + ["--reference", "--peers", str(peers)], work, "reference", env)}
+    for i in range(peers):
+        role = ["--worker", str(i), "--peers", str(peers), "--home", str(work / f"peer{i}"), "--swarm-name", name,
+                "--listen", first if i == 0 else "127.0.0.1:0"] + ([] if i == 0 else ["--join", first])
+        procs[f"peer{i}"] = _start(script, passthrough + role, work, f"peer{i}",
+                                   {**env, "PEERTRAIN_RANK": str(i), "PEERTRAIN_WORLD": str(peers)})
+    print(f"[example] training {peers} peers and the single-process reference; logs in {work}", file=sys.stderr)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    for role, proc in procs.items():
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs.values():
+                p.kill()
+            raise SystemExit(f"[example] {role} did not finish in {RUN_TIMEOUT_S:.0f}s; its log: {work / role}.log")
+        if proc.returncode != 0:
+            for p in procs.values():
+                p.kill()
+            tail = (work / f"{role}.log").read_text()[-3000:]
+            raise SystemExit(f"[example] {role} failed (exit {proc.returncode}); the end of its log:\n{tail}")
+    results = {role: json.loads((work / f"{role}.json").read_text()) for role in procs}
+    ref = results["reference"][figure]
+    swarm = [results[f"peer{i}"][figure] for i in range(peers)]
+    models = torch.stack([torch.load(work / f"peer{i}.json.pt") for i in range(peers)])
+    mean = models.mean(0)
+    spread = float((models - mean).norm(dim=1).max() / mean.norm())
+    gaps = [(ref - v) if higher_is_better else (v - ref) for v in swarm]
+    summary = {"figure": figure, "single_process": ref, "peers": swarm, "worst_gap": round(max(gaps), 4),
+               "models_apart": round(spread, 5), "steps": results["peer0"].get("steps"),
+               "seconds": {role: r.get("seconds") for role, r in results.items()}, "logs": str(work)}
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def _start(script: str, argv: list[str], work: Path, role: str, env: dict) -> subprocess.Popen:
+    log = open(work / f"{role}.log", "w")
+    return subprocess.Popen([sys.executable, script, *argv, "--out", str(work / f"{role}.json")], stdout=log,
+                            stderr=subprocess.STDOUT, env=env)
