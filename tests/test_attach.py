@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,11 +25,13 @@ TARGET = 0.93  # held-out accuracy every process must reach (the example's defau
 RUN_TIMEOUT = 120.0  # three processes import torch and train a small MLP on 2 loaded cores: ~15 s
 
 
-def _example(name: str, tmp: Path, *args: str, env: dict | None = None, launcher: list[str] | None = None) -> ManagedProcess:
-    """The example as a child process (its output in tmp/NAME.log), told its data shard by `env`."""
+def _example(name: str, tmp: Path, *args: str, env: dict | None = None, launcher: list[str] | None = None,
+             host: Any = None) -> ManagedProcess:
+    """The example as a child process (its output in tmp/NAME.log), told its data shard by `env`; inside the
+    network namespace of `host` (a `peer.testing.netns.Host`) if given."""
     argv = (launcher or [sys.executable]) + [str(EXAMPLE), "--threads", "1", "--target", str(TARGET), *args]
     return ManagedProcess(name=name, argv=argv, log_path=tmp / f"{name}.log", env={"OMP_NUM_THREADS": "1", **(env or {})},
-                          cwd=REPO).start()
+                          cwd=REPO, host=host).start()
 
 
 def _results(procs: list[ManagedProcess], swarm: LocalSwarm | None = None) -> list[dict]:
@@ -98,8 +101,7 @@ def test_example_with_embedded_daemons_reaches_target(tmp_path):
 def test_torchrun_two_gloo_ranks_are_one_peer_with_local_steps(tmp_path):
     with _daemons(tmp_path, 3) as swarm:
         node1, node2, node3 = swarm.daemons
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-                    f"--master-port={_free_port()}"]
+        torchrun = _torchrun(2)
         local = ("--world", "3", "--mode", "local", "--inner-steps", "5")  # LocalStepsOptimizer across ranks too
         procs = [_example("torchrun", tmp_path, "--home", str(node1.home), *local, env=rank_env(0, 3), launcher=torchrun),
                  _example("client2", tmp_path, "--home", str(node2.home), *local, env=rank_env(1, 3)),
@@ -145,6 +147,12 @@ def test_killed_process_frees_its_shared_memory(tmp_path, cluster):
         if client.poll() is None:
             client.kill()
             client.wait(10)
+
+
+def _torchrun(nproc: int) -> list[str]:
+    """torchrun (as `python -m`, so it is this interpreter's) for `nproc` ranks of a job on one host."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+            f"--master-port={_free_port()}"]
 
 
 def _free_port() -> int:

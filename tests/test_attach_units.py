@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -21,7 +22,7 @@ from peer.attach import wire
 from peer.attach.client import AttachedSwarm, AttachError, SharedGroup
 from peer.attach.shm import ALIGN, LockTimeout, Segment, SegmentLock, layout
 from peer.control import pack
-from peer.home import Home
+from peer.home import Home, default_home
 from peer.testing.swarm import swarm_config, unique_swarm
 from protocol import identity as ident
 from protocol.schema.topology import MAX_RECORD_GROUPS, TopologyRecord, topology_record_signing_bytes
@@ -62,6 +63,15 @@ def test_malformed_requests_are_named(obj, says):
 def test_unpack_refuses_garbage():
     with pytest.raises(wire.WireError):
         wire.unpack(b"\xc1\xc1")
+
+
+def test_the_default_home_is_peertrain_home_else_dot_peertrain(monkeypatch, tmp_path):
+    """What `peertrain.attach()` without a home (AttachedSwarm) attaches to: in a torchrun job the environment
+    names the host's daemon (a job on each of two hosts: tests/test_netns_torchrun.py)."""
+    monkeypatch.setenv("PEERTRAIN_HOME", str(tmp_path / "h"))
+    assert default_home() == tmp_path / "h"
+    monkeypatch.delenv("PEERTRAIN_HOME")
+    assert default_home() == Path.home() / ".peertrain"
 
 
 # ---- segments and the lock -------------------------------------------------------------------------
