@@ -80,6 +80,7 @@ def main() -> None:
     trainer = Trainer(model=model, args=training, train_dataset=train)
     if swarm is not None:
         peertrain.integrations.hf.add_swarm(trainer, swarm, peers=args.peers - 1)  # peertrain
+    local_swarm.start_together(args)
     t0 = time.monotonic()
     trainer.train()
     result = {"accuracy": round(accuracy(model, held_out), 3), "steps": trainer.state.global_step,

@@ -43,6 +43,22 @@ def worker_swarm(args):
                            mdns=False)
 
 
+def start_together(args) -> None:
+    """A barrier among the workers (files in the run's folder), so that they start their steps within
+    milliseconds of each other: on these tiny models hundreds of steps fit in the second that daemons take to
+    see each other, and a comparison at equal steps wants peers that train side by side. (A real run needs no
+    such thing: a late peer joins from its partners' model.)"""
+    if args.worker is None:
+        return
+    folder = Path(args.out).parent
+    (folder / f"ready-{args.worker}").touch()
+    deadline = time.monotonic() + 120
+    while sum(1 for _ in folder.glob("ready-*")) < args.peers:
+        if time.monotonic() > deadline:
+            raise SystemExit("[example] the other peers did not get ready within 120s")
+        time.sleep(0.01)
+
+
 def add_worker_arguments(parser) -> None:
     """The flags `compare` passes to the script's two other roles."""
     parser.add_argument("--peers", type=int, default=3, help="local peers to train with (default 3)")

@@ -17,6 +17,7 @@ a step it skips is not counted) and gradient clipping work on it as on the inner
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from contextlib import ExitStack, nullcontext
 from typing import Any, ContextManager
@@ -26,6 +27,12 @@ import torch
 from peertrain.swarm import Swarm
 
 MODES = ("adpsgd", "dpsgd")
+SETTLE_ROUNDS = 3  # `settle`: at least this many averaging rounds with every neighbour when training ends,
+SETTLED = 1e-4  # and more until one round moves our tensors by less than this, relative to their norm: a
+#                partner still training keeps moving them, and once all are done the spread shrinks geometrically
+#                (a round's move is about the mixing weight times our distance to the partners),
+SETTLE_S = 60.0  # but no longer than this: a partner that trains on for longer is not waited for
+SETTLE_RETRY_S = 0.05  # a round in which no exchange ran (ours still in flight) is tried again after this
 
 
 def named(params: list) -> dict:
@@ -103,6 +110,45 @@ class WrappingOptimizer(torch.optim.Optimizer):
         for handle in self._following or ():
             handle.remove()
         self._following = None
+
+    def settle(self, rounds: int = SETTLE_ROUNDS, *, max_s: float = SETTLE_S) -> int:
+        """Training is over: average with every neighbour at least `rounds` times, and on while partners still
+        train (a round moves us by more than SETTLED), for up to `max_s` seconds, so that peers ending at about
+        the same time leave with models that agree. The rounds run."""
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+            raise ValueError(f"rounds: expected an integer >= 0, got {rounds!r}")
+        self._before_settling()
+        deadline, done = time.monotonic() + max_s, 0
+        while done < rounds and time.monotonic() < deadline:
+            moved = self._settle_round()
+            if moved is None:  # no exchange ran: our own background round still runs, or the partners left
+                if not self.swarm.neighbours():
+                    break
+                time.sleep(SETTLE_RETRY_S)
+                continue
+            done += 1
+            if done == rounds and moved > SETTLED:
+                rounds += 1  # a partner still moves us: another round
+        self._after_settling()
+        return done
+
+    def _settle_round(self) -> float | None:
+        """One averaging round with every neighbour: how far it moved the shared tensors, relative to their
+        norm, or None if no exchange of it ran."""
+        tensors = list(self.shared.tensors.values())
+        with torch.no_grad():
+            before = [t.detach().to("cpu", torch.float64, copy=True) for t in tensors]
+            if not any(r.ok for r in self.swarm.average(self.group_name, mode="all")):
+                return None
+            moved = sum(float((t.detach().to("cpu", torch.float64) - b).pow(2).sum()) for t, b in zip(tensors, before))
+            norm = sum(float(b.pow(2).sum()) for b in before)
+        return (moved / max(norm, 1e-30)) ** 0.5
+
+    def _before_settling(self) -> None:
+        pass
+
+    def _after_settling(self) -> None:
+        pass
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

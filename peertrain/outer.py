@@ -118,6 +118,13 @@ class LocalStepsOptimizer(WrappingOptimizer):
             self.swarm.average(self.group_name, mode=self.mode)
         self.restart_round()
 
+    def _before_settling(self) -> None:
+        if self.local_step % self.inner_steps:
+            self.outer_step()  # close the round we are in
+
+    def _after_settling(self) -> None:
+        self.restart_round()  # the model leaves with the settled outer weights
+
     def restart_round(self) -> None:
         """The next round starts from the outer weights as they are now (an exchange may land in them any time
         after: taken under the lock, so `start` and the model hold the same cut)."""

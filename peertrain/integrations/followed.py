@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 
+from peertrain.optimizer import SETTLE_ROUNDS
 from peertrain.swarm import Swarm
 
 MODES = ("adpsgd", "dpsgd", "local")  # GossipOptimizer's two modes, and LocalStepsOptimizer (slow links)
-SETTLE_ROUNDS = 3  # averaging rounds with every neighbour when training ends: peers that finish together
-#                    leave with models that agree (each round shrinks the spread by the graph's mixing rate)
 PEER_WAIT_S = 120.0  # how long `begin` waits for `peers` partners: several daemons starting on one machine
 STATE_KEY = "peertrain"  # the name our state takes in a framework's checkpoint
 
@@ -132,19 +131,9 @@ class FollowedTraining:
         return None if self.wrapper is None else self.wrapper.state_dict()
 
     def end(self) -> None:
-        """Average with every neighbour `settle_rounds` times, then stop following the optimizer. Local steps
-        first close the round they are in (an outer step), and the model leaves with the settled outer weights."""
-        from peertrain.outer import LocalStepsOptimizer
-
-        w = self.wrapper
-        if w is None:
+        """Settle (WrappingOptimizer.settle: the peers leave with models that agree), then stop following."""
+        if self.wrapper is None:
             return
-        local = isinstance(w, LocalStepsOptimizer)
-        if local and w.local_step % w.inner_steps:
-            w.outer_step()
-        for _ in range(self.options.settle_rounds):
-            self.swarm.average(w.group_name, mode="all")
-        if local:
-            w.restart_round()
+        self.wrapper.settle(self.options.settle_rounds)
         if self.ours:
-            w.unfollow()
+            self.wrapper.unfollow()

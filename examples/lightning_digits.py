@@ -1,0 +1,100 @@
+"""A PyTorch Lightning module classifying the shipped UCI digits, trained as 3 local peers, and the same
+script as one process, for comparison:
+
+    python examples/lightning_digits.py           3 peers and the reference; prints held-out accuracy of each
+
+The peertrain lines are marked `# peertrain`: without them this is an ordinary Lightning script. Against a
+daemon you started yourself (`peer start`), `swarm = peertrain.attach()` takes `worker_swarm`'s place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from importlib import resources
+
+import lightning.pytorch as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import local_swarm
+import peertrain
+import peertrain.integrations.lightning
+
+
+def digits() -> tuple[TensorDataset, TensorDataset]:
+    """UCI handwritten digits (8x8, 10 classes), shipped with peertrain; a fixed 80/20 split."""
+    data = np.load(resources.files("trainers") / "data" / "digits.npz")
+    x = torch.tensor(data["images"], dtype=torch.float32).reshape(-1, 64) / 16.0
+    y = torch.tensor(data["labels"], dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    cut = int(0.8 * len(y))
+    return TensorDataset(x[order[:cut]], y[order[:cut]]), TensorDataset(x[order[cut:]], y[order[cut:]])
+
+
+class Classifier(L.LightningModule):
+    def __init__(self, lr: float, steps: int):
+        super().__init__()
+        self.lr, self.steps = lr, steps
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(
+            opt, T_max=self.steps), "interval": "step"}}
+
+
+@torch.no_grad()
+def accuracy(model: Classifier, data: TensorDataset) -> float:
+    x, y = data.tensors
+    return 100.0 * (model.net(x).argmax(1) == y).float().mean().item()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps of each peer (and of the reference)")
+    p.add_argument("--batch", type=int, default=16, help="samples per step of each peer")
+    p.add_argument("--lr", type=float, default=0.05)
+    local_swarm.add_worker_arguments(p)
+    args = p.parse_args()
+    if args.worker is None and not args.reference:
+        local_swarm.compare(__file__, ["--steps", str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr)],
+                            peers=args.peers, figure="accuracy")
+        return
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    train, held_out = digits()
+    model = Classifier(args.lr, args.steps)
+    batch = args.batch if args.worker is not None else args.batch * args.peers  # the reference: DDP's whole batch
+    swarm = local_swarm.worker_swarm(args) if args.worker is not None else None  # peertrain (or peertrain.attach())
+    callbacks = []
+    if swarm is not None:
+        train = peertrain.shard(train, swarm)  # peertrain
+        callbacks.append(peertrain.integrations.lightning.SwarmCallback(swarm, peers=args.peers - 1))  # peertrain
+    trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        log_every_n_steps=25)
+    local_swarm.start_together(args)
+    t0 = time.monotonic()
+    trainer.fit(model, DataLoader(train, batch_size=batch, shuffle=True, drop_last=True))
+    result = {"accuracy": round(accuracy(model, held_out), 3), "steps": trainer.global_step,
+              "seconds": round(time.monotonic() - t0, 1)}
+    if swarm is not None:
+        result["exchanges"] = swarm.exchanges()
+        swarm.close()
+    local_swarm.write_result(args.out, result, model.parameters())
+
+
+if __name__ == "__main__":
+    main()
