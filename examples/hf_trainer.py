@@ -2,6 +2,7 @@
 Shakespeare text, as 3 local peers, and the same script as one process, for comparison:
 
     python examples/hf_trainer.py                 3 peers and the reference; prints held-out accuracy of each
+    python examples/hf_trainer.py --late-peer     the third peer starts late and joins from the others' model
 
 The peertrain lines are marked `# peertrain`: without them this is an ordinary Trainer script. Against a
 daemon you started yourself (`peer start`), `swarm = peertrain.attach()` takes `worker_swarm`'s place.
@@ -62,7 +63,8 @@ def main() -> None:
     args = p.parse_args()
     if args.worker is None and not args.reference:
         local_swarm.compare(__file__, ["--steps", str(args.steps), "--batch", str(args.batch), "--block",
-                                       str(args.block), "--lr", str(args.lr)], peers=args.peers, figure="accuracy")
+                                       str(args.block), "--lr", str(args.lr)], peers=args.peers, figure="accuracy",
+                              late_peer=args.late_peer)
         return
 
     torch.set_num_threads(1)
@@ -79,7 +81,8 @@ def main() -> None:
                                  dataloader_drop_last=True, disable_tqdm=True)
     trainer = Trainer(model=model, args=training, train_dataset=train)
     if swarm is not None:
-        peertrain.integrations.hf.add_swarm(trainer, swarm, peers=args.peers - 1)  # peertrain
+        partners = args.peers - 1 - (args.late_peer and not args.late)  # the early peers do not wait for the late one
+        callback = peertrain.integrations.hf.add_swarm(trainer, swarm, peers=partners)  # peertrain
     local_swarm.start_together(args)
     t0 = time.monotonic()
     trainer.train()
@@ -87,6 +90,7 @@ def main() -> None:
               "seconds": round(time.monotonic() - t0, 1)}
     if swarm is not None:
         result["exchanges"] = swarm.exchanges()
+        result["joined_at_step"] = callback.training.wrapper.joined_at_step
         swarm.close()
     local_swarm.write_result(args.out, result, model.parameters())
 

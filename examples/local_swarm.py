@@ -48,12 +48,12 @@ def start_together(args) -> None:
     milliseconds of each other: on these tiny models hundreds of steps fit in the second that daemons take to
     see each other, and a comparison at equal steps wants peers that train side by side. (A real run needs no
     such thing: a late peer joins from its partners' model.)"""
-    if args.worker is None:
+    if args.worker is None or args.late:
         return
     folder = Path(args.out).parent
     (folder / f"ready-{args.worker}").touch()
     deadline = time.monotonic() + 120
-    while sum(1 for _ in folder.glob("ready-*")) < args.peers:
+    while sum(1 for _ in folder.glob("ready-*")) < args.peers - bool(args.late_peer):
         if time.monotonic() > deadline:
             raise SystemExit("[example] the other peers did not get ready within 120s")
         time.sleep(0.01)
@@ -69,6 +69,9 @@ def add_worker_arguments(parser) -> None:
     parser.add_argument("--join", default="", help=argparse_hidden())
     parser.add_argument("--swarm-name", default="", help=argparse_hidden())
     parser.add_argument("--out", help=argparse_hidden())
+    parser.add_argument("--late", action="store_true", help=argparse_hidden())
+    parser.add_argument("--late-peer", action="store_true",
+                        help="start the last peer once the others train: it joins from their model (a late joiner)")
 
 
 def argparse_hidden() -> str:
@@ -86,8 +89,10 @@ def write_result(path: str, result: dict, params) -> None:
     Path(path).write_text(json.dumps(result))
 
 
-def compare(script: str, passthrough: list[str], *, peers: int, figure: str, higher_is_better: bool = True) -> dict:
-    """Run `script` as `peers` local peers and as one reference process; print and return the summary."""
+def compare(script: str, passthrough: list[str], *, peers: int, figure: str, higher_is_better: bool = True,
+            late_peer: bool = False) -> dict:
+    """Run `script` as `peers` local peers and as one reference process; print and return the summary. With
+    `late_peer` the last peer starts only once the others have started training, and joins from them."""
     import torch
 
     if peers < 2:
@@ -97,8 +102,12 @@ def compare(script: str, passthrough: list[str], *, peers: int, figure: str, hig
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = {"reference": _start(script, passthrough + ["--reference", "--peers", str(peers)], work, "reference", env)}
     for i in range(peers):
+        late = late_peer and i == peers - 1
         role = ["--worker", str(i), "--peers", str(peers), "--home", str(work / f"peer{i}"), "--swarm-name", name,
                 "--listen", first if i == 0 else "127.0.0.1:0"] + ([] if i == 0 else ["--join", first])
+        role += ["--late"] if late else ["--late-peer"] if late_peer else []
+        if late:
+            _wait_for(lambda: sum(1 for _ in work.glob("ready-*")) == peers - 1, "the first peers to train")
         procs[f"peer{i}"] = _start(script, passthrough + role, work, f"peer{i}",
                                    {**env, "PEERTRAIN_RANK": str(i), "PEERTRAIN_WORLD": str(peers)})
     print(f"[example] training {peers} peers and the single-process reference; logs in {work}", file=sys.stderr)
@@ -124,9 +133,18 @@ def compare(script: str, passthrough: list[str], *, peers: int, figure: str, hig
     gaps = [(ref - v) if higher_is_better else (v - ref) for v in swarm]
     summary = {"figure": figure, "single_process": ref, "peers": swarm, "worst_gap": round(max(gaps), 4),
                "models_apart": round(spread, 5), "steps": results["peer0"].get("steps"),
+               "joined_at_step": [results[f"peer{i}"].get("joined_at_step") for i in range(peers)],
                "seconds": {role: r.get("seconds") for role, r in results.items()}, "logs": str(work)}
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def _wait_for(done, what: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"[example] gave up waiting for {what} after {timeout:.0f}s")
+        time.sleep(0.05)
 
 
 def _start(script: str, argv: list[str], work: Path, role: str, env: dict) -> subprocess.Popen:

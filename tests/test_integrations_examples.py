@@ -23,7 +23,7 @@ MODELS_APART = 0.01  # ... and the peers' final models within 1% of their norm
 RUN_TIMEOUT_S = 600
 
 
-def run_example(script: str, *args: str) -> dict:
+def run_example(script: str, *args: str, agree: bool = True) -> dict:
     proc = subprocess.run([sys.executable, str(REPO / "examples" / script), *args], capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S, cwd=REPO)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -37,7 +37,8 @@ def run_example(script: str, *args: str) -> dict:
 
     assert len(summary["peers"]) == 3, explain()
     assert summary["worst_gap"] <= GAP_POINTS, explain()
-    assert summary["models_apart"] <= MODELS_APART, explain()
+    if agree:
+        assert summary["models_apart"] <= MODELS_APART, explain()
     for role in ("peer0", "peer1", "peer2"):
         result = json.loads((logs / f"{role}.json").read_text())
         ex = result["exchanges"]
@@ -48,6 +49,16 @@ def run_example(script: str, *args: str) -> dict:
 def test_hugging_face_trainer_example():
     pytest.importorskip("transformers")
     run_example("hf_trainer.py", "--steps", "120")
+
+
+def test_hugging_face_trainer_late_joiner_starts_from_the_swarms_model():
+    """The third peer starts once the others train: it downloads their model (at their step) before its first
+    step, and ends as good; the others settle while it still trains, until the 60 s bound, so the models'
+    agreement is not asked of this run."""
+    pytest.importorskip("transformers")
+    summary = run_example("hf_trainer.py", "--steps", "120", "--late-peer", agree=False)
+    late = summary["joined_at_step"][2]
+    assert late is not None and late > 0, summary
 
 
 def test_lightning_example():
