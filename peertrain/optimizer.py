@@ -50,6 +50,9 @@ class WrappingOptimizer(torch.optim.Optimizer):
     `follow()` runs the same step around it, from the inner optimizer's step hooks (peertrain/integrations)."""
 
     _following: tuple | None = None  # the hook handles, once follow() ran
+    swarm: Swarm  # set by each subclass: where it averages, under which group, which shared tensors
+    group_name: str
+    shared: Any
 
     def _wrap(self, optimizer: torch.optim.Optimizer) -> list:
         """Adopt `optimizer`; its distinct floating-point parameters, in order."""
