@@ -92,6 +92,35 @@ def test_map_style_shards_are_a_seeded_disjoint_cover():
     assert items(torch_data.shard(ds, 2, 4, seed=8)) != got[2]
 
 
+def test_a_hugging_face_dataset_is_sharded_by_its_own_select_with_the_same_partition():
+    """peertrain.shard keeps a `datasets.Dataset` one (a Trainer drops unused columns only from those); the
+    rows are the partition every other map-style dataset gets. A stand-in with the API: `datasets` is not a
+    dependency."""
+    from peertrain.data import shard
+
+    class Columns:  # what peertrain.data.is_hf_dataset looks for: select, column_names, len
+        column_names = ["input_ids", "text"]
+
+        def __init__(self, rows):
+            self.rows = list(rows)
+
+        def __len__(self):
+            return len(self.rows)
+
+        def select(self, indices):
+            return Columns(self.rows[i] for i in indices)
+
+    class Place:  # the part of a Swarm handle shard reads
+        local_rank, local_world = 0, 1
+
+        def rank_and_world(self, world):
+            return 2, 4
+
+    part = shard(Columns(range(103)), Place(), seed=7)
+    assert isinstance(part, Columns)
+    assert part.rows == items(torch_data.shard(TensorDataset(torch.arange(103), torch.arange(103)), 2, 4, seed=7))
+
+
 @pytest.mark.process
 def test_iterable_shards_take_every_world_th_item_and_reiterate():
     stream = user_data.Stream(torch.arange(10), torch.arange(10))
