@@ -21,7 +21,6 @@ from torch.utils.data import DataLoader
 
 import local_swarm
 import peertrain
-from lightning_digits import digits
 
 
 @torch.no_grad()
@@ -48,7 +47,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
-    train, held_out = digits()
+    train, held_out = local_swarm.digits()
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     batch = args.batch if args.worker is not None else args.batch * args.peers  # the reference: DDP's whole batch

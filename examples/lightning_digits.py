@@ -12,10 +12,8 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from importlib import resources
 
 import lightning.pytorch as L
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -23,16 +21,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import local_swarm
 import peertrain
 import peertrain.integrations.lightning
-
-
-def digits() -> tuple[TensorDataset, TensorDataset]:
-    """UCI handwritten digits (8x8, 10 classes), shipped with peertrain; a fixed 80/20 split."""
-    data = np.load(resources.files("trainers") / "data" / "digits.npz")
-    x = torch.tensor(data["images"], dtype=torch.float32).reshape(-1, 64) / 16.0
-    y = torch.tensor(data["labels"], dtype=torch.long)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    cut = int(0.8 * len(y))
-    return TensorDataset(x[order[:cut]], y[order[:cut]]), TensorDataset(x[order[cut:]], y[order[cut:]])
 
 
 class Classifier(L.LightningModule):
@@ -74,7 +62,7 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    train, held_out = digits()
+    train, held_out = local_swarm.digits()
     model = Classifier(args.lr, args.steps)
     batch = args.batch if args.worker is not None else args.batch * args.peers  # the reference: DDP's whole batch
     swarm = local_swarm.worker_swarm(args) if args.worker is not None else None  # peertrain (or peertrain.attach())

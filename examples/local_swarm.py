@@ -90,9 +90,10 @@ def write_result(path: str, result: dict, params) -> None:
 
 
 def compare(script: str, passthrough: list[str], *, peers: int, figure: str, higher_is_better: bool = True,
-            late_peer: bool = False) -> dict:
+            late_peer: bool = False, ranks: int = 1) -> dict:
     """Run `script` as `peers` local peers and as one reference process; print and return the summary. With
-    `late_peer` the last peer starts only once the others have started training, and joins from them."""
+    `late_peer` the last peer starts only once the others have started training, and joins from them; with
+    `ranks` > 1 each peer is a torchrun job of that many gloo ranks (one peer: peertrain/distributed.py)."""
     import torch
 
     if peers < 2:
@@ -108,8 +109,10 @@ def compare(script: str, passthrough: list[str], *, peers: int, figure: str, hig
         role += ["--late"] if late else ["--late-peer"] if late_peer else []
         if late:
             _wait_for(lambda: sum(1 for _ in work.glob("ready-*")) == peers - 1, "the first peers to train")
+        launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+                                          "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
         procs[f"peer{i}"] = _start(script, passthrough + role, work, f"peer{i}",
-                                   {**env, "PEERTRAIN_RANK": str(i), "PEERTRAIN_WORLD": str(peers)})
+                                   {**env, "PEERTRAIN_RANK": str(i), "PEERTRAIN_WORLD": str(peers)}, launcher)
     print(f"[example] training {peers} peers and the single-process reference; logs in {work}", file=sys.stderr)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     for role, proc in procs.items():
@@ -147,7 +150,25 @@ def _wait_for(done, what: str, timeout: float = 300.0) -> None:
         time.sleep(0.05)
 
 
-def _start(script: str, argv: list[str], work: Path, role: str, env: dict) -> subprocess.Popen:
+def _start(script: str, argv: list[str], work: Path, role: str, env: dict,
+           launcher: list[str] | None = None) -> subprocess.Popen:
     log = open(work / f"{role}.log", "w")
-    return subprocess.Popen([sys.executable, script, *argv, "--out", str(work / f"{role}.json")], stdout=log,
-                            stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen([sys.executable, *(launcher or []), script, *argv, "--out", str(work / f"{role}.json")],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def digits():
+    """UCI handwritten digits (8x8, 10 classes), shipped with peertrain: (train, held-out) TensorDatasets, a
+    fixed 80/20 split."""
+    from importlib import resources
+
+    import numpy as np
+    import torch
+    from torch.utils.data import TensorDataset
+
+    data = np.load(resources.files("trainers") / "data" / "digits.npz")
+    x = torch.tensor(data["images"], dtype=torch.float32).reshape(-1, 64) / 16.0
+    y = torch.tensor(data["labels"], dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    cut = int(0.8 * len(y))
+    return TensorDataset(x[order[:cut]], y[order[:cut]]), TensorDataset(x[order[cut:]], y[order[cut:]])

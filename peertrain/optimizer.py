@@ -31,7 +31,9 @@ SETTLE_ROUNDS = 3  # `settle`: at least this many averaging rounds with every ne
 SETTLED = 1e-4  # and more until one round moves our tensors by less than this, relative to their norm: a
 #                partner still training keeps moving them, and once all are done the spread shrinks geometrically
 #                (a round's move is about the mixing weight times our distance to the partners),
-SETTLE_S = 60.0  # but no longer than this: a partner that trains on for longer is not waited for
+SETTLE_TRIES = 1200  # but no more tries than this (rounds, and waits of SETTLE_RETRY_S): about a minute at the
+#                      most on loopback, and a partner that trains on for longer is not waited for. A count, not
+#                      a clock, so that the ranks of a torchrun job (whose rounds are collectives) stop together.
 SETTLE_RETRY_S = 0.05  # a round in which no exchange ran (ours still in flight) is tried again after this
 
 
@@ -114,15 +116,17 @@ class WrappingOptimizer(torch.optim.Optimizer):
             handle.remove()
         self._following = None
 
-    def settle(self, rounds: int = SETTLE_ROUNDS, *, max_s: float = SETTLE_S) -> int:
+    def settle(self, rounds: int = SETTLE_ROUNDS, *, tries: int = SETTLE_TRIES) -> int:
         """Training is over: average with every neighbour at least `rounds` times, and on while partners still
-        train (a round moves us by more than SETTLED), for up to `max_s` seconds, so that peers ending at about
-        the same time leave with models that agree. The rounds run."""
+        train (a round moves us by more than SETTLED), within `tries`, so that peers ending at about the same
+        time leave with models that agree. The rounds run."""
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
             raise ValueError(f"rounds: expected an integer >= 0, got {rounds!r}")
         self._before_settling()
-        deadline, done = time.monotonic() + max_s, 0
-        while done < rounds and time.monotonic() < deadline:
+        done = 0
+        for _ in range(tries):
+            if done >= rounds:
+                break
             moved = self._settle_round()
             if moved is None:  # no exchange ran: our own background round still runs, or the partners left
                 if not self.swarm.neighbours():

@@ -53,7 +53,7 @@ def test_hugging_face_trainer_example():
 
 def test_hugging_face_trainer_late_joiner_starts_from_the_swarms_model():
     """The third peer starts once the others train: it downloads their model (at their step) before its first
-    step, and ends as good; the others settle while it still trains, until the 60 s bound, so the models'
+    step, and ends as good; the others settle while it still trains, up to settle's bound, so the models'
     agreement is not asked of this run."""
     pytest.importorskip("transformers")
     summary = run_example("hf_trainer.py", "--steps", "120", "--late-peer", agree=False)
@@ -69,4 +69,11 @@ def test_lightning_example():
 def test_accelerate_example_with_bf16():
     pytest.importorskip("accelerate")
     summary = run_example("accelerate_loop.py", "--steps", "200", "--mixed-precision", "bf16")
+    assert summary["steps"] == 200
+
+
+def test_torchrun_example_two_gloo_ranks_per_peer():
+    """Each peer a torchrun job of 2 gloo ranks (DDP inside, rank 0 gossips); the reference has all 6 ranks'
+    batch in one process."""
+    summary = run_example("torchrun_digits.py", "--steps", "200")
     assert summary["steps"] == 200
