@@ -11,7 +11,6 @@ The peertrain lines are marked `# peertrain`. Against a daemon you started yours
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -23,25 +22,13 @@ import local_swarm
 import peertrain
 
 
-@torch.no_grad()
-def accuracy(model: torch.nn.Module, data) -> float:
-    x, y = data.tensors
-    return 100.0 * (model(x).argmax(1) == y).float().mean().item()
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps of each peer (and of the reference)")
-    p.add_argument("--batch", type=int, default=16, help="samples per step of each peer")
-    p.add_argument("--lr", type=float, default=0.05)
+    p = local_swarm.parser(__doc__, steps=300, batch=16, lr=0.05)
     p.add_argument("--mode", default="adpsgd", choices=["adpsgd", "dpsgd", "local"])
     p.add_argument("--mixed-precision", default="bf16", choices=["no", "bf16", "fp16"])
-    local_swarm.add_worker_arguments(p)
     args = p.parse_args()
     if args.worker is None and not args.reference:
-        local_swarm.compare(__file__, ["--steps", str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr),
-                                       "--mode", args.mode, "--mixed-precision", args.mixed_precision],
-                            peers=args.peers, figure="accuracy")
+        local_swarm.compare(__file__, args)
         return
 
     torch.set_num_threads(1)
@@ -78,7 +65,7 @@ def main() -> None:
             if steps == args.steps:
                 break
     model = accelerator.unwrap_model(model).float().cpu()
-    result = {"accuracy": round(accuracy(model, held_out), 3), "steps": steps,
+    result = {"accuracy": round(local_swarm.digits_accuracy(model, held_out), 3), "steps": steps,
               "seconds": round(time.monotonic() - t0, 1), "mixed_precision": args.mixed_precision}
     if swarm is not None:
         gossip.settle()  # peertrain: average on until the peers' models agree

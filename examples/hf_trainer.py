@@ -10,7 +10,6 @@ daemon you started yourself (`peer start`), `swarm = peertrain.attach()` takes `
 
 from __future__ import annotations
 
-import argparse
 import time
 from importlib import resources
 
@@ -54,17 +53,11 @@ def accuracy(model: torch.nn.Module, data: Windows, n: int = 256) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=400, help="optimizer steps of each peer (and of the reference)")
-    p.add_argument("--batch", type=int, default=16, help="windows per step of each peer")
-    p.add_argument("--block", type=int, default=64, help="bytes per window")
-    p.add_argument("--lr", type=float, default=2e-3)
-    local_swarm.add_worker_arguments(p)
+    p = local_swarm.parser(__doc__, steps=400, batch=16, lr=2e-3, batch_help="windows per step of each peer")
+    p.add_argument("--block", type=int, default=64, help="bytes per window (default 64)")
     args = p.parse_args()
     if args.worker is None and not args.reference:
-        local_swarm.compare(__file__, ["--steps", str(args.steps), "--batch", str(args.batch), "--block",
-                                       str(args.block), "--lr", str(args.lr)], peers=args.peers, figure="accuracy",
-                              late_peer=args.late_peer)
+        local_swarm.compare(__file__, args)
         return
 
     torch.set_num_threads(1)

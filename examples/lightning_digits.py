@@ -9,14 +9,13 @@ daemon you started yourself (`peer start`), `swarm = peertrain.attach()` takes `
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import local_swarm
 import peertrain
@@ -41,22 +40,11 @@ class Classifier(L.LightningModule):
             opt, T_max=self.steps), "interval": "step"}}
 
 
-@torch.no_grad()
-def accuracy(model: Classifier, data: TensorDataset) -> float:
-    x, y = data.tensors
-    return 100.0 * (model.net(x).argmax(1) == y).float().mean().item()
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps of each peer (and of the reference)")
-    p.add_argument("--batch", type=int, default=16, help="samples per step of each peer")
-    p.add_argument("--lr", type=float, default=0.05)
-    local_swarm.add_worker_arguments(p)
+    p = local_swarm.parser(__doc__, steps=300, batch=16, lr=0.05)
     args = p.parse_args()
     if args.worker is None and not args.reference:
-        local_swarm.compare(__file__, ["--steps", str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr)],
-                            peers=args.peers, figure="accuracy")
+        local_swarm.compare(__file__, args)
         return
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -76,7 +64,7 @@ def main() -> None:
     local_swarm.start_together(args)
     t0 = time.monotonic()
     trainer.fit(model, DataLoader(train, batch_size=batch, shuffle=True, drop_last=True))
-    result = {"accuracy": round(accuracy(model, held_out), 3), "steps": trainer.global_step,
+    result = {"accuracy": round(local_swarm.digits_accuracy(model.net, held_out), 3), "steps": trainer.global_step,
               "seconds": round(time.monotonic() - t0, 1)}
     if swarm is not None:
         result["exchanges"] = swarm.exchanges()

@@ -59,6 +59,33 @@ def start_together(args) -> None:
         time.sleep(0.01)
 
 
+WORKER_FLAGS = {"peers", "worker", "reference", "home", "listen", "join", "swarm_name", "out", "late", "late_peer"}
+
+
+def parser(doc: str, *, steps: int, batch: int, lr: float, batch_help: str = "samples per step of each peer"):
+    """An example's command line: its training flags (`--steps`, `--batch`, `--lr`, with its defaults), and the
+    flags `compare` gives the script's two other roles."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps of each peer and of the reference "
+                                                            f"(default {steps})")
+    p.add_argument("--batch", type=int, default=batch, help=f"{batch_help} (default {batch})")
+    p.add_argument("--lr", type=float, default=lr, help=f"learning rate (default {lr})")
+    add_worker_arguments(p)
+    return p
+
+
+def passthrough(args) -> list[str]:
+    """The example's own flags as parsed, for its workers and reference to train alike."""
+    out: list[str] = []
+    for key, value in vars(args).items():
+        if key in WORKER_FLAGS or value is None or value is False:
+            continue
+        out += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return out
+
+
 def add_worker_arguments(parser) -> None:
     """The flags `compare` passes to the script's two other roles."""
     parser.add_argument("--peers", type=int, default=3, help="local peers to train with (default 3)")
@@ -89,19 +116,20 @@ def write_result(path: str, result: dict, params) -> None:
     Path(path).write_text(json.dumps(result))
 
 
-def compare(script: str, passthrough: list[str], *, peers: int, figure: str, higher_is_better: bool = True,
-            late_peer: bool = False, ranks: int = 1) -> dict:
-    """Run `script` as `peers` local peers and as one reference process; print and return the summary. With
-    `late_peer` the last peer starts only once the others have started training, and joins from them; with
-    `ranks` > 1 each peer is a torchrun job of that many gloo ranks (one peer: peertrain/distributed.py)."""
+def compare(script: str, args, *, figure: str = "accuracy", higher_is_better: bool = True, ranks: int = 1) -> dict:
+    """Run `script` as `args.peers` local peers and as one reference process, with the flags it was given;
+    print and return the summary. With `--late-peer` the last peer starts only once the others have started
+    training, and joins from them; with `ranks` > 1 each peer is a torchrun job of that many gloo ranks (one
+    peer: peertrain/distributed.py)."""
     import torch
 
+    peers, late_peer, own = args.peers, args.late_peer, passthrough(args)
     if peers < 2:
         raise SystemExit("--peers: a swarm needs at least 2 peers")
     work = Path(tempfile.mkdtemp(prefix="peertrain-example-"))
     name, first = f"example-{uuid.uuid4().hex[:8]}", f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = {"reference": _start(script, passthrough + ["--reference", "--peers", str(peers)], work, "reference", env)}
+    procs = {"reference": _start(script, own + ["--reference", "--peers", str(peers)], work, "reference", env)}
     for i in range(peers):
         late = late_peer and i == peers - 1
         role = ["--worker", str(i), "--peers", str(peers), "--home", str(work / f"peer{i}"), "--swarm-name", name,
@@ -111,7 +139,7 @@ def compare(script: str, passthrough: list[str], *, peers: int, figure: str, hig
             _wait_for(lambda: sum(1 for _ in work.glob("ready-*")) == peers - 1, "the first peers to train")
         launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                                           "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
-        procs[f"peer{i}"] = _start(script, passthrough + role, work, f"peer{i}",
+        procs[f"peer{i}"] = _start(script, own + role, work, f"peer{i}",
                                    {**env, "PEERTRAIN_RANK": str(i), "PEERTRAIN_WORLD": str(peers)}, launcher)
     print(f"[example] training {peers} peers and the single-process reference; logs in {work}", file=sys.stderr)
     deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -155,6 +183,15 @@ def _start(script: str, argv: list[str], work: Path, role: str, env: dict,
     log = open(work / f"{role}.log", "w")
     return subprocess.Popen([sys.executable, *(launcher or []), script, *argv, "--out", str(work / f"{role}.json")],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def digits_accuracy(model, data) -> float:
+    """Held-out accuracy, in percent, of a classifier of `digits()`."""
+    import torch
+
+    x, y = data.tensors
+    with torch.no_grad():
+        return 100.0 * (model(x).argmax(1) == y).float().mean().item()
 
 
 def digits():

@@ -12,7 +12,6 @@ The peertrain lines are marked `# peertrain`.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import time
@@ -28,22 +27,11 @@ import peertrain
 RANKS = 2  # ranks per peer
 
 
-@torch.no_grad()
-def accuracy(model: torch.nn.Module, data) -> float:
-    x, y = data.tensors
-    return 100.0 * (model(x).argmax(1) == y).float().mean().item()
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps of each peer (and of the reference)")
-    p.add_argument("--batch", type=int, default=8, help="samples per step of each rank")
-    p.add_argument("--lr", type=float, default=0.05)
-    local_swarm.add_worker_arguments(p)
+    p = local_swarm.parser(__doc__, steps=300, batch=8, lr=0.05, batch_help="samples per step of each rank")
     args = p.parse_args()
     if args.worker is None and not args.reference:
-        local_swarm.compare(__file__, ["--steps", str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr)],
-                            peers=args.peers, figure="accuracy", ranks=RANKS)
+        local_swarm.compare(__file__, args, ranks=RANKS)
         return
 
     torch.set_num_threads(1)
@@ -83,7 +71,7 @@ def main() -> None:
     if swarm is not None:
         opt.settle()  # peertrain: average on until the peers' models agree
         result["exchanges"] = swarm.exchanges()
-    result["accuracy"] = round(accuracy(model, held_out), 3)
+    result["accuracy"] = round(local_swarm.digits_accuracy(model, held_out), 3)
     if not distributed or dist.get_rank() == 0:
         local_swarm.write_result(args.out, result, model.parameters())
     if swarm is not None:

@@ -14,25 +14,14 @@ import gc
 import json
 import os
 import time
-from importlib import resources
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+import local_swarm
 import peertrain
-
-
-def digits() -> tuple[TensorDataset, TensorDataset]:
-    """UCI handwritten digits (8x8, 10 classes), shipped with peertrain; a fixed 80/20 split."""
-    data = np.load(resources.files("trainers") / "data" / "digits.npz")
-    x = torch.tensor(data["images"], dtype=torch.float32).reshape(-1, 64) / 16.0
-    y = torch.tensor(data["labels"], dtype=torch.long)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    cut = int(0.8 * len(y))
-    return TensorDataset(x[order[:cut]], y[order[:cut]]), TensorDataset(x[order[cut:]], y[order[cut:]])
 
 
 @torch.no_grad()
@@ -75,7 +64,7 @@ def main() -> None:
         swarm = peertrain.start(args.config, home=args.home, listen=args.listen, join=args.join, swarm=args.swarm)
     else:
         swarm = peertrain.attach(args.home, label="examples/train_digits.py")  # peertrain
-    train, test = digits()
+    train, test = local_swarm.digits()
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).to(device)
     net = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
     inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
