@@ -228,7 +228,8 @@ def test_begin_resumes_our_state_and_joins_only_a_partner_past_it():
     second.begin(inner2, step=3, state=state)
     assert swarm.named("download") == [("download", "model", 4)]  # a partner only at our own step is no news
     assert second.wrapper.local_step == 3 and second.wrapper.joined_at_step is None
-    assert torch.equal(inner2.state_dict()["state"][0]["momentum_buffer"], inner.state_dict()["state"][0]["momentum_buffer"])
+    momentum = [o.state_dict()["state"][0]["momentum_buffer"] for o in (inner, inner2)]
+    assert torch.equal(*momentum)  # the inner optimizer's state came back too
 
 
 def test_begin_uses_a_wrapper_the_user_made_as_it_is():
@@ -368,3 +369,32 @@ def test_hf_callback_stops_the_trainer_when_the_swarm_stops(tmp_path):
     trainer.train()
     assert trainer.state.global_step == 2 and callback.training.wrapper.local_step == 2
     assert len(swarm.named("average")) == 3  # a step each, and one settling round
+
+
+def test_begin_again_after_end_follows_the_same_optimizer_again_and_refuses_another():
+    """A second `trainer.train()` on one Trainer begins again on the same optimizer: it must gossip again, not
+    train alone without a word; a new optimizer under the same training is refused (its group is shared)."""
+    model, x, y = model_and_data()
+    inner, swarm = torch.optim.SGD(model.parameters(), lr=0.1), Swarm()
+    run = FollowedTraining(swarm, SwarmOptions())
+    run.begin(inner)
+    train_inner(model, inner, x, y, 2)
+    run.end()
+    run.begin(inner)
+    train_inner(model, inner, x, y, 3)
+    assert run.wrapper.local_step == 5 and len(swarm.named("background")) == 5
+    run.end()
+    with pytest.raises(RuntimeError, match="another optimizer"):
+        run.begin(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_hf_trainer_trained_twice_gossips_both_times(tmp_path):
+    from peertrain.integrations.hf import add_swarm
+
+    trainer, swarm = tiny_trainer(tmp_path), Swarm()
+    callback = add_swarm(trainer, swarm, settle_rounds=0)
+    trainer.train()
+    trainer.args.max_steps = 9
+    trainer.train()  # not resumed: the Trainer counts from 0 again, the optimizer's steps go on (6 + 9)
+    assert trainer.state.global_step == 9
+    assert callback.training.wrapper.local_step == 15 and len(swarm.named("background")) == 15
