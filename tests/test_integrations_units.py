@@ -98,6 +98,19 @@ def test_following_adpsgd_counts_the_inner_steps_holds_the_lock_and_averages_eve
     assert opt.local_step == 7 and inner.seen[-1] is True
 
 
+def test_following_an_optimizer_whose_step_calls_its_base_class_step_counts_each_step_once():
+    """torch hooks each optimizer class's `step` once it is built: a subclass whose `step` calls `super().step()`
+    (Probed here, and custom optimizers alike) runs the step hooks twice, nested, in every step."""
+    model, x, y = model_and_data()
+    torch.optim.SGD(model.parameters(), lr=0.1)  # SGD.step hooked, as any SGD built in this process does
+    inner, swarm = Probed(model.parameters(), lr=0.1), Swarm()
+    opt = peertrain.GossipOptimizer(inner, swarm, join=False).follow()
+    inner.probe = opt.shared.lock
+    train_inner(model, inner, x, y, 3)
+    assert opt.local_step == 3 and len(swarm.named("background")) == 3
+    assert inner.seen == [True] * 3 and not opt.shared.lock.locked()
+
+
 def test_following_dpsgd_averages_with_all_after_each_step():
     model, x, y = model_and_data()
     inner, swarm = torch.optim.SGD(model.parameters(), lr=0.1), Swarm()
