@@ -94,17 +94,26 @@ class WrappingOptimizer(torch.optim.Optimizer):
 
     def follow(self) -> "WrappingOptimizer":
         """Run our step around every step of the inner optimizer, whoever calls it: the lock from its pre-hook
-        to its post-hook, then `_after_step`. A step that raises leaves the lock to time out (the daemon's
-        wait is bounded); a step a GradScaler skips runs no hook and is not counted. Returns self."""
+        to its post-hook, then `_after_step`. A step that raises leaves the lock held (the daemon's wait on it
+        is bounded) and the steps after it uncounted: training is expected to end there. A step a GradScaler
+        skips runs no hook and is not counted. Returns self.
+
+        The hooks may nest: torch hooks every optimizer class's `step`, so one whose `step` calls its base
+        class's (`super().step()`, once that class was built too) runs them twice per step; only the
+        outermost pair takes the lock (it is not reentrant) and counts the step."""
         if self._following is None:
-            held = ExitStack()
+            held, depth = ExitStack(), [0]
 
             def before(optimizer, args, kwargs) -> None:
-                held.enter_context(self._step_lock())
+                depth[0] += 1
+                if depth[0] == 1:
+                    held.enter_context(self._step_lock())
 
             def after(optimizer, args, kwargs) -> None:
-                held.close()
-                self._after_step()
+                depth[0] -= 1
+                if depth[0] == 0:
+                    held.close()
+                    self._after_step()
 
             self._following = (self.optimizer.register_step_pre_hook(before),
                                self.optimizer.register_step_post_hook(after))

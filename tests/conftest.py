@@ -104,6 +104,7 @@ UNIT_MODULES = frozenset({
     "test_heartbeat_units.py",
     "test_dashboard_units.py",
     "test_pace_units.py",
+    "test_integrations_units.py",
 })
 
 # Whole modules in the serial tier: their tests measure rates or race timers that a second test on the same

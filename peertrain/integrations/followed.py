@@ -81,13 +81,19 @@ class FollowedTraining:
 
     def begin(self, optimizer: Any, *, step: int = 0, state: dict | None = None) -> None:
         """Share the optimizer's parameters, wait for `peers` partners, then resume `state` (ours, from a
-        checkpoint) or join late: a partner ahead of `step` gives us its parameters."""
+        checkpoint) or join late: a partner ahead of `step` gives us its parameters. Begun again (the framework
+        trains again after `end`), it follows the same optimizer again; another optimizer is refused."""
         from peertrain.optimizer import GossipOptimizer, WrappingOptimizer
         from peertrain.outer import LocalStepsOptimizer
 
-        if self.wrapper is not None:
-            return
         inner, o = innermost(optimizer), self.options
+        if self.wrapper is not None:  # begun before: a framework training again (a second `trainer.train()`)
+            if inner is not self.wrapper and inner is not self.wrapper.optimizer:
+                raise RuntimeError("this training began with another optimizer, whose parameters the swarm shares: "
+                                   "a new optimizer needs a new adapter (and the group unshared, or another group)")
+            if self.ours:
+                self.wrapper.follow()  # again, after `end` stopped it: else it would train alone without a word
+            return
         if isinstance(inner, WrappingOptimizer):  # the user's own GossipOptimizer: it steps itself
             self.wrapper = inner
         elif o.mode == "local":
