@@ -12,12 +12,14 @@ import pytest
 import torch
 
 import peertrain
+from peertrain import ExchangeResult
 from peertrain.integrations.followed import FollowedTraining, SwarmOptions, innermost
 from tests.test_local_steps import Recorder
 
 
 class Swarm(Recorder):
-    """A peer alone whose averaging calls are recorded; `ahead` is the step a partner would give a joiner."""
+    """A peer whose averaging calls are recorded, with two neighbours that answer every round (and move
+    nothing: settling stops after its minimum of rounds); `ahead` is the step a partner would give a joiner."""
 
     def __init__(self, ahead: int | None = None) -> None:
         super().__init__()
@@ -26,7 +28,10 @@ class Swarm(Recorder):
 
     def average(self, group, *, mode="one"):
         self.calls.append(("average", group, mode))
-        return []
+        return [ExchangeResult(p, True) for p in (self.neighbours() if mode == "all" else self.neighbours()[:1])]
+
+    def neighbours(self):
+        return ["a", "b"]
 
     def average_in_background(self, group, mode="one"):
         self.calls.append(("background", group, mode))
@@ -411,3 +416,133 @@ def test_hf_trainer_trained_twice_gossips_both_times(tmp_path):
     trainer.train()  # not resumed: the Trainer counts from 0 again, the optimizer's steps go on (6 + 9)
     assert trainer.state.global_step == 9
     assert callback.training.wrapper.local_step == 15 and len(swarm.named("background")) == 15
+
+
+def test_settle_goes_on_while_a_partner_moves_us_and_waits_out_a_round_that_ran_no_exchange():
+    """settle(): a round in which no exchange ran (our own background round in flight) is tried again and
+    not counted; rounds that still move us past SETTLED add rounds; partners gone end it."""
+    model, x, y = model_and_data()
+
+    class Moving(Swarm):
+        """The first answer is empty (busy); then round r moves the tensors by 3·10^-r of their norm."""
+
+        def __init__(self, opt_box):
+            super().__init__()
+            self.box, self.round = opt_box, 0
+
+        def average(self, group, *, mode="one"):
+            self.calls.append(("average", group, mode))
+            self.round += 1
+            if self.round == 1:
+                return []
+            with torch.no_grad():
+                for t in self.box[0].shared.tensors.values():
+                    t.mul_(1 + 3 * 10.0 ** -self.round)
+            return [ExchangeResult("a", True)]
+
+    box: list = []
+    swarm = Moving(box)
+    opt = peertrain.GossipOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), swarm, join=False)
+    box.append(opt)
+    assert opt.settle(3) == 4  # moves 3e-2, 3e-3, 3e-4 (past SETTLED, 1e-4: one more), 3e-5
+    assert len(swarm.named("average")) == 5  # and the busy first try
+
+    class Gone(Swarm):
+        def average(self, group, *, mode="one"):
+            self.calls.append(("average", group, mode))
+            return []
+
+        def neighbours(self):
+            return []
+
+    alone = Gone()
+    opt2 = peertrain.GossipOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), alone, join=False)
+    assert opt2.settle(3) == 0 and len(alone.named("average")) == 1
+    with pytest.raises(ValueError, match="rounds"):
+        opt2.settle(-1)
+
+
+# ---- Lightning --------------------------------------------------------------------------------------
+
+
+def tiny_lightning(root: Path, callback, steps: int):
+    import lightning.pytorch as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(32, 3), torch.randn(32, 1)), batch_size=4)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                        default_root_dir=str(root), enable_checkpointing=False)
+    return trainer, Module(), data
+
+
+def test_lightning_trains_in_the_swarm_checkpoints_our_state_and_resumes_it(tmp_path):
+    from peertrain.integrations.followed import STATE_KEY
+    from peertrain.integrations.lightning import SwarmCallback
+
+    swarm = Swarm()
+    callback = SwarmCallback(swarm)
+    trainer, module, data = tiny_lightning(tmp_path, callback, steps=5)
+    trainer.fit(module, data)
+    w = callback.training.wrapper
+    assert isinstance(w, peertrain.GossipOptimizer) and w.local_step == 5 and w._following is None
+    assert swarm.named("background") == [("background", "model", "one")] * 5
+    assert swarm.named("average") == [("average", "model", "all")] * 3  # settled at the end
+    assert float(trainer.callback_metrics["swarm/peers"]) == 2.0  # reached Lightning's loggers
+    assert swarm.published and all("step" in p for p in swarm.published)
+    trainer.save_checkpoint(tmp_path / "five.ckpt")
+    saved = torch.load(tmp_path / "five.ckpt", weights_only=False)
+    assert saved[STATE_KEY]["gossip"]["step"] == 5
+
+    swarm2 = Swarm()
+    again = SwarmCallback(swarm2)
+    trainer2, module2, data2 = tiny_lightning(tmp_path, again, steps=8)
+    trainer2.fit(module2, data2, ckpt_path=tmp_path / "five.ckpt")
+    assert again.training.wrapper.local_step == 8 and len(swarm2.named("background")) == 3  # from step 5 on
+    assert swarm2.named("download") == [("download", "model", 6)]  # only a partner past our step
+
+
+def test_lightning_stops_when_the_swarm_stops_and_refuses_two_optimizers(tmp_path):
+    import lightning.pytorch as L
+
+    from peertrain.integrations.lightning import SwarmCallback
+
+    class Stopping(Swarm):
+        def should_stop(self):
+            return len(self.named("background")) >= 2
+
+    callback = SwarmCallback(Stopping(), settle_rounds=0)
+    trainer, module, data = tiny_lightning(tmp_path, callback, steps=50)
+    trainer.fit(module, data)
+    assert trainer.global_step == 2
+
+    class Two(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            return None
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)]
+
+    trainer2, _, data2 = tiny_lightning(tmp_path, SwarmCallback(Swarm()), steps=2)
+    with pytest.raises(ValueError, match="one optimizer"):
+        trainer2.fit(Two(), data2)
