@@ -17,6 +17,7 @@ a step it skips is not counted) and gradient clipping work on it as on the inner
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import OrderedDict
 from contextlib import ExitStack, nullcontext
@@ -41,6 +42,15 @@ def named(params: list) -> dict:
     """Parameters named by position: peers build the same model and optimizer, so position i is the same
     tensor everywhere (each exchange checks names, dtypes and shapes before it moves a byte)."""
     return {f"p{i}": p for i, p in enumerate(params)}
+
+
+def _on_stack(frame: Any, top: Any) -> bool:
+    """Is `frame` one of the frames below `top` (the call running now)?"""
+    while top is not None:
+        if top is frame:
+            return True
+        top = top.f_back
+    return False
 
 
 class WrappingOptimizer(torch.optim.Optimizer):
@@ -94,24 +104,33 @@ class WrappingOptimizer(torch.optim.Optimizer):
 
     def follow(self) -> "WrappingOptimizer":
         """Run our step around every step of the inner optimizer, whoever calls it: the lock from its pre-hook
-        to its post-hook, then `_after_step`. A step that raises leaves the lock held (the daemon's wait on it
-        is bounded) and the steps after it uncounted: training is expected to end there. A step a GradScaler
-        skips runs no hook and is not counted. Returns self.
+        to its post-hook, then `_after_step`. A step a GradScaler skips runs no hook and is not counted.
+        Returns self.
 
         The hooks may nest: torch hooks every optimizer class's `step`, so one whose `step` calls its base
         class's (`super().step()`, once that class was built too) runs them twice per step; only the
-        outermost pair takes the lock (it is not reentrant) and counts the step."""
+        outermost pair takes the lock (it is not reentrant) and counts the step. A step that raised ran no
+        post-hook: the next step's pre-hook finds the frame that took the lock gone from the stack, releases
+        the lock and starts afresh (the raised step is not counted), so a framework that catches an error and
+        goes on (an OOM retry) neither deadlocks nor stops gossiping."""
         if self._following is None:
             held, depth = ExitStack(), [0]
+            owner: list[Any] = [None]  # the frame of the step call that took the lock
 
             def before(optimizer, args, kwargs) -> None:
+                caller = sys._getframe(1)  # torch's step wrapper, running this call
+                if depth[0] and not _on_stack(owner[0], caller):  # the step that took the lock raised
+                    held.close()
+                    depth[0] = 0
                 depth[0] += 1
                 if depth[0] == 1:
+                    owner[0] = caller
                     held.enter_context(self._step_lock())
 
             def after(optimizer, args, kwargs) -> None:
                 depth[0] -= 1
                 if depth[0] == 0:
+                    owner[0] = None
                     held.close()
                     self._after_step()
 

@@ -546,3 +546,28 @@ def test_lightning_stops_when_the_swarm_stops_and_refuses_two_optimizers(tmp_pat
     trainer2, _, data2 = tiny_lightning(tmp_path, SwarmCallback(Swarm()), steps=2)
     with pytest.raises(ValueError, match="one optimizer"):
         trainer2.fit(Two(), data2)
+
+
+def test_a_followed_step_that_raised_leaves_neither_the_lock_held_nor_the_next_steps_uncounted():
+    """A framework that catches a step's error and goes on (an OOM retry): that step ran no post-hook; the
+    next step releases the lock it left and counts as usual, instead of deadlocking or going silent."""
+    model, x, y = model_and_data()
+
+    class Failing(torch.optim.SGD):
+        fail = True
+
+        def step(self, closure=None):
+            if Failing.fail:
+                Failing.fail = False
+                raise RuntimeError("out of memory (a test's)")
+            return super().step(closure)
+
+    inner, swarm = Failing(model.parameters(), lr=0.1), Swarm()
+    opt = peertrain.GossipOptimizer(inner, swarm, join=False).follow()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        train_inner(model, inner, x, y, 1)
+    assert opt.local_step == 0
+    train_inner(model, inner, x, y, 3)
+    assert opt.local_step == 3 and len(swarm.named("background")) == 3
+    assert opt.shared.lock.acquire(timeout=1)  # released after the last step
+    opt.shared.lock.release()
