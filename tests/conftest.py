@@ -130,6 +130,7 @@ LONG_MODULES = frozenset({
     "test_byzantine.py",
     "test_pipeline_demo.py",
     "test_pipeline_partial_views.py",
+    "test_integrations_examples.py",
 })
 
 # The fast profile's examples per property test, and a ceiling on the counts tests set themselves
