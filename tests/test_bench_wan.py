@@ -30,12 +30,14 @@ def test_the_link_makes_a_float32_exchange_ratio_times_a_round() -> None:
 
 
 def _lines(rounds: list[int | None], compute: float, final_elapsed: float) -> list[dict]:
-    """A local-mode peer's metrics: the meta line, one line per step (4 s each), then the final line whose clock
-    also holds the checkpoint."""
+    """A local-mode peer's metrics: the meta line, one line per step (4 s each; the last also evaluates, 3 s),
+    then the final line whose clock also holds the checkpoint."""
     out: list[dict] = [{"trainer": "trainers.gossip_sgd", "parameters": 10, "state": "training", "ts": 0.0}]
     for i, r in enumerate(rounds, 1):
-        out.append({"step": i, "elapsed_s": 4.0 * i, "compute_s": compute * i / len(rounds), "ts": 4.0 * i,
-                    "test_loss": 4.0 - i / 10, **({"rounds": r, "rounds_skipped": 0} if r is not None else {})})
+        last = i == len(rounds)
+        out.append({"step": i, "elapsed_s": 4.0 * i + 3.0 * last, "compute_s": compute * i / len(rounds),
+                    "eval_s": 3.0 * last, "ts": 4.0 * i, "test_loss": 4.0 - i / 10,
+                    **({"rounds": r, "rounds_skipped": 0} if r is not None else {})})
     out.append({"step": len(rounds), "elapsed_s": final_elapsed, "compute_s": compute, "ts": final_elapsed,
                 "test_loss": 3.0, "reached_target": False})
     return out
@@ -47,7 +49,8 @@ def test_outer_steps_are_rounds_timed_inside_the_loop() -> None:
     raw = {"peers": peers, "netdev_tx_bytes_training": [4_000_000, 2_000_000]}
     each = per_peer_gossip("local", raw)
     assert [p["outer_steps"] for p in each] == [4, 4]
-    assert [p["wall_per_outer_step"] for p in each] == [4.0, 4.0]  # 16 s in the loop, not 60 with the checkpoint
+    # 16 s in the loop: not 60 with the checkpoint, nor 19 with the last step's evaluation
+    assert [p["wall_per_outer_step"] for p in each] == [4.0, 4.0]
     assert [p["utilization"] for p in each] == [0.75, 0.5]
     assert [p["bytes_per_outer_step"] for p in each] == [1_000_000, 500_000]
     f = mode_figures(each)
@@ -57,8 +60,8 @@ def test_outer_steps_are_rounds_timed_inside_the_loop() -> None:
 
 
 def test_allreduce_ranks_step_once_per_outer_step() -> None:
-    raw = {"steps": 2, "elapsed_s_per_worker": [100.0, 100.0], "compute_s_per_worker": [10.0, 20.0],
-           "bytes_sent_per_worker_each": [600, 800]}
+    raw = {"steps": 2, "elapsed_s_per_worker": [110.0, 110.0], "compute_s_per_worker": [10.0, 20.0],
+           "eval_s_per_worker": [10.0, 10.0], "bytes_sent_per_worker_each": [600, 800]}
     each = per_peer_allreduce(raw)
     assert [p["wall_per_outer_step"] for p in each] == [50.0, 50.0]
     assert [p["utilization"] for p in each] == [0.1, 0.2] and each[1]["bytes_per_outer_step"] == 400

@@ -188,7 +188,7 @@ def run(swarm, options: dict) -> dict:
     group, lock = opt.shared, opt.shared.lock
     # Compute seconds (issue 41's utilization = compute / wall): forward, backward and the inner optimizer's update,
     # the last timed by hooks inside the wrapper's lock, so neither a wait for the lock nor an exchange counts.
-    compute = [0.0, 0.0]  # [seconds so far, when the running inner step began]
+    compute = [0.0, 0.0, 0.0]  # [seconds so far, when the running inner step began, seconds evaluating]
 
     def inner_began(*_) -> None:
         compute[1] = time.perf_counter()
@@ -251,8 +251,11 @@ def run(swarm, options: dict) -> dict:
     def evaluate() -> tuple[float | None, float | None]:
         if test_batches is None:
             return None, None
+        t_eval = time.perf_counter()
         with lock:
-            return torch_data.evaluate(model, test_batches, loss_fn, device, what=f"{source}: the test set")
+            out = torch_data.evaluate(model, test_batches, loss_fn, device, what=f"{source}: the test set")
+        compute[2] += time.perf_counter() - t_eval
+        return out
 
     passes = 0  # full passes over the shard; an epoch's length for an iterable without __len__ is learnt on the first
 
@@ -316,7 +319,7 @@ def run(swarm, options: dict) -> dict:
                 swarm.publish({"step": step, "epoch": epoch_at(step), "loss": loss_val,
                                "accuracy": acc, "test_loss": test_loss, "samples_per_s": samples / max(elapsed, 1e-9),
                                "elapsed_s": round(elapsed, 3), "compute_s": round(compute[0], 3),
-                               "consensus_distance": group.last_distance,
+                               "eval_s": round(compute[2], 3), "consensus_distance": group.last_distance,
                                **({"rounds": opt.rounds, "rounds_skipped": opt.skipped} if o.mode == "local" else {}),
                                "neighbours": len(swarm.neighbours())})
             if o.checkpoint_every and step % o.checkpoint_every == 0:

@@ -212,7 +212,8 @@ def wan_arguments(p: Parser) -> None:
     p.add_argument("--eval-every", type=int, default=5,
                    help="steps between evaluations of the small model's all-reduce and AD-PSGD (default 5; local "
                         "modes evaluate at round ends)")
-    p.add_argument("--eval-samples", type=int, default=64, help="held-out windows evaluated (default 64)")
+    p.add_argument("--eval-samples", type=int, default=64,
+                   help="held-out windows the small model is evaluated on (default 64; the big one: 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="give up on one run after this many seconds")
     p.add_argument("--keep", default="", help="keep homes and logs under this directory")

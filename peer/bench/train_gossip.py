@@ -40,7 +40,7 @@ def peer_summary(lines: list[dict], target: float, metric: str = "accuracy") -> 
         "rounds": rounds.get("rounds"), "rounds_skipped": rounds.get("rounds_skipped"),
         "compute_s": last.get("compute_s"),  # forward, backward and inner updates (gossip_sgd)
         # the last line from inside the training loop: the final line's clock also holds the final checkpoint
-        "loop_step": loop["step"], "loop_elapsed_s": loop["elapsed_s"],
+        "loop_step": loop["step"], "loop_elapsed_s": loop["elapsed_s"], "eval_s": loop.get("eval_s"),
         "test_loss_curve": [[m["step"], m["test_loss"]] for m in stepped if m.get("test_loss") is not None],
         "reached": hit is not None,
         "reach_wall": start + hit["elapsed_s"] if hit else None,

@@ -37,7 +37,8 @@ from peer.testing.process import module_json
 TRAINER = "trainers.gossip_sgd"
 CALIBRATION_STEPS = 3  # one process's steps of the big model that time a step (the first allocates: a bound above)
 CALIBRATION_TIMEOUT = 300.0
-NO_EVAL = 10**6  # the big model's runs evaluate once, at their end (a held-out pass of lm_100m costs steps)
+NO_EVAL = 10**6  # the big model's runs evaluate once, at their end
+BIG_EVAL_SAMPLES = 1  # ... on one held-out window: 64 windows of lm_100m took ~130 s of a 1-thread peer, 10 steps
 PRESET_BLOCKS = {"lm_100m": 256, "lm_14m": 128}  # trainers/models.py LM_PRESETS' windows (peer/ imports no trainers)
 
 
@@ -62,6 +63,7 @@ class Part:
     allreduce_steps: int
     eval_every: int
     target: float  # held-out loss (0: none, run the whole budget)
+    eval_samples: int
 
     def block(self) -> int:
         return int(self.model_options.get("block") or PRESET_BLOCKS.get(self.model, 64))
@@ -72,7 +74,7 @@ def make_plan(part: Part, a, link_mbit: float, params: int | None) -> Plan:
     deadline sized to a float32 copy of the model through the link."""
     options = {"model": part.model, "world": a.n, "target_loss": 0.0, "eval_every": part.eval_every,
                "seed": a.seed, "threads": 1, "checkpoint_every": 0, "join_wait": 120.0,
-               "max_steps": part.gossip_steps, "batch_size": part.batch, "eval_samples": a.eval_samples,
+               "max_steps": part.gossip_steps, "batch_size": part.batch, "eval_samples": part.eval_samples,
                **({"model_options": part.model_options} if part.model_options else {})}
     copy_s = exchange_s(params, link_mbit) if params else 60.0
     gossip = {"exchange_timeout": max(10.0, 4 * copy_s), "codec": "raw"}
@@ -85,8 +87,9 @@ def make_plan(part: Part, a, link_mbit: float, params: int | None) -> Plan:
 def allreduce_args(part: Part, a, *, steps: int = 0, eval_every: int = 0) -> list[str]:
     """trainers.allreduce_baseline's flags for this part (steps, eval_every: other than the part's)."""
     return ["--model", part.model, "--eval-every", str(eval_every or part.eval_every), "--seed", str(a.seed),
-            "--threads", "1", "--target", "0", "--target-loss", str(part.target), "--eval-samples",
-            str(a.eval_samples), "--max-steps", str(steps or part.allreduce_steps), "--batch-size", str(part.batch),
+            "--threads", "1", "--target", "0", "--target-loss", str(part.target),
+            "--eval-samples", str(part.eval_samples), "--max-steps", str(steps or part.allreduce_steps),
+            "--batch-size", str(part.batch),
             *(["--model-options", json.dumps(part.model_options)] if part.model_options else [])]
 
 
@@ -140,9 +143,9 @@ def run(args) -> int:
         raise RuntimeError("peer bench wan needs root and permission to create network namespaces")
     big_modes, small_modes = _modes(a.big_modes), _modes(a.small_modes)
     big = Part(a.big_model, a.big_model_options, a.big_batch, a.big_inner_steps, a.big_rounds * a.big_inner_steps,
-               a.big_allreduce_steps, NO_EVAL, 0.0)
+               a.big_allreduce_steps, NO_EVAL, 0.0, BIG_EVAL_SAMPLES)
     small = Part(a.small_model, a.small_model_options, a.small_batch, a.small_inner_steps, a.small_steps,
-                 a.small_allreduce_steps, a.eval_every, a.target_loss)
+                 a.small_allreduce_steps, a.eval_every, a.target_loss, a.eval_samples)
     t0 = time.monotonic()
     load_before = [round(x, 2) for x in os.getloadavg()]
     cal = calibrate(big, a)
@@ -184,8 +187,9 @@ def run(args) -> int:
                   "outer step: a step for allreduce and adpsgd (one exchange each), a round of inner_steps steps "
                   "for local modes; figures are medians over peers, per_peer beside",
                   "utilization: compute seconds (forward, backward, the inner optimizer's update) / the trainer's "
-                  "wall seconds in its loop; peers share this machine's cores, so compute is as slow as the "
-                  "sharing makes it",
+                  "wall seconds in its loop less its held-out evaluations (the big model evaluates once, at the "
+                  "last step, on one window); peers share this machine's cores, so compute is as slow as the "
+                  "sharing makes it, and a peer that starts before the others steps faster until they do",
                   "bytes_per_outer_step: eth0 tx bytes of each peer's namespace from its training start until the "
                   "bench saw all trainers done (an exchange still in flight at the end counts as far as it got) "
                   "over its outer steps; all-reduce: its training loop's",

@@ -66,7 +66,8 @@ def _r(x: float | None, nd: int = 3) -> float | None:
 
 def per_peer_gossip(mode: str, raw: dict) -> list[dict]:
     """A gossip run (train_gossip.run_gossip's dict) per peer: outer steps are rounds (local modes) or steps
-    (AD-PSGD), timed to the trainer's last in-loop line (its final checkpoint is no step)."""
+    (AD-PSGD), timed to the trainer's last in-loop line (its final checkpoint is no step), less its held-out
+    evaluations (the run's last step evaluates; no outer step waits for it on a real deployment's schedule)."""
     tx = raw.get("netdev_tx_bytes_training") or [None] * len(raw["peers"])
     out = []
     for p, sent in zip(raw["peers"], tx):
@@ -75,6 +76,7 @@ def per_peer_gossip(mode: str, raw: dict) -> list[dict]:
             continue
         outer = p.get("rounds") if mode != "adpsgd" else p.get("loop_step")
         wall, compute = p.get("loop_elapsed_s"), p.get("compute_s")
+        wall = wall - (p.get("eval_s") or 0.0) if wall is not None else None
         out.append({
             "steps": p.get("loop_step"), "outer_steps": outer, "rounds_skipped": p.get("rounds_skipped"),
             "wall_s": wall, "compute_s": compute, "bytes_sent": sent,
@@ -87,9 +89,11 @@ def per_peer_gossip(mode: str, raw: dict) -> list[dict]:
 
 
 def per_peer_allreduce(raw: dict) -> list[dict]:
-    """The all-reduce job's ranks (trainers.allreduce_baseline's JSON): every step is an outer step."""
+    """The all-reduce job's ranks (trainers.allreduce_baseline's JSON): every step is an outer step; wall seconds
+    are less the evaluations (rank 0 evaluates, the others wait for its verdict)."""
     steps = raw.get("steps") or 0
-    walls = raw.get("elapsed_s_per_worker") or []
+    evals = raw.get("eval_s_per_worker") or [0.0] * len(raw.get("elapsed_s_per_worker") or [])
+    walls = [w - e for w, e in zip(raw.get("elapsed_s_per_worker") or [], evals)]  # less rank 0's evaluations
     computes = raw.get("compute_s_per_worker") or []
     sent = raw.get("bytes_sent_per_worker_each") or [None] * len(walls)
     return [{"steps": steps, "outer_steps": steps, "wall_s": w, "compute_s": c, "bytes_sent": b,
