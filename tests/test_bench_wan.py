@@ -67,6 +67,14 @@ def test_allreduce_ranks_step_once_per_outer_step() -> None:
     assert [p["utilization"] for p in each] == [0.1, 0.2] and each[1]["bytes_per_outer_step"] == 400
 
 
+def test_a_peers_curve_has_a_point_per_evaluation() -> None:
+    """gossip_sgd's lines carry the last held-out loss until the next evaluation (2026-11-29's run: a point
+    per step)."""
+    lines = [{"step": s, "elapsed_s": s, "ts": s, "test_loss": loss}
+             for s, loss in ((1, None), (10, 2.8), (11, 2.8), (12, 2.8), (20, 2.7), (21, 2.7))]
+    assert peer_summary(lines, 0.0, "test_loss")["test_loss_curve"] == [[10, 2.8], [20, 2.7]]
+
+
 def test_loss_against_tokens_averages_peers_at_common_steps() -> None:
     curves = [[[10, 3.0], [20, 2.8]], [[10, 3.2], [20, 2.6], [30, 2.5]]]
     assert loss_vs_tokens(curves, tokens_per_step=100) == [[2000, 3.1], [4000, 2.7]]

@@ -69,7 +69,7 @@ def per_peer_gossip(mode: str, raw: dict) -> list[dict]:
     (AD-PSGD), timed to the trainer's last in-loop line (its final checkpoint is no step), less its held-out
     evaluations (the run's last step evaluates; no outer step waits for it on a real deployment's schedule)."""
     tx = raw.get("netdev_tx_bytes_training") or [None] * len(raw["peers"])
-    out = []
+    out: list[dict[str, Any]] = []
     for p, sent in zip(raw["peers"], tx):
         if not p.get("started"):
             out.append({"outer_steps": None})
@@ -79,7 +79,7 @@ def per_peer_gossip(mode: str, raw: dict) -> list[dict]:
         wall = wall - (p.get("eval_s") or 0.0) if wall is not None else None
         out.append({
             "steps": p.get("loop_step"), "outer_steps": outer, "rounds_skipped": p.get("rounds_skipped"),
-            "wall_s": wall, "compute_s": compute, "bytes_sent": sent,
+            "wall_s": _r(wall), "compute_s": compute, "bytes_sent": sent,
             "bytes_per_outer_step": round(sent / outer) if sent is not None and outer else None,
             "wall_per_outer_step": _r(wall / outer) if wall and outer else None,
             "compute_per_outer_step": _r(compute / outer) if compute is not None and outer else None,
@@ -96,7 +96,7 @@ def per_peer_allreduce(raw: dict) -> list[dict]:
     walls = [w - e for w, e in zip(raw.get("elapsed_s_per_worker") or [], evals)]  # less rank 0's evaluations
     computes = raw.get("compute_s_per_worker") or []
     sent = raw.get("bytes_sent_per_worker_each") or [None] * len(walls)
-    return [{"steps": steps, "outer_steps": steps, "wall_s": w, "compute_s": c, "bytes_sent": b,
+    return [{"steps": steps, "outer_steps": steps, "wall_s": _r(w), "compute_s": c, "bytes_sent": b,
              "bytes_per_outer_step": round(b / steps) if b is not None and steps else None,
              "wall_per_outer_step": _r(w / steps) if steps else None,
              "compute_per_outer_step": _r(c / steps) if steps else None,
@@ -129,7 +129,7 @@ def _ratio(x: float | None, y: float | None) -> float | None:
 
 
 def wan_figures(*, params: int | None, link_mbit: float, planned_ratio: float, big: dict[str, dict],
-                small: dict[str, dict], curves: dict[str, list], target: float | None) -> dict:
+                small: dict[str, dict], curves: dict[str, list | None], target: float | None) -> dict:
     """The top-level keys of `peer bench wan`: `big` holds each mode's mode_figures from the big model, `small`
     each mode's time-to-target summary from the small model, `curves` each mode's loss_vs_tokens."""
     local = big.get("local") or {}
@@ -147,7 +147,7 @@ def wan_figures(*, params: int | None, link_mbit: float, planned_ratio: float, b
     q8 = _ratio(local.get("bytes_per_outer_step"), (big.get("local_q8") or {}).get("bytes_per_outer_step"))
     t_local = (small.get("local") or {}).get("seconds_to_target")
     t_ar = (small.get("allreduce") or {}).get("seconds_to_target")
-    out = {
+    out: dict[str, Any] = {
         "params": params, "link_mbit": link_mbit,
         "exchange_to_compute_ratio": ratio, "exchange_to_compute_ratio_planned": planned_ratio,
         "h100": h100_mapping(params, ratio or planned_ratio) if params else None,
