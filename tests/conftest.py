@@ -48,6 +48,7 @@ UNIT_MODULES = frozenset({
     "test_bench_pipeline.py",
     "test_bench_sybil.py",
     "test_bench_train.py",
+    "test_bench_wan.py",
     "test_byzantine_units.py",
     "test_checkpoints.py",
     "test_config.py",

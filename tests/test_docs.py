@@ -63,6 +63,7 @@ DAEMON_COMMANDS = {
     "bench byzantine": "tests/test_bench_byzantine.py::test_bench_byzantine_smoke_reports_every_figure",
     "bench pipeline": "tests/test_bench_pipeline.py::test_bench_pipeline_tiny_loopback_run_reports_every_figure",
     "bench nat": "tests/test_bench_nat.py::test_bench_nat_small_run_reports_every_figure",
+    "bench wan": "tests/test_bench_wan.py::test_bench_wan_smoke",
     "bench attach": "tests/test_bench_attach.py::test_bench_attach_smoke_reports_every_figure",
     "bench scale": "tests/test_scale_sim.py::test_bench_scale_small_run_reports_every_figure",
     "bench sybil": "tests/test_bench_sybil.py::test_bench_sybil_reports_every_figure_and_goal",

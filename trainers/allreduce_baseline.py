@@ -97,6 +97,9 @@ def _train(a: argparse.Namespace, device: torch.device, backend: str) -> dict:
     tx0 = tx_bytes(a.net_dev) if a.net_dev else None
     t0 = time.monotonic()
     step, samples, evals = 0, 0, 0
+    # forward, backward and the update (gossip_sgd's compute_s): issue 41's utilization is compute / wall
+    compute_s = eval_s = 0.0
+    curve: list[list[float]] = []  # [step, held-out loss] at each evaluation (rank 0)
     acc = loss_val = test_loss = t_reached = None
     reached = False
     model.train()
@@ -106,14 +109,18 @@ def _train(a: argparse.Namespace, device: torch.device, backend: str) -> dict:
                 break
             xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
             opt.zero_grad(set_to_none=False)
+            t_c = time.perf_counter()
             loss = batch_loss(model(xb), yb)
             loss.backward()
+            compute_s += time.perf_counter() - t_c
             torch.cat([p.grad.reshape(-1) for p in params], out=flat)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             flat.div_(a.world)
             for p, g in zip(params, flat.split(numels)):
                 p.grad.copy_(g.view_as(p))
+            t_c = time.perf_counter()
             opt.step()
+            compute_s += time.perf_counter() - t_c
             step += 1
             samples += len(yb)
             loss_val = float(loss.detach())
@@ -121,11 +128,14 @@ def _train(a: argparse.Namespace, device: torch.device, backend: str) -> dict:
                 time.sleep(a.step_delay)
             if step % a.eval_every == 0 or step == total_steps:
                 evals += 1
+                t_e = time.perf_counter()
                 if a.rank == 0:
                     test_loss, acc = evaluate(model, test_set, device)
+                    curve.append([step, round(test_loss, 4)])
                     hit = (a.target and acc >= a.target) or (a.target_loss and test_loss <= a.target_loss)
                     flag.fill_(1.0 if hit else 0.0)
                 dist.broadcast(flag, src=0)
+                eval_s += time.perf_counter() - t_e  # rank 0 evaluating, the others waiting for its verdict
                 if flag.item() > 0:
                     reached = True
                     t_reached = time.monotonic() - t0
@@ -135,7 +145,8 @@ def _train(a: argparse.Namespace, device: torch.device, backend: str) -> dict:
     elapsed = time.monotonic() - t0
     tx = (tx_bytes(a.net_dev) - tx0) if tx0 is not None else None
     mine = {"rank": a.rank, "steps": step, "samples": samples, "elapsed_s": elapsed,
-            "samples_per_s": samples / max(elapsed, 1e-9), "tx_bytes": tx}
+            "samples_per_s": samples / max(elapsed, 1e-9), "tx_bytes": tx, "compute_s": compute_s,
+            "eval_s": eval_s}
     everyone: list = [None] * a.world
     dist.all_gather_object(everyone, mine)
     if a.rank != 0:
@@ -157,6 +168,9 @@ def _train(a: argparse.Namespace, device: torch.device, backend: str) -> dict:
         "accuracy": final_acc, "test_loss": final_loss, "loss": loss_val, "last_eval_accuracy": acc,
         "last_eval_test_loss": test_loss,
         "steps_per_s_per_worker": [round(e["steps"] / max(e["elapsed_s"], 1e-9), 3) for e in everyone],
+        "compute_s_per_worker": [round(e["compute_s"], 3) for e in everyone],
+        "eval_s_per_worker": [round(e["eval_s"], 3) for e in everyone],
+        "elapsed_s_per_worker": [round(e["elapsed_s"], 3) for e in everyone], "test_loss_curve": curve,
         "samples_per_s_per_worker": [round(e["samples_per_s"], 1) for e in everyone],
         "samples_per_s_total": round(sum(e["samples_per_s"] for e in everyone), 1),
         "bytes_sent_per_worker": (round(sum(measured) / len(measured)) if None not in measured else round(estimate)),

@@ -186,6 +186,18 @@ def run(swarm, options: dict) -> dict:
     else:
         opt = GossipOptimizer(inner, swarm, mode=o.mode, average_every=o.average_every, join=False)
     group, lock = opt.shared, opt.shared.lock
+    # Compute seconds (issue 41's utilization = compute / wall): forward, backward and the inner optimizer's update,
+    # the last timed by hooks inside the wrapper's lock, so neither a wait for the lock nor an exchange counts.
+    compute = [0.0, 0.0, 0.0]  # [seconds so far, when the running inner step began, seconds evaluating]
+
+    def inner_began(*_) -> None:
+        compute[1] = time.perf_counter()
+
+    def inner_ended(*_) -> None:
+        compute[0] += time.perf_counter() - compute[1]
+
+    inner.register_step_pre_hook(inner_began)
+    inner.register_step_post_hook(inner_ended)
     use_amp = o.amp and device.type == "cuda"
     scaler = torch.amp.GradScaler("cuda") if use_amp else None
 
@@ -239,8 +251,11 @@ def run(swarm, options: dict) -> dict:
     def evaluate() -> tuple[float | None, float | None]:
         if test_batches is None:
             return None, None
+        t_eval = time.perf_counter()
         with lock:
-            return torch_data.evaluate(model, test_batches, loss_fn, device, what=f"{source}: the test set")
+            out = torch_data.evaluate(model, test_batches, loss_fn, device, what=f"{source}: the test set")
+        compute[2] += time.perf_counter() - t_eval
+        return out
 
     passes = 0  # full passes over the shard; an epoch's length for an iterable without __len__ is learnt on the first
 
@@ -261,10 +276,12 @@ def run(swarm, options: dict) -> dict:
             for g in opt.param_groups:
                 g["lr"] = _lr_at(step, hp["lr"], o.warmup_steps, total_steps, o.schedule)
             opt.zero_grad(set_to_none=True)
+            t_fb = time.perf_counter()
             with torch.autocast(device.type, dtype=torch.float16) if use_amp else nullcontext():
                 loss = loss_fn(model(xb), yb)
             if scaler is not None:
                 scaler.scale(loss).backward()
+                compute[0] += time.perf_counter() - t_fb
                 if o.grad_clip:
                     scaler.unscale_(opt)
                     torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
@@ -274,6 +291,7 @@ def run(swarm, options: dict) -> dict:
                 loss.backward()
                 if o.grad_clip:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+                compute[0] += time.perf_counter() - t_fb
                 opt.step()
             step += 1
             samples += len(yb)
@@ -300,7 +318,8 @@ def run(swarm, options: dict) -> dict:
                 elapsed = now - t0
                 swarm.publish({"step": step, "epoch": epoch_at(step), "loss": loss_val,
                                "accuracy": acc, "test_loss": test_loss, "samples_per_s": samples / max(elapsed, 1e-9),
-                               "elapsed_s": round(elapsed, 3), "consensus_distance": group.last_distance,
+                               "elapsed_s": round(elapsed, 3), "compute_s": round(compute[0], 3),
+                               "eval_s": round(compute[2], 3), "consensus_distance": group.last_distance,
                                **({"rounds": opt.rounds, "rounds_skipped": opt.skipped} if o.mode == "local" else {}),
                                "neighbours": len(swarm.neighbours())})
             if o.checkpoint_every and step % o.checkpoint_every == 0:
@@ -318,6 +337,7 @@ def run(swarm, options: dict) -> dict:
     elapsed = time.monotonic() - t0
     test_loss, acc = evaluate()
     result = {"step": step, "accuracy": acc, "test_loss": test_loss, "loss": loss_val, "elapsed_s": round(elapsed, 3),
+              "compute_s": round(compute[0], 3),
               "samples_per_s": samples / max(elapsed, 1e-9), "reached_target": bool(target_info),
               "epoch": epoch_at(step), **target_info}
     swarm.publish(result)

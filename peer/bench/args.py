@@ -7,6 +7,7 @@ heavy; a bench module (numpy, torch, trio, daemons) is imported only when that b
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -175,6 +176,46 @@ def train_arguments(p: Parser) -> None:
                    help="let each peer stop at its own target (gossip_sgd target_accuracy) instead of all training "
                         "until every peer has reached it")
     p.add_argument("--timeout", type=float, default=240.0, help="give up on one run after this many seconds")
+    p.add_argument("--keep", default="", help="keep homes and logs under this directory")
+
+
+def wan_arguments(p: Parser) -> None:
+    p.add_argument("--n", type=int, default=4, help="peers / ranks, one network namespace each (default 4)")
+    p.add_argument("--link-mbit", type=float, default=0.0, metavar="MBIT",
+                   help="every host's link, tbf both ways (default 0: chosen so that one float32 exchange of the "
+                        "big model takes --ratio times one outer round's compute, from a measured step)")
+    p.add_argument("--ratio", type=float, default=5.0,
+                   help="float32 exchange ÷ outer round compute the chosen link gives (default 5, issue 41's)")
+    p.add_argument("--big-model", default="lm_100m", help="model of the bytes, wall and utilization runs (default lm_100m)")
+    p.add_argument("--big-model-options", type=json.loads, default={}, help="its sizes, JSON (default: the preset)")
+    p.add_argument("--big-modes", default="allreduce,adpsgd,local,local_q8",
+                   help="modes run on the big model, in order (default allreduce,adpsgd,local,local_q8; '' skips)")
+    p.add_argument("--big-batch", type=int, default=2, help="per-peer batch of the big model (default 2)")
+    p.add_argument("--big-inner-steps", type=int, default=1,
+                   help="H of the big model's local modes (default 1: a round is one step, so the link a ratio "
+                        "of 5 asks for stays near 100 Mbit/s on this CPU)")
+    p.add_argument("--big-rounds", type=int, default=4, help="outer rounds per peer of local modes and AD-PSGD's "
+                                                             "steps (x H) on the big model (default 4)")
+    p.add_argument("--big-allreduce-steps", type=int, default=2, help="all-reduce steps on the big model (default 2)")
+    p.add_argument("--small-model", default="lm_14m", help="model of the loss curves (default lm_14m)")
+    p.add_argument("--small-model-options", type=json.loads, default={}, help="its sizes, JSON (default: the preset)")
+    p.add_argument("--small-modes", default="local,allreduce,local_q8,adpsgd",
+                   help="modes run to the target on the small model (default local,allreduce,local_q8,adpsgd; '' "
+                        "skips)")
+    p.add_argument("--small-batch", type=int, default=8, help="per-peer batch of the small model (default 8)")
+    p.add_argument("--small-inner-steps", type=int, default=10, help="H of its local modes (default 10)")
+    p.add_argument("--small-steps", type=int, default=80, help="most steps per peer of its gossip modes (default 80)")
+    p.add_argument("--small-allreduce-steps", type=int, default=30, help="most all-reduce steps on it (default 30)")
+    p.add_argument("--target-loss", type=float, default=2.7,
+                   help="held-out loss the small model is timed to (default 2.7: one process of lm_14m reaches it "
+                        "after ~30k tokens, 2.55 after 80k, from ln(65) = 4.17)")
+    p.add_argument("--eval-every", type=int, default=5,
+                   help="steps between evaluations of the small model's all-reduce and AD-PSGD (default 5; local "
+                        "modes evaluate at round ends)")
+    p.add_argument("--eval-samples", type=int, default=64,
+                   help="held-out windows the small model is evaluated on (default 64; the big one: 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="give up on one run after this many seconds")
     p.add_argument("--keep", default="", help="keep homes and logs under this directory")
 
 
@@ -447,6 +488,9 @@ BENCHES = {
                    "AD-PSGD vs D-PSGD vs local steps vs gloo all-reduce data parallel: time to a target accuracy "
                    "or loss",
                    train_arguments),
+    "wan": Bench("peer.bench.wan",
+                 "training where the links bind (issue 41): per mode, bytes, wall time and compute utilization per "
+                 "outer step of a 100 M-parameter model, loss against tokens of a small one", wan_arguments),
     "attach": Bench("peer.bench.attach",
                     "averaging from an attached process vs a hosted trainer (overhead), and bytes per host with "
                     "torchrun ranks as one peer vs one peer each", attach_arguments),

@@ -31,12 +31,17 @@ def peer_summary(lines: list[dict], target: float, metric: str = "accuracy") -> 
     last = stepped[-1]
     hit = next((m for m in stepped if reaches(m, target, metric)), None)
     rounds = next((m for m in reversed(stepped) if "rounds" in m), {})  # local modes (not in the final line)
+    loop = next((m for m in reversed(stepped) if "reached_target" not in m), last)
     return {
         "started": True, "start_wall": start, "steps": last["step"], "elapsed_s": last["elapsed_s"],
         "epochs": last.get("epoch"), "samples_per_s": last.get("samples_per_s"),
         "steps_per_s": last["step"] / max(last["elapsed_s"], 1e-9), "accuracy": last.get("accuracy"),
         "test_loss": last.get("test_loss"), "test_loss_at_target": hit.get("test_loss") if hit else None,
         "rounds": rounds.get("rounds"), "rounds_skipped": rounds.get("rounds_skipped"),
+        "compute_s": last.get("compute_s"),  # forward, backward and inner updates (gossip_sgd)
+        # the last line from inside the training loop: the final line's clock also holds the final checkpoint
+        "loop_step": loop["step"], "loop_elapsed_s": loop["elapsed_s"], "eval_s": loop.get("eval_s"),
+        "test_loss_curve": _evaluations(stepped),
         "reached": hit is not None,
         "reach_wall": start + hit["elapsed_s"] if hit else None,
         "seconds_to_target": hit["elapsed_s"] if hit else None,
@@ -44,6 +49,17 @@ def peer_summary(lines: list[dict], target: float, metric: str = "accuracy") -> 
         "steps_to_target": hit["step"] if hit else None,
         "meta": next((m for m in lines if "parameters" in m), {}),
     }
+
+
+def _evaluations(stepped: list[dict]) -> list[list]:
+    """[step, held-out loss] at each evaluation: a line repeats the last loss until the next one, so a point is
+    where the loss changed."""
+    out: list[list] = []
+    for m in stepped:
+        loss = m.get("test_loss")
+        if loss is not None and (not out or out[-1][1] != loss):
+            out.append([m["step"], loss])
+    return out
 
 
 def _trainer_state(st: dict | None) -> str:
