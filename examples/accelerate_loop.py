@@ -68,6 +68,7 @@ def main() -> None:
     result = {"accuracy": round(local_swarm.digits_accuracy(model, held_out), 3), "steps": steps,
               "seconds": round(time.monotonic() - t0, 1), "mixed_precision": args.mixed_precision}
     if swarm is not None:
+        local_swarm.end_together(args)
         gossip.settle()  # peertrain: average on until the peers' models agree
         result["exchanges"] = swarm.exchanges()
         swarm.close()

@@ -43,19 +43,31 @@ def worker_swarm(args):
                            mdns=False)
 
 
+def end_together(args) -> None:
+    """A barrier among the workers before they settle: on these tiny models a peer slowed by a busy machine
+    ends seconds after the others, hundreds of steps, and settling (which goes on while a partner moves us)
+    cannot see a partner whose last steps barely move. A real run's peers end minutes apart at worst and
+    settle on their own (WrappingOptimizer.settle)."""
+    _barrier(args, "done")
+
+
 def start_together(args) -> None:
     """A barrier among the workers (files in the run's folder), so that they start their steps within
     milliseconds of each other: on these tiny models hundreds of steps fit in the second that daemons take to
     see each other, and a comparison at equal steps wants peers that train side by side. (A real run needs no
     such thing: a late peer joins from its partners' model.)"""
+    _barrier(args, "ready")
+
+
+def _barrier(args, name: str) -> None:
     if args.worker is None or args.late:
         return
     folder = Path(args.out).parent
-    (folder / f"ready-{args.worker}").touch()
+    (folder / f"{name}-{args.worker}").touch()
     deadline = time.monotonic() + 120
-    while sum(1 for _ in folder.glob("ready-*")) < args.peers - bool(args.late_peer):
+    while sum(1 for _ in folder.glob(f"{name}-*")) < args.peers - bool(args.late_peer):
         if time.monotonic() > deadline:
-            raise SystemExit("[example] the other peers did not get ready within 120s")
+            raise SystemExit(f"[example] the other peers did not reach '{name}' within 120s")
         time.sleep(0.01)
 
 

@@ -69,6 +69,10 @@ def main() -> None:
                 break
     result = {"steps": steps, "seconds": round(time.monotonic() - t0, 1), "ranks": RANKS if distributed else 1}
     if swarm is not None:
+        if not distributed or dist.get_rank() == 0:
+            local_swarm.end_together(args)
+        if distributed:
+            dist.barrier()
         opt.settle()  # peertrain: average on until the peers' models agree
         result["exchanges"] = swarm.exchanges()
     result["accuracy"] = round(local_swarm.digits_accuracy(model, held_out), 3)

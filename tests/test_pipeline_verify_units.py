@@ -386,3 +386,14 @@ def test_the_liar_bench_reads_bans_delays_overhead_and_loss_gaps_from_statuses()
     for bad in ("", "lie", "scale"):
         with pytest.raises(ValueError):
             attackers_of(bad)
+
+
+def test_a_pair_judged_against_our_own_answer_frames_no_honest_server_and_still_catches_gross_lies():
+    """Two honest servers of a stage reached distances (0.38, 0.31) in a loaded swarm test, when each, serving
+    the stage, judged the other against its own answer: that is no outlier now. A 1.5x scale, a noise lie and
+    the swarm test's liar (0.62, 0.24) still are."""
+    from peer.pipeline.verify import OWN_GROSS
+
+    assert Distance(0.381, 0.307).within(OWN_GROSS)
+    assert not Distance(0.2, 0.41).within(OWN_GROSS)  # x1.5
+    assert not Distance(0.62, 0.24).within(OWN_GROSS)

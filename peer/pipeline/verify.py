@@ -112,7 +112,12 @@ class Distance:
 
 
 FAR = Distance(math.inf, math.inf)
-GROSS = Distance(GROSS_REL, GROSS_NORM)  # what no honest pair differs by: a pair with our own answer is judged so
+GROSS = Distance(GROSS_REL, GROSS_NORM)  # what no honest pair differs by, while a stage's kind is uncalibrated
+OWN_GROSS_NORM = 0.35  # a pair with our own answer, judged without a third: a norm 42% off. Two honest servers of
+#                        one stage reached 0.22-0.31 in the verify swarm test (2026-11-29, late in a loaded run:
+#                        each driver that served the stage struck the other), so GROSS_NORM framed them there;
+#                        a 1.5x scale (0.41) still stands out, and a third peer judges what this lets through
+OWN_GROSS = Distance(GROSS_REL, OWN_GROSS_NORM)
 
 
 def distance(a: Answer, b: Answer) -> Distance:
@@ -298,7 +303,7 @@ class Verifier:
         cal = self._calibration(stage, kind)
         tol = cal.tolerance(floor_)
         d12 = distance(first, second)
-        if self.me in (first.peer, second.peer) and not d12.within(GROSS):
+        if self.me in (first.peer, second.peer) and not d12.within(OWN_GROSS):
             # our own compute answered (we serve the stage: the driver asks us first): it is the reference, and
             # an answer grossly off it the outlier, whoever else would agree with it (two colluders answer alike).
             # Grossly: an honest pair's own distance reached 3.9x the calibrated tolerance in the swarm tests
@@ -306,7 +311,7 @@ class Verifier:
             self.stats.mismatches += 1
             other = second.peer if first.peer == self.me else first.peer
             return self._found(other, [first.peer, second.peer], stage, kind,
-                               {_pair(first.peer, second.peer): d12}, GROSS, done_microbatches)
+                               {_pair(first.peer, second.peer): d12}, OWN_GROSS, done_microbatches)
         refresh = not cal.calibrated or self.rng.random() < REFRESH
         if d12.within(tol) and not refresh:
             self.stats.agreed += 1
@@ -359,7 +364,7 @@ class Verifier:
     def _two_peer_outlier(self, first: Answer, second: Answer, d: Distance) -> str | None:
         """Two answers only: we trust our own compute, so the other is the outlier if it is grossly off (with no
         third opinion there is no calibration)."""
-        if self.me not in (first.peer, second.peer) or d.within(GROSS):
+        if self.me not in (first.peer, second.peer) or d.within(OWN_GROSS):
             return None
         return second.peer if first.peer == self.me else first.peer
 
