@@ -106,14 +106,18 @@ def test_an_unacknowledged_gradient_is_dropped_after_the_hold():
 
 def test_a_failed_microbatch_drops_its_gradients_and_a_stage_switch_drops_the_old_stages():
     b = book()
-    i, j = b.keep("d", "s1", Held(FakeStage()), 0.0), b.keep("d", "s1", Held(FakeStage()), 0.0)
-    k = b.keep("d", "s2", Held(FakeStage()), 0.0)
+    gi, gj, gk = Held(FakeStage()), Held(FakeStage()), Held(FakeStage())
+    i, j = b.keep("d", "s1", gi, 0.0), b.keep("d", "s1", gj, 0.0)
+    k = b.keep("d", "s2", gk, 0.0)
     b.drop("d", [i], 1.0)
     b.drop_all_but("s2", "stale")
     b.discard(k, "unsent")
     b.discard(k, "unsent")  # gone already: nothing more
     assert len(b) == 0 and b.stats.dropped == {"failed": 1, "stale": 1, "unsent": 1} and b.stats.acked == 0
     assert b.take("d", [i, j, k], 2.0) == []
+    # a failed microbatch's gradient (and a check's) is released: taken out of the stage, or its steps wait for it
+    # (a stage of the verify swarm test never stepped); a stale one went with the state it was computed for
+    assert b.take_released() == [gi, gk]
 
 
 def test_the_bounds_drop_the_oldest_a_driver_only_its_own():

@@ -72,11 +72,17 @@ def test_a_lying_stage_server_is_banned_and_training_matches_an_honest_run(clust
         print(f"   calibration {v['calibration']}")
         for r in v["recent"]:
             print(f"   {r}")
+        g = s.get("gossip", {})
+        print(f"   gossip {({k: g.get(k) for k in ('exchanges', 'served', 'failed', 'rejected', 'last_error', 'clipped', 'struck')})}")
+        for pid, p in (g.get("by_peer") or {}).items():
+            print(f"   with {pid[:8]}: {p}")
     for d, s in zip(drivers, sts):
         t, dr = trainer(s), driver(s)
         assert t["samples"] == samples and t["microbatches_failed"] == 0 and dr["failed"] == 0, (d.name, t, dr)
         assert banned_by(s) == {liar}, (d.name, pipe(s).get("bans"), dr["verify"])
         assert set(dr["verify"]["strikes"]) == {liar}, (d.name, dr["verify"]["strikes"])
+        # every stage steps (a check's dropped gradient, never released, once held a stage's steps back all run)
+        assert t["stage_steps"] >= t["stage_samples"] / (8 * TINY["batch_size"]), (d.name, t)
 
     got = drivers[0].command("evaluate", timeout=120)
     assert got.get("val_loss") is not None, got

@@ -267,8 +267,7 @@ def run(swarm, options: dict) -> dict:
             first = swarm.first_move(state.seat_figures(key, settling=True), env_rank)
             running = not first.starting
             state.settling = not running
-            state.take(key, o.initial_stage if o.initial_stage >= 0 else first.to_stage,
-                       ready=not running)  # a joiner takes calls once it holds the stage's state
+            state.take(key, o.initial_stage if o.initial_stage >= 0 else first.to_stage)  # calls from join_stage on
             if not running:  # peers starting together agree on a cut and spread out; a joiner need not wait
                 state.settle(own_cuts, env_rank, deadline=time.monotonic() + SETTLE_S)
         key = state.key

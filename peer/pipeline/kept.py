@@ -147,9 +147,12 @@ class KeptGradients:
         return out
 
     def drop(self, driver: str, ids: list[int], now: float) -> None:
-        """Drop the gradients of `ids` kept for `driver`: their microbatch failed. The other ids are ignored."""
-        for _ in self._claim(driver, ids, now):
+        """Drop the gradients of `ids` kept for `driver` (their microbatch failed, or a check's call kept them): they
+        are released like any other dropped gradient, or a provisional one would sit in the stage's gradient and
+        hold its steps back, and a copy count against its room for good. The other ids are ignored."""
+        for kept in self._claim(driver, ids, now):
             self.stats.dropped["failed"] += 1
+            self.released.append(kept.gradient)
 
     def _claim(self, driver: str, ids: list[int], now: float) -> list[Kept]:
         self.expire(now)

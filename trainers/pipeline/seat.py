@@ -232,14 +232,15 @@ class StageSeat:
             self.worker = None
         gc.collect()
 
-    def take(self, key: PipelineKey, stage: int, *, ready: bool = True) -> None:
-        """Serve `stage` with a fresh worker. Not `ready` (joining a pipeline that trains): the stage is
-        announced, so its peers hand us its state, but calls are refused until `join_stage` loaded it. A peer
-        that cannot hold both frees the stage it served first."""
+    def take(self, key: PipelineKey, stage: int) -> None:
+        """Serve `stage` with a fresh worker, not ready: the stage is announced, so its peers hand us its state,
+        but calls are refused until `join_stage` loaded it (peers slow to start served untrained blocks to peers
+        training for seconds, and drivers' checks struck them). A peer that cannot hold both frees the stage it
+        served first."""
         if self.worker is not None and not self.mem.holds(self.need(self.key, self.stage) + self.need(key, stage)):
             self._free()
         self.worker, self.key, self.stage = self._worker(key, stage), key, stage
-        self._serve(ready=ready)
+        self._serve(ready=False)
         self._announce_profile()
         self.tell_daemon()
 

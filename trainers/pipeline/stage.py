@@ -403,8 +403,10 @@ class StageWorker:
                 self._add(held.grads or [])
             else:
                 self._settle_provisional(held)
-                wait = time.monotonic() - held.born
-                self._settle_s = wait if self._settle_s is None else self._settle_s + EWMA_ALPHA * (wait - self._settle_s)
+            # the typical wait for an ack, from every ack (a copy's too: were provisional ones never acknowledged,
+            # the wait would stay unmeasured and SETTLE_FIRST_S would hold steps back for its four times)
+            wait = time.monotonic() - held.born
+            self._settle_s = wait if self._settle_s is None else self._settle_s + EWMA_ALPHA * (wait - self._settle_s)
             self._settle(held)  # at most once; what it kept is freed
             self.samples += held.samples
             self._pending += held.samples
