@@ -119,21 +119,22 @@ def run(mode: str, peers: int, rounds: int, inner: int, seed: int) -> dict:
             sent += 1.0
             received += 1.0
         elif mode.startswith("edges:"):
-            for i, j in matching(peers, rnd):
+            each = 2 / peers  # a pair's send counted per peer: every peer is in one pair a round
+            for i, j in (sorted(pair) for pair in matching(peers, rnd)):
                 if (i, j) not in edges:  # a new edge: one dense exchange sets its copies (q8 on the wire)
                     mean = (xs[i] + xs[j]) / 2
                     edges[(i, j)] = (EdgeCopies.start(xs[i], xs[j]), EdgeCopies.start(xs[j], xs[i]))
                     xs[i], xs[j] = mean.copy(), mean.copy()
-                    sent += 0.25
-                    received += 0.25
+                    sent += 0.25 * each
+                    received += 0.25 * each
                     continue
-                ci, cj = edges[(i, j)]
+                ci, cj = edges[(i, j)]  # i's copies and j's of one edge: each the other's mirror
                 qi, qj = ci.send(xs[i]), cj.send(xs[j])
                 di, dj = ci.commit(qi, qj), cj.commit(qj, qi)
                 xs[i] = xs[i] + gamma * di
                 xs[j] = xs[j] + gamma * dj
-                sent += sparse_share()
-                received += sparse_share()
+                sent += sparse_share() * each
+                received += sparse_share() * each
         elif mode == "everyone":
             qs = []
             for k, x in enumerate(xs):
