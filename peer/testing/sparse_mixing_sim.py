@@ -13,7 +13,8 @@ combine by one of:
     4096 with 2-bit values), consensus step G, on the same matching; an edge's first exchange is dense and
     sets its copies;
   * `everyone`: every peer's round update, sparse with error feedback, applied by all (SparseLoCo's
-    all-gather; replicas stay identical; each peer receives N - 1 sparse updates a round).
+    all-gather; replicas stay identical; each peer receives N - 1 sparse updates a round); `everyone:K` sends
+    K of every 4096 entries instead of the codec's default 64;
 
 Printed per mode: the validation loss of the peers' mean model and the mean of the peers' own, the spread
 (the peers' mean distance from their mean, over its norm) late in the run, and the bytes a peer sends and
@@ -42,10 +43,10 @@ LR = 3e-3
 EVAL_BATCHES = 8
 
 
-def sparse_share() -> float:
-    """Bytes of a sparse send over float32's: per chunk of SPARSE_BLOCK, SPARSE_TOPK u16 indices, their 2-bit
-    codes and two float32 magnitudes (protocol/tensor_codec.py)."""
-    return (SPARSE_TOPK * 2 + SPARSE_TOPK / 4 + 8) / (SPARSE_BLOCK * 4)
+def sparse_share(topk: int = SPARSE_TOPK) -> float:
+    """Bytes of a sparse send over float32's: per chunk of SPARSE_BLOCK, `topk` u16 indices, their 2-bit codes
+    and two float32 magnitudes (protocol/tensor_codec.py)."""
+    return (topk * 2 + topk / 4 + 8) / (SPARSE_BLOCK * 4)
 
 
 class Replica:
@@ -135,17 +136,18 @@ def run(mode: str, peers: int, rounds: int, inner: int, seed: int) -> dict:
                 xs[j] = xs[j] + gamma * dj
                 sent += sparse_share() * each
                 received += sparse_share() * each
-        elif mode == "everyone":
+        elif mode == "everyone" or mode.startswith("everyone:"):
+            topk = int(mode.split(":")[1]) if ":" in mode else SPARSE_TOPK
             qs = []
             for k, x in enumerate(xs):
                 update = x - reference + residual[k]
-                q = sparse_roundtrip(update)
+                q = sparse_roundtrip(update, topk=topk)
                 residual[k] = update - q
                 qs.append(q)
             reference = reference + np.mean(qs, axis=0)
             xs = [reference.copy() for _ in xs]
-            sent += sparse_share()  # flooded: each peer's update reaches each other once
-            received += (peers - 1) * sparse_share()
+            sent += sparse_share(topk)  # flooded: each peer's update reaches each other once
+            received += (peers - 1) * sparse_share(topk)
         else:
             raise ValueError(f"unknown mode {mode!r}")
         for r, x in zip(reps, xs):
@@ -165,7 +167,8 @@ def run(mode: str, peers: int, rounds: int, inner: int, seed: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m peer.testing.sparse_mixing_sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="allreduce,pairwise,everyone,edges:0.01,edges:0.05",
-                    help="comma-separated: allreduce, pairwise, everyone, edges:G (default: %(default)s)")
+                    help="comma-separated: allreduce, pairwise, everyone, everyone:K (K of every 4096 entries "
+                         "sent), edges:G (default: %(default)s)")
     ap.add_argument("--peers", type=int, default=4, help="peers on the ring, even (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=60, help="outer rounds (default: %(default)s)")
     ap.add_argument("--inner", type=int, default=10, help="inner Adam steps a round (default: %(default)s)")
