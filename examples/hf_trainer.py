@@ -84,8 +84,10 @@ def main() -> None:
     if swarm is not None:
         result["exchanges"] = swarm.exchanges()
         result["joined_at_step"] = callback.training.wrapper.joined_at_step
-        swarm.close()
     local_swarm.write_result(args.out, result, model.parameters())
+    if swarm is not None:
+        local_swarm.stay_for_the_late_peer(args)
+        swarm.close()
 
 
 if __name__ == "__main__":

@@ -59,6 +59,19 @@ def start_together(args) -> None:
     _barrier(args, "ready")
 
 
+def stay_for_the_late_peer(args) -> None:
+    """With `--late-peer`: the early peers keep their daemons up (serving their model) until the late peer has
+    trained, so it always finds them to join from: on a loaded machine it started after they had finished
+    and trained alone. The late peer says it is done; a bounded wait."""
+    if args.worker is None or not (args.late or args.late_peer):
+        return
+    folder = Path(args.out).parent
+    if args.late:  # the late peer itself (its flag is --late, the early ones' --late-peer)
+        (folder / "late-done").touch()
+        return
+    _wait_for(lambda: (folder / "late-done").exists(), "the late peer to train", timeout=RUN_TIMEOUT_S)
+
+
 def _barrier(args, name: str) -> None:
     if args.worker is None or args.late:
         return

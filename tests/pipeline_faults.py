@@ -45,10 +45,13 @@ class FaultySwarm:
         async def call_once(pid, peer, mb, stage, kind, tensors):
             if self._fired or (stage, kind) != self._target:
                 return await real(pid, peer, mb, stage, kind, tensors)
-            self._fired = True
             if self._fault == "fail":
+                self._fired = True
                 raise Refused(Refusal(Code.BAD_INPUT, f"test: microbatch {mb.id} fails at stage {stage} {kind}"))
-            await real(pid, peer, mb, stage, kind, tensors)  # computed, kept and answered there
+            # computed, kept and answered there; a refusal (a server still joining its stage) raises here, and the
+            # fault waits for a call that is computed
+            await real(pid, peer, mb, stage, kind, tensors)
+            self._fired = True
             session = driver.service.session_of(pid)
             if session is not None:
                 await session.aclose("test: the session cut between the compute and its reply")
