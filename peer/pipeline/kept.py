@@ -151,8 +151,7 @@ class KeptGradients:
         are released like any other dropped gradient, or a provisional one would sit in the stage's gradient and
         hold its steps back, and a copy count against its room for good. The other ids are ignored."""
         for kept in self._claim(driver, ids, now):
-            self.stats.dropped["failed"] += 1
-            self.released.append(kept.gradient)
+            self._dropped(kept, "failed")
 
     def _claim(self, driver: str, ids: list[int], now: float) -> list[Kept]:
         self.expire(now)
@@ -200,10 +199,14 @@ class KeptGradients:
         return kept
 
     def _drop(self, kept_id: int, why: str) -> None:
-        kept = self._pop(kept_id)
+        self._dropped(self._pop(kept_id), why)
+
+    def _dropped(self, kept: Kept, why: str) -> None:
+        """`kept`, out of the book, dropped for `why`: counted, and its gradient released (taken out of the stage)
+        unless it went stale with the state it was computed for."""
         self.stats.dropped[why] += 1
         if why == STALE:  # the stage state it was computed for is gone, and what it added with it
-            self.remember_stale(kept.driver, kept_id)
+            self.remember_stale(kept.driver, kept.id)
         else:
             self.released.append(kept.gradient)
 

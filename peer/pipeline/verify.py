@@ -325,8 +325,9 @@ class Verifier:
                 self.stats.agreed += 1
                 self._heard([first.peer, second.peer], kind, None)
                 return None
-            odd = self._two_peer_outlier(first, second, d12)
-            return self._found(odd, [first.peer, second.peer], stage, kind,
+            # two answers disagree and no third peer exists: nobody is the outlier (a pair with our own answer
+            # was judged above, against OWN_GROSS, before any third was asked)
+            return self._found(None, [first.peer, second.peer], stage, kind,
                                {_pair(first.peer, second.peer): d12}, tol, done_microbatches)
         extra.append(third)
         self.stats.check_compute_s += third.compute_s
@@ -360,13 +361,6 @@ class Verifier:
         for peers, distances in self.waiting.pop((stage, kind), []):
             odd = self._judge(*verdict(distances, tol), peers, stage, kind, distances, tol, done_microbatches)
         return odd
-
-    def _two_peer_outlier(self, first: Answer, second: Answer, d: Distance) -> str | None:
-        """Two answers only: we trust our own compute, so the other is the outlier if it is grossly off (with no
-        third opinion there is no calibration)."""
-        if self.me not in (first.peer, second.peer) or d.within(OWN_GROSS):
-            return None
-        return second.peer if first.peer == self.me else first.peer
 
     def _heard(self, peers: list[str], kind: str, odd: str | None) -> None:
         """Note a verdict on each of `peers` for a call of `kind` (which of them, if any, was the outlier)."""

@@ -34,6 +34,7 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from peer.averaging.edge_copies import SPARSE_BLOCK, SPARSE_TOPK, EdgeCopies, sparse_roundtrip
+from protocol.tensor_codec import tensor_nbytes
 from trainers.datasets import load_sized_model
 from trainers.models import build_model
 
@@ -44,9 +45,8 @@ EVAL_BATCHES = 8
 
 
 def sparse_share(topk: int = SPARSE_TOPK) -> float:
-    """Bytes of a sparse send over float32's: per chunk of SPARSE_BLOCK, `topk` u16 indices, their 2-bit codes
-    and two float32 magnitudes (protocol/tensor_codec.py)."""
-    return (topk * 2 + topk / 4 + 8) / (SPARSE_BLOCK * 4)
+    """Bytes of a sparse send over float32's, the wire's own body size for one chunk of SPARSE_BLOCK."""
+    return tensor_nbytes("float32", [SPARSE_BLOCK], "sparse", SPARSE_BLOCK, topk) / (SPARSE_BLOCK * 4)
 
 
 class Replica:
@@ -59,7 +59,7 @@ class Replica:
         self.rng = np.random.default_rng(seed * 100 + rank)
 
     def flat(self) -> np.ndarray:
-        return parameters_to_vector(self.model.parameters()).detach().numpy().astype(np.float32).copy()
+        return parameters_to_vector(self.model.parameters()).detach().numpy().astype(np.float32)  # a copy
 
     def load(self, v: np.ndarray) -> None:
         vector_to_parameters(torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)), self.model.parameters())
