@@ -44,6 +44,7 @@ UNIT_MODULES = frozenset({
     "test_averaging_edge_copies.py",
     "test_averaging_shares.py",
     "test_bench_gossip.py",
+    "test_consensus_trainer.py",
     "test_bench_nat.py",
     "test_bench_pipeline.py",
     "test_bench_sybil.py",

@@ -61,7 +61,9 @@ def test_eight_daemons_keep_the_sum_and_reach_consensus_while_rewiring(cluster, 
                       topology={"kind": "rewired", "target_degree": 3, "min_degree": 2, "max_degree": 5,
                                 "rewire_interval": 0.5, "record_interval": 0.5},
                       gossip={"exchange_timeout": 10.0},
-                      options={"size": 4096, "rounds": rounds, "world": n, "start_delay": 2.0})
+                      # tolerance: a peer whose rounds ran out while others still pull at it starts again
+                      # (under CI's load peers start seconds apart, and one that only served froze the error)
+                      options={"size": 4096, "rounds": rounds, "world": n, "start_delay": 2.0, "tolerance": 1e-4})
     ds = [cluster.start(f"d{i}", config=cfg, env=rank_env(i, n)) for i in range(n)]
     for d in ds:
         d.wait_ready()
@@ -82,21 +84,29 @@ def test_eight_daemons_keep_the_sum_and_reach_consensus_while_rewiring(cluster, 
         assert np.allclose(w, w.T)
         samples += 1
         errors.append(consensus_error(vectors(ds)))
-        if all(s["trainer"].get("state") == "done" for s in sts):
+        if all(s["trainer"].get("state") == "converged" for s in sts):
             break
         time.sleep(0.3)
     assert samples >= 3
+
+    def quiet():
+        """Every peer converged with nothing in flight, in two polls running: nobody will start an exchange."""
+        sts = [d.status() for d in ds]
+        return all(s["trainer"].get("state") == "converged" and s["gossip"]["inflight"] == 0 for s in sts) and sts
+    def per_peer():
+        return [(s["trainer"].get("state"), s["trainer"].get("exchanges"), s["trainer"].get("elapsed_s"),
+                 s["trainer"].get("err_num"), s["trainer"].get("err_den")) for s in (d.status() for d in ds)]
+    wait_for(lambda: quiet() and quiet(), timeout=60, what="every peer to converge and exchanges to drain",
+             on_fail=lambda: print("state, rounds, s, err, err0 per peer:", per_peer()))
     sts = [d.status() for d in ds]
-    assert all(s["trainer"].get("state") == "done" for s in sts), [s["trainer"].get("state") for s in sts]
     total = sum(s["gossip"]["exchanges"] for s in sts) // 2  # each exchange is counted by both ends
     assert total >= 1000, total
     moves = sum(s["topology"]["moves"] for s in sts)
-    wait_for(lambda: all(d.status()["gossip"]["inflight"] == 0 for d in ds), timeout=30, what="exchanges to drain")
 
     final = sum(group_stats(d)["vector"]["sum"] for d in ds)
     assert abs(final - initial) <= 1e-5 * max(1.0, abs(initial)), (final, initial)
     err_end = consensus_error(vectors(ds))
-    assert err_end < 1e-3 * err0, (err0, err_end)
+    assert err_end < 1e-3 * err0, (err0, err_end, per_peer())
     # geometric decay: the error keeps shrinking by a roughly constant factor between samples
     log_err = np.log([e for e in errors + [err_end] if e > 0])
     assert log_err[-1] < log_err[0] - 6

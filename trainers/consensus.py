@@ -28,6 +28,11 @@ class ConsensusOptions:
     interval: float = 0.0  # seconds between rounds
     start_delay: float = 0.0  # wait before the first round (lets the topology settle)
     track_error: bool = True  # compute the exact mean (needs world x size floats once)
+    # > 0: after `rounds`, keep initiating while this peer's error is above tolerance x its starting error, and
+    # wake again if a late peer's exchange pulls it back out. Without it a peer that finished early freezes
+    # whatever a late one averages into it (it only serves), so a run whose peers started seconds apart under
+    # load ends far from consensus. The run then returns only when stopped; state "converged" while lingering.
+    tolerance: float = 0.0
 
 
 def start_vector(seed: int, rank: int, size: int) -> np.ndarray:
@@ -38,6 +43,10 @@ def run(swarm, options: dict) -> dict:
     o = parse_options(ConsensusOptions, options, trainer="trainers.consensus")
     if o.mode not in ("one", "all"):
         raise ValueError(f"[trainer.options] mode: expected 'one' or 'all', got {o.mode!r}")
+    if not 0.0 <= o.tolerance < 1.0:
+        raise ValueError(f"[trainer.options] tolerance: expected 0 <= tolerance < 1, got {o.tolerance!r}")
+    if o.tolerance and not o.track_error:
+        raise ValueError("[trainer.options] tolerance needs track_error = true (it compares against the exact mean)")
     rank, world = swarm.rank_and_world(o.world or None)
     x = start_vector(o.seed, rank, o.size)
     mean = None
@@ -61,7 +70,27 @@ def run(swarm, options: dict) -> dict:
     last_pub = 0.0
     while not o.initiate and not swarm.should_stop():
         time.sleep(0.1)
-    while o.initiate and (o.rounds == 0 or done < o.rounds) and not swarm.should_stop():
+    def error() -> float | None:
+        with group.lock:
+            return float(np.sum((x - mean) ** 2, dtype=np.float64)) if mean is not None else None
+
+    def within_tolerance() -> bool:
+        return bool(o.tolerance) and error() <= o.tolerance * err0
+
+    lingering = False
+    while o.initiate and not swarm.should_stop():
+        if o.rounds and done >= o.rounds:
+            if not o.tolerance:
+                break
+            if within_tolerance():
+                if not lingering:
+                    lingering = True
+                    swarm.publish({"state": "converged", "err_num": error()})
+                time.sleep(0.05)
+                continue
+        if lingering:
+            lingering = False
+            swarm.publish({"state": "running"})
         results = swarm.average("vector", mode=o.mode)
         done += sum(1 for r in results if r.ok)
         if not results:
@@ -71,9 +100,5 @@ def run(swarm, options: dict) -> dict:
         now = time.monotonic()
         if now - last_pub > 0.1 or (o.rounds and done >= o.rounds):
             last_pub = now
-            with group.lock:
-                err = float(np.sum((x - mean) ** 2, dtype=np.float64)) if mean is not None else None
-            swarm.publish({"exchanges": done, "err_num": err, "elapsed_s": round(now - t0, 3), "step": done})
-    with group.lock:
-        err = float(np.sum((x - mean) ** 2, dtype=np.float64)) if mean is not None else None
-    return {"exchanges": done, "err_num": err, "elapsed_s": round(time.monotonic() - t0, 3)}
+            swarm.publish({"exchanges": done, "err_num": error(), "elapsed_s": round(now - t0, 3), "step": done})
+    return {"exchanges": done, "err_num": error(), "elapsed_s": round(time.monotonic() - t0, 3)}
