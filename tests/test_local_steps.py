@@ -81,6 +81,21 @@ def test_bad_outer_settings_are_named(bad, says):
         peertrain.LocalStepsOptimizer(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), Recorder(), **bad)
 
 
+def test_the_outer_step_follows_the_models_recipe_unless_set():
+    """DiLoCo's outer Nesterov (0.7, 0.9) scales a round's move by up to 7: over the digits models' inner SGD
+    with momentum 0.9 it diverged (digits_cnn alone fell to 10%), so their recipe averages the rounds plainly."""
+    from trainers.gossip_sgd import GossipSGDOptions, _recipe
+
+    def outer(**o):
+        hp = _recipe(GossipSGDOptions(**o), 4)
+        return hp["outer_lr"], hp["outer_momentum"]
+    assert outer(model="digits_cnn") == (1.0, 0.0)
+    assert outer(model="char_transformer") == (0.7, 0.9)
+    assert outer(model="digits_cnn", outer_lr=0.5, outer_momentum=0.9) == (0.5, 0.9)
+    assert outer(model="digits_cnn", outer_momentum=0.0) == (1.0, 0.0)  # 0 is a momentum, not "the recipe's"
+    assert outer(model="", model_factory="m:f", lr=0.1, batch_size=8, max_steps=10) == (0.7, 0.9)
+
+
 def test_error_feedback_carries_the_rounding_and_keeps_the_pair_sum():
     """Two groups exchanging with q8 as the engine does: each sends q(x + r), both apply w (q_b - q_a) with
     opposite signs, so the sum is exact; each residual becomes what its send left out."""

@@ -30,7 +30,9 @@ from peertrain.outer import MODES as OUTER_MODES
 from peertrain.outer import LocalStepsOptimizer
 from protocol.tensor_codec import DENSE_CODECS
 from trainers import torch_data
-from trainers.baseline import RECOMMENDED, make_optimizer, seeded_model
+from trainers.baseline import RECOMMENDED, Hyperparams, make_optimizer, seeded_model
+
+DILOCO = Hyperparams(epochs=0, batch_size=0, lr=0.0)  # a custom model's outer step: the dataclass's defaults
 from trainers.datasets import head, load_factory, load_sized_model
 from trainers.models import count_parameters, pick_device
 from trainers.options import option, parse_options
@@ -71,10 +73,13 @@ class GossipSGDOptions:
     target_accuracy: float = option(0.0, "stop when the local model reaches this held-out accuracy (0: run the "
                                          "whole budget)")
     target_loss: float = option(0.0, "stop when the held-out loss falls to this (0: no such target)")
-    # mode = "local" (peertrain/outer.py: DiLoCo's recipe, gossiped); defaults from DiLoCo's outer optimizer
+    # mode = "local" (peertrain/outer.py: DiLoCo's recipe, gossiped); the outer step's defaults are the model's
+    # recipe (trainers/baseline.py: DiLoCo's 0.7 and 0.9 for Adam, plain averaging for the SGD digits models)
     inner_steps: int = option(50, "mode local: local steps per round (fewer exchanges by this factor)")
-    outer_lr: float = option(0.7, "mode local: the outer step's learning rate (SGD on how far the round moved)")
-    outer_momentum: float = option(0.9, "mode local: the outer step's momentum")
+    outer_lr: float = option(0.0, "mode local: the outer step's learning rate (SGD on how far the round moved; "
+                                  "0: the recipe's, DiLoCo's 0.7 for a custom model)")
+    outer_momentum: float = option(-1.0, "mode local: the outer step's momentum (-1: the recipe's, DiLoCo's 0.9 "
+                                         "for a custom model)")
     outer_nesterov: bool = option(True, "mode local: Nesterov momentum for the outer step")
     outer_codec: str = option("", "mode local: raw | float16 | q8 (a quarter of the bytes) for the outer "
                                   "weights' exchanges (empty: `[gossip] codec`)")
@@ -107,6 +112,8 @@ def _recipe(o: GossipSGDOptions, world: int):
         batch_size=o.batch_size or r.batch_size,
         epochs=o.epochs or ((r.epochs * world) if r else 0),
         max_steps=o.max_steps or ((r.max_steps or 0) if r else 0),
+        outer_lr=o.outer_lr or (r or DILOCO).outer_lr,
+        outer_momentum=o.outer_momentum if o.outer_momentum >= 0 else (r or DILOCO).outer_momentum,
     )
 
 
@@ -179,8 +186,8 @@ def run(swarm, options: dict) -> dict:
     inner = make_optimizer(model.parameters(), hp["optimizer"], lr=hp["lr"], momentum=hp["momentum"],
                            weight_decay=hp["weight_decay"])
     if o.mode == "local":
-        opt = LocalStepsOptimizer(inner, swarm, inner_steps=o.inner_steps, outer_lr=o.outer_lr,
-                                  outer_momentum=o.outer_momentum, nesterov=o.outer_nesterov,
+        opt = LocalStepsOptimizer(inner, swarm, inner_steps=o.inner_steps, outer_lr=hp["outer_lr"],
+                                  outer_momentum=hp["outer_momentum"], nesterov=o.outer_nesterov,
                                   codec=o.outer_codec or None, error_feedback=o.outer_error_feedback,
                                   background=o.outer_background, mode=o.outer_averaging, join=False)
     else:
