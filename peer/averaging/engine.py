@@ -333,7 +333,8 @@ class GossipEngine:
                 "last_error": st.last_error}
 
     def status(self) -> dict:
-        return {"groups": {g.name: {"tensors": len(g.specs), "bytes": g.nbytes} for g in self.groups.values()},
+        return {"groups": {g.name: {"tensors": len(g.specs), "bytes": g.nbytes, "own_reach": g.reach.status()}
+                           for g in self.groups.values()},
                 **self.ledger.status(), "inflight": self.budget.in_flight(),
                 "defence": self.radii is not None}  # False only under a benchmark's switch (radius.py)
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from peer.averaging import norms
 from peer.averaging.bounds import clip_scale, opposed
+from peer.averaging.reach import OwnReach
 from protocol.limits import DEFAULT_LIMITS
 from protocol.schema.gossip import TensorSpec
 from protocol.schema.topology import MAX_GROUP_CHARS
@@ -84,6 +85,7 @@ class SharedTensors:
         self._spare_lock = threading.Lock()
         self._owed: list[Any] | None = None  # updates not yet added for want of the lock (module docstring)
         self._owed_lock = threading.Lock()  # guards `_owed` (an apply owes without holding `lock`)
+        self.reach = OwnReach([int(np.prod(s.shape)) for s in self.specs])  # how far our own steps move us
 
     def snapshot(self) -> list[Any]:
         """Copies of every tensor, on the CPU (a consistent cut: taken under the lock).
@@ -97,13 +99,16 @@ class SharedTensors:
             self._settle_owed()
             if bufs is None:
                 if self.is_torch:
-                    return [t.detach().to("cpu", copy=True) for t in self.tensors.values()]
-                return [t.copy() for t in self.tensors.values()]
-            for buf, t in zip(bufs, self.tensors.values()):
-                if self.is_torch:
-                    buf.copy_(t.detach())
+                    bufs = [t.detach().to("cpu", copy=True) for t in self.tensors.values()]
                 else:
-                    np.copyto(buf, t)
+                    bufs = [t.copy() for t in self.tensors.values()]
+            else:
+                for buf, t in zip(bufs, self.tensors.values()):
+                    if self.is_torch:
+                        buf.copy_(t.detach())
+                    else:
+                        np.copyto(buf, t)
+            self.reach.snapshot(bufs)  # under the lock: no update lands between the cut and its probe
             return bufs
 
     def as_sent(self, values: list[Any], codec: str) -> list[Any]:
@@ -197,6 +202,8 @@ class SharedTensors:
             pointing_away = opposed(diff_sq, dot, self.elements)
         else:
             diff_sq, scale = None, 1.0
+        if scale > 0.0:
+            self.reach.applied(weight * scale, others, own)  # counted before it lands (reach.py)
         own_sq = 0.0  # of our snapshot: the distance's yardstick in status, and our next radius's
         arrays = _host_arrays(self.tensors.values(), others, own)
         if arrays is None:
@@ -328,6 +335,7 @@ class SharedTensors:
             with self._owed_lock:
                 self._owed = None
             self.norm = None  # taken again at the next exchange
+            self.reach.restart()  # replaced, not moved by our steps
             for t, v in zip(self.tensors.values(), values):
                 if self.is_torch:
                     t.data.copy_(v.to(t.device))
