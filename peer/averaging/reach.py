@@ -2,11 +2,11 @@
 
 The clip radius (radius.py) comes from our partners' distances, which colluders can grow: two of them lend
 each other theirs (the ratchet, docs/design.md "Robust averaging"). What our own optimizer steps do to our
-model is out of their reach. In the simulated ratchet (docs/benchmarks.md, tenth session) a radius capped
-at K times our own reach, the root of the summed squares of our steps' moves, held the colluders to 1.03-
-1.15x (goal 2); an honest partner's distance over that reach was at most 0.33 there. How large that ratio
-is among real daemons, for AD-PSGD and for local steps, is what this measures before a cap is built on it:
-`own_reach` per group in the daemon's status, beside each partner's distance in `by_peer`.
+model is out of their direct reach: `own_reach` per group in the daemon's status, beside each partner's
+distance in `by_peer`, measures how far apart honest partners stand in units of our own steps (within
+0.72x after the first seconds, AD-PSGD and local steps; docs/benchmarks.md, tenth session). Not a bound:
+a cap at a multiple of it failed in the simulated ratchet, because a displaced model's own steps pull it
+back harder, so its reach grows with the push it suffered.
 
 What moved us between two snapshots of a group is our steps plus the updates exchanges applied; the updates
 are known (w * s * (b - a)), so our steps' move is the difference of the snapshots less those. It is taken

@@ -10,7 +10,7 @@ import numpy as np
 
 from peer.averaging.bans import BanList
 from peer.averaging.bounds import clip_scale, opposed
-from peer.averaging.radius import Radii
+from peer.averaging.radius import Radii, Radius
 
 RATCHET_EXCESS = 3.9  # radii the colluders answer from: under STRIKE_EXCESS (4), so no exchange is struck
 RATCHET_STEPS = 4000  # exchanges after the warm-up: the ratchet reached the ceiling within a few hundred
@@ -53,10 +53,13 @@ class Swarm:
     def values(self, i: int, partner: int) -> np.ndarray:
         return self.lie(self.x[partner]) if i in self.liars else self.x[i]
 
+    def radius(self, me: int, other: int) -> Radius:
+        """The radius `me` announces to `other`, by the real rule."""
+        return self.radii[me].radius("g", str(other), float(np.linalg.norm(self.x[me])), self.t)
+
     def exchange(self, i: int, j: int) -> float:
-        a, b = self.values(i, j), self.values(j, i)
-        ra = self.radii[i].radius("g", str(j), float(np.linalg.norm(self.x[i])), self.t)
-        rb = self.radii[j].radius("g", str(i), float(np.linalg.norm(self.x[j])), self.t)
+        a, b = self.values(i, j).copy(), self.values(j, i).copy()  # copies: an honest peer's values are its row
+        ra, rb = self.radius(i, j), self.radius(j, i)
         d = float(np.linalg.norm(b - a))
         pointing_away = opposed(d * d, float(a @ b), a.shape[0])
         s = clip_scale(d * d, ra.announced, rb.announced, dot=float(a @ b), elements=a.shape[0])
@@ -101,7 +104,7 @@ def ratchet_run(colluders: bool, seed: int) -> tuple[float, float, dict]:
     u /= np.linalg.norm(u)
     if colluders:
         def lie(i: int, partner: int) -> np.ndarray:
-            r = sw.radii[partner].radius("g", str(i), float(np.linalg.norm(sw.x[partner])), sw.t).announced
+            r = sw.radius(partner, i).announced
             return sw.x[partner] + RATCHET_EXCESS * (r if math.isfinite(r) else 0.0) * u
         sw.values = lambda i, partner: lie(i, partner) if i in sw.liars else sw.x[i]
         sw.liars = frozenset(liars)
@@ -112,7 +115,7 @@ def ratchet_run(colluders: bool, seed: int) -> tuple[float, float, dict]:
             continue
         for v in set(range(sw.n)) - liars:
             for p in sw.nbrs[v]:
-                r = sw.radii[v].radius("g", str(p), float(np.linalg.norm(sw.x[v])), sw.t).announced
+                r = sw.radius(v, p).announced
                 if p in liars:
                     to_liars = max(to_liars, r)
                 else:
