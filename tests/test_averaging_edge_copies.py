@@ -99,7 +99,7 @@ def test_the_sparse_mixing_measurement_runs_every_mode_and_counts_what_each_send
     assert got["everyone"]["received_per_round_models"] == pytest.approx(3 * sparse_share(), abs=1e-4)
     # a peer's edges' first (dense, q8) exchanges in rounds 0 and 1, then a sparse send on each in rounds 2 and 3
     assert got["edges:0.05"]["sent_per_round_models"] == pytest.approx((2 * 0.25 + 2 * sparse_share()) / 4, abs=1e-4)
-    denser = run("everyone:256", 2, 2, 1, 0)  # 256 of every 4096 entries: four times the indices and codes
+    denser = run("everyone:256:0.9", 2, 2, 1, 0)  # 256 of every 4096 entries: four times the indices and codes
     assert denser["sent_per_round_models"] == pytest.approx(sparse_share(256), abs=1e-4) and sparse_share(256) > 0.035
     with pytest.raises(SystemExit):
         main(["--peers", "3"])

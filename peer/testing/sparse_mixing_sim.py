@@ -14,7 +14,8 @@ combine by one of:
     sets its copies;
   * `everyone`: every peer's round update, sparse with error feedback, applied by all (SparseLoCo's
     all-gather; replicas stay identical; each peer receives N - 1 sparse updates a round); `everyone:K` sends
-    K of every 4096 entries instead of the codec's default 64;
+    K of every 4096 entries instead of the codec's default 64; `everyone:K:B` keeps B of the error feedback
+    each round (SparseLoCo's decay; 1 by default);
 
 Printed per mode: the validation loss of the peers' mean model and the mean of the peers' own, the spread
 (the peers' mean distance from their mean, over its norm) late in the run, and the bytes a peer sends and
@@ -137,10 +138,12 @@ def run(mode: str, peers: int, rounds: int, inner: int, seed: int) -> dict:
                 sent += sparse_share() * each
                 received += sparse_share() * each
         elif mode == "everyone" or mode.startswith("everyone:"):
-            topk = int(mode.split(":")[1]) if ":" in mode else SPARSE_TOPK
+            parts = mode.split(":")
+            topk = int(parts[1]) if len(parts) > 1 else SPARSE_TOPK
+            decay = float(parts[2]) if len(parts) > 2 else 1.0  # SparseLoCo's error-feedback decay
             qs = []
             for k, x in enumerate(xs):
-                update = x - reference + residual[k]
+                update = x - reference + decay * residual[k]
                 q = sparse_roundtrip(update, topk=topk)
                 residual[k] = update - q
                 qs.append(q)
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m peer.testing.sparse_mixing_sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="allreduce,pairwise,everyone,edges:0.01,edges:0.05",
                     help="comma-separated: allreduce, pairwise, everyone, everyone:K (K of every 4096 entries "
-                         "sent), edges:G (default: %(default)s)")
+                         "sent), everyone:K:B (error feedback decayed by B a round), edges:G (default: %(default)s)")
     ap.add_argument("--peers", type=int, default=4, help="peers on the ring, even (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=60, help="outer rounds (default: %(default)s)")
     ap.add_argument("--inner", type=int, default=10, help="inner Adam steps a round (default: %(default)s)")
