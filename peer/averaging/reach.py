@@ -1,4 +1,4 @@
-"""How far our own steps move our model: a reach no partner's values touch (issue 40, item 1).
+"""How far our own steps move our model, a measurement (issue 40, item 1).
 
 The clip radius (radius.py) comes from our partners' distances, which colluders can grow: two of them lend
 each other theirs (the ratchet, docs/design.md "Robust averaging"). What our own optimizer steps do to our
