@@ -69,7 +69,10 @@ def main() -> None:
     net = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
     inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     if args.mode == "local":  # peertrain (slow links: an outer step and one exchange every --inner-steps)
-        opt = peertrain.LocalStepsOptimizer(inner, swarm, inner_steps=args.inner_steps)
+        # outer lr 1, no outer momentum: the inner SGD already carries momentum 0.9, and DiLoCo's defaults (for
+        # Adam) would scale each round's move by up to 7 (peertrain/outer.py)
+        opt = peertrain.LocalStepsOptimizer(inner, swarm, inner_steps=args.inner_steps,
+                                            outer_lr=1.0, outer_momentum=0.0)
     else:  # peertrain
         opt = peertrain.GossipOptimizer(inner, swarm, mode=args.mode, average_every=args.average_every)
     swarm.wait_for_peers(max(1, args.world - 1), group="model", timeout=30)  # peertrain: start together
