@@ -162,7 +162,10 @@ def test_kill_of_a_stage_peer_loses_no_microbatch(cluster):
         readings.append([trainer(s).get("samples") if s else None for s in got])
         return all(s and 80 <= (trainer(s).get("samples") or 0) < samples for s in got)
     try:
-        cluster.wait(mid_run, timeout=START_S, what="every daemon to be driving", interval=0.2)
+        # START_S bounds the time without progress once samples move: CI's parallel tier once took 95 s to
+        # bring all six drivers to 80 samples while every one of them kept advancing
+        cluster.wait(mid_run, timeout=START_S, what="every daemon to be driving", interval=0.2,
+                     progress=samples_done)
     except TimeoutError as exc:
         raise TimeoutError(f"{exc}; samples per driver, last looks: {[r for i, r in enumerate(readings) if i == 0 or r != readings[i - 1]][:40]}") from None
     ids = [s["peer_id"] for s in sts]
