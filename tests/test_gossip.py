@@ -171,7 +171,7 @@ def test_lossy_codecs_still_preserve_the_sum(cluster, tmp_path, codec):
                       options={"size": 20000, "rounds": 25, "world": n, "start_delay": 1.0})
     ds = [cluster.start(f"q{i}", config=cfg, env=rank_env(i, n)) for i in range(n)]
     wait_for(lambda: all(d.status().get("trainer", {}).get("state") == "done" for d in ds), timeout=90,
-             what=f"the {codec} consensus jobs to finish")
+             what=f"the {codec} consensus jobs to finish", progress=lambda: [d.status()["gossip"]["exchanges"] for d in ds])
     wait_for(lambda: all(d.status()["gossip"]["inflight"] == 0 for d in ds), timeout=30, what="exchanges to drain")
     initial = sum(d.status()["trainer"]["initial_sum"] for d in ds)
     final = sum(group_stats(d)["vector"]["sum"] for d in ds)

@@ -138,7 +138,8 @@ def _run_four(tmp_path, name: str, **extra) -> list[dict]:
                            topology={"kind": "full", "target_degree": 3, "min_degree": 3})
         swarm.start_nodes(4, cfg)
         swarm.wait(lambda sts: all(s and s.get("trainer", {}).get("state") == "done" for s in sts), timeout=240,
-                   what="four local-mode peers to finish", interval=0.25)
+                   what="four local-mode peers to finish", interval=0.25,
+                   progress=lambda sts: sum(int(((s or {}).get("trainer") or {}).get("step") or 0) for s in sts))
         return [s["trainer"] | {"bytes_out": sum(p["bytes_out"] for p in s["peers"])} for s in swarm.statuses()]
 
 

@@ -26,7 +26,7 @@ from peer.testing.swarm import write_config
 from peer.topology.graph import GraphView
 from peer.topology.mixing import graph_spectral_gap
 from protocol.schema.views import Entry, NeighbourRequest
-from tests.daemons import rank_env, unique_swarm, wait_for
+from tests.daemons import rank_env, steps_done, unique_swarm, wait_for
 from tests.test_training import digits_config, done, trainer
 
 pytestmark = pytest.mark.slow
@@ -182,7 +182,8 @@ def test_a_digits_swarm_trains_with_partial_views(cluster, tmp_path):
     alone while the others finish)."""
     cfg = digits_config(tmp_path / "c.toml", membership={"views": "partial"}, min_peers=2)
     ds = [cluster.start(f"t{i}", config=cfg, env=rank_env(i, 4)) for i in range(4)]
-    wait_for(lambda: done(ds), timeout=150, interval=0.5, what="4 peers with partial views to finish training")
+    wait_for(lambda: done(ds), timeout=150, interval=0.5, what="4 peers with partial views to finish training",
+             progress=lambda: steps_done(ds))
     sts = [d.status() for d in ds]
     accs = [trainer(d)["accuracy"] for d in ds]
     print(f"partial views: held-out accuracy per peer {[round(a * 100, 2) for a in accs]}")

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from peer.home import Home
-from tests.daemons import REPO, config_file, rank_env, unique_swarm, wait_for
+from tests.daemons import REPO, config_file, rank_env, steps_done, unique_swarm, wait_for
 from peer.testing.pace import scaled
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,8 @@ def test_single_process_baseline_for_comparison():
 def test_four_daemons_train_digits_to_target(cluster, tmp_path, mode):
     cfg = digits_config(tmp_path / "c.toml", mode=mode)
     ds = [cluster.start(f"t{i}", config=cfg, env=rank_env(i, 4)) for i in range(4)]
-    wait_for(lambda: done(ds), timeout=120, interval=0.5, what=f"4 {mode} peers to finish training")
+    wait_for(lambda: done(ds), timeout=120, interval=0.5, what=f"4 {mode} peers to finish training",
+             progress=lambda: steps_done(ds))
     accs = [trainer(d)["accuracy"] for d in ds]
     print(f"{mode}: held-out accuracy per peer {[round(a * 100, 2) for a in accs]}, steps {[trainer(d)['step'] for d in ds]}")
     assert all(trainer(d)["reached_target"] for d in ds), accs
@@ -62,7 +63,8 @@ def test_daemons_train_on_a_users_plain_torch_datasets(cluster, tmp_path):
     cfg = digits_config(tmp_path / "c.toml", model="digits_mlp", world=2, loss="torch.nn:CrossEntropyLoss",
                         dataset_factory="tests.user_data:digits_tensors")
     ds = [cluster.start(f"u{i}", config=cfg, env={**rank_env(i, 2), "PYTHONPATH": str(REPO)}) for i in range(2)]
-    wait_for(lambda: done(ds), timeout=120, interval=0.5, what="2 peers on a user's TensorDatasets to finish")
+    wait_for(lambda: done(ds), timeout=120, interval=0.5, what="2 peers on a user's TensorDatasets to finish",
+             progress=lambda: steps_done(ds))
     assert all(trainer(d)["reached_target"] for d in ds), [trainer(d).get("accuracy") for d in ds]
     from tests.user_data import digits_tensors
 
@@ -77,7 +79,8 @@ def test_training_survives_a_peer_killed_mid_run(cluster, tmp_path):
     wait_for(lambda: all(trainer(d).get("step", 0) >= 30 for d in ds), timeout=90, what="training to get going")
     ds[3].kill()
     rest = ds[:3]
-    wait_for(lambda: done(rest), timeout=120, interval=0.5, what="the 3 survivors to finish")
+    wait_for(lambda: done(rest), timeout=120, interval=0.5, what="the 3 survivors to finish",
+             progress=lambda: steps_done(rest))
     assert all(trainer(d)["reached_target"] for d in rest), [trainer(d).get("accuracy") for d in rest]
 
 
@@ -87,7 +90,8 @@ def test_late_joiner_downloads_parameters_and_catches_up(cluster, tmp_path):
     wait_for(lambda: all(trainer(d).get("step", 0) >= 60 for d in early), timeout=90, what="the first 3 to train a while")
     late = cluster.start("late", config=cfg, env=rank_env(3, 4))
     wait_for(lambda: trainer(late).get("joined_at_step"), timeout=60, what="the late peer to download parameters")
-    wait_for(lambda: done([late]), timeout=120, interval=0.5, what="the late peer to finish")
+    wait_for(lambda: done([late]), timeout=120, interval=0.5, what="the late peer to finish",
+             progress=lambda: steps_done([late]))
     assert trainer(late)["reached_target"], trainer(late).get("accuracy")
 
 
