@@ -43,6 +43,7 @@ UNIT_MODULES = frozenset({
     "test_averaging_bounds.py",
     "test_averaging_edge_copies.py",
     "test_averaging_shares.py",
+    "test_averaging_sparse_updates.py",
     "test_bench_gossip.py",
     "test_bench_nat.py",
     "test_bench_pipeline.py",

@@ -92,14 +92,15 @@ def test_the_sparse_mixing_measurement_runs_every_mode_and_counts_what_each_send
     from peer.testing.sparse_mixing_sim import main, run, sparse_share
 
     assert 0.009 < sparse_share() < 0.0095  # 1/108 of float32's bytes at the wire's defaults
-    got = {m: run(m, 4, 4, 1, 0) for m in ("allreduce", "pairwise", "everyone", "edges:0.05")}
+    tiny = {"d_model": 32, "n_layers": 1, "n_heads": 2, "block": 16}  # the arithmetic, not the loss: a fast-tier size
+    got = {m: run(m, 4, 4, 1, 0, tiny) for m in ("allreduce", "pairwise", "everyone", "edges:0.05")}
     assert all(np.isfinite(r["val_loss_peers"]) for r in got.values()), got
     assert got["allreduce"]["spread_late"] == 0.0 and got["everyone"]["spread_late"] == 0.0
     assert got["pairwise"]["spread_late"] > 0.0  # two matchings in four rounds do not make four replicas one
     assert got["everyone"]["received_per_round_models"] == pytest.approx(3 * sparse_share(), abs=1e-4)
     # a peer's edges' first (dense, q8) exchanges in rounds 0 and 1, then a sparse send on each in rounds 2 and 3
     assert got["edges:0.05"]["sent_per_round_models"] == pytest.approx((2 * 0.25 + 2 * sparse_share()) / 4, abs=1e-4)
-    denser = run("everyone:256:0.9", 2, 2, 1, 0)  # 256 of every 4096 entries: four times the indices and codes
+    denser = run("everyone:256:0.9:1.5", 2, 2, 1, 0, tiny)  # 256 of every 4096 entries: four times the indices and codes
     assert denser["sent_per_round_models"] == pytest.approx(sparse_share(256), abs=1e-4) and sparse_share(256) > 0.035
     with pytest.raises(SystemExit):
         main(["--peers", "3"])

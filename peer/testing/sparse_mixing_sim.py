@@ -15,7 +15,8 @@ combine by one of:
   * `everyone`: every peer's round update, sparse with error feedback, applied by all (SparseLoCo's
     all-gather; replicas stay identical; each peer receives N - 1 sparse updates a round); `everyone:K` sends
     K of every 4096 entries instead of the codec's default 64; `everyone:K:B` keeps B of the error feedback
-    each round (SparseLoCo's decay; 1 by default);
+    each round (SparseLoCo's decay; 1 by default); `everyone:K:B:A` steps A times the mean update (SparseLoCo's
+    outer learning rate α; 1 by default);
 
 Printed per mode: the validation loss of the peers' mean model and the mean of the peers' own, the spread
 (the peers' mean distance from their mean, over its norm) late in the run, and the bytes a peer sends and
@@ -34,7 +35,8 @@ import numpy as np
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from peer.averaging.edge_copies import SPARSE_BLOCK, SPARSE_TOPK, EdgeCopies, sparse_roundtrip
+from peer.averaging.edge_copies import SPARSE_BLOCK, SPARSE_TOPK, EdgeCopies
+from peer.averaging.sparse_updates import UpdateFeedback, outer_step
 from protocol.tensor_codec import tensor_nbytes
 from trainers.datasets import load_sized_model
 from trainers.models import build_model
@@ -91,16 +93,17 @@ def matching(n: int, rnd: int) -> list[tuple[int, int]]:
     return [((i + off) % n, (i + off + 1) % n) for i in range(0, n, 2)]
 
 
-def run(mode: str, peers: int, rounds: int, inner: int, seed: int) -> dict:
+def run(mode: str, peers: int, rounds: int, inner: int, seed: int, sizes: dict | None = None) -> dict:
+    """One mode's run; `sizes` overrides the model's (SIZES), for a test that needs the arithmetic, not the loss."""
     torch.manual_seed(seed)
-    train, test, opts = load_sized_model("char_transformer", dict(SIZES))
+    train, test, opts = load_sized_model("char_transformer", dict(sizes or SIZES))
     init = parameters_to_vector(build_model("char_transformer", **opts).parameters()).detach().clone()
     reps = [Replica(r, peers, train, opts, init, seed) for r in range(peers)]
     rng = np.random.default_rng(seed)
     val = [tuple(torch.stack(t) for t in zip(*(test[int(i)] for i in rng.choice(len(test), BATCH))))
            for _ in range(EVAL_BATCHES)]
     edges: dict[tuple[int, int], tuple[EdgeCopies, EdgeCopies]] = {}
-    residual = [np.zeros_like(init.numpy()) for _ in reps]
+    feedback: list[UpdateFeedback] = []  # `everyone`'s accumulators, one per peer
     reference = init.numpy().copy()
     gamma = float(mode.split(":")[1]) if mode.startswith("edges:") else 0.0
     spreads, sent, received = [], 0.0, 0.0
@@ -141,13 +144,11 @@ def run(mode: str, peers: int, rounds: int, inner: int, seed: int) -> dict:
             parts = mode.split(":")
             topk = int(parts[1]) if len(parts) > 1 else SPARSE_TOPK
             decay = float(parts[2]) if len(parts) > 2 else 1.0  # SparseLoCo's error-feedback decay
-            qs = []
-            for k, x in enumerate(xs):
-                update = x - reference + decay * residual[k]
-                q = sparse_roundtrip(update, topk=topk)
-                residual[k] = update - q
-                qs.append(q)
-            reference = reference + np.mean(qs, axis=0)
+            outer_lr = float(parts[3]) if len(parts) > 3 else 1.0  # SparseLoCo's α: the step along the mean
+            if not feedback:
+                feedback = [UpdateFeedback(reference.size, decay=decay, topk=topk) for _ in xs]
+            sends = {f"{k:04d}": fb.send(x - reference) for k, (fb, x) in enumerate(zip(feedback, xs))}
+            reference = outer_step(reference, sends, outer_lr=outer_lr)
             xs = [reference.copy() for _ in xs]
             sent += sparse_share(topk)  # flooded: each peer's update reaches each other once
             received += (peers - 1) * sparse_share(topk)
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m peer.testing.sparse_mixing_sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="allreduce,pairwise,everyone,edges:0.01,edges:0.05",
                     help="comma-separated: allreduce, pairwise, everyone, everyone:K (K of every 4096 entries "
-                         "sent), everyone:K:B (error feedback decayed by B a round), edges:G (default: %(default)s)")
+                         "sent), everyone:K:B (error feedback decayed by B a round), everyone:K:B:A (outer lr A), edges:G (default: %(default)s)")
     ap.add_argument("--peers", type=int, default=4, help="peers on the ring, even (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=60, help="outer rounds (default: %(default)s)")
     ap.add_argument("--inner", type=int, default=10, help="inner Adam steps a round (default: %(default)s)")
