@@ -47,7 +47,8 @@ def test_a_model_bigger_than_one_host_trains_within_every_cap(cluster):
                 assert not state.startswith("failed"), f"{d.name}: {state}"
             return bool(trainer(st).get("driving_done"))
 
-        ds[0].wait_until(driven, timeout=TRAINED_S, what="node1 to drive", interval=1.0)
+        ds[0].wait_until(driven, timeout=TRAINED_S, what="node1 to drive", interval=1.0,
+                         progress=lambda st: trainer(st).get("samples"))
         sts = [d.status() for d in ds]
         peaks = rss.peaks()
         kills = [caps.oom_kills(i) for i in range(DAEMONS)]

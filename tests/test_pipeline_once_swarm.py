@@ -29,7 +29,8 @@ def start(cluster, stages: list[int], **fault) -> list:
     swarm, n = unique_swarm("once"), len(stages)
     ds = [cluster.start(f"node{i + 1}", config=config(swarm, s, max(stages) + 1, **fault), env=rank_env(i, n))
           for i, s in enumerate(stages)]
-    ds[0].wait_until(lambda st: trainer(st).get("driving_done"), timeout=START_S, what="node1 to drive", interval=0.5)
+    ds[0].wait_until(lambda st: trainer(st).get("driving_done"), timeout=START_S, what="node1 to drive", interval=0.5,
+                     progress=lambda st: trainer(st).get("samples"))
     return ds
 
 

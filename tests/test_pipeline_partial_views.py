@@ -76,7 +76,7 @@ def test_a_driver_reaches_stage_servers_it_has_no_session_with(cluster):
     for attempt in range(DRIVERS):
         d = cluster.start(f"driver{attempt}", config=config(swarm, [listen], "driver"), env=rank_env(0, 1))
         st = d.wait_until(lambda st: trainer(st).get("driving_done") and st, timeout=START_S, interval=0.5,
-                          what="the driver to drive its samples")
+                          what="the driver to drive its samples", progress=lambda st: trainer(st).get("samples"))
         if pipe(st)["reach"]["dialed_servers"] or attempt == DRIVERS - 1:
             break
         print(f"driver {attempt}: its walks brought it a session with every server it called; another joins")

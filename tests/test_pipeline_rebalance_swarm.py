@@ -182,7 +182,8 @@ def test_a_joining_peer_holds_exactly_its_sources_stage_state(cluster):
     swarm = unique_swarm("rb")
     d1 = cluster.start("node1", config=config(swarm, initial_stage=0, samples=160, **o), env=rank_env(0, 2))
     d2 = cluster.start("node2", config=config(swarm, initial_stage=1, role="server", **o), env=rank_env(1, 2))
-    d1.wait_until(lambda st: trainer(st).get("driving_done"), timeout=START_S, what="node1 to drive its samples")
+    d1.wait_until(lambda st: trainer(st).get("driving_done"), timeout=START_S, what="node1 to drive its samples",
+                  progress=lambda st: trainer(st).get("samples"))
     d3 = cluster.start("node3", config=config(swarm, initial_stage=1, role="server", **o), env=rank_env(1, 2))
     def my_step(st: dict) -> int:
         return next((p["step"] for e in pipe(st).get("stage_map", []) for p in e["peers"] if p["me"]), 0)
@@ -230,7 +231,7 @@ def test_a_restarted_peer_resumes_its_stage_from_its_checkpoint_when_still_neede
                        timeout=30, what="node2 to say it resumed stage 1 from its checkpoint")
     assert int(resumed.group(1)) >= saved["worker"]["steps"], d2.log_path.read_text()[-2000:]
     st = d1.wait_until(lambda st: trainer(st).get("driving_done") and st, timeout=START_S + 60,
-                       what="node1 to finish driving")
+                       what="node1 to finish driving", progress=lambda st: trainer(st).get("samples"))
     t, dr = trainer(st), driver(st)
     assert t["samples"] == 4000 and t["microbatches_failed"] == 0 and dr["failed"] == 0, (t, dr)
     assert no_one_struck(st), (pipe(st).get("bans"), dr.get("verify"))

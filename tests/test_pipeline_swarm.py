@@ -234,7 +234,7 @@ def test_a_peer_slowed_four_times_gets_a_proportionally_smaller_share(cluster):
           cluster.start("node3", config=config(swarm, role="server", slowdown=4.0, initial_stage=1, **o),
                         env=rank_env(1, 2))]
     cluster.wait(lambda sts: trainer(sts[0]).get("driving_done"), timeout=START_S + 60, what="node1 to drive",
-                 interval=0.5)
+                 interval=0.5, progress=samples_done)
     st = ds[0].status()
     fast, slow = (d.peer_id for d in ds[1:])
     assert set(stage_peers(st)[1]) == {fast, slow}, stage_peers(st)
@@ -263,7 +263,7 @@ def test_a_driver_waits_for_a_stage_with_no_peer_and_resumes(cluster):
 
     cluster.start("node2", config=config(swarm, role="server", **o), env=rank_env(1, 2))
     st = d1.wait_until(lambda st: trainer(st).get("driving_done") and st, timeout=START_S,
-                       what="its driver to finish once stage 1 has a peer", interval=0.5)
+                       what="its driver to finish once stage 1 has a peer", interval=0.5, progress=lambda st: trainer(st).get("samples"))
     t, dr = trainer(st), driver(st)
     assert t["samples"] == 160 and t["microbatches_failed"] == 0 and dr["failed"] == 0 and not dr["waiting"], (t, dr)
     assert t.get("val_loss") is not None, t

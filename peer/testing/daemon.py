@@ -77,12 +77,18 @@ class DaemonProcess(ManagedProcess):
             return None
 
     def wait_until(self, predicate: Callable[[dict], T], *, timeout: float, what: str,
-                   interval: float = 0.1) -> T:
-        """Poll the status until `predicate(status)` is truthy; fails at once, with the log, if the daemon exits."""
+                   interval: float = 0.1, progress: Callable[[dict], Any] | None = None) -> T:
+        """Poll the status until `predicate(status)` is truthy; fails at once, with the log, if the daemon exits.
+        With `progress` (a reading of the status: samples driven), `timeout` bounds the time without progress
+        (`wait_for`)."""
+        last: list[dict | None] = [None]
+
         def check() -> T:
             self.check_alive()
-            return predicate(self.status())
-        return wait_for(check, timeout=timeout, what=f"{self.name}: {what}", interval=interval)
+            last[0] = self.status()
+            return predicate(last[0])
+        return wait_for(check, timeout=timeout, what=f"{self.name}: {what}", interval=interval,
+                        progress=None if progress is None else lambda: progress(last[0]) if last[0] else None)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> dict:
         """Wait until it answers on its control socket; its first status."""
