@@ -74,6 +74,34 @@ def test_outer_step_is_nesterov_on_the_pseudo_gradient_and_restarts_the_round():
     assert torch.equal(other.slow["p0"], opt.slow["p0"]) and other.rounds == 1 and other.local_step == 2
 
 
+def test_a_checkpoint_may_stream_the_live_outer_state_while_it_is_held_still():
+    """`state_dict(copy=False)` hands the live outer tensors (no 3 copies of the model), for a writer holding
+    `locked()`; what it writes loads back as the copied state does."""
+    import io
+
+    model = torch.nn.Linear(3, 1, bias=False)
+    opt = peertrain.LocalStepsOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), Recorder(), inner_steps=2)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(4, 3)).sum().backward()
+        opt.step()
+    copied = opt.state_dict()
+    assert copied["outer"]["slow"]["p0"].data_ptr() != opt.slow["p0"].data_ptr()
+    buf = io.BytesIO()
+    with opt.locked():
+        assert opt.shared.lock.locked() and opt.outer_state.lock.locked()  # the daemon's exchanges wait, or owe
+        live = opt.state_dict(copy=False)
+        assert all(live["outer"][part]["p0"].data_ptr() == getattr(opt, part)["p0"].data_ptr()
+                   for part in ("slow", "momentum", "start"))
+        torch.save(live, buf)
+    assert not opt.shared.lock.locked()
+    other = peertrain.LocalStepsOptimizer(torch.optim.SGD(torch.nn.Linear(3, 1, bias=False).parameters(), lr=0.1),
+                                          Recorder(), inner_steps=2)
+    other.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
+    for part in ("slow", "momentum", "start"):
+        assert torch.equal(getattr(other, part)["p0"], copied["outer"][part]["p0"])
+
+
 @pytest.mark.parametrize("bad, says", [(dict(inner_steps=0), "inner_steps"), (dict(outer_lr=float("nan")), "outer_lr"),
                                        (dict(outer_momentum=1.0), "outer_momentum"), (dict(mode="ring"), "mode")])
 def test_bad_outer_settings_are_named(bad, says):

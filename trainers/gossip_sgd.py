@@ -240,13 +240,21 @@ def run(swarm, options: dict) -> dict:
     swarm.publish(meta)
 
     def save() -> None:
-        # the inner optimizer's state as it is (gossip modes), or with the outer weights and momentum (local:
-        # copies taken under the group's lock by the wrapper itself)
-        opt_state = opt.state_dict() if o.mode == "local" else opt.optimizer.state_dict()
-        with lock:  # the model as one cut (in gossip modes the daemon updates it in place)
-            model_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        swarm.save_checkpoint({"model": model_state, "optimizer": opt_state, "step": step,
-                               "model_name": o.model_factory or o.model, "options": asdict(o)})
+        # Streamed to disk from the live tensors, held still meanwhile: in gossip modes the group's lock holds
+        # the model and the inner step (both the daemon's updates and our steps take it); in local mode the
+        # outer weights and momentum (the daemon's exchanges land there), and the model, which inner steps
+        # move without a lock (`peer export` may call this from another thread), is copied. Copies of all of
+        # them took 1.7 GB more of a 100 M-parameter peer at the end of its run (docs/benchmarks.md,
+        # 2026-11-29). An exchange that lands meanwhile owes its update until the next snapshot.
+        def write(model_state: dict, opt_state: dict) -> None:
+            swarm.save_checkpoint({"model": model_state, "optimizer": opt_state, "step": step,
+                                   "model_name": o.model_factory or o.model, "options": asdict(o)})
+        if o.mode == "local":
+            with opt.locked():
+                write({k: v.detach().clone() for k, v in model.state_dict().items()}, opt.state_dict(copy=False))
+        else:
+            with lock:
+                write(model.state_dict(), opt.optimizer.state_dict())
 
     swarm.on_checkpoint_request(save)
     gen = torch.Generator().manual_seed(o.seed * 7919 + rank * 104729 + step)
