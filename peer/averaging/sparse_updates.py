@@ -30,8 +30,8 @@ from peer.averaging.edge_copies import SPARSE_BLOCK, SPARSE_TOPK, sparse_roundtr
 # Measured (docs/benchmarks.md, 2026-11-29, eleventh session: `python -m peer.testing.sparse_mixing_sim`, four
 # replicas of a 0.4 M-parameter char transformer, 60 rounds of 10 Adam steps, 64 of 4096 entries): with decay 1
 # and outer lr 1 the peers' loss was 10.7% above an exact all-reduce's; decay 0.8 and outer lr 4 brought it to
-# 1.6% and 1.2% (seeds 0 and 1), the best of the nine pairs tried. Only four peers were measured: at 4 an outer
-# lr of 4 steps by the sum of the sends, and whether it should follow the number of senders is not known.
+# 1.6% and 1.2% (seeds 0 and 1), the best of the nine pairs tried. At eight peers it gave 2.3%, and an outer lr
+# of 8 (the sum of the sends, as 4 is at four peers) 33%: it does not follow the number of senders.
 EF_DECAY = 0.8
 OUTER_LR = 4.0
 
