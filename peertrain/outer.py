@@ -28,7 +28,7 @@ by up to 0.7 / (1 - 0.9) = 7; over an inner SGD with momentum already at its lar
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -144,17 +144,11 @@ class LocalStepsOptimizer(WrappingOptimizer):
         `copy=False` the outer tensors are the live ones, for a caller that holds `locked()` until it has
         written them out: a checkpoint streamed to disk then costs no memory, where the three copies were
         1.3 GB more at the end of a 100 M-parameter run (docs/benchmarks.md, 2026-11-29)."""
-        def outer() -> dict:
-            take = (lambda t: t.clone()) if copy else (lambda t: t)
-            return {"slow": {k: take(t) for k, t in self.slow.items()},
-                    "momentum": {k: take(t) for k, t in self.momentum.items()},
-                    "start": {k: take(t) for k, t in self.start.items()}}
-        if copy:
-            with self.shared.lock:
-                state = outer()
-        else:
-            state = outer()
-        return {"optimizer": self.optimizer.state_dict(), "outer": state,
+        take = (lambda t: t.clone()) if copy else (lambda t: t)
+        with self.shared.lock if copy else nullcontext():
+            outer = {part: {k: take(t) for k, t in getattr(self, part).items()}
+                     for part in ("slow", "momentum", "start")}
+        return {"optimizer": self.optimizer.state_dict(), "outer": outer,
                 "local_steps": {"step": self.local_step, "rounds": self.rounds, "inner_steps": self.inner_steps}}
 
     @contextmanager

@@ -14,14 +14,20 @@ REPO = Path(__file__).resolve().parent.parent
 QUICK_FAILURE_DETECTION = {**FAST_MEMBERSHIP, "heartbeat_interval": 0.3, "dead_after": 2.0,
                            "reconnect_max": 2.0, "pex_interval": 0.5}
 
-__all__ = ["QUICK_FAILURE_DETECTION", "REPO", "config_file", "rank_env", "steps_done", "unique_swarm", "wait_for"]
+__all__ = ["QUICK_FAILURE_DETECTION", "REPO", "config_file", "rank_env", "steps_done", "trainer_steps", "unique_swarm",
+           "wait_for"]
+
+
+def trainer_steps(statuses) -> int:
+    """Trainer steps in these statuses (None, a daemon that did not answer, counts 0): the progress a wait on
+    training bounds its stall by (`wait_for`'s `progress`), so a machine loaded by the parallel tier fails a
+    swarm that stopped, not one that trains slowly."""
+    return sum(int(((s or {}).get("trainer") or {}).get("step") or 0) for s in statuses)
 
 
 def steps_done(daemons) -> int:
-    """Trainer steps the daemons have taken so far (a daemon that does not answer now counts 0): the progress a
-    wait on training bounds its stall by (`wait_for`'s `progress`), so a machine loaded by the parallel tier
-    fails a swarm that stopped, not one that trains slowly."""
-    return sum(int(((d.try_status() or {}).get("trainer") or {}).get("step") or 0) for d in daemons)
+    """`trainer_steps` of the daemons' statuses now."""
+    return trainer_steps(d.try_status() for d in daemons)
 
 
 def config_file(path: Path, **kw) -> Path:

@@ -18,6 +18,7 @@ import peertrain
 from peer.averaging.shared import SharedTensors
 from peer.testing.process import wait_for
 from peer.testing.swarm import LocalSwarm, rank_env, swarm_config, unique_swarm
+from tests.daemons import trainer_steps
 from tests.test_torch_data import LoneSwarm
 from trainers import gossip_sgd
 
@@ -167,7 +168,7 @@ def _run_four(tmp_path, name: str, **extra) -> list[dict]:
         swarm.start_nodes(4, cfg)
         swarm.wait(lambda sts: all(s and s.get("trainer", {}).get("state") == "done" for s in sts), timeout=240,
                    what="four local-mode peers to finish", interval=0.25,
-                   progress=lambda sts: sum(int(((s or {}).get("trainer") or {}).get("step") or 0) for s in sts))
+                   progress=trainer_steps)
         return [s["trainer"] | {"bytes_out": sum(p["bytes_out"] for p in s["peers"])} for s in swarm.statuses()]
 
 

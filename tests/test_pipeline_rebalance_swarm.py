@@ -132,11 +132,11 @@ def test_a_stage_emptied_by_kill_is_taken_over_and_training_resumes(cluster):
                         env=rank_env(i, n)) for i, s in enumerate(stages)]
     sts: list = [None] * n
 
-    def mid_run() -> bool:
-        sts[:] = cluster.statuses()
+    def mid_run(got) -> bool:
+        sts[:] = got
         copies = [c for s in sts for c in (pipe(s).get("state_transfers") or {}).get("copies", []) if c["stage"] == 2]
         return all(s and 160 <= (trainer(s).get("samples") or 0) < samples - after_kill for s in sts) and bool(copies)
-    cluster.wait(lambda _: mid_run(), timeout=START_S, what="every daemon driving and a copy of stage 2 kept",
+    cluster.wait(mid_run, timeout=START_S, what="every daemon driving and a copy of stage 2 kept",
                  interval=0.3, progress=samples_done)  # START_S bounds the time without progress once samples move
     for d, s in zip(ds, sts):  # this tiny stage's copy fits the room beside all its stage may hold: kept in memory,
         for c in pipe(s)["state_transfers"]["copies"]:  # no file (a copy that does not fit goes to disk: see
