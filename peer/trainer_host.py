@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -21,6 +22,7 @@ from typing import Any
 
 import trio
 
+from peer.averaging import norms
 from peer.averaging.engine import GossipEngine
 from peer.averaging.shared import SharedTensors
 from peer.training_report import TrainingReport, failure_state
@@ -50,13 +52,18 @@ class TrainerSwarm:
     # -- averaging ------------------------------------------------------------------------------------
     def share(self, name: str, tensors: dict[str, Any], *, lock: threading.Lock | None = None,
               partners: Callable[[], set[str]] | None = None, codec: str | None = None,
-              error_feedback: bool = False, averaged: bool = True) -> SharedTensors:
+              error_feedback: bool = False, averaged: bool = True, push_lr: float | None = None) -> SharedTensors:
         """Offer these tensors (e.g. model parameters) for averaging under a group name, with our topology
         neighbours, or with `partners()` (called on the daemon's thread: cheap, no blocking), say the peers
         that serve the same pipeline stage. `codec` overrides [gossip] codec for this group, `error_feedback`
         carries a lossy codec's rounding into the next exchange, `averaged=False` only serves the tensors to
-        joining partners (an outer optimizer's state)."""
+        joining partners (an outer optimizer's state). `push_lr`: partners' pushed updates of this group
+        (`push_update`) are added to it, times push_lr / n (None: refused)."""
         group = SharedTensors(name, tensors, lock=lock, codec=codec, error_feedback=error_feedback, averaged=averaged)
+        if push_lr is not None:
+            if not (isinstance(push_lr, (int, float)) and math.isfinite(push_lr) and push_lr > 0):
+                raise ValueError(f"push_lr: expected a finite number > 0, got {push_lr!r}")
+            group.push_lr = float(push_lr)
         self._call_sync(self._host.gossip.register, group, partners)  # the engine's state is the daemon thread's
         return group
 
@@ -75,6 +82,16 @@ class TrainerSwarm:
             return self._call_sync(self._host.gossip.start_average, group, mode)
         except TrainerStopped:
             return False
+
+    def push_update(self, group: str, values: list[Any], round: int = 0) -> int | None:
+        """Send `values`, a round's sparse update of `group` (one array per tensor, as the sparse codec decodes
+        it), to every partner in the background (peer/averaging/pushes.py): how many peers the update counts
+        among (the partners and us), or None if it was not started (the previous push still runs)."""
+        norm = norms.sum_sq(values) ** 0.5  # here, on the trainer's thread (a whole-group pass)
+        try:
+            return self._call_sync(self._host.gossip.pushes.start, group, values, round, norm=norm)
+        except TrainerStopped:
+            return None
 
     def average_with(self, group: str, peer_id: str) -> ExchangeResult:
         """One exchange of `group` with the partner `peer_id` (blocking this thread), under the rules `average`

@@ -20,6 +20,14 @@ rounded off is carried into the next one (peer/averaging/shared.py: the swarm's 
 rounding telescopes instead of adding up). The outer weights and momentum live on the CPU in float32 (a GPU
 model's memory holds only its inner copy); a joining peer downloads both from a partner.
 
+`codec="sparse"` (hosted trainers: `HostedSwarm.push_update`) replaces step 3 with SparseLoCo's exchange, every
+update to everyone: the round's update (where the inner steps took the model less where the round began) goes
+through error feedback decayed by `decay` (the accumulator takes the momentum's place, and its memory), what
+the wire's sparse codec keeps of it (64 of every 4096 values) is pushed to every partner, and every peer,
+this one included, adds outer_lr / n of each push to its outer weights (peer/averaging/pushes.py; n: the
+partners and us). Every `resync_every` rounds the outer weights are also averaged pairwise in q8, which brings
+back together replicas that a lost push left apart.
+
 The defaults (outer_lr 0.7, momentum 0.9) are DiLoCo's, for an Adam inner optimizer. They scale a round's move
 by up to 0.7 / (1 - 0.9) = 7; over an inner SGD with momentum already at its largest stable rate that diverges
 (the digits CNN fell to 10%): there, pass outer_lr=1.0, outer_momentum=0.0 (plain averaging of the rounds).
@@ -33,23 +41,40 @@ from typing import Any
 
 import torch
 
+from peer.averaging.sparse_updates import EF_DECAY, OUTER_LR, send_with_feedback
 from peertrain.optimizer import WrappingOptimizer, named
 from peertrain.swarm import AVERAGE_MODES, Swarm
 
 MODES = AVERAGE_MODES  # how each round averages the outer weights: the Swarm's own modes
 MOMENTUM_BOUND = 10.0  # a joiner's downloaded momentum may be at most this times the weights' norm: at momentum
 #                        0.9 it sums ~1/(1-0.9) = 10 rounds of pseudo-gradients, each far below the weights' norm
+DENSE_OUTER_LR = 0.7  # DiLoCo's, for an Adam inner optimizer (the sparse exchange's is sparse_updates.OUTER_LR)
+RESYNC_EVERY = 25  # sparse: rounds between dense (q8) averagings of the outer weights; the q8 sends then cost
+#                    1/100 of float32's a round, as much again as the pushes at four peers
+RESYNC_CODEC = "q8"
+SPARSE = "sparse"
 
 
 class LocalStepsOptimizer(WrappingOptimizer):
     """Wraps `optimizer` (the inner one); every `inner_steps` of its steps, an outer step and gossip."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, swarm: Swarm, *, inner_steps: int = 50, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, nesterov: bool = True, codec: str | None = None,
-                 error_feedback: bool = True, background: bool = True, mode: str = "one", group: str = "model",
-                 join: bool = True):
+    def __init__(self, optimizer: torch.optim.Optimizer, swarm: Swarm, *, inner_steps: int = 50,
+                 outer_lr: float | None = None, outer_momentum: float = 0.9, nesterov: bool = True,
+                 codec: str | None = None, error_feedback: bool = True, background: bool = True, mode: str = "one",
+                 group: str = "model", join: bool = True, decay: float = EF_DECAY, resync_every: int = RESYNC_EVERY):
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps: expected an integer >= 1, got {inner_steps!r}")
+        self.sparse = codec == SPARSE
+        if outer_lr is None:
+            outer_lr = OUTER_LR if self.sparse else DENSE_OUTER_LR
+        if self.sparse:
+            if not callable(getattr(swarm, "push_update", None)):
+                raise ValueError("codec 'sparse' pushes each round's update to every partner, which a job hosted by "
+                                 "the daemon can do (`peer start` with a trainer); this handle cannot: use q8")
+            if not (isinstance(decay, (int, float)) and 0 < decay <= 1):
+                raise ValueError(f"decay: expected a number in (0, 1], got {decay!r}")
+            if isinstance(resync_every, bool) or not isinstance(resync_every, int) or resync_every < 0:
+                raise ValueError(f"resync_every: expected an integer >= 0 (0: never), got {resync_every!r}")
         if not (isinstance(outer_lr, (int, float)) and 0 < outer_lr <= 10):
             raise ValueError(f"outer_lr: expected a number in (0, 10], got {outer_lr!r}")
         if not (isinstance(outer_momentum, (int, float)) and 0 <= outer_momentum < 1):
@@ -60,15 +85,22 @@ class LocalStepsOptimizer(WrappingOptimizer):
         self.swarm = swarm
         self.inner_steps, self.outer_lr, self.outer_momentum = inner_steps, float(outer_lr), float(outer_momentum)
         self.nesterov, self.background, self.mode, self.group_name = nesterov, background, mode, group
+        self.decay, self.resync_every = float(decay), resync_every
         self.params = named(params)
         self.slow = {k: p.detach().to("cpu", torch.float32, copy=True).contiguous() for k, p in self.params.items()}
+        # the outer momentum; with codec "sparse" the error feedback, which plays its part (SparseLoCo)
         self.momentum = {k: torch.zeros_like(t) for k, t in self.slow.items()}
-        self.shared = swarm.share(group, self.slow, codec=codec, error_feedback=error_feedback)
+        if self.sparse:
+            self.shared = swarm.share(group, self.slow, codec=RESYNC_CODEC, error_feedback=True,  # type: ignore[call-arg]
+                                      push_lr=self.outer_lr)
+        else:
+            self.shared = swarm.share(group, self.slow, codec=codec, error_feedback=error_feedback)
         self.outer_state = swarm.share(f"{group}.outer", self.momentum, averaged=False)  # for joiners only
         self.start = {k: t.clone() for k, t in self.slow.items()}  # the outer weights this round began from
         self.local_step = 0  # inner steps in all
         self.rounds = 0  # outer steps taken
         self.skipped = 0  # rounds whose exchange could not start (the previous one still ran)
+        self.pushed = 0  # sparse: rounds whose update went to the partners
         self.joined_at_step: int | None = None
         if join:
             self.join()
@@ -78,9 +110,10 @@ class LocalStepsOptimizer(WrappingOptimizer):
         """Start from a partner's outer weights and momentum if one has trained to `min_step` or past (one
         resuming passes its own step + 1): its step, or None."""
         step = self.swarm.download(self.group_name, min_step=min_step)
-        if step is not None:
+        if step is not None and not self.sparse:  # (a partner's error feedback is its own to send, not ours)
             self.swarm.download(f"{self.group_name}.outer", min_step=0)  # momentum: best effort
             self._check_momentum()
+        if step is not None:
             self.local_step = self.shared.step = step
             self.restart_round()
         self.joined_at_step = step
@@ -109,6 +142,9 @@ class LocalStepsOptimizer(WrappingOptimizer):
     @torch.no_grad()
     def outer_step(self) -> None:
         """The round's end (also called by `step`): pseudo-gradient, outer step, gossip, next round."""
+        if self.sparse:
+            self._sparse_outer_step()
+            return
         mu, lr = self.outer_momentum, self.outer_lr
         with self.shared.lock, self.outer_state.lock:
             for k, p in self.params.items():
@@ -122,6 +158,32 @@ class LocalStepsOptimizer(WrappingOptimizer):
                 self.skipped += 1
         else:
             self.swarm.average(self.group_name, mode=self.mode)
+        self.restart_round()
+
+    def _sparse_outer_step(self) -> None:
+        """SparseLoCo's round end: the update through error feedback, pushed to every partner, and outer_lr / n
+        of it added here as every partner adds it (the module docstring); a dense q8 averaging every
+        `resync_every` rounds. A round whose previous push still runs gives its send back to the feedback."""
+        sends = []
+        with self.shared.lock, self.outer_state.lock:
+            for k, p in self.params.items():
+                update = (p.detach().to("cpu", torch.float32) - self.start[k]).numpy()
+                q = send_with_feedback(self.momentum[k].numpy().reshape(-1), update, decay=self.decay)
+                sends.append(q.reshape(self.slow[k].shape))
+        self.rounds += 1
+        n = self.swarm.push_update(self.group_name, sends, self.rounds)  # type: ignore[attr-defined]
+        with self.shared.lock, self.outer_state.lock:
+            for (k, t), q in zip(self.slow.items(), sends):
+                if n is None:
+                    self.momentum[k].view(-1).add_(torch.from_numpy(q).view(-1))  # not sent: still owed
+                else:
+                    t.add_(torch.from_numpy(q), alpha=self.outer_lr / n)
+        if n is None:
+            self.skipped += 1
+        else:
+            self.pushed += 1
+        if self.resync_every and self.rounds % self.resync_every == 0:
+            self.swarm.average_in_background(self.group_name, mode=self.mode)
         self.restart_round()
 
     def _before_settling(self) -> None:

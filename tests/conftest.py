@@ -41,6 +41,7 @@ TESTS = Path(__file__).resolve().parent
 UNIT_MODULES = frozenset({
     "test_attach_units.py",
     "test_averaging_bounds.py",
+    "test_averaging_pushes.py",
     "test_averaging_edge_copies.py",
     "test_averaging_shares.py",
     "test_averaging_sparse_updates.py",

@@ -27,7 +27,7 @@ import torch
 from peertrain.optimizer import MODES as GOSSIP_MODES
 from peertrain.optimizer import GossipOptimizer
 from peertrain.outer import MODES as OUTER_MODES
-from peertrain.outer import LocalStepsOptimizer
+from peertrain.outer import SPARSE, LocalStepsOptimizer
 from protocol.tensor_codec import DENSE_CODECS
 from trainers import torch_data
 from trainers.baseline import RECOMMENDED, Hyperparams, make_optimizer, seeded_model
@@ -82,7 +82,10 @@ class GossipSGDOptions:
                                          "for a custom model)")
     outer_nesterov: bool = option(True, "mode local: Nesterov momentum for the outer step")
     outer_codec: str = option("", "mode local: raw | float16 | q8 (a quarter of the bytes) for the outer "
-                                  "weights' exchanges (empty: `[gossip] codec`)")
+                                  "weights' exchanges (empty: `[gossip] codec`) | sparse (each round's update, "
+                                  "64 of every 4096 values, pushed to every partner: 1/108 of float32's bytes)")
+    outer_resync_every: int = option(25, "outer_codec sparse: rounds between q8 averagings of the outer weights "
+                                          "(bring back replicas a lost push left apart; 0: never)")
     outer_error_feedback: bool = option(True, "mode local: carry a lossy codec's rounding into the next exchange")
     outer_background: bool = option(True, "mode local: exchange while the next round's inner steps run (one "
                                           "round stale; a slow or vanished peer holds no one up)")
@@ -144,8 +147,11 @@ def run(swarm, options: dict) -> dict:
         raise ValueError(f"[trainer.options] mode: expected one of {', '.join(GOSSIP_MODES)}, local, got {o.mode!r}")
     if not (math.isfinite(o.target_loss) and o.target_loss >= 0):
         raise ValueError(f"[trainer.options] target_loss: expected a finite number >= 0, got {o.target_loss!r}")
-    if o.outer_codec and o.outer_codec not in DENSE_CODECS:
-        raise ValueError(f"[trainer.options] outer_codec: expected one of {', '.join(DENSE_CODECS)}, got {o.outer_codec!r}")
+    if o.outer_codec and o.outer_codec not in (*DENSE_CODECS, SPARSE):
+        raise ValueError(f"[trainer.options] outer_codec: expected one of {', '.join(DENSE_CODECS)}, {SPARSE}, "
+                         f"got {o.outer_codec!r}")
+    if o.outer_resync_every < 0:
+        raise ValueError(f"[trainer.options] outer_resync_every: expected an integer >= 0, got {o.outer_resync_every!r}")
     if o.outer_averaging not in OUTER_MODES:
         raise ValueError(f"[trainer.options] outer_averaging: expected one of {', '.join(OUTER_MODES)}, "
                          f"got {o.outer_averaging!r}")
@@ -186,10 +192,13 @@ def run(swarm, options: dict) -> dict:
     inner = make_optimizer(model.parameters(), hp["optimizer"], lr=hp["lr"], momentum=hp["momentum"],
                            weight_decay=hp["weight_decay"])
     if o.mode == "local":
-        opt = LocalStepsOptimizer(inner, swarm, inner_steps=o.inner_steps, outer_lr=hp["outer_lr"],
+        sparse = o.outer_codec == SPARSE  # SparseLoCo's outer step has its own lr; its decay is the momentum's part
+        opt = LocalStepsOptimizer(inner, swarm, inner_steps=o.inner_steps,
+                                  outer_lr=(o.outer_lr or None) if sparse else hp["outer_lr"],
                                   outer_momentum=hp["outer_momentum"], nesterov=o.outer_nesterov,
                                   codec=o.outer_codec or None, error_feedback=o.outer_error_feedback,
-                                  background=o.outer_background, mode=o.outer_averaging, join=False)
+                                  background=o.outer_background, mode=o.outer_averaging, join=False,
+                                  resync_every=o.outer_resync_every)
     else:
         opt = GossipOptimizer(inner, swarm, mode=o.mode, average_every=o.average_every, join=False)
     group, lock = opt.shared, opt.shared.lock
@@ -335,7 +344,8 @@ def run(swarm, options: dict) -> dict:
                                "accuracy": acc, "test_loss": test_loss, "samples_per_s": samples / max(elapsed, 1e-9),
                                "elapsed_s": round(elapsed, 3), "compute_s": round(compute[0], 3),
                                "eval_s": round(compute[2], 3), "consensus_distance": group.last_distance,
-                               **({"rounds": opt.rounds, "rounds_skipped": opt.skipped} if o.mode == "local" else {}),
+                               **({"rounds": opt.rounds, "rounds_skipped": opt.skipped, "rounds_pushed": opt.pushed}
+                                  if o.mode == "local" else {}),
                                "neighbours": len(swarm.neighbours())})
             if o.checkpoint_every and step % o.checkpoint_every == 0:
                 save()

@@ -27,6 +27,7 @@ from peer.averaging.budget import ServingSlots, WeightBudget
 from peer.averaging.download import Downloads, Fetched
 from peer.averaging.exchange import Event, Exchange, Role, State
 from peer.averaging.ledger import GossipStats, Ledger
+from peer.averaging.pushes import UpdatePushes
 from peer.averaging.radius import NO_DEFENCE_ENV, Radii
 from peer.averaging.serving import ExchangeServer
 from peer.averaging.settle import apply_committed, keep_residual, our_radius, wire_radius
@@ -40,7 +41,7 @@ from peertrain.swarm import AVERAGE_MODES, ExchangeResult
 from protocol.errors import ProtocolError
 from protocol.refusal import Code, Refusal
 from protocol.schema.gossip import (
-    AverageAbort, AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsRequest)
+    AverageAbort, AverageAccept, AverageCommit, AverageOffer, AverageReject, ParamsRequest, UpdatePush)
 
 if TYPE_CHECKING:
     from peer.services import DaemonContext
@@ -76,6 +77,9 @@ class GossipEngine:
         self.downloads = Downloads(self.cfg, groups=self.groups, slots=slots, ledger=self.ledger,
                                    may_download=self.role_refusal, holders=self.holders,
                                    connected=self.membership.connected)
+        self.pushes = UpdatePushes(self.cfg, groups=self.groups, slots=slots, ledger=self.ledger,
+                                   may_push=self.role_refusal, holders=self.holders,
+                                   connected=self.membership.connected)
         self._nursery: trio.Nursery | None = None
         self._background: set[str] = set()  # groups with a background round running (start_average)
         self._shard_bytes: int | None = None  # the largest group's bytes when one was last shared
@@ -84,6 +88,7 @@ class GossipEngine:
         r.register(AverageCommit, self.server.on_commit)
         r.register(AverageAbort, self.server.on_abort)
         r.register(ParamsRequest, self.downloads.on_request)
+        r.register(UpdatePush, self.pushes.on_push)
 
     def record_fields(self) -> RecordFields:
         """HasRecordFields: our record lists the groups we share, and the rewiring plans with their size."""
@@ -102,6 +107,7 @@ class GossipEngine:
             self._nursery = n  # owns the background rounds (start_average)
             await n.start(self.server.run)
             await n.start(self.downloads.run)
+            await n.start(self.pushes.run)
             task_status.started()
             await trio.sleep_forever()
 
@@ -123,6 +129,7 @@ class GossipEngine:
         self._partners.pop(name, None)
         if self.radii is not None:
             self.radii.forget(name)
+        self.pushes.forget(name)
         self.topology.announce_soon()
 
     # ---- the trainer-facing calls -------------------------------------------------------------------
@@ -335,7 +342,7 @@ class GossipEngine:
     def status(self) -> dict:
         return {"groups": {g.name: {"tensors": len(g.specs), "bytes": g.nbytes, "own_reach": g.reach.status()}
                            for g in self.groups.values()},
-                **self.ledger.status(), "inflight": self.budget.in_flight(),
+                **self.ledger.status(), "inflight": self.budget.in_flight(), "pushes": self.pushes.status(),
                 "defence": self.radii is not None}  # False only under a benchmark's switch (radius.py)
 
     def ban_list(self) -> list[dict]:

@@ -70,6 +70,7 @@ class SharedTensors:
         self.codec = codec  # how its exchanges encode it (None: the daemon's [gossip] codec)
         self.error_feedback = error_feedback  # carry a lossy codec's rounding into the next exchange
         self.averaged = averaged  # False: served to joining partners (download) but never averaged
+        self.push_lr: float | None = None  # partners' pushed updates are added x push_lr / n (None: refused)
         self._residual: list[Any] | None = None  # what lossy sends left out so far (error feedback)
         self._residual_busy = False  # one exchange at a time carries the residual
         self._residual_lock = threading.Lock()  # guards the reservation (taken in worker threads)
@@ -257,6 +258,40 @@ class SharedTensors:
         norm = self.norm or 0.0
         self.last_distance = distance / norm if norm > 0 else distance
         return Applied(scale, distance, pointing_away)
+
+    def add_scaled(self, weight: float, values: list[Any]) -> None:
+        """x += weight * values for every tensor, in place: a partner's pushed update (peer/averaging/pushes.py),
+        which nothing sends back, so there is no pair's sum to keep. Block by block under the lock, as `apply`
+        adds; blocks the lock refuses (an attached process held it past its bound) are owed, never dropped."""
+        arrays = _host_arrays(self.tensors.values(), values)
+        if arrays is None:
+            import torch
+
+            moved = [(v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v))).to(t.device, t.dtype)
+                     for t, v in zip(self.tensors.values(), values)]
+            try:
+                with self.lock:
+                    for t, d in zip(self.tensors.values(), moved):
+                        t.data.add_(d, alpha=weight)
+            except TimeoutError:
+                for k, d in enumerate(moved):
+                    self._owe(k, 0, d.mul_(weight))
+            return
+        locked = True
+        for k, (t, v) in enumerate(zip(*arrays)):
+            tf, vf = t.reshape(-1), v.reshape(-1)
+            step = max(1, APPLY_BLOCK_BYTES // tf.itemsize)
+            for i in range(0, tf.shape[0], step):
+                tb = tf[i:i + step]
+                d = np.multiply(vf[i:i + step], weight, dtype=tf.dtype)
+                if locked:
+                    try:
+                        with self.lock:
+                            np.add(tb, d, out=tb)
+                        continue
+                    except TimeoutError:
+                        locked = False
+                self._owe(k, i, d)
 
     def own_norm(self, values: list[Any]) -> float:
         """Our norm, for the radius we announce: our snapshot's at the last update, or (none yet, or our

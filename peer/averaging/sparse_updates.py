@@ -1,6 +1,6 @@
 """Every update to everyone: a round's update, sent sparse with error feedback, and the step all peers take
-from the ones they received (SparseLoCo's outer step; design.md, "Sparse updates": the candidate issue 41
-measures; this module is its arithmetic, not yet wired into the daemon).
+from the ones they received (SparseLoCo's outer step; design.md, "Sparse updates"). The daemon's side is
+peer/averaging/pushes.py; a trainer's, peertrain/outer.py (`codec="sparse"`).
 
 Each peer keeps, per group, an error-feedback accumulator e (flat float32). At a round's end, with u its
 round's update (its weights now less the round's reference):
@@ -57,16 +57,23 @@ class UpdateFeedback:
     def send(self, update: np.ndarray) -> np.ndarray:
         """This round's sparse send, as every receiver decodes it (the wire's own encoder and decoder), for
         `update` = our weights less the round's reference; what it leaves out is kept for later rounds."""
-        u = np.asarray(update, dtype=np.float32).reshape(-1)
-        if u.shape != self.error.shape:
-            raise ValueError(f"update of {u.size} values for a group of {self.size}")
-        if not np.isfinite(u).all():
-            raise ValueError(f"update: {int((~np.isfinite(u)).sum())} of {u.size} values are NaN or infinite")
-        self.error *= np.float32(self.decay)
-        self.error += u
-        q = sparse_roundtrip(self.error, topk=self.topk)
-        self.error -= q
-        return q
+        return send_with_feedback(self.error, update, decay=self.decay, topk=self.topk)
+
+
+def send_with_feedback(error: np.ndarray, update: np.ndarray, *, decay: float = EF_DECAY,
+                       topk: int = SPARSE_TOPK) -> np.ndarray:
+    """`UpdateFeedback.send` on an accumulator the caller holds (flat float32, changed in place): a trainer
+    keeps one per tensor, in the memory of its checkpointed state (peertrain/outer.py)."""
+    u = np.asarray(update, dtype=np.float32).reshape(-1)
+    if u.shape != error.shape:
+        raise ValueError(f"update of {u.size} values for a group of {error.size}")
+    if not np.isfinite(u).all():
+        raise ValueError(f"update: {int((~np.isfinite(u)).sum())} of {u.size} values are NaN or infinite")
+    error *= np.float32(decay)
+    error += u
+    q = sparse_roundtrip(error, topk=topk)
+    error -= q
+    return q
 
 
 def outer_step(reference: np.ndarray, received: Mapping[str, np.ndarray], *, outer_lr: float = OUTER_LR) -> np.ndarray:

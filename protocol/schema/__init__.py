@@ -26,6 +26,8 @@ from protocol.schema.gossip import (
     ParamsReply,
     ParamsRequest,
     TensorSpec,
+    UpdatePush,
+    UpdateTaken,
 )
 from protocol.schema.nat import (
     DialBackReply,
@@ -86,6 +88,7 @@ __all__ = [
     "TensorHeader",
     "peer_record_signing_bytes",
     "AverageAbort", "AverageAccept", "AverageCommit", "AverageOffer", "AverageReject", "ParamsReply", "ParamsRequest", "TensorSpec",
+    "UpdatePush", "UpdateTaken",
     "EdgeAccept", "EdgeCommit", "EdgeDrop", "EdgePropose", "EdgeReject", "LinkReport", "ProbeReply", "ProbeRequest",
     "TopologyRecord", "TopologyRecords", "topology_record_signing_bytes",
     "DialBackReply", "DialBackRequest", "DialBackResult", "PunchOffer", "PunchSync", "RelayAck", "RelayConnect",
@@ -125,6 +128,8 @@ MESSAGES: tuple[type[Message], ...] = (
     AverageAbort,
     ParamsRequest,
     ParamsReply,
+    UpdatePush,
+    UpdateTaken,
     # pipeline plane
     StageCall,
     StageReply,

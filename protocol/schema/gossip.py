@@ -6,6 +6,12 @@ An exchange between i (initiator) and j:
          follow, in the offer's `codec`) | AverageReject (a refusal: code and reason, protocol/refusal.py)
   i → j  AverageCommit (i received everything and applied; j applies on receipt)
        | AverageAbort (i gave up after its offer went out; j applies nothing, stops waiting)
+A round's update pushed to every partner (local steps with the sparse outer exchange, issue 41):
+  i → j  UpdatePush (request; i's sparse update follows on `streams`, one tensor per spec of the group)
+  j → i  UpdateTaken (reply: j added it, scaled by `scale` <= 1 where it was past j's bound) | ErrorReply
+j adds outer_lr/n x the update to its own copy of the group; nothing is sent back, and no sum is kept
+between the two: every peer applies every peer's update (peer/averaging/pushes.py).
+
 Both apply x += w * s * (x_other_snapshot - x_own_snapshot) with the same w and the same clip s <= 1, so
 the swarm sum is unchanged; s comes from the smaller of the two `radius` values (the offer's and the
 accept's) and the snapshots' distance (peer/averaging/bounds.py).
@@ -27,7 +33,7 @@ NO_RADIUS = -1.0  # what a peer on version 2 (which announces none) reads as: re
 NO_BOUND = sys.float_info.max  # a radius that bounds nothing ("none from my side"): the wire carries no inf
 
 __all__ = ["TensorSpec", "AverageOffer", "AverageAccept", "AverageReject", "AverageCommit",
-           "AverageAbort", "ParamsRequest", "ParamsReply"]
+           "AverageAbort", "ParamsRequest", "ParamsReply", "UpdatePush", "UpdateTaken"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,3 +129,22 @@ class ParamsReply(Message):
     streams: list[int]
     step: int = 0
     available: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class UpdatePush(Message):
+    """A round's sparse update of `group`, for the receiver to add to its own copy (peer/averaging/pushes.py).
+    The tensors follow on `streams`, one per tensor of the group in the receiver's order, codec "sparse"."""
+
+    TYPE = "update_push"
+    group: str
+    streams: list[int]
+    round: int = 0  # the sender's outer round (status and logs only: nothing is ordered by it)
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateTaken(Message):
+    """The receiver added the push, scaled by `scale` (1, or less where its norm was past the bound)."""
+
+    TYPE = "update_taken"
+    scale: float = 1.0

@@ -1,0 +1,187 @@
+"""The sparse outer exchange, process-free: the receiver's gate on partners' pushes (peer/averaging/push_gate.py),
+adding a push in place (SharedTensors.add_scaled), the wire message, and the local-steps wrapper's sparse round
+(peertrain/outer.py, codec "sparse"): error feedback, its own share of its update, a push not started kept
+in the feedback, and the handles that cannot push refused by name. Real daemons: tests/test_local_steps.py."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import peertrain
+from peer.averaging.push_gate import PUSH_BURST, PUSH_NORM_BOUND, PUSH_RATE, PushGate
+from peer.averaging.shared import SharedTensors
+from peer.averaging.sparse_updates import EF_DECAY, OUTER_LR
+from peer.averaging.edge_copies import sparse_roundtrip
+from protocol.limits import DEFAULT_LIMITS
+from protocol.messages import Registry
+from protocol.refusal import Code
+from protocol.schema import MESSAGES
+from protocol.schema.gossip import UpdatePush, UpdateTaken
+from tests.test_local_steps import Recorder
+
+
+# ---- the gate -------------------------------------------------------------------------------------------
+
+
+def test_no_push_is_taken_before_a_round_of_our_own_bounds_it():
+    gate = PushGate()
+    refused = gate.refusal("a", now=0.0)
+    assert refused is not None and refused.code is Code.TOO_SOON and "round of our own" in refused.reason
+    assert gate.scale(1.0) == 0.0
+    gate.pushed(2.0, now=1.0)
+    assert gate.refusal("a", now=1.0) is None
+
+
+def test_a_push_past_a_few_of_our_own_is_scaled_down_to_the_bound_and_a_non_finite_one_to_nothing():
+    gate = PushGate()
+    gate.pushed(2.0, now=0.0)
+    assert gate.scale(2.0 * PUSH_NORM_BOUND) == 1.0
+    assert gate.scale(20.0 * PUSH_NORM_BOUND) == pytest.approx(0.1)
+    assert gate.scale(float("inf")) == 0.0 and gate.scale(float("nan")) == 0.0
+    gate.pushed(float("nan"), now=1.0)  # a round whose norm is not a number does not replace the yardstick
+    assert gate.own_norm == 2.0
+
+
+def test_a_sender_pushes_at_most_its_rate_per_round_of_ours_after_a_burst():
+    gate = PushGate()
+    gate.pushed(1.0, now=0.0)
+    gate.pushed(1.0, now=10.0)  # our round: 10 s
+    taken = [gate.refusal("liar", now=10.0 + 0.01 * i) is None for i in range(10)]
+    assert sum(taken) == PUSH_BURST  # a burst, then refused
+    later = sum(gate.refusal("liar", now=20.0 + 0.1 * i) is None for i in range(100))  # the next round, spread
+    assert later <= PUSH_RATE + 1  # what the bucket refilled in 10 s, give or take one
+    assert gate.refusal("honest", now=20.0) is None  # each sender has its own bucket
+
+
+# ---- adding a push --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("as_torch", [False, True])
+def test_a_push_is_added_in_place_scaled(as_torch):
+    x = np.arange(10, dtype=np.float32)
+    t = torch.from_numpy(x.copy()) if as_torch else x.copy()
+    g = SharedTensors("m", {"w": t})
+    g.add_scaled(0.5, [np.full(10, 2.0, dtype=np.float32)])
+    assert np.allclose(np.asarray(g.tensors["w"]), x + 1.0)
+
+
+def test_a_push_the_lock_refuses_is_owed_and_added_at_the_next_snapshot():
+    class Timid:
+        def __enter__(self):
+            raise TimeoutError("held")
+
+        def __exit__(self, *exc):
+            return False
+
+    g = SharedTensors("m", {"w": np.zeros(4, dtype=np.float32)})
+    g.lock = Timid()
+    g.add_scaled(2.0, [np.ones(4, dtype=np.float32)])
+    assert g.owing and np.array_equal(g.tensors["w"], np.zeros(4))
+    g.lock = threading.Lock()
+    assert np.array_equal(g.snapshot()[0], np.full(4, 2.0))
+
+
+def test_the_push_messages_cross_the_wire():
+    reg = Registry(MESSAGES)
+    push = UpdatePush(group="model", streams=[3, 5], round=7)
+    assert reg.decode(reg.encode(push, rid=1), DEFAULT_LIMITS).message == push
+    assert reg.decode(reg.encode(UpdateTaken(scale=0.25), reply_to=1), DEFAULT_LIMITS).message.scale == 0.25
+
+
+# ---- the wrapper's sparse round --------------------------------------------------------------------------
+
+
+class Pusher(Recorder):
+    """A peer among `n - 1` partners that records its pushes (`started` False: the previous push still runs)."""
+
+    def __init__(self, n: int = 4, started: bool = True):
+        super().__init__()
+        self.n, self.started, self.pushes, self.averaged = n, started, [], []
+
+    def share(self, name, tensors, *, codec=None, error_feedback=False, averaged=True, push_lr=None, **kw):
+        group = super().share(name, tensors, codec=codec, error_feedback=error_feedback, averaged=averaged)
+        group.push_lr = push_lr
+        return group
+
+    def push_update(self, group, values, round=0):
+        self.pushes.append([np.array(v) for v in values])
+        return self.n if self.started else None
+
+    def average_in_background(self, group, *, mode="one"):
+        self.averaged.append(group)
+        return True
+
+
+def _round(swarm, *, inner_steps=2, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4096, 2, bias=False)
+    w0 = model.weight.detach().clone()
+    opt = peertrain.LocalStepsOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), swarm, inner_steps=inner_steps,
+                                        codec="sparse", **kw)
+    x, y = torch.randn(16, 4096), torch.randn(16, 2)
+    for _ in range(inner_steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return opt, w0, model
+
+
+def test_a_sparse_round_pushes_what_the_feedback_keeps_and_adds_its_own_share():
+    swarm = Pusher(n=4)
+    opt, w0, model = _round(swarm)
+    assert opt.outer_lr == OUTER_LR and swarm.groups["model"].push_lr == OUTER_LR
+    assert swarm.groups["model"].codec == "q8"  # the dense re-synchronisation's
+    (q,), = swarm.pushes
+    assert np.count_nonzero(q) <= 2 * 64  # 64 of every 4096 values a row
+    update = opt.start["p0"] - w0  # restart_round: start is the outer weights now
+    assert torch.allclose(update, torch.from_numpy(q) * OUTER_LR / 4)
+    error = opt.momentum["p0"].numpy()  # what the push left out, kept for later rounds
+    assert np.count_nonzero(error) > 8000 and np.allclose(np.count_nonzero(q + error), 8192)
+    assert torch.equal(model.weight.detach(), opt.slow["p0"])
+    assert opt.pushed == 1 and opt.skipped == 0
+
+
+def test_a_round_whose_push_does_not_start_keeps_all_of_its_update_in_the_feedback():
+    sent = Pusher()
+    sent_opt, _, _ = _round(sent)
+    (q,), = sent.pushes
+    update = q + sent_opt.momentum["p0"].numpy()  # the round's whole update: what went, and what was kept
+    swarm = Pusher(started=False)
+    opt, w0, model = _round(swarm)
+    assert torch.equal(opt.slow["p0"], w0)  # nothing applied
+    assert opt.skipped == 1 and opt.pushed == 0
+    assert np.allclose(opt.momentum["p0"].numpy(), update, atol=1e-7)  # all of it owed to the next round
+
+
+def test_the_outer_weights_are_averaged_densely_every_resync_rounds():
+    swarm = Pusher()
+    opt, _, _ = _round(swarm, inner_steps=1, resync_every=1)
+    assert swarm.averaged == ["model"]
+    swarm2 = Pusher()
+    _round(swarm2, inner_steps=1, resync_every=0)
+    assert swarm2.averaged == []
+
+
+def test_a_handle_that_cannot_push_and_bad_sparse_settings_are_named():
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="sparse.*q8"):
+        peertrain.LocalStepsOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), Recorder(), codec="sparse")
+    for bad, says in ((dict(decay=0.0), "decay"), (dict(resync_every=-1), "resync_every"),
+                      (dict(decay=float("nan")), "decay")):
+        with pytest.raises(ValueError, match=says):
+            peertrain.LocalStepsOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), Pusher(), codec="sparse", **bad)
+
+
+def test_the_feedback_decays_what_earlier_rounds_left_out():
+    from peer.averaging.sparse_updates import send_with_feedback
+    error = np.zeros(4096, dtype=np.float32)
+    u = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
+    q1 = send_with_feedback(error, u)
+    left = error.copy()
+    q2 = send_with_feedback(error, np.zeros(4096, dtype=np.float32))
+    assert np.allclose(q2 + error, EF_DECAY * left, atol=1e-6)
+    assert np.array_equal(q1, sparse_roundtrip(u))
