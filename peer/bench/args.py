@@ -188,8 +188,9 @@ def wan_arguments(p: Parser) -> None:
                    help="float32 exchange ÷ outer round compute the chosen link gives (default 5, issue 41's)")
     p.add_argument("--big-model", default="lm_100m", help="model of the bytes, wall and utilization runs (default lm_100m)")
     p.add_argument("--big-model-options", type=json.loads, default={}, help="its sizes, JSON (default: the preset)")
-    p.add_argument("--big-modes", default="allreduce,adpsgd,local,local_q8",
-                   help="modes run on the big model, in order (default allreduce,adpsgd,local,local_q8; '' skips)")
+    p.add_argument("--big-modes", default="allreduce,adpsgd,local,local_q8,local_sparse",
+                   help="modes run on the big model, in order (default allreduce,adpsgd,local,local_q8,local_sparse; "
+                        "'' skips; local_sparse: each round's update, 64 of every 4096 values, pushed to every peer)")
     p.add_argument("--big-batch", type=int, default=2, help="per-peer batch of the big model (default 2)")
     p.add_argument("--big-inner-steps", type=int, default=1,
                    help="H of the big model's local modes (default 1: a round is one step, so the link a ratio "
@@ -199,9 +200,9 @@ def wan_arguments(p: Parser) -> None:
     p.add_argument("--big-allreduce-steps", type=int, default=2, help="all-reduce steps on the big model (default 2)")
     p.add_argument("--small-model", default="lm_14m", help="model of the loss curves (default lm_14m)")
     p.add_argument("--small-model-options", type=json.loads, default={}, help="its sizes, JSON (default: the preset)")
-    p.add_argument("--small-modes", default="local,allreduce,local_q8,adpsgd",
-                   help="modes run to the target on the small model (default local,allreduce,local_q8,adpsgd; '' "
-                        "skips)")
+    p.add_argument("--small-modes", default="local,allreduce,local_q8,adpsgd,local_sparse",
+                   help="modes run to the target on the small model (default local,allreduce,local_q8,adpsgd,"
+                        "local_sparse; '' skips)")
     p.add_argument("--small-batch", type=int, default=8, help="per-peer batch of the small model (default 8)")
     p.add_argument("--small-inner-steps", type=int, default=10, help="H of its local modes (default 10)")
     p.add_argument("--small-steps", type=int, default=80, help="most steps per peer of its gossip modes (default 80)")

@@ -12,7 +12,8 @@ from peer.testing.process import module_json
 
 RECIPE_TIMEOUT = 120.0  # the baseline imports torch and loads the data set before it answers
 # Our local modes: gossip_sgd mode "local" with these outer exchanges (the outer optimizer keeps its defaults)
-LOCAL_MODES = {"local": {"outer_codec": "raw"}, "local_q8": {"outer_codec": "q8", "outer_error_feedback": True}}
+LOCAL_MODES = {"local": {"outer_codec": "raw"}, "local_q8": {"outer_codec": "q8", "outer_error_feedback": True},
+               "local_sparse": {"outer_codec": "sparse"}}
 
 
 @dataclass
