@@ -22,7 +22,6 @@ from typing import Any
 
 import trio
 
-from peer.averaging import norms
 from peer.averaging.engine import GossipEngine
 from peer.averaging.shared import SharedTensors
 from peer.training_report import TrainingReport, failure_state
@@ -83,13 +82,12 @@ class TrainerSwarm:
         except TrainerStopped:
             return False
 
-    def push_update(self, group: str, values: list[Any], round: int = 0) -> int | None:
-        """Send `values`, a round's sparse update of `group` (one array per tensor, as the sparse codec decodes
-        it), to every partner in the background (peer/averaging/pushes.py): how many peers the update counts
-        among (the partners and us), or None if it was not started (the previous push still runs)."""
-        norm = norms.sum_sq(values) ** 0.5  # here, on the trainer's thread (a whole-group pass)
+    def push_update(self, group: str, encoded: list[Any], *, norm: float, round: int = 0) -> int | None:
+        """Send a round's sparse update of `group` (one EncodedTensor per tensor, in the sparse codec; `norm`: the
+        update's, as decoded) to every partner in the background (peer/averaging/pushes.py): how many peers the
+        update counts among (the partners and us), or None if it was not started (the previous push still runs)."""
         try:
-            return self._call_sync(self._host.gossip.pushes.start, group, values, round, norm=norm)
+            return self._call_sync(self._host.gossip.pushes.start, group, encoded, round, norm=norm)
         except TrainerStopped:
             return None
 

@@ -35,13 +35,15 @@ by up to 0.7 / (1 - 0.9) = 7; over an inner SGD with momentum already at its lar
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 
-from peer.averaging.sparse_updates import EF_DECAY, OUTER_LR, send_with_feedback
+from peer.averaging.sparse_updates import EF_DECAY, OUTER_LR, encode_with_feedback
 from peertrain.optimizer import WrappingOptimizer, named
 from peertrain.swarm import AVERAGE_MODES, Swarm
 
@@ -91,8 +93,8 @@ class LocalStepsOptimizer(WrappingOptimizer):
         # the outer momentum; with codec "sparse" the error feedback, which plays its part (SparseLoCo)
         self.momentum = {k: torch.zeros_like(t) for k, t in self.slow.items()}
         if self.sparse:
-            self.shared = swarm.share(group, self.slow, codec=RESYNC_CODEC, error_feedback=True,  # type: ignore[call-arg]
-                                      push_lr=self.outer_lr)
+            self.shared = swarm.share(group, self.slow, codec=RESYNC_CODEC,  # type: ignore[call-arg]
+                                      error_feedback=True, push_lr=self.outer_lr)
         else:
             self.shared = swarm.share(group, self.slow, codec=codec, error_feedback=error_feedback)
         self.outer_state = swarm.share(f"{group}.outer", self.momentum, averaged=False)  # for joiners only
@@ -101,6 +103,9 @@ class LocalStepsOptimizer(WrappingOptimizer):
         self.rounds = 0  # outer steps taken
         self.skipped = 0  # rounds whose exchange could not start (the previous one still ran)
         self.pushed = 0  # sparse: rounds whose update went to the partners
+        self._sender: threading.Thread | None = None  # sparse: the worker sending the last round's update
+        self._sender_error: BaseException | None = None
+        self._carried = False  # sparse: a round ended while the last was still being sent, so it was kept
         self.joined_at_step: int | None = None
         if join:
             self.join()
@@ -161,34 +166,75 @@ class LocalStepsOptimizer(WrappingOptimizer):
         self.restart_round()
 
     def _sparse_outer_step(self) -> None:
-        """SparseLoCo's round end: the update through error feedback, pushed to every partner, and outer_lr / n
-        of it added here as every partner adds it (the module docstring); a dense q8 averaging every
-        `resync_every` rounds. A round whose previous push still runs gives its send back to the feedback."""
-        sends = []
-        with self.shared.lock, self.outer_state.lock:
-            for k, p in self.params.items():
-                update = (p.detach().to("cpu", torch.float32) - self.start[k]).numpy()
-                q = send_with_feedback(self.momentum[k].numpy().reshape(-1), update, decay=self.decay)
-                sends.append(q.reshape(self.slow[k].shape))
-        self.rounds += 1
-        n = self.swarm.push_update(self.group_name, sends, self.rounds)  # type: ignore[attr-defined]
-        with self.shared.lock, self.outer_state.lock:
-            for (k, t), q in zip(self.slow.items(), sends):
-                if n is None:
-                    self.momentum[k].view(-1).add_(torch.from_numpy(q).view(-1))  # not sent: still owed
-                else:
-                    t.add_(torch.from_numpy(q), alpha=self.outer_lr / n)
-        if n is None:
+        """SparseLoCo's round end, overlapped: the round's update is handed to a worker thread, which puts it
+        through the error feedback, has the daemon push it to every partner, and adds outer_lr / n of it to
+        the outer weights as every partner does (the module docstring); the next round starts at once, from
+        the outer weights as they are (our own update lands in them one round stale, as the partners' do).
+        A round that ends while the last one's update is still being sent takes no outer step: it keeps
+        training from where it is, and the next round's update holds both. A dense q8 averaging every
+        `resync_every` rounds."""
+        self._raise_from_sender()
+        if self._sender is not None and self._sender.is_alive():
             self.skipped += 1
-        else:
-            self.pushed += 1
+            self._carried = True  # the model holds a round not yet sent
+            return
+        self._carried = False
+        with torch.no_grad(), self.shared.lock:
+            updates = {k: p.detach().to("cpu", torch.float32, copy=True).sub_(self.start[k])
+                       for k, p in self.params.items()}
+        self.rounds += 1
+        self._sender = threading.Thread(target=self._send_round, args=(updates, self.rounds),
+                                        name="peertrain-sparse-round", daemon=True)
+        self._sender.start()
+        if not self.background:
+            self.wait_for_round()
         if self.resync_every and self.rounds % self.resync_every == 0:
             self.swarm.average_in_background(self.group_name, mode=self.mode)
         self.restart_round()
 
+    @torch.no_grad()
+    def _send_round(self, updates: dict[str, torch.Tensor], round: int) -> None:
+        """The worker's part of a sparse round (see `_sparse_outer_step`). A push not started gives its send
+        back to the feedback: nothing is lost. An error is raised in the trainer's thread at its next round."""
+        try:
+            sends = []
+            with self.outer_state.lock:  # the feedback is this thread's while it encodes
+                for k, u in updates.items():
+                    q, encoded = encode_with_feedback(self.momentum[k].numpy().reshape(-1), u.numpy(),
+                                                      decay=self.decay, name=k, shape=tuple(u.shape))
+                    sends.append((k, q, encoded))
+            norm = sum(float(np.dot(q, q)) for _, q, _ in sends) ** 0.5
+            n = self.swarm.push_update(self.group_name, [e for _, _, e in sends], norm=norm,  # type: ignore[attr-defined]
+                                       round=round)
+            with self.shared.lock, self.outer_state.lock:
+                for k, q, _ in sends:
+                    if n is None:
+                        self.momentum[k].view(-1).add_(torch.from_numpy(q))  # not sent: still owed
+                    else:
+                        self.slow[k].view(-1).add_(torch.from_numpy(q), alpha=self.outer_lr / n)
+            if n is None:
+                self.skipped += 1
+            else:
+                self.pushed += 1
+        except BaseException as exc:  # the trainer's thread raises it (a daemon thread's would vanish)
+            self._sender_error = exc
+
+    def wait_for_round(self) -> None:
+        """Wait until the last sparse round's update is sent and applied (settling, a synchronous round)."""
+        if self._sender is not None:
+            self._sender.join()
+        self._raise_from_sender()
+
+    def _raise_from_sender(self) -> None:
+        error, self._sender_error = self._sender_error, None
+        if error is not None:
+            raise RuntimeError(f"the last sparse round failed: {type(error).__name__}: {error}") from error
+
     def _before_settling(self) -> None:
-        if self.local_step % self.inner_steps:
-            self.outer_step()  # close the round we are in
+        self.wait_for_round()
+        if self.local_step % self.inner_steps or self._carried:
+            self.outer_step()  # close the round we are in (sparse: also one whose update could not go yet)
+            self.wait_for_round()
 
     def _after_settling(self) -> None:
         self.restart_round()  # the model leaves with the settled outer weights

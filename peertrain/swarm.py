@@ -175,9 +175,9 @@ class HostedSwarm(Swarm, Protocol):
     """What a job hosted by the daemon gets beyond `Swarm`: pipeline stages, the daemon's requests, and pushed
     updates (the sparse outer exchange: `share(..., push_lr=)` takes partners' pushes into a group)."""
 
-    def push_update(self, group: str, values: list[Any], round: int = 0) -> int | None:
-        """Send a round's sparse update of `group` to every partner (peer/averaging/pushes.py): the peers it
-        counts among, or None if not started (the previous push still runs)."""
+    def push_update(self, group: str, encoded: list[Any], *, norm: float, round: int = 0) -> int | None:
+        """Send a round's sparse update of `group` (encoded once: protocol.tensor_encoder.EncodedTensor) to every
+        partner (peer/averaging/pushes.py): the peers it counts among, or None if not started."""
         ...
 
     def serve_stage(self, key: PipelineKey, stage: int, max_batch: int, handler: StageHandler, *,

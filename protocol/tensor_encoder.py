@@ -17,7 +17,7 @@ from protocol.schema.tensor import TensorHeader
 from protocol.tensor_codec import (CONVERT_STEP, DTYPES, U32, bf16_to_f32, body_spec, codec_params,
                                    is_torch_tensor, pack_codes, quantize, sparsify, to_float16, torch_module)
 
-__all__ = ["TensorEncoder"]
+__all__ = ["EncodedTensor", "TensorEncoder"]
 
 
 def _flatten(tensor: Any) -> tuple[np.ndarray, str, list[int], Any]:
@@ -118,6 +118,12 @@ class TensorEncoder:
         else:
             yield from self._q8_chunks()
 
+    def encoded(self) -> "EncodedTensor":
+        """This tensor's body encoded once, to send as often as wanted: a sparse update pushed to every partner
+        costs one encoding, not one per partner (peer/averaging/pushes.py)."""
+        body = np.frombuffer(b"".join(bytes(c) for c in self.chunks()), dtype=np.uint8)
+        return EncodedTensor(self.name, self.dtype, list(self.shape), self.codec, self.block, self.topk, body)
+
     def _as_float(self, start: int, stop: int) -> np.ndarray:
         part = self._flat[start:stop]
         return bf16_to_f32(part) if self.dtype == "bfloat16" else part
@@ -148,3 +154,24 @@ class TensorEncoder:
             return
         for part in (np.concatenate(idx), pack_codes(np.concatenate(codes)), np.concatenate(scales)):
             yield from _split(part.view(np.uint8).data, self.chunk_size)
+
+
+class EncodedTensor:
+    """A tensor's header fields and its whole body, already encoded (`TensorEncoder.encoded`): `header` and
+    `chunks` as an encoder's, so a session sends it the same way, without encoding it again."""
+
+    def __init__(self, name: str, dtype: str, shape: list[int], codec: str, block: int, topk: int, body: np.ndarray):
+        if body.nbytes != body_spec(dtype, shape, codec, block, topk)[1]:
+            raise ValueError(f"an encoded body of {body.nbytes} bytes for a {codec} {dtype}{shape} tensor")
+        self.name, self.dtype, self.shape, self.codec, self.block, self.topk = name, dtype, shape, codec, block, topk
+        self.nbytes = body.nbytes
+        self._body = body
+
+    def header(self, stream: int) -> TensorHeader:
+        if type(stream) is not int or not 0 <= stream < U32:
+            raise ValueError(f"stream must be a u32, got {stream!r}")
+        return TensorHeader(stream=stream, name=self.name, dtype=self.dtype, shape=list(self.shape), codec=self.codec,
+                            nbytes=self.nbytes, block=self.block, topk=self.topk)
+
+    def chunks(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterator[memoryview]:
+        yield from _split(self._body.data, chunk_size)

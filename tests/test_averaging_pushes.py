@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import peertrain
-from peer.averaging.push_gate import PUSH_BURST, PUSH_NORM_BOUND, PUSH_RATE, PushGate
+from peer.averaging.push_gate import PUSH_BURST, PUSH_NORM_BOUND, PUSH_RATE, PUSH_STRIKE_RATIO, PushGate
 from peer.averaging.shared import SharedTensors
 from peer.averaging.sparse_updates import EF_DECAY, OUTER_LR
 from peer.averaging.edge_copies import sparse_roundtrip
@@ -21,6 +21,7 @@ from protocol.messages import Registry
 from protocol.refusal import Code
 from protocol.schema import MESSAGES
 from protocol.schema.gossip import UpdatePush, UpdateTaken
+from protocol.tensor_decoder import TensorDecoder
 from tests.test_local_steps import Recorder
 
 
@@ -40,10 +41,19 @@ def test_a_push_past_a_few_of_our_own_is_scaled_down_to_the_bound_and_a_non_fini
     gate = PushGate()
     gate.pushed(2.0, now=0.0)
     assert gate.scale(2.0 * PUSH_NORM_BOUND) == 1.0
-    assert gate.scale(20.0 * PUSH_NORM_BOUND) == pytest.approx(0.1)
+    assert gate.scale(5.0 * PUSH_NORM_BOUND) == pytest.approx(0.4)
+    assert gate.scale(2.0 * PUSH_STRIKE_RATIO * 1.01) == 0.0  # evidence: none of it
     assert gate.scale(float("inf")) == 0.0 and gate.scale(float("nan")) == 0.0
     gate.pushed(float("nan"), now=1.0)  # a round whose norm is not a number does not replace the yardstick
     assert gate.own_norm == 2.0
+
+
+def test_a_push_far_past_our_own_is_evidence_against_its_sender():
+    gate = PushGate()
+    assert gate.evidence(1e9) is None  # no yardstick yet (and no push is taken then)
+    gate.pushed(1.0, now=0.0)
+    assert gate.evidence(10.0) is None and gate.evidence(PUSH_STRIKE_RATIO * 1.01) is not None
+    assert gate.evidence(float("nan")) is not None
 
 
 def test_a_sender_pushes_at_most_its_rate_per_round_of_ours_after_a_burst():
@@ -107,13 +117,21 @@ class Pusher(Recorder):
         group.push_lr = push_lr
         return group
 
-    def push_update(self, group, values, round=0):
-        self.pushes.append([np.array(v) for v in values])
+    def push_update(self, group, encoded, *, norm, round=0):
+        self.pushes.append([_decoded(e) for e in encoded])
+        assert norm == pytest.approx(sum(float((q ** 2).sum()) for q in self.pushes[-1]) ** 0.5, rel=1e-5)
         return self.n if self.started else None
 
     def average_in_background(self, group, *, mode="one"):
         self.averaged.append(group)
         return True
+
+
+def _decoded(encoded) -> np.ndarray:
+    decoder = TensorDecoder(encoded.header(0), DEFAULT_LIMITS)
+    for chunk in encoded.chunks():
+        decoder.write(chunk)
+    return np.asarray(decoder.finish().array)
 
 
 def _round(swarm, *, inner_steps=2, **kw):
@@ -127,6 +145,7 @@ def _round(swarm, *, inner_steps=2, **kw):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+    opt.wait_for_round()
     return opt, w0, model
 
 
@@ -137,11 +156,13 @@ def test_a_sparse_round_pushes_what_the_feedback_keeps_and_adds_its_own_share():
     assert swarm.groups["model"].codec == "q8"  # the dense re-synchronisation's
     (q,), = swarm.pushes
     assert np.count_nonzero(q) <= 2 * 64  # 64 of every 4096 values a row
-    update = opt.start["p0"] - w0  # restart_round: start is the outer weights now
+    update = opt.slow["p0"] - w0  # our own share, added by the worker
     assert torch.allclose(update, torch.from_numpy(q) * OUTER_LR / 4)
     error = opt.momentum["p0"].numpy()  # what the push left out, kept for later rounds
     assert np.count_nonzero(error) > 8000 and np.allclose(np.count_nonzero(q + error), 8192)
-    assert torch.equal(model.weight.detach(), opt.slow["p0"])
+    # overlapped: the next round began at once from the outer weights as they were; it takes our update (and
+    # the partners') at its end, one round stale
+    assert torch.equal(model.weight.detach(), w0) and torch.equal(opt.start["p0"], w0)
     assert opt.pushed == 1 and opt.skipped == 0
 
 
@@ -185,3 +206,28 @@ def test_the_feedback_decays_what_earlier_rounds_left_out():
     q2 = send_with_feedback(error, np.zeros(4096, dtype=np.float32))
     assert np.allclose(q2 + error, EF_DECAY * left, atol=1e-6)
     assert np.array_equal(q1, sparse_roundtrip(u))
+
+
+def test_a_round_that_ends_while_the_last_is_still_sent_keeps_training_and_settling_sends_it():
+    release = threading.Event()
+
+    class Slow(Pusher):
+        def push_update(self, group, encoded, *, norm, round=0):
+            release.wait(10)
+            return super().push_update(group, encoded, norm=norm, round=round)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4096, 2, bias=False)
+    swarm = Slow()
+    opt = peertrain.LocalStepsOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), swarm, inner_steps=1,
+                                        codec="sparse")
+    x, y = torch.randn(16, 4096), torch.randn(16, 2)
+    for _ in range(2):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert opt.rounds == 1 and opt.skipped == 1  # the second round's update waits in the model, not restarted
+    assert not torch.equal(model.weight.detach(), opt.start["p0"])
+    release.set()
+    opt.settle(rounds=0)
+    assert opt.pushed == 2 and len(swarm.pushes) == 2  # settling sent the kept round

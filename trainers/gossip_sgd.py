@@ -151,7 +151,8 @@ def run(swarm, options: dict) -> dict:
         raise ValueError(f"[trainer.options] outer_codec: expected one of {', '.join(DENSE_CODECS)}, {SPARSE}, "
                          f"got {o.outer_codec!r}")
     if o.outer_resync_every < 0:
-        raise ValueError(f"[trainer.options] outer_resync_every: expected an integer >= 0, got {o.outer_resync_every!r}")
+        raise ValueError(f"[trainer.options] outer_resync_every: expected an integer >= 0, "
+                         f"got {o.outer_resync_every!r}")
     if o.outer_averaging not in OUTER_MODES:
         raise ValueError(f"[trainer.options] outer_averaging: expected one of {', '.join(OUTER_MODES)}, "
                          f"got {o.outer_averaging!r}")

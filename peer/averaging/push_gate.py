@@ -14,8 +14,11 @@ What a partner may make us add is measured against what we ourselves did, never 
 * **Before our first push** we have no yardstick: pushes are refused (`TOO_SOON`) until we made one. An honest
   early push is lost to its receivers; the dense re-synchronisation (peertrain/outer.py) brings it back.
 
-The cheapest attack is a key that pushes at the bound as often as the bucket lets it: 4.5 of our round's
-move per round, per key. Only partners may push (neighbours, whose number the degree caps), so k Sybil
+* **Evidence.** A push past PUSH_STRIKE_RATIO times our own is a strike against its sender (bans.py), and
+  none of it is added: a liar that pushes far out moves no one and is banned, then refused.
+
+The cheapest attack is a key that pushes just inside the bound as often as the bucket lets it: 4.5 of our
+round's move per round, per key, and never struck. Only partners may push (neighbours, whose number the degree caps), so k Sybil
 neighbours reach 4.5k.
 """
 
@@ -30,6 +33,8 @@ from protocol.refusal import Code, Refusal
 
 PUSH_NORM_BOUND = 3.0  # a push may be this many times our own last push's norm: honest rounds differ by less
 #                        than 2x (the same model, steps and rate); 3 leaves room for a faster peer's longer round
+PUSH_STRIKE_RATIO = 20.0  # a push this many times our own last one is evidence, not noise: a strike (bans.py). Honest
+#                           rounds shrink as training goes, but by 2-5x between a laggard's round and ours, not 20x
 PUSH_RATE = 1.5  # pushes a sender may make per our own round: a peer half again our speed gets every one through
 PUSH_BURST = 3.0  # ... and a few at once: rounds jitter (an evaluation, a checkpoint), and pushes wait out a busy link
 
@@ -63,9 +68,18 @@ class PushGate:
                            f"({self.own_round_s or 0.0:.1f} s), {PUSH_BURST:g} at once")
         return None
 
+    def evidence(self, norm: float) -> str | None:
+        """Why a push of this norm is evidence against its sender (a strike), or None."""
+        if self.own_norm is None:
+            return None
+        if not math.isfinite(norm) or norm > PUSH_STRIKE_RATIO * self.own_norm:
+            return f"pushed an update {norm:.3g} long, past {PUSH_STRIKE_RATIO:g}x our own ({self.own_norm:.3g})"
+        return None
+
     def scale(self, norm: float) -> float:
-        """The factor a push of this norm is added with: 1, less past the bound, 0 if not finite."""
-        if not math.isfinite(norm) or self.own_norm is None:
+        """The factor a push of this norm is added with: 1, less past the bound, 0 if it is evidence (not finite,
+        or past PUSH_STRIKE_RATIO: no honest push, so none of it is taken)."""
+        if self.own_norm is None or self.evidence(norm) is not None:
             return 0.0
         bound = PUSH_NORM_BOUND * self.own_norm
         return 1.0 if norm <= bound else bound / norm

@@ -39,6 +39,7 @@ from protocol.errors import ProtocolError
 from protocol.refusal import TRY_LATER, Code, Refusal
 from protocol.schema.gossip import UpdatePush, UpdateTaken
 from protocol.schema.session import ErrorReply
+from protocol.tensor_encoder import EncodedTensor
 
 log = logging.getLogger("peertrain.gossip")
 
@@ -79,22 +80,31 @@ class UpdatePushes:
 
     # ---- ours -----------------------------------------------------------------------------------------
     def start(self, group_name: str, values: list[Any], round: int = 0, *, norm: float | None = None) -> int | None:
-        """Push `values` (one array per tensor of the group, the update as the wire's sparse codec decodes it)
-        to every partner of the group, in the background: the number of peers the update counts among (the
-        partners and us), or None if it was not started (a push of this group is still in flight, the group is
-        not shared, or the daemon is stopping). `norm`: the update's, if the caller took it (then the bound on
-        partners' pushes holds from now, not from when a worker thread has taken it). On the daemon's thread."""
+        """Push `values` (one per tensor of the group: arrays, sent in the sparse codec, or EncodedTensors already
+        in it, sent as they are) to every partner of the group, in the background: the number of peers the
+        update counts among (the partners and us), or None if it was not started (a push of this group is still
+        in flight, the group is not shared, or the daemon is stopping). `norm`: the update's as decoded (needed
+        for EncodedTensors; else taken in a worker thread), our yardstick for partners' pushes from now on.
+        On the daemon's thread."""
         group = self.groups.get(group_name)
         if group is None or group_name in self.sending or self._nursery is None:
             return None
         if len(values) != len(group.specs):
             raise ValueError(f"{len(values)} tensors pushed for group {group_name!r} of {len(group.specs)}")
-        partners = self.holders(group_name)
+        if norm is None and any(isinstance(v, EncodedTensor) for v in values):
+            raise ValueError("encoded tensors pushed without their norm")
+        partners = self.recipients(group_name)
         self.sending.add(group_name)
         if norm is not None:
             self.gates.setdefault(group_name, PushGate()).pushed(norm, trio.current_time())
         self._nursery.start_soon(self._push_all, group, partners, values, round, norm is None)
         return len(partners) + 1
+
+    def recipients(self, group: str) -> list[str]:
+        """The partners a push of `group` goes to, and n - 1 for the factor outer_lr / n every push is added with:
+        those holding the group, less the ones we banned (a liar we caught neither gets our updates nor dilutes
+        everyone's share)."""
+        return [p for p in self.holders(group) if self.ledger.banned(p) is None]
 
     async def _push_all(self, group: SharedTensors, partners: list[str], values: list[Any], round: int,
                         measure: bool) -> None:
@@ -195,11 +205,13 @@ class UpdatePushes:
             gate = self.gates.setdefault(group.name, PushGate())
             norm = await trio.to_thread.run_sync(norms.sum_sq, values) ** 0.5
             scale = gate.scale(norm)
+            if (why := gate.evidence(norm)) is not None:
+                self.ledger.struck(session.peer_id, why)
             if scale < 1.0:
                 self.counts["clipped"] += 1
                 log.info("update of %s from %s clipped x%.3g (norm %.3g, ours %.3g)", group.name, session.short,
                          scale, norm, gate.own_norm or 0.0)
-            n = len(self.holders(group.name)) + 1
+            n = len(self.recipients(group.name)) + 1
             assert group.push_lr is not None
             if scale > 0.0:
                 await trio.to_thread.run_sync(group.add_scaled, group.push_lr / n * scale, values)

@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from peer.averaging.edge_copies import SPARSE_BLOCK, SPARSE_TOPK, sparse_roundtrip
+from peer.averaging.edge_copies import SPARSE_BLOCK, SPARSE_TOPK
+from protocol.limits import DEFAULT_LIMITS
+from protocol.tensor_decoder import TensorDecoder
+from protocol.tensor_encoder import EncodedTensor, TensorEncoder
 
 # Measured (docs/benchmarks.md, 2026-11-29, eleventh session: `python -m peer.testing.sparse_mixing_sim`, four
 # replicas of a 0.4 M-parameter char transformer, 60 rounds of 10 Adam steps, 64 of 4096 entries): with decay 1
@@ -62,8 +65,15 @@ class UpdateFeedback:
 
 def send_with_feedback(error: np.ndarray, update: np.ndarray, *, decay: float = EF_DECAY,
                        topk: int = SPARSE_TOPK) -> np.ndarray:
-    """`UpdateFeedback.send` on an accumulator the caller holds (flat float32, changed in place): a trainer
-    keeps one per tensor, in the memory of its checkpointed state (peertrain/outer.py)."""
+    """`UpdateFeedback.send` on an accumulator the caller holds (flat float32, changed in place)."""
+    return encode_with_feedback(error, update, decay=decay, topk=topk)[0]
+
+
+def encode_with_feedback(error: np.ndarray, update: np.ndarray, *, decay: float = EF_DECAY, topk: int = SPARSE_TOPK,
+                         name: str = "q", shape: tuple[int, ...] | None = None) -> tuple[np.ndarray, EncodedTensor]:
+    """`send_with_feedback`, and the send encoded once for the wire (tensor `name` of `shape`, default flat): what
+    a trainer hands its daemon to push to every partner (peer/averaging/pushes.py), which then encodes nothing.
+    The accumulator is the caller's (a trainer keeps one per tensor, in its checkpointed state)."""
     u = np.asarray(update, dtype=np.float32).reshape(-1)
     if u.shape != error.shape:
         raise ValueError(f"update of {u.size} values for a group of {error.size}")
@@ -71,9 +81,13 @@ def send_with_feedback(error: np.ndarray, update: np.ndarray, *, decay: float = 
         raise ValueError(f"update: {int((~np.isfinite(u)).sum())} of {u.size} values are NaN or infinite")
     error *= np.float32(decay)
     error += u
-    q = sparse_roundtrip(error, topk=topk)
+    encoded = TensorEncoder(name, error.reshape(shape or error.shape), codec="sparse", topk=topk).encoded()
+    decoder = TensorDecoder(encoded.header(0), DEFAULT_LIMITS)
+    for chunk in encoded.chunks():
+        decoder.write(chunk)
+    q = np.asarray(decoder.finish().array, dtype=np.float32).reshape(-1)
     error -= q
-    return q
+    return q, encoded
 
 
 def outer_step(reference: np.ndarray, received: Mapping[str, np.ndarray], *, outer_lr: float = OUTER_LR) -> np.ndarray:

@@ -16,6 +16,7 @@ the small model (null unless both ran there).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ from peer.bench.hosts import Net, run_root
 from peer.bench.train_allreduce import run_allreduce, summarise_allreduce
 from peer.bench.train_gossip import run_gossip, summarise_gossip
 from peer.bench.train_plan import Plan
-from peer.bench.wan_figures import (WAN_MODES, choose_link_mbit, exchange_s, loss_vs_tokens, mode_figures,
+from peer.bench.wan_figures import (SPARSE_MODE, WAN_MODES, choose_link_mbit, exchange_s, loss_vs_tokens, mode_figures,
                                     per_peer_allreduce, per_peer_gossip, wan_figures)
 from peer.testing.netns import netns_available, virtual_lan
 from peer.testing.process import module_json
@@ -115,6 +116,8 @@ def run_mode(mode: str, part: Part, a, net: Net, root: Path, plan: Plan) -> tupl
             summary["loss_curve"] = loss_vs_tokens([raw.get("test_loss_curve") or []],
                                                    part.batch * part.block() * a.n)
             return summary, per_peer_allreduce(raw)
+        if mode == SPARSE_MODE:  # every update to everyone: each peer pushes to its neighbours, so all of them
+            plan = dataclasses.replace(plan, topology={"kind": "full"})
         raw = run_gossip(mode, ra, net, d, plan, options=plan.options, delays={},
                          wait_for_peers=list(range(a.n)), target=part.target)
         summary = summarise_gossip(raw, a.n)

@@ -35,7 +35,7 @@ from protocol.limits import DEFAULT_CHUNK_SIZE, WireLimits
 from protocol.messages import Envelope, Registry
 from protocol.schema import DEFAULT_REGISTRY, Ping, Pong, TensorCancel, TensorHeader
 from protocol.tensor_decoder import DecodedTensor
-from protocol.tensor_encoder import TensorEncoder
+from protocol.tensor_encoder import EncodedTensor, TensorEncoder
 
 log = logging.getLogger("peertrain.transport")
 
@@ -240,10 +240,17 @@ class Session:
         is told (`TensorCancel`), so it does not keep half a tensor or wait out its own deadline for the rest.
         """
         stream = self.new_stream_id() if stream is None else stream
-        encoder = TensorEncoder(name, tensor, codec=codec, chunk_size=self.cfg.chunk_bytes)
+        if isinstance(tensor, EncodedTensor):  # encoded once by the caller, in its own codec: sent as it is
+            if tensor.name != name:
+                raise ValueError(f"an encoded tensor named {tensor.name!r} sent as {name!r}")
+            source: EncodedTensor | TensorEncoder = tensor
+            chunks = tensor.chunks(self.cfg.chunk_bytes)
+        else:
+            source = TensorEncoder(name, tensor, codec=codec, chunk_size=self.cfg.chunk_bytes)
+            chunks = source.chunks()
         try:
-            await self.send_message(encoder.header(stream))
-            for chunk in encoder.chunks():
+            await self.send_message(source.header(stream))
+            for chunk in chunks:
                 await self._send_frame(KIND_CHUNK, stream, chunk)
         except BaseException as exc:  # cut short (even inside the header): tell the receiver
             await self.call_off([stream], type(exc).__name__)
