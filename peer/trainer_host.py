@@ -108,7 +108,7 @@ class TrainerSwarm:
     def download(self, group: str, *, min_step: int = 1) -> int | None:
         """Replace `group`'s tensors with a partner's if that partner is at step `min_step` or later (a peer
         joining a swarm that already trains); that step, or None."""
-        got = self.fetch_params(group)
+        got = self._call(self._host.gossip.fetch_from_partners, group, min_step)  # partners behind it refuse
         if got is None or got[1] < min_step:
             return None
         self._host.gossip.groups[group].load(got[0])

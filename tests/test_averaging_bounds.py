@@ -311,7 +311,7 @@ def test_a_joining_download_asks_past_busy_partners_without_using_up_its_tries(m
         d = download.Downloads(None, groups={"g": _Trained()}, slots=ServingSlots(1), ledger=Ledger(),
                                may_download=lambda p, g: None, holders=lambda g: list(peers), connected=dict)
 
-        async def fetch_params(group, pid):
+        async def fetch_params(group, pid, min_step=0):
             asked.append(pid)
             return answers.get(pid)
 
@@ -356,7 +356,7 @@ def test_a_model_of_zeros_takes_a_download_only_a_second_partner_confirms(monkey
                                ledger=Ledger(), may_download=lambda p, g: None, holders=lambda g: list(order),
                                connected=dict)
 
-        async def fetch_params(group, pid):
+        async def fetch_params(group, pid, min_step=0):
             return answers.get(pid)
         d.fetch_params = fetch_params
         return trio.run(d.fetch_from_partners, "g")
@@ -479,3 +479,35 @@ def test_the_ledgers_per_peer_tables_keep_only_the_peers_most_recently_touched()
         assert "steady" in s.by_peer and "steady" in s.clipped and s.struck == {"steady": 17}
         assert led.banned("steady")  # the ban list keeps its own records
     trio.run(main)
+
+
+def test_a_partner_behind_the_step_a_joiner_asks_for_refuses_before_sending_its_model():
+    """A joiner asks for a partner at `min_step` or later: one behind it says so (NO_STATE) instead of streaming a
+    model the joiner would drop (at a swarm's start every peer asks, and each was sent a whole model: 426 MB of
+    `lm_100m` per start, docs/benchmarks.md, twelfth session)."""
+    from peer.averaging.budget import ServingSlots
+    from peer.averaging.download import Downloads
+    from protocol.refusal import Code
+
+    group = SharedTensors("g", {"x": np.ones(4, dtype=np.float32)})
+    group.step = 3
+    replies = []
+
+    class Session:
+        peer_id, short = "p1", "p1"
+
+        async def reply(self, env, msg):
+            replies.append(msg)
+
+    class Env:
+        def __init__(self, min_step):
+            self.message = ParamsRequest(group="g", min_step=min_step)
+
+    class Cfg:
+        exchange_timeout, max_update_ratio = 5.0, 8.0
+
+    d = Downloads(Cfg(), groups={"g": group}, slots=ServingSlots(4), ledger=Ledger(), may_download=lambda p, g: None,
+                  holders=lambda g: ["p1"], connected=lambda: {})
+    trio.run(d.on_request, Session(), Env(4))
+    assert replies[-1].refusal().code is Code.NO_STATE and "step 3" in replies[-1].refusal().reason
+    assert d.ledger.stats.params_refused == 1 and d.slots.taken == 0

@@ -229,7 +229,7 @@ class AttachService:
                                  "seconds": r.seconds, "bytes_sent": r.bytes_sent,
                                  "code": r.code.value if r.code is not None else None} for r in results]}
         if isinstance(req, wire.Download):
-            got = await self.gossip.fetch_from_partners(req.group)
+            got = await self.gossip.fetch_from_partners(req.group, req.min_step)
             if got is None or got[1] < req.min_step or req.group not in self.gossip.groups:
                 return {"step": None}
             group = self.gossip.groups[req.group]

@@ -72,6 +72,8 @@ class Downloads:
             refusal = Refusal(Code.NO_GROUP, f"no group {env.message.group[:40]!r} here")
         else:
             refusal = self.may_download(session.peer_id, env.message.group)
+        if refusal is None and group is not None and group.step < env.message.min_step:
+            refusal = Refusal(Code.NO_STATE, f"at step {group.step}, before the {env.message.min_step} asked for")
         if refusal is None and self.slots.full():
             refusal = Refusal(Code.BUSY, "serving as many transfers as it may; ask again later")
         if refusal is not None:
@@ -102,9 +104,10 @@ class Downloads:
             if own is not None:
                 group.release(own)
 
-    async def fetch_params(self, group_name: str, peer_id: str) -> Fetched | Refusal | None:
-        """Download `peer_id`'s current tensors of a group: (values, their step), the peer's refusal, or None
-        (it has none, the transfer failed or its deadline passed, or the values are past our bound)."""
+    async def fetch_params(self, group_name: str, peer_id: str, min_step: int = 0) -> Fetched | Refusal | None:
+        """Download `peer_id`'s current tensors of a group if it has trained to `min_step`: (values, their step),
+        the peer's refusal, or None (it has none, the transfer failed or its deadline passed, or the values are
+        past our bound)."""
         group = self.groups[group_name]
         session = self.connected().get(peer_id)
         if session is None:
@@ -112,13 +115,18 @@ class Downloads:
         theirs: IncomingGroup | None = None
         try:
             with trio.fail_after(self.cfg.exchange_timeout * 2):
-                env = await session.request(ParamsRequest(group=group_name), timeout=self.cfg.exchange_timeout)
+                env = await session.request(ParamsRequest(group=group_name, min_step=min_step),
+                                            timeout=self.cfg.exchange_timeout)
                 reply = env.message
                 if isinstance(reply, ErrorReply):
                     refusal = reply.refusal()
                     log.info("%s will not send parameters: %s", session.short, refusal.reason[:200])
                     return refusal
                 if not isinstance(reply, ParamsReply) or not reply.available:
+                    return None
+                if reply.step < min_step:  # (an older peer, which does not read min_step: its tensors still come)
+                    theirs = IncomingGroup(session, reply.streams, group.specs, as_torch=group.is_torch)
+                    theirs.discard()
                     return None
                 theirs = IncomingGroup(session, reply.streams, group.specs, as_torch=group.is_torch)
                 if len(reply.streams) != len(group.specs):
@@ -141,8 +149,9 @@ class Downloads:
                 theirs.discard()
             return None
 
-    async def fetch_from_partners(self, group: str) -> Fetched | None:
-        """A joining peer's download: ask partners of `group`, in random order, for their tensors; the first
+    async def fetch_from_partners(self, group: str, min_step: int = 0) -> Fetched | None:
+        """A joining peer's download: ask partners of `group` that have trained to `min_step` (the others refuse
+        before sending a byte), in random order, for their tensors; the first
         complete answer within bounds wins (values, their step), else None. Up to DOWNLOAD_TRIES partners are
         tried; one that is only busy now (a TRY_LATER refusal) uses up no try. A model of zeros takes the first
         answer a second one agrees with; one answer alone only from its only partner."""
@@ -154,7 +163,7 @@ class Downloads:
         for pid in partners:
             if tries >= DOWNLOAD_TRIES or group not in self.groups:
                 break
-            got = await self.fetch_params(group, pid)
+            got = await self.fetch_params(group, pid, min_step)
             if isinstance(got, tuple):
                 if zeros is None:
                     zeros = await trio.to_thread.run_sync(self.groups[group].norm_sq) == 0.0

@@ -179,9 +179,10 @@ class GossipEngine:
             self.ledger.stats.failed += 1
             out.append(ExchangeResult(peer_id, False, f"internal error: {type(exc).__name__}: {exc}"))
 
-    async def fetch_from_partners(self, group: str) -> Fetched | None:
-        """A joining peer's download of `group` from a partner: (values, their step), or None (download.py)."""
-        return await self.downloads.fetch_from_partners(group)
+    async def fetch_from_partners(self, group: str, min_step: int = 0) -> Fetched | None:
+        """A joining peer's download of `group` from a partner at `min_step` or later: (values, their step), or
+        None (download.py)."""
+        return await self.downloads.fetch_from_partners(group, min_step)
 
     async def exchange(self, peer_id: str, group_name: str, *, rule: str = "pairwise") -> ExchangeResult:
         """One symmetric exchange with `peer_id`, initiated by us, bounded by the configured deadline."""

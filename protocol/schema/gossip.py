@@ -116,10 +116,12 @@ class AverageAbort(Message):
 
 @dataclass(frozen=True, slots=True)
 class ParamsRequest(Message):
-    """A joining peer asks a neighbour for its current parameters of `group`."""
+    """A joining peer asks a neighbour for its current parameters of `group`, if it has trained to `min_step`
+    (a neighbour behind it refuses rather than send a model the joiner would drop; 0: any step)."""
 
     TYPE = "params_request"
     group: str
+    min_step: int = 0
 
 
 @dataclass(frozen=True, slots=True)
