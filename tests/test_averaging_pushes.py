@@ -231,3 +231,19 @@ def test_a_round_that_ends_while_the_last_is_still_sent_keeps_training_and_settl
     release.set()
     opt.settle(rounds=0)
     assert opt.pushed == 2 and len(swarm.pushes) == 2  # settling sent the kept round
+
+
+def test_peer_status_shows_the_sparse_pushes():
+    from rich.console import Console
+
+    from peer.cli.status_view import render_status
+
+    st = {"peer_id": "a" * 52, "swarm": "s", "protocol_version": 1, "version": "0", "listen": "127.0.0.1:1",
+          "mdns": False, "ciphers": ["x"], "uptime_s": 1.0, "pid": 1, "home": "/h", "connected": 0, "peers": [],
+          "gossip": {"pushes": {"sent": 27, "not_taken": 1, "failed": 0, "taken": 24, "clipped": 2, "refused": 5}},
+          "trainer": {"trainer": "trainers.gossip_sgd", "mode": "local", "step": 200, "state": "training",
+                      "rounds": 10, "rounds_skipped": 1}}
+    console = Console(record=True, width=160)
+    console.print(render_status(st))
+    out = console.export_text()
+    assert "sparse pushes" in out and "sent 27" in out and "taken 24" in out and "clipped 2" in out

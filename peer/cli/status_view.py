@@ -176,6 +176,11 @@ def render_status(st: dict):
         t.add_row("consensus dist", f"{cd:.3e}" if cd is not None else "-")
         if tr.get("rounds") is not None:  # local steps (mode = "local"): outer rounds, and exchanges skipped as busy
             t.add_row("outer rounds", f"{tr['rounds']}   exchanges skipped {tr.get('rounds_skipped') or 0}")
+        pushes = g.get("pushes") or {}
+        if any(pushes.values()):  # outer_codec "sparse": every round's update to every partner
+            t.add_row("sparse pushes", f"sent {pushes.get('sent', 0)}  not taken {pushes.get('not_taken', 0)}  "
+                                       f"failed {pushes.get('failed', 0)}   taken {pushes.get('taken', 0)}  "
+                                       f"clipped {pushes.get('clipped', 0)}  refused {pushes.get('refused', 0)}")
         parts.append(Panel(t, title="training", box=box.ROUNDED, expand=False))
     return Group(*parts)
 
