@@ -96,6 +96,7 @@ def test_top_level_keys_and_the_sparse_figures() -> None:
         assert key in out
     assert out["exchange_to_compute_ratio"] == pytest.approx(exchange_s(P100M, 85.0) / 8.0, abs=0.01)
     assert out["bytes_ratio_vs_fp32"] == {"local_q8": 4.0, "local_sparse": 50.0}
+    assert out["bytes_ratio_vs_fp32_copy"]["local_sparse"] == pytest.approx(P100M * 4 / 8.0, rel=1e-3)
     assert out["loss_gap"] == pytest.approx(0.02)  # at the most tokens both reached
     assert out["utilization"]["local"] == 0.8 and out["utilization"]["adpsgd"] is None
     assert out["utilization"]["local_sparse"] == 0.95

@@ -150,7 +150,8 @@ def wan_figures(*, params: int | None, link_mbit: float, planned_ratio: float, b
                     "wall_per_outer_step": f.get("wall_per_outer_step"), "utilization": f.get("utilization"),
                     "loss_vs_tokens": curves.get(m) or None}
     q8 = _ratio(local.get("bytes_per_outer_step"), (big.get("local_q8") or {}).get("bytes_per_outer_step"))
-    sparse = _ratio(local.get("bytes_per_outer_step"), (big.get(SPARSE_MODE) or {}).get("bytes_per_outer_step"))
+    sparse_bytes = (big.get(SPARSE_MODE) or {}).get("bytes_per_outer_step")
+    sparse = _ratio(local.get("bytes_per_outer_step"), sparse_bytes)
     gap = loss_gap(curves.get(SPARSE_MODE), curves.get("local"))
     sparse_util = modes[SPARSE_MODE]["utilization"]
     t_local = (small.get("local") or {}).get("seconds_to_target")
@@ -161,6 +162,9 @@ def wan_figures(*, params: int | None, link_mbit: float, planned_ratio: float, b
         "h100": h100_mapping(params, ratio or planned_ratio) if params else None,
         "modes": modes,
         "bytes_ratio_vs_fp32": {"local_q8": q8, SPARSE_MODE: sparse},
+        # the same against one float32 copy of the model a round, which float32 local steps would send if the
+        # link let every round's exchange through (here it skips most: its bytes per round are the link's)
+        "bytes_ratio_vs_fp32_copy": {SPARSE_MODE: _ratio(params * FP32_BYTES if params else None, sparse_bytes)},
         "utilization": {m: (modes[m] or {}).get("utilization") for m in WAN_MODES},
         "loss_gap": gap,
         "time_to_target_vs_allreduce": _ratio(t_local, t_ar),
