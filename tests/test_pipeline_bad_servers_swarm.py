@@ -27,7 +27,10 @@ LIAR = 2
 
 
 def test_a_server_blaming_its_drivers_is_struck_and_fails_no_honest_microbatch(cluster):
-    samples = 320
+    # Long enough to outlast the liar's join: it loads stage 1's state from its honest peer while the drivers
+    # already drive, refusing calls meanwhile (not_serving), and a driver avoids it for first_ban after each. At
+    # 320 samples one CI run ended 1.5 s after the liar was ready, inside that avoidance: no call reached it.
+    samples = 960
     swarm = unique_swarm("blame")
     ds = []
     for i, s in enumerate(STAGES):
@@ -35,7 +38,7 @@ def test_a_server_blaming_its_drivers_is_struck_and_fails_no_honest_microbatch(c
         if i == LIAR:
             o.update(lying_stage.options("blame"))
         cfg = swarm_config(swarm=swarm, trainer=TRAINER, options={**TINY, **o}, topology=TOPOLOGY).replace(
-            pipeline={"verify_fraction": 0.0})
+            pipeline={"verify_fraction": 0.0, "first_ban": 0.5, "max_ban": 1.0})  # the loading liar is tried soon
         ds.append(cluster.start(f"node{i + 1}", config=cfg, env=rank_env(i, len(STAGES))))
     drivers = [d for i, d in enumerate(ds) if i != LIAR]
     cluster.wait(lambda sts: all(trainer(s).get("driving_done") for i, s in enumerate(sts) if i != LIAR),
