@@ -52,6 +52,14 @@ def _split(view: memoryview, size: int) -> Iterator[memoryview]:
         yield view[offset : offset + size]
 
 
+def _header(tensor: "TensorEncoder | EncodedTensor", stream: int) -> TensorHeader:
+    """The message announcing `tensor`'s body on chunk stream `stream` (an encoder's or an encoded body's)."""
+    if type(stream) is not int or not 0 <= stream < U32:
+        raise ValueError(f"stream must be a u32, got {stream!r}")
+    return TensorHeader(stream=stream, name=tensor.name, dtype=tensor.dtype, shape=list(tensor.shape),
+                        codec=tensor.codec, nbytes=tensor.nbytes, block=tensor.block, topk=tensor.topk)
+
+
 class TensorEncoder:
     """Turns one tensor into a `TensorHeader` and the chunks of its body.
 
@@ -91,18 +99,7 @@ class TensorEncoder:
 
     def header(self, stream: int) -> TensorHeader:
         """The message announcing this tensor's body on chunk stream `stream`."""
-        if type(stream) is not int or not 0 <= stream < U32:
-            raise ValueError(f"stream must be a u32, got {stream!r}")
-        return TensorHeader(
-            stream=stream,
-            name=self.name,
-            dtype=self.dtype,
-            shape=list(self.shape),
-            codec=self.codec,
-            nbytes=self.nbytes,
-            block=self.block,
-            topk=self.topk,
-        )
+        return _header(self, stream)
 
     def chunks(self) -> Iterator[memoryview]:
         """The body, in pieces of at most `chunk_size` bytes."""
@@ -168,10 +165,7 @@ class EncodedTensor:
         self._body = body
 
     def header(self, stream: int) -> TensorHeader:
-        if type(stream) is not int or not 0 <= stream < U32:
-            raise ValueError(f"stream must be a u32, got {stream!r}")
-        return TensorHeader(stream=stream, name=self.name, dtype=self.dtype, shape=list(self.shape), codec=self.codec,
-                            nbytes=self.nbytes, block=self.block, topk=self.topk)
+        return _header(self, stream)
 
     def chunks(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterator[memoryview]:
         yield from _split(self._body.data, chunk_size)

@@ -125,8 +125,7 @@ class Downloads:
                 if not isinstance(reply, ParamsReply) or not reply.available:
                     return None
                 if reply.step < min_step:  # (an older peer, which does not read min_step: its tensors still come)
-                    theirs = IncomingGroup(session, reply.streams, group.specs, as_torch=group.is_torch)
-                    theirs.discard()
+                    session.discard(reply.streams)
                     return None
                 theirs = IncomingGroup(session, reply.streams, group.specs, as_torch=group.is_torch)
                 if len(reply.streams) != len(group.specs):

@@ -13,13 +13,12 @@ What a partner may make us add is measured against what we ourselves did, never 
   PUSH_NORM_BOUND x PUSH_RATE of our own round's move per round, after a burst.
 * **Before our first push** we have no yardstick: pushes are refused (`TOO_SOON`) until we made one. An honest
   early push is lost to its receivers; the dense re-synchronisation (peertrain/outer.py) brings it back.
-
 * **Evidence.** A push past PUSH_STRIKE_RATIO times our own is a strike against its sender (bans.py), and
   none of it is added: a liar that pushes far out moves no one and is banned, then refused.
 
 The cheapest attack is a key that pushes just inside the bound as often as the bucket lets it: 4.5 of our
-round's move per round, per key, and never struck. Only partners may push (neighbours, whose number the degree caps), so k Sybil
-neighbours reach 4.5k.
+round's move per round, per key, and never struck. Only partners may push (neighbours, whose number the degree
+caps), so k Sybil neighbours reach 4.5k.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ PUSH_BURST = 3.0  # ... and a few at once: rounds jitter (an evaluation, a check
 
 @dataclass
 class PushGate:
-    """One group's record of our own pushes and of when each partner last pushed to us."""
+    """One group's record of our own pushes, and each partner's token bucket for its pushes to us."""
 
     own_norm: float | None = None  # ||our last push|| (None: we have not pushed yet)
     own_at: float | None = None  # when we last pushed

@@ -1,16 +1,17 @@
 """Every update to everyone: a round's sparse update pushed to each partner, and partners' pushes added to ours.
 
 The sparse outer exchange (issue 41; design.md, "Sparse updates"). At a round's end the trainer forms its
-update with error feedback (peer/averaging/sparse_updates.py: what the wire's sparse codec keeps of it, the
-rest carried to later rounds), adds outer_lr / n of it to its own outer weights, and hands it to `start`,
-which sends it to every partner of the group at once, codec "sparse" (1/108 of float32's bytes). Each partner
+update with error feedback and encodes it once (peer/averaging/sparse_updates.py: what the wire's sparse
+codec keeps of it, the rest carried to later rounds) and hands it to `start`, which sends the same bytes to
+every partner of the group at once (1/108 of float32's); the trainer adds outer_lr / n of it to its own
+outer weights. Each partner
 adds outer_lr / n of what it decodes to its own outer weights, whenever it arrives: additions commute, so
 peers that took the same pushes hold the same weights, in any order. n is the group's size as each peer sees
 it (its partners and itself).
 
 Nothing is sent back and no pair's sum is kept (each peer applies the others' updates, not an exchange), so the
 bound on what a push may do is the receiver's alone (peer/averaging/push_gate.py: a few times the norm of our
-own last push, at most twice a round per sender). A push that is lost (refused, a deadline, a peer that left)
+own last push, 1.5 pushes per our round per sender). A push that is lost (refused, a deadline, a peer that left)
 leaves the replicas apart by it; the trainer's periodic dense exchange of the outer weights (pairwise, as in
 every other mode) pulls them back together.
 
@@ -79,25 +80,21 @@ class UpdatePushes:
         self.gates.pop(group, None)
 
     # ---- ours -----------------------------------------------------------------------------------------
-    def start(self, group_name: str, values: list[Any], round: int = 0, *, norm: float | None = None) -> int | None:
-        """Push `values` (one per tensor of the group: arrays, sent in the sparse codec, or EncodedTensors already
-        in it, sent as they are) to every partner of the group, in the background: the number of peers the
-        update counts among (the partners and us), or None if it was not started (a push of this group is still
-        in flight, the group is not shared, or the daemon is stopping). `norm`: the update's as decoded (needed
-        for EncodedTensors; else taken in a worker thread), our yardstick for partners' pushes from now on.
-        On the daemon's thread."""
+    def start(self, group_name: str, encoded: list[EncodedTensor], round: int = 0, *, norm: float) -> int | None:
+        """Push `encoded` (one per tensor of the group, in the sparse codec, sent as it is) to every partner of the
+        group, in the background: the number of peers the update counts among (the partners and us), or None if
+        it was not started (a push of this group is still in flight, the group is not shared, or the daemon is
+        stopping). `norm`: the update's as decoded, our yardstick for partners' pushes from now on. On the
+        daemon's thread."""
         group = self.groups.get(group_name)
         if group is None or group_name in self.sending or self._nursery is None:
             return None
-        if len(values) != len(group.specs):
-            raise ValueError(f"{len(values)} tensors pushed for group {group_name!r} of {len(group.specs)}")
-        if norm is None and any(isinstance(v, EncodedTensor) for v in values):
-            raise ValueError("encoded tensors pushed without their norm")
+        if len(encoded) != len(group.specs):
+            raise ValueError(f"{len(encoded)} tensors pushed for group {group_name!r} of {len(group.specs)}")
         partners = self.recipients(group_name)
         self.sending.add(group_name)
-        if norm is not None:
-            self.gates.setdefault(group_name, PushGate()).pushed(norm, trio.current_time())
-        self._nursery.start_soon(self._push_all, group, partners, values, round, norm is None)
+        self.gates.setdefault(group_name, PushGate()).pushed(norm, trio.current_time())
+        self._nursery.start_soon(self._push_all, group, partners, encoded, round)
         return len(partners) + 1
 
     def recipients(self, group: str) -> list[str]:
@@ -106,12 +103,9 @@ class UpdatePushes:
         everyone's share)."""
         return [p for p in self.holders(group) if self.ledger.banned(p) is None]
 
-    async def _push_all(self, group: SharedTensors, partners: list[str], values: list[Any], round: int,
-                        measure: bool) -> None:
+    async def _push_all(self, group: SharedTensors, partners: list[str], values: list[EncodedTensor],
+                        round: int) -> None:
         try:
-            if measure:
-                norm = await trio.to_thread.run_sync(norms.sum_sq, values) ** 0.5
-                self.gates.setdefault(group.name, PushGate()).pushed(norm, trio.current_time())
             async with trio.open_nursery() as n:
                 for peer_id in partners:
                     n.start_soon(self._push_one, group, peer_id, values, round)

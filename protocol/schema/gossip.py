@@ -6,12 +6,6 @@ An exchange between i (initiator) and j:
          follow, in the offer's `codec`) | AverageReject (a refusal: code and reason, protocol/refusal.py)
   i → j  AverageCommit (i received everything and applied; j applies on receipt)
        | AverageAbort (i gave up after its offer went out; j applies nothing, stops waiting)
-A round's update pushed to every partner (local steps with the sparse outer exchange, issue 41):
-  i → j  UpdatePush (request; i's sparse update follows on `streams`, one tensor per spec of the group)
-  j → i  UpdateTaken (reply: j added it, scaled by `scale` <= 1 where it was past j's bound) | ErrorReply
-j adds outer_lr/n x the update to its own copy of the group; nothing is sent back, and no sum is kept
-between the two: every peer applies every peer's update (peer/averaging/pushes.py).
-
 Both apply x += w * s * (x_other_snapshot - x_own_snapshot) with the same w and the same clip s <= 1, so
 the swarm sum is unchanged; s comes from the smaller of the two `radius` values (the offer's and the
 accept's) and the snapshots' distance (peer/averaging/bounds.py).
@@ -19,6 +13,12 @@ accept's) and the snapshots' distance (peer/averaging/bounds.py).
 The weight is the smaller of what each side allows under the offer's `rule` ("pairwise": a fixed
 share, 1/3 in peer/averaging/weights.py; "metropolis": 1/(1+degree), so the two sides' minimum is the
 Metropolis-Hastings weight) and of the room left in each side's budget of weight in flight.
+
+A round's update pushed to every partner (local steps with the sparse outer exchange, issue 41):
+  i → j  UpdatePush (request; i's sparse update follows on `streams`, one tensor per spec of the group)
+  j → i  UpdateTaken (reply: j added it, scaled by `scale` <= 1 where it was past j's bound) | ErrorReply
+j adds outer_lr/n x the update to its own copy of the group; nothing is sent back, and no sum is kept
+between the two: every peer applies every peer's update (peer/averaging/pushes.py).
 """
 
 from __future__ import annotations
