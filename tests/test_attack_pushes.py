@@ -6,16 +6,12 @@ peers finish, their replicas together, and train."""
 
 from __future__ import annotations
 
-import itertools
-
-import numpy as np
 import pytest
 
-from peer.control import call
 from peer.testing.push_liar import NAME as LIAR
 from peer.testing.swarm import LocalSwarm, swarm_config, unique_swarm
 from tests.daemons import trainer_steps
-from tests.test_local_steps import STEPS, TINY, _swarm_options
+from tests.test_local_steps import STEPS, TINY, _swarm_options, farthest_apart, outer_weights
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +30,7 @@ def test_a_liar_flooding_huge_pushes_is_clipped_rate_limited_and_banned_and_the_
         swarm.wait(lambda sts: all(s and s.get("trainer", {}).get("state") == "done" for s in sts[1:]), timeout=240,
                    what="the four honest peers to finish", interval=0.25, progress=lambda sts: trainer_steps(sts[1:]))
         sts = [d.status() for d in honest]
-        weights = [call(d.home, "group_stats", {"values": True})["model"]["values"] for d in honest]
+        weights = [outer_weights(d) for d in honest]
         liar_id = liar.status()["peer_id"]
         assert (liar.status()["trainer"].get("pushes_started") or 0) > 0
     for s in sts:
@@ -45,8 +41,7 @@ def test_a_liar_flooding_huge_pushes_is_clipped_rate_limited_and_banned_and_the_
         assert s["trainer"]["rounds"] == STEPS // 20
         # from ~4.2 at the start; without the liar 2.55-2.70, with it (banned after 3 pushes) 2.61-2.73
         assert s["trainer"]["test_loss"] < 3.0, s["trainer"]
-    flat = [np.concatenate([np.frombuffer(v, dtype=np.float32) for v in w]).astype(np.float64) for w in weights]
-    apart = max(float(np.linalg.norm(a - b) / np.linalg.norm(a)) for a, b in itertools.permutations(flat, 2))
+    apart = farthest_apart(weights)
     # none of the liar's pushes was taken (each far past the bound: evidence), so the honest replicas hold what
     # they pushed each other, but for the rounds before each one banned the liar, when it still counted in n
     # (alone they drift 0.40 apart: tests/test_local_steps.py); measured 0.016
