@@ -204,8 +204,8 @@ class LocalStepsOptimizer(WrappingOptimizer):
                                                       decay=self.decay, name=k, shape=tuple(u.shape))
                     sends.append((k, q, encoded))
             norm = sum(float(np.dot(q, q)) for _, q, _ in sends) ** 0.5
-            push = self.swarm.push_update  # type: ignore[attr-defined]  (HostedSwarm's, checked at construction)
-            n = push(self.group_name, [e for _, _, e in sends], norm=norm, round=round)
+            push = self.swarm.push_update  # type: ignore[attr-defined]
+            n = push(self.group_name, [e for _, _, e in sends], norm=norm, round=round)  # (checked at construction)
             with self.shared.lock, self.outer_state.lock:
                 for k, q, _ in sends:
                     if n is None:
