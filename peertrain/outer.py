@@ -185,12 +185,15 @@ class LocalStepsOptimizer(WrappingOptimizer):
         self.rounds += 1
         self._sender = threading.Thread(target=self._send_round, args=(updates, self.rounds),
                                         name="peertrain-sparse-round", daemon=True)
-        self._sender.start()
-        if not self.background:
+        if self.background:  # the next round's start is taken before the worker can add to the outer weights
+            self.restart_round()
+            self._sender.start()
+        else:
+            self._sender.start()
             self.wait_for_round()
+            self.restart_round()
         if self.resync_every and self.rounds % self.resync_every == 0:
             self.swarm.average_in_background(self.group_name, mode=self.mode)
-        self.restart_round()
 
     @torch.no_grad()
     def _send_round(self, updates: dict[str, torch.Tensor], round: int) -> None:
