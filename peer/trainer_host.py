@@ -82,12 +82,15 @@ class TrainerSwarm:
         except TrainerStopped:
             return False
 
-    def push_update(self, group: str, encoded: list[Any], *, norm: float, round: int = 0) -> int | None:
+    def push_update(self, group: str, encoded: list[Any], *, norm: float, round: int = 0,
+                    support: list[Any] | None = None) -> int | None:
         """Send a round's sparse update of `group` (one EncodedTensor per tensor, in the sparse codec; `norm`: the
-        update's, as decoded) to every partner in the background (peer/averaging/pushes.py): how many peers the
-        update counts among (the partners and us), or None if it was not started (the previous push still runs)."""
+        update's, as decoded; `support`: its nonzero entries per tensor, (flat indices, values), against which
+        partners' pushes are judged by their angle) to every partner in the background (peer/averaging/pushes.py):
+        how many peers the update counts among (the partners and us), or None if it was not started (the
+        previous push still runs)."""
         try:
-            return self._call_sync(self._host.gossip.pushes.start, group, encoded, round, norm=norm)
+            return self._call_sync(self._host.gossip.pushes.start, group, encoded, round, norm=norm, support=support)
         except TrainerStopped:
             return None
 

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from peer.averaging.sparse_updates import EF_DECAY, OUTER_LR, encode_with_feedback
+from peer.averaging.sparse_updates import EF_DECAY, OUTER_LR, encode_with_feedback, nonzero_entries
 from peertrain.optimizer import WrappingOptimizer, named
 from peertrain.swarm import AVERAGE_MODES, Swarm
 
@@ -208,7 +208,9 @@ class LocalStepsOptimizer(WrappingOptimizer):
                     sends.append((k, q, encoded))
             norm = sum(float(np.dot(q, q)) for _, q, _ in sends) ** 0.5
             push = self.swarm.push_update  # type: ignore[attr-defined]
-            n = push(self.group_name, [e for _, _, e in sends], norm=norm, round=round)  # (checked at construction)
+            support = [nonzero_entries(q) for _, q, _ in sends]
+            n = push(self.group_name, [e for _, _, e in sends], norm=norm, round=round,  # (checked at construction)
+                     support=support)
             with self.shared.lock, self.outer_state.lock:
                 for k, q, _ in sends:
                     if n is None:

@@ -175,9 +175,11 @@ class HostedSwarm(Swarm, Protocol):
     """What a job hosted by the daemon gets beyond `Swarm`: pipeline stages, the daemon's requests, and pushed
     updates (the sparse outer exchange: `share(..., push_lr=)` takes partners' pushes into a group)."""
 
-    def push_update(self, group: str, encoded: list[Any], *, norm: float, round: int = 0) -> int | None:
+    def push_update(self, group: str, encoded: list[Any], *, norm: float, round: int = 0,
+                    support: list[Any] | None = None) -> int | None:
         """Send a round's sparse update of `group` (encoded once: protocol.tensor_encoder.EncodedTensor) to every
-        partner (peer/averaging/pushes.py): the peers it counts among, or None if not started."""
+        partner (peer/averaging/pushes.py): the peers it counts among, or None if not started. `support`: the
+        update's nonzero entries per tensor, (flat indices, values), the yardstick of partners' pushes' angle."""
         ...
 
     def serve_stage(self, key: PipelineKey, stage: int, max_batch: int, handler: StageHandler, *,

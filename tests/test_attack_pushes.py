@@ -2,7 +2,9 @@
 peers in local mode with outer_codec "sparse", and a fifth whose trainer (peer/testing/push_liar.py) pushes huge
 updates ten times a second to every partner. Each honest receiver scales what it takes down to a few of its own
 updates, refuses the pushes past its rate, strikes the liar for pushes far past its own and bans it; the honest
-peers finish, their replicas together, and train."""
+peers finish, their replicas together, and train. Then the subtler liar, which pushes back the honest peers' mean
+update negated, inside the norm bound: each honest receiver sees it point away from its own, adds none of it,
+and bans it."""
 
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ from tests.test_local_steps import STEPS, TINY, _swarm_options, farthest_apart, 
 pytestmark = pytest.mark.slow
 
 
-def test_a_liar_flooding_huge_pushes_is_clipped_rate_limited_and_banned_and_the_honest_peers_train(tmp_path):
+def _liar_among_four(tmp_path, **attack) -> tuple[list[dict], list, str]:
+    """Four honest sparse peers and the liar (push_liar's options `attack`), run until the honest peers finish:
+    their statuses, their outer weights, and the liar's id."""
     name = unique_swarm("psl")
     topology = {"kind": "full", "target_degree": 4, "min_degree": 4}
     honest_cfg = swarm_config(swarm=name, trainer="trainers.gossip_sgd", options=_swarm_options(outer_codec="sparse"),
                               topology=topology)
     liar_cfg = swarm_config(swarm=name, trainer=LIAR, topology=topology,
-                            options={"model": TINY["model"], "model_options": TINY["model_options"], "seed": 0})
+                            options={"model": TINY["model"], "model_options": TINY["model_options"], "seed": 0,
+                                     **attack})
     with LocalSwarm(tmp_path / "liar") as swarm:
         liar = swarm.start("liar", config=liar_cfg)
         liar.wait_ready()
@@ -33,6 +38,11 @@ def test_a_liar_flooding_huge_pushes_is_clipped_rate_limited_and_banned_and_the_
         weights = [outer_weights(d) for d in honest]
         liar_id = liar.status()["peer_id"]
         assert (liar.status()["trainer"].get("pushes_started") or 0) > 0
+    return sts, weights, liar_id
+
+
+def test_a_liar_flooding_huge_pushes_is_clipped_rate_limited_and_banned_and_the_honest_peers_train(tmp_path):
+    sts, weights, liar_id = _liar_among_four(tmp_path)
     for s in sts:
         pushes = s["gossip"]["pushes"]
         assert pushes["clipped"] >= 1 and pushes["refused"] >= 1, pushes  # liar's: dropped, then refused (rate, ban)
@@ -46,3 +56,14 @@ def test_a_liar_flooding_huge_pushes_is_clipped_rate_limited_and_banned_and_the_
     # they pushed each other, but for the rounds before each one banned the liar, when it still counted in n
     # (alone they drift 0.40 apart: tests/test_local_steps.py); measured 0.016
     assert apart < 0.05, apart
+
+
+def test_a_liar_pushing_the_swarm_s_mean_update_negated_is_seen_pointing_away_and_banned(tmp_path):
+    sts, weights, liar_id = _liar_among_four(tmp_path, attack="negate", interval=0.5, magnitude=0.05)
+    for s in sts:
+        pushes = s["gossip"]["pushes"]
+        assert pushes["opposed"] >= 1, pushes  # the liar's, none of them added
+        assert liar_id in {b["peer"] for b in s["gossip"]["bans"]}, s["gossip"]["bans"]
+        assert s["gossip"]["bans"] and all(b["peer"] == liar_id for b in s["gossip"]["bans"]), s["gossip"]["bans"]
+        assert s["trainer"]["test_loss"] < 3.0, s["trainer"]
+        print("pushes' cosines, the liar's among them:", pushes.get("cosine"), "opposed", pushes["opposed"])

@@ -12,9 +12,11 @@ import pytest
 import torch
 
 import peertrain
+from peer.averaging import norms
+from peer.averaging.bounds import OPPOSED_COSINE
 from peer.averaging.push_gate import PUSH_BURST, PUSH_NORM_BOUND, PUSH_RATE, PUSH_STRIKE_RATIO, PushGate
 from peer.averaging.shared import SharedTensors
-from peer.averaging.sparse_updates import EF_DECAY, OUTER_LR
+from peer.averaging.sparse_updates import EF_DECAY, OUTER_LR, nonzero_entries
 from peer.averaging.edge_copies import sparse_roundtrip
 from protocol.limits import DEFAULT_LIMITS
 from protocol.messages import Registry
@@ -54,6 +56,30 @@ def test_a_push_far_past_our_own_is_evidence_against_its_sender():
     gate.pushed(1.0, now=0.0)
     assert gate.evidence(10.0) is None and gate.evidence(PUSH_STRIKE_RATIO * 1.01) is not None
     assert gate.evidence(float("nan")) is not None
+
+
+def test_a_push_pointing_away_from_our_own_is_evidence_and_none_of_it_is_added():
+    ours = np.zeros(8192, dtype=np.float32)
+    ours[::64] = np.random.default_rng(0).normal(size=128)
+    gate = PushGate()
+    gate.pushed(float(np.linalg.norm(ours)), now=0.0, support=[nonzero_entries(ours)])
+    noise = np.random.default_rng(1).normal(size=8192).astype(np.float32) * 0.01
+
+    def judged(push):
+        norm = float(np.linalg.norm(push))
+        cosine = gate.cosine(norm, norms.dot_on_support([torch.from_numpy(push)], gate.own_support))
+        return cosine, gate.scale(norm, cosine), gate.evidence(norm, cosine)
+
+    cosine, scale, why = judged(ours + noise)  # an honest partner's: along ours
+    assert cosine > 0.9 and scale == 1.0 and why is None
+    cosine, scale, why = judged(-ours + noise)  # ours negated (or the swarm's mean, which holds ours)
+    assert cosine < -0.9 and scale == 0.0 and "pointing away" in why
+    cosine, scale, why = judged(noise * 100)  # orthogonal: not seen by the angle (the norm bounds it)
+    assert abs(cosine) < OPPOSED_COSINE and why is None and 0.0 < scale <= 1.0
+    assert gate.evidence(1.0, float("nan")) is not None
+    unjudged = PushGate()
+    unjudged.pushed(1.0, now=0.0)  # a pusher that gave no support: no angle, the norm alone
+    assert unjudged.cosine(1.0, -1.0) is None
 
 
 def test_a_sender_pushes_at_most_its_rate_per_round_of_ours_after_a_burst():
@@ -117,9 +143,11 @@ class Pusher(Recorder):
         group.push_lr = push_lr
         return group
 
-    def push_update(self, group, encoded, *, norm, round=0):
+    def push_update(self, group, encoded, *, norm, round=0, support=None):
         self.pushes.append([_decoded(e) for e in encoded])
         assert norm == pytest.approx(sum(float((q ** 2).sum()) for q in self.pushes[-1]) ** 0.5, rel=1e-5)
+        for q, (idx, vals) in zip(self.pushes[-1], support):  # the angle's yardstick: the push's nonzero entries
+            assert np.array_equal(idx, np.flatnonzero(q)) and np.array_equal(vals, q.reshape(-1)[idx])
         return self.n if self.started else None
 
     def average_in_background(self, group, *, mode="one"):
@@ -212,9 +240,9 @@ def test_a_round_that_ends_while_the_last_is_still_sent_keeps_training_and_settl
     release = threading.Event()
 
     class Slow(Pusher):
-        def push_update(self, group, encoded, *, norm, round=0):
+        def push_update(self, group, encoded, *, norm, round=0, support=None):
             release.wait(10)
-            return super().push_update(group, encoded, norm=norm, round=round)
+            return super().push_update(group, encoded, norm=norm, round=round, support=support)
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4096, 2, bias=False)
@@ -240,10 +268,12 @@ def test_peer_status_shows_the_sparse_pushes():
 
     st = {"peer_id": "a" * 52, "swarm": "s", "protocol_version": 1, "version": "0", "listen": "127.0.0.1:1",
           "mdns": False, "ciphers": ["x"], "uptime_s": 1.0, "pid": 1, "home": "/h", "connected": 0, "peers": [],
-          "gossip": {"pushes": {"sent": 27, "not_taken": 1, "failed": 0, "taken": 24, "clipped": 2, "refused": 5}},
+          "gossip": {"pushes": {"sent": 27, "not_taken": 1, "failed": 0, "taken": 24, "clipped": 2, "opposed": 1,
+                                      "refused": 5, "cosine": {"min": -0.5, "median": 0.31}}},
           "trainer": {"trainer": "trainers.gossip_sgd", "mode": "local", "step": 200, "state": "training",
                       "rounds": 10, "rounds_skipped": 1}}
     console = Console(record=True, width=160)
     console.print(render_status(st))
     out = console.export_text()
     assert "sparse pushes" in out and "sent 27" in out and "taken 24" in out and "clipped 2" in out
+    assert "opposed 1" in out and "median 0.31" in out

@@ -78,6 +78,17 @@ def sum_sq(xs: Iterable[Any]) -> float:
     return total
 
 
+def dot_on_support(xs: Iterable[Any], support: Iterable[tuple[np.ndarray, np.ndarray]]) -> float:
+    """<xs, s> for a sparse s given per tensor as (flat indices, values), in float64: a received push against our
+    own last one (peer/averaging/push_gate.py); one side's figure, so no fixed procedure is needed."""
+    dot = 0.0
+    for x, (idx, vals) in zip(xs, support):
+        fx = _flat(x)
+        picked = fx[idx] if isinstance(fx, np.ndarray) else _as_array(fx[idx])
+        dot += float(np.dot(picked.astype(np.float64), vals.astype(np.float64)))
+    return dot
+
+
 def _flat(t: Any) -> Any:
     """`t` as a flat numpy array sharing its memory, or (a dtype numpy lacks: bfloat16) a flat CPU torch tensor."""
     if isinstance(t, np.ndarray):

@@ -23,12 +23,16 @@ downloads share (each decodes into a dense copy of the group).
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import trio
 
 from peer.averaging import norms
+from peer.averaging.bounds import OPPOSED_MIN_ELEMENTS
 from peer.averaging.budget import ServingSlots
 from peer.averaging.ledger import Ledger
 from peer.averaging.push_gate import PushGate
@@ -45,6 +49,7 @@ from protocol.tensor_encoder import EncodedTensor
 log = logging.getLogger("peertrain.gossip")
 
 PUSH_CODEC = "sparse"
+COSINES_KEPT = 64  # the latest pushes' cosines with ours that `peer status` summarises
 PUSH_TRIES = 3  # a partner that says TOO_SOON is asked again: its first round may end a moment after ours
 RETRY_S = 1.0  # ... after this, then twice this: rounds of peers started together end seconds apart
 
@@ -65,8 +70,10 @@ class UpdatePushes:
         self.gates: dict[str, PushGate] = {}  # group -> our pushes and partners' (push_gate.py)
         self.sending: set[str] = set()  # groups with a push in flight
         # ours: sent (taken by the partner), not_taken (refused at the last try), failed; theirs: taken, clipped
-        # (among those taken), refused (each try refused before its bytes were read)
-        self.counts = {"sent": 0, "not_taken": 0, "failed": 0, "taken": 0, "clipped": 0, "refused": 0}
+        # (among those taken), opposed (among those taken: pointing away from ours, none of it added), refused
+        # (each try refused before its bytes were read)
+        self.counts = {"sent": 0, "not_taken": 0, "failed": 0, "taken": 0, "clipped": 0, "opposed": 0, "refused": 0}
+        self.cosines: deque[float] = deque(maxlen=COSINES_KEPT)  # partners' pushes against ours, for `peer status`
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -80,12 +87,14 @@ class UpdatePushes:
         self.gates.pop(group, None)
 
     # ---- ours -----------------------------------------------------------------------------------------
-    def start(self, group_name: str, encoded: list[EncodedTensor], round: int = 0, *, norm: float) -> int | None:
+    def start(self, group_name: str, encoded: list[EncodedTensor], round: int = 0, *, norm: float,
+              support: list[tuple[np.ndarray, np.ndarray]] | None = None) -> int | None:
         """Push `encoded` (one per tensor of the group, in the sparse codec, sent as it is) to every partner of the
         group, in the background: the number of peers the update counts among (the partners and us), or None if
         it was not started (a push of this group is still in flight, the group is not shared, or the daemon is
-        stopping). `norm`: the update's as decoded, our yardstick for partners' pushes from now on. On the
-        daemon's thread."""
+        stopping). `norm`: the update's as decoded, our yardstick for partners' pushes from now on; `support`:
+        its nonzero entries per tensor (flat indices, values), the yardstick of their angle. On the daemon's
+        thread."""
         group = self.groups.get(group_name)
         if group is None or group_name in self.sending or self._nursery is None:
             return None
@@ -93,7 +102,8 @@ class UpdatePushes:
             raise ValueError(f"{len(encoded)} tensors pushed for group {group_name!r} of {len(group.specs)}")
         partners = self.recipients(group_name)
         self.sending.add(group_name)
-        self.gates.setdefault(group_name, PushGate()).pushed(norm, trio.current_time())
+        judged = support if group.elements >= OPPOSED_MIN_ELEMENTS else None  # (bounds.py: chance, below)
+        self.gates.setdefault(group_name, PushGate()).pushed(norm, trio.current_time(), judged)
         self._nursery.start_soon(self._push_all, group, partners, encoded, round)
         return len(partners) + 1
 
@@ -198,9 +208,17 @@ class UpdatePushes:
                 values = await theirs.receive(timeout=self.cfg.exchange_timeout)
             gate = self.gates.setdefault(group.name, PushGate())
             norm = await trio.to_thread.run_sync(norms.sum_sq, values) ** 0.5
-            scale = gate.scale(norm)
-            if (why := gate.evidence(norm)) is not None:
+            cosine = None
+            if gate.own_support is not None:
+                cosine = gate.cosine(norm, await trio.to_thread.run_sync(norms.dot_on_support, values,
+                                                                         gate.own_support))
+            if cosine is not None:
+                self.cosines.append(cosine)
+            scale = gate.scale(norm, cosine)
+            if (why := gate.evidence(norm, cosine)) is not None:
                 self.ledger.struck(session.peer_id, why)
+                if gate.evidence(norm) is None:
+                    self.counts["opposed"] += 1
             if scale < 1.0:
                 self.counts["clipped"] += 1
                 log.info("update of %s from %s clipped x%.3g (norm %.3g, ours %.3g)", group.name, session.short,
@@ -224,4 +242,8 @@ class UpdatePushes:
             self.slots.give_back()
 
     def status(self) -> dict:
-        return dict(self.counts)
+        out: dict[str, Any] = dict(self.counts)
+        finite = sorted(c for c in self.cosines if np.isfinite(c))
+        if finite:  # how partners' pushes point against ours: honest ones at 0 or above
+            out["cosine"] = {"min": round(finite[0], 3), "median": round(statistics.median(finite), 3)}
+        return out

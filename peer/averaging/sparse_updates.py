@@ -90,6 +90,14 @@ def encode_with_feedback(error: np.ndarray, update: np.ndarray, *, decay: float 
     return q, encoded
 
 
+def nonzero_entries(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A decoded sparse send as (flat indices, values) of its nonzero entries: 1.6% of it, kept as the yardstick
+    of partners' pushes' angle (peer/averaging/push_gate.py) where the dense send would be a model's size."""
+    flat = q.reshape(-1)
+    idx = np.flatnonzero(flat)
+    return idx, flat[idx]
+
+
 def outer_step(reference: np.ndarray, received: Mapping[str, np.ndarray], *, outer_lr: float = OUTER_LR) -> np.ndarray:
     """The next round's reference: `reference` + outer_lr x the mean of the sends `received` (sender id -> q,
     ours included), added in the order of the ids, so that every peer holding the same sends gets the same

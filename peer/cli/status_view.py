@@ -178,9 +178,12 @@ def render_status(st: dict):
             t.add_row("outer rounds", f"{tr['rounds']}   exchanges skipped {tr.get('rounds_skipped') or 0}")
         pushes = g.get("pushes") or {}
         if any(pushes.values()):  # outer_codec "sparse": every round's update to every partner
+            cosine = pushes.get("cosine") or {}
+            angle = f"  cosine min {cosine['min']:.2f} median {cosine['median']:.2f}" if cosine else ""
             t.add_row("sparse pushes", f"sent {pushes.get('sent', 0)}  not taken {pushes.get('not_taken', 0)}  "
                                        f"failed {pushes.get('failed', 0)}   taken {pushes.get('taken', 0)}  "
-                                       f"clipped {pushes.get('clipped', 0)}  refused {pushes.get('refused', 0)}")
+                                       f"clipped {pushes.get('clipped', 0)}  opposed {pushes.get('opposed', 0)}  "
+                                       f"refused {pushes.get('refused', 0)}{angle}")
         parts.append(Panel(t, title="training", box=box.ROUNDED, expand=False))
     return Group(*parts)
 
