@@ -87,7 +87,8 @@ def test_top_level_keys_and_the_sparse_figures() -> None:
            "local_q8": {"bytes_per_outer_step": 100.0, "utilization": 0.9, "wall_per_outer_step": 9.0},
            "local_sparse": {"bytes_per_outer_step": 8.0, "utilization": 0.95, "wall_per_outer_step": 8.5},
            "allreduce": {"bytes_per_outer_step": 900.0, "utilization": 0.1, "wall_per_outer_step": 80.0}}
-    small = {"local": {"seconds_to_target": 30.0}, "allreduce": {"seconds_to_target": 120.0}}
+    small = {"local": {"seconds_to_target": 30.0}, "allreduce": {"seconds_to_target": 120.0},
+             "local_sparse": {"seconds_to_target": 24.0}}
     out = wan_figures(params=P100M, link_mbit=85.0, planned_ratio=5.0, big=big, small=small,
                       curves={"local": [[1000, 3.0], [2000, 2.5]], "local_sparse": [[1000, 3.1], [2000, 2.55]]},
                       target=2.7)
@@ -100,10 +101,11 @@ def test_top_level_keys_and_the_sparse_figures() -> None:
     assert out["loss_gap"] == pytest.approx(0.02)  # at the most tokens both reached
     assert out["utilization"]["local"] == 0.8 and out["utilization"]["adpsgd"] is None
     assert out["utilization"]["local_sparse"] == 0.95
-    assert out["time_to_target_vs_allreduce"] == 0.25
+    assert out["time_to_target_vs_allreduce"] == 0.25 and out["time_to_target_vs_allreduce_sparse"] == 0.2
     assert out["modes"]["local"]["loss_vs_tokens"] == [[1000, 3.0], [2000, 2.5]]
     met = {g["goal"]: g["met"] for g in out["goals"]}
     assert met["params >= 1e8"] is True and met["time_to_target_vs_allreduce <= 0.2 (small model)"] is False
+    assert met["time_to_target_vs_allreduce_sparse <= 0.2 (small model, sparse)"] is True
     assert met["bytes_ratio_vs_fp32 >= 100 (sparse)"] is False and met["utilization >= 0.9 with sparse and overlap"]
     assert met["loss_gap <= 0.02 (sparse vs local fp32, small model)"] is True
     bare = wan_figures(params=P100M, link_mbit=85.0, planned_ratio=5.0, big={}, small={}, curves={}, target=None)

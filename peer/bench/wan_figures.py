@@ -168,6 +168,7 @@ def wan_figures(*, params: int | None, link_mbit: float, planned_ratio: float, b
         "utilization": {m: (modes[m] or {}).get("utilization") for m in WAN_MODES},
         "loss_gap": gap,
         "time_to_target_vs_allreduce": _ratio(t_local, t_ar),
+        "time_to_target_vs_allreduce_sparse": _ratio((small.get(SPARSE_MODE) or {}).get("seconds_to_target"), t_ar),
         "target_test_loss": target,
     }
     out["goals"] = [
@@ -178,8 +179,8 @@ def wan_figures(*, params: int | None, link_mbit: float, planned_ratio: float, b
          "met": sparse_util >= GOAL_UTILIZATION if sparse_util is not None else None},
         {"goal": "loss_gap <= 0.02 (sparse vs local fp32, small model)", "value": gap,
          "met": gap <= GOAL_LOSS_GAP if gap is not None else None},
-        {"goal": "time_to_target_vs_allreduce <= 0.2 (small model)", "value": out["time_to_target_vs_allreduce"],
-         "met": (out["time_to_target_vs_allreduce"] <= GOAL_TIME_TO_TARGET
-                 if out["time_to_target_vs_allreduce"] is not None else None)},
     ]
+    for key, says in (("time_to_target_vs_allreduce", ""), ("time_to_target_vs_allreduce_sparse", ", sparse")):
+        out["goals"].append({"goal": f"{key} <= 0.2 (small model{says})", "value": out[key],
+                             "met": out[key] <= GOAL_TIME_TO_TARGET if out[key] is not None else None})
     return out
