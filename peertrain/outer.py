@@ -26,7 +26,9 @@ through error feedback decayed by `decay` (the accumulator takes the momentum's 
 the wire's sparse codec keeps of it (64 of every 4096 values) is pushed to every partner, and every peer,
 this one included, adds outer_lr / n of each push to its outer weights (peer/averaging/pushes.py; n: the
 partners and us). Every `resync_every` rounds the outer weights are also averaged pairwise in q8, which brings
-back together replicas that a lost push left apart.
+back together replicas that a lost push left apart. A round's model starts from the outer weights plus its own
+share of its last update, dense, which the outer weights take a round later, sparse: the partners' updates
+are a round late, ours is not.
 
 The defaults (outer_lr 0.7, momentum 0.9) are DiLoCo's, for an Adam inner optimizer. They scale a round's move
 by up to 0.7 / (1 - 0.9) = 7; over an inner SGD with momentum already at its largest stable rate that diverges
@@ -103,6 +105,7 @@ class LocalStepsOptimizer(WrappingOptimizer):
         self.rounds = 0  # outer steps taken
         self.skipped = 0  # rounds whose exchange could not start (the previous one still ran)
         self.pushed = 0  # sparse: rounds whose update went to the partners
+        self._own_share: float | None = None  # sparse: outer_lr / n of our last push (None: none went yet)
         self._sender: threading.Thread | None = None  # sparse: the worker sending the last round's update
         self._sender_error: BaseException | None = None
         self._carried = False  # sparse: a round ended while the last was still being sent, so it was kept
@@ -168,10 +171,13 @@ class LocalStepsOptimizer(WrappingOptimizer):
     def _sparse_outer_step(self) -> None:
         """SparseLoCo's round end, overlapped: the round's update is handed to a worker thread, which puts it
         through the error feedback, has the daemon push it to every partner, and adds outer_lr / n of it to
-        the outer weights as every partner does (the module docstring); the next round starts at once, from
-        the outer weights as they are (our own update lands in them one round stale, as the partners' do).
-        A round that ends while the last one's update is still being sent takes no outer step: it keeps
-        training from where it is, and the next round's update holds both. A dense q8 averaging every
+        the outer weights as every partner does (the module docstring). The next round starts at once, from
+        the outer weights as they are (our update lands in them a round later, as the partners' do) plus our
+        own share of this round's update, dense (outer_lr / n of it, as it will be added once sent): so our
+        own work is not a round late, only the partners' is (n is not known before our first push: the first
+        round waits for it, and the second starts from the outer weights with it added). A round
+        that ends while the last one's update is still being sent takes no outer step: it keeps training from
+        where it is, and the next round's update holds both. A dense q8 averaging every
         `resync_every` rounds."""
         self._raise_from_sender()
         if self._sender is not None and self._sender.is_alive():
@@ -185,10 +191,10 @@ class LocalStepsOptimizer(WrappingOptimizer):
         self.rounds += 1
         self._sender = threading.Thread(target=self._send_round, args=(updates, self.rounds),
                                         name="peertrain-sparse-round", daemon=True)
-        if self.background:  # the next round's start is taken before the worker can add to the outer weights
-            self.restart_round()
+        if self.background and self._own_share is not None:  # the start is taken before the worker adds to it
+            self.restart_round(ahead=updates)
             self._sender.start()
-        else:
+        else:  # synchronous, or our first push (n not known yet: wait for it, a fraction of a second, once)
             self._sender.start()
             self.wait_for_round()
             self.restart_round()
@@ -221,6 +227,7 @@ class LocalStepsOptimizer(WrappingOptimizer):
                 self.skipped += 1
             else:
                 self.pushed += 1
+                self._own_share = self.outer_lr / n
         except BaseException as exc:  # the trainer's thread raises it (a daemon thread's would vanish)
             self._sender_error = exc
 
@@ -244,13 +251,17 @@ class LocalStepsOptimizer(WrappingOptimizer):
     def _after_settling(self) -> None:
         self.restart_round()  # the model leaves with the settled outer weights
 
-    def restart_round(self) -> None:
+    def restart_round(self, ahead: dict[str, torch.Tensor] | None = None) -> None:
         """The next round starts from the outer weights as they are now (an exchange may land in them any time
-        after: taken under the lock, so `start` and the model hold the same cut)."""
+        after: taken under the lock, so `start` and the model hold the same cut), plus our own share of
+        `ahead`, the update the sparse round has just handed its worker (see `_sparse_outer_step`)."""
         with torch.no_grad(), self.shared.lock:
             for k, p in self.params.items():
                 self.start[k].copy_(self.slow[k])
-                p.copy_(self.slow[k].to(p.device, p.dtype))
+                if ahead is not None:
+                    assert self._own_share is not None
+                    self.start[k].add_(ahead[k], alpha=self._own_share)
+                p.copy_(self.start[k].to(p.device, p.dtype))
 
     def state_dict(self, *, copy: bool = True) -> dict:
         """The inner optimizer's state, the outer weights, momentum and round start, and the counts. With
