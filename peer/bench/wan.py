@@ -75,7 +75,8 @@ def make_plan(part: Part, a, link_mbit: float, params: int | None) -> Plan:
     """gossip_sgd's options and the all-reduce's flags for one part; the exchange timeout and the liveness
     deadline sized to a float32 copy of the model through the link."""
     options = {"model": part.model, "world": a.n, "target_loss": 0.0, "eval_every": part.eval_every,
-               "seed": a.seed, "threads": 1, "checkpoint_every": 0, "join_wait": 120.0,
+               "seed": a.seed, "threads": 1, "checkpoint_every": 0, "checkpoint_at_end": False,
+               "join_wait": 120.0,
                "max_steps": part.gossip_steps, "batch_size": part.batch, "eval_samples": part.eval_samples,
                **({"model_options": part.model_options} if part.model_options else {})}
     copy_s = exchange_s(params, link_mbit) if params else 60.0
