@@ -102,6 +102,8 @@ class LocalStepsOptimizer(WrappingOptimizer):
         self.outer_state = swarm.share(f"{group}.outer", self.momentum, averaged=False)  # for joiners only
         self.start = {k: t.clone() for k, t in self.slow.items()}  # the outer weights this round began from
         self.local_step = 0  # inner steps in all
+        self.round_began = 0  # the inner step this round began at: a round is `inner_steps` long from there, so a
+        #                       joiner that took a partner's step mid-round still trains a whole first round
         self.rounds = 0  # outer steps taken
         self.skipped = 0  # rounds whose exchange could not start (the previous one still ran)
         self.pushed = 0  # sparse: rounds whose update went to the partners
@@ -144,7 +146,7 @@ class LocalStepsOptimizer(WrappingOptimizer):
         daemon updates only the outer weights)."""
         self.local_step += 1
         self.shared.step = self.local_step
-        if self.local_step % self.inner_steps == 0:
+        if self.local_step - self.round_began >= self.inner_steps:
             self.outer_step()
 
     @torch.no_grad()
@@ -183,6 +185,7 @@ class LocalStepsOptimizer(WrappingOptimizer):
         if self._sender is not None and self._sender.is_alive():
             self.skipped += 1
             self._carried = True  # the model holds a round not yet sent
+            self.round_began = self.local_step  # (the next end: a round from now, as for any round)
             return
         self._carried = False
         with torch.no_grad(), self.shared.lock:
@@ -246,7 +249,7 @@ class LocalStepsOptimizer(WrappingOptimizer):
 
     def _before_settling(self) -> None:
         self.wait_for_round()
-        if self.local_step % self.inner_steps or self._carried:
+        if self.local_step != self.round_began or self._carried:
             self.outer_step()  # close the round we are in (sparse: also one whose update could not go yet)
             self.wait_for_round()
 
@@ -257,6 +260,7 @@ class LocalStepsOptimizer(WrappingOptimizer):
         """The next round starts from the outer weights as they are now (an exchange may land in them any time
         after: taken under the lock, so `start` and the model hold the same cut), plus our own share of
         `ahead`, the update the sparse round has just handed its worker (see `_sparse_outer_step`)."""
+        self.round_began = self.local_step
         with torch.no_grad(), self.shared.lock:
             for k, p in self.params.items():
                 self.start[k].copy_(self.slow[k])
@@ -302,6 +306,7 @@ class LocalStepsOptimizer(WrappingOptimizer):
                 self.start[k].copy_(outer["start"][k])
         counts = state_dict["local_steps"]
         self.local_step = self.shared.step = int(counts.get("step", 0))
+        self.round_began = self.local_step - self.local_step % self.inner_steps  # (its `start` is that round's)
         self.rounds = int(counts.get("rounds", 0))
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
 

@@ -215,6 +215,29 @@ def test_a_round_starts_ahead_by_our_own_share_of_the_last_update_which_the_oute
     assert torch.allclose(opt.slow["p0"], before + torch.from_numpy(q2) * OUTER_LR / 4)  # the outer weights: sparse
 
 
+def test_a_joiner_that_takes_a_partner_s_step_mid_round_trains_a_whole_first_round():
+    class Joiner(Pusher):
+        def download(self, group, *, min_step=1):
+            return 16 if group == "model" else None  # a partner at step 16, inner_steps 20
+
+    model = torch.nn.Linear(4096, 2, bias=False)
+    opt = peertrain.LocalStepsOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), Joiner(), inner_steps=20,
+                                        codec="sparse")
+    assert opt.joined_at_step == 16 and opt.local_step == 16
+    x, y = torch.randn(16, 4096), torch.randn(16, 2)
+    for _ in range(19):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    # a round of 4 steps would push an update a fifth of its partners', which they would clip by ours
+    assert opt.rounds == 0 and opt.local_step == 35
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.wait_for_round()
+    assert opt.rounds == 1 and opt.pushed == 1 and opt.round_began == 36
+
+
 def test_a_round_whose_push_does_not_start_keeps_all_of_its_update_in_the_feedback():
     sent = Pusher()
     sent_opt, _, _ = _round(sent)
