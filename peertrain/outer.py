@@ -177,7 +177,7 @@ class LocalStepsOptimizer(WrappingOptimizer):
         the outer weights as they are (our update lands in them a round later, as the partners' do) plus our
         own share of this round's update, dense (outer_lr / n of it, as it will be added once sent): so our
         own work is not a round late, only the partners' is (before our first push, with n counted from our
-        neighbours: waiting for the daemon's n cost the first round 5% of its time on `lm_100m`). A round
+        neighbours rather than waiting for the daemon's). A round
         that ends while the last one's update is still being sent takes no outer step: it keeps training from
         where it is, and the next round's update holds both. A dense q8 averaging every
         `resync_every` rounds."""
