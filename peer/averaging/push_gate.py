@@ -92,9 +92,14 @@ class PushGate:
             return None
         if not math.isfinite(norm) or norm > PUSH_STRIKE_RATIO * self.own_norm:
             return f"pushed an update {norm:.3g} long, past {PUSH_STRIKE_RATIO:g}x our own ({self.own_norm:.3g})"
-        if cosine is not None and not cosine >= -OPPOSED_COSINE:  # (NaN included)
+        if self.opposed(cosine):
             return f"pushed an update pointing away from ours (cosine {cosine:.2f})"
         return None
+
+    @staticmethod
+    def opposed(cosine: float | None) -> bool:
+        """Whether a push of this cosine with ours points away from ours (NaN included; None: not judged)."""
+        return cosine is not None and not cosine >= -OPPOSED_COSINE
 
     def scale(self, norm: float, cosine: float | None = None) -> float:
         """The factor a push of this norm is added with: 1, less past the bound, 0 if it is evidence (not finite,

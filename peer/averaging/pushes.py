@@ -217,8 +217,8 @@ class UpdatePushes:
             scale = gate.scale(norm, cosine)
             if (why := gate.evidence(norm, cosine)) is not None:
                 self.ledger.struck(session.peer_id, why)
-                if gate.evidence(norm) is None:
-                    self.counts["opposed"] += 1
+            if gate.opposed(cosine):
+                self.counts["opposed"] += 1
             if scale < 1.0:
                 self.counts["clipped"] += 1
                 log.info("update of %s from %s clipped x%.3g (norm %.3g, ours %.3g)", group.name, session.short,
