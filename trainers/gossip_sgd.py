@@ -95,9 +95,9 @@ class GossipSGDOptions:
     eval_samples: int = option(0, "evaluate on the first N held-out samples only (0: all): cheaper, as fixed a "
                                   "yardstick")
     checkpoint_every: int = option(100, "steps between checkpoints (0: only on request and shutdown)")
-    checkpoint_at_end: bool = option(True, "write a checkpoint when the run ends (false: a run whose state is not "
-                                           "kept, as a benchmark's: four 100 M-parameter peers writing 2.5 GB "
-                                           "each at once stalled a 24 GB VM for minutes)")
+    checkpoint_at_end: bool = option(True, "write a checkpoint when the run ends or the daemon stops (false: a run "
+                                           "whose state is not kept, as a benchmark's: four 100 M-parameter peers "
+                                           "writing 2.5 GB each at once stalled a 24 GB VM for minutes)")
     seed: int = option(0, "seed of the initial weights, the shards and the batch order")
     world: int = option(0, "data shards (0: the number of peers seen at start)")
     threads: int = option(1, "torch threads of this trainer")
