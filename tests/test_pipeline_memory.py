@@ -67,6 +67,34 @@ def test_stage_bytes_sums_only_the_stages_blocks():
     assert memory.stage_bytes(params, outs, 2, 2, "adam") == 0  # no block, no bytes
 
 
+def test_the_room_keeps_a_stages_averaging_before_any_gradient_copy_and_only_where_it_holds_both():
+    """Two peers of a 134 MB stage once held 256 MiB beyond their plan (an exchange's two copies, idle receive
+    buffers) and one was OOM-killed: the room beside a stage now keeps `sharing_bytes` first, where it holds it."""
+    import types
+
+    import torch
+
+    from trainers.swarm_pipeline import _memory
+
+    params, outs = [64 * MiB, 64 * MiB], [MiB, MiB]
+    traced = types.SimpleNamespace(param_bytes=params, out_bytes=lambda i, mb: outs[i])
+    need = memory.stage_bytes(params, outs, 0, 2, "adam")
+    share = memory.sharing_bytes(128 * MiB)
+    assert share == memory.AVERAGING_COPIES * 128 * MiB + memory.RECEIVE_POOL_IDLE
+
+    def mem_for(room_bytes: int):
+        budget = rss_bytes() + room_bytes  # the room is the budget less what the process holds now
+        swarm = types.SimpleNamespace(stage_memory=lambda: (budget, "[pipeline] memory_mib"), log=lambda *a: None)
+        o = types.SimpleNamespace(microbatch=8, optimizer="adam")
+        return _memory(swarm, o, traced, torch.device("cpu"))
+
+    roomy = mem_for(need + share + 3 * 128 * MiB + 64 * MiB)  # the process may grow a little meanwhile: 64 MiB slack
+    assert roomy.sharing(0, 2) == share
+    assert roomy.max_held(0, 2) in (2, 3)  # the copies come after the averaging's share
+    tight = mem_for(need + share // 2)  # holds the stage, not its averaging (its seat says so when it builds):
+    assert tight.sharing(0, 2) == 0 and tight.max_held(0, 2) in (0, 1)  # nothing kept for it; copies use the rest
+
+
 def test_cap_for_stages_is_the_stages_th_largest_room():
     rooms = [5 * MiB, 1 * MiB, 3 * MiB, 0, 4 * MiB]  # 0: a peer that announced none
     assert memory.cap_for_stages(rooms, 1) == 5 * MiB

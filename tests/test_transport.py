@@ -539,6 +539,22 @@ def test_receive_buffers_are_recycled_once_the_consumer_drops_them():
     assert pool.array(np.float32, (16,)) is None  # small tensors are not pooled
 
 
+def test_every_session_of_a_daemon_shares_one_receive_pool_so_idle_buffers_are_bounded_per_daemon():
+    """A pool per session kept up to 256 MiB idle in each (peer/session/buffers.py says what that cost): the
+    sessions made with one config share its pool, and a copy of the config (dataclasses.replace) shares it too."""
+    import dataclasses
+
+    from peer.session.buffers import MAX_IDLE_BYTES
+    from peer.session.streams import IncomingStreams
+
+    cfg = tcfg()
+    assert cfg.receive_pool is not None and cfg.receive_pool.max_idle_bytes == MAX_IDLE_BYTES
+    assert dataclasses.replace(cfg, swarm="other").receive_pool is cfg.receive_pool
+    a, b = (IncomingStreams(cfg.limits, None, name, cfg.tensor_budget, cfg.receive_pool) for name in "ab")
+    assert a._pool is b._pool is cfg.receive_pool
+    assert tcfg().receive_pool is not cfg.receive_pool  # another daemon, another pool
+
+
 def test_together_raises_the_first_failure_even_when_several_tasks_fail():
     from peer.concurrency import together
 

@@ -332,16 +332,20 @@ def _memory(swarm, o: SwarmPipelineOptions, traced: shapes.ModelShapes, device: 
     def need(lo: int, hi: int) -> int:
         return memory.stage_bytes(traced.param_bytes, out, lo, hi, o.optimizer)
 
-    def max_held(lo: int, hi: int) -> int | None:  # gradient copies the room holds beside the stage's plan
+    def sharing(lo: int, hi: int) -> int:  # kept beside the stage before any gradient copy, where the room holds it
+        held = memory.sharing_bytes(sum(traced.param_bytes[lo:hi]))
+        return held if room and memory.fits(need(lo, hi) + held, room, 0) else 0
+
+    def max_held(lo: int, hi: int) -> int | None:  # gradient copies the room holds beside the stage and its averaging
         params = sum(traced.param_bytes[lo:hi])
-        return max(0, (room - need(lo, hi)) // params) if room and params else None
+        return max(0, (room - need(lo, hi) - sharing(lo, hi)) // params) if room and params else None
 
     whole = sum(memory.state_bytes(b, o.optimizer) for b in traced.param_bytes)
     swarm.log("memory: the model holds %d MiB (weights, gradients, %s state); this peer's budget is %s (%s), "
               "of which %s for a stage (the process holds %d MiB before any block)", memory.mib(whole), o.optimizer,
               f"{memory.mib(budget)} MiB" if budget else "unknown", source,
               f"{memory.mib(room)} MiB" if room else "all", memory.mib(baseline))
-    return Memory(budget, room, need, max_held)
+    return Memory(budget, room, need, max_held, sharing)
 
 
 def _own_checkpoint(swarm, key: PipelineKey) -> dict | None:

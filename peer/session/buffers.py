@@ -8,6 +8,12 @@ the same size.
 A fresh buffer is an anonymous mmap, not a zero-filled bytearray: the kernel commits its pages as chunks
 are written into them, so the event loop never spends time (or memory) zero-filling a tensor before its
 bytes arrive.
+
+One pool serves every session of a daemon (`TransportConfig.receive_pool`), so what it keeps idle is
+bounded per daemon, not per session: a pool per session kept up to 256 MiB idle in each, and a pipeline
+stage's peer, holding two sessions with its stage partner, sat on 256 MiB of 64 MiB matrices its memory
+budget never counted (its cgroup killed it in CI, 2026-11-29). The pipeline's memory model counts
+MAX_IDLE_BYTES in every stage's need (trainers/pipeline/memory.py).
 """
 
 from __future__ import annotations
@@ -19,12 +25,19 @@ import weakref
 from typing import Any
 
 
+MAX_IDLE_BYTES = 128 << 20
+"""What a daemon's pool keeps idle at most: two buffers of a 4096² float32 matrix, a big model's usual largest
+tensor, so an exchange of the same group next time reuses them; a bigger tensor is received into fresh memory."""
+IDLE_PER_SIZE = 2  # an exchange's tensors of one shape, received again while the previous ones are still held
+
+
 class ReceiveBufferPool:
-    """Idle receive buffers by size; idle memory is bounded by `max_idle_bytes` (two buffers a size)."""
+    """Idle receive buffers by size, shared by a daemon's sessions; idle memory is bounded by `max_idle_bytes`
+    (IDLE_PER_SIZE buffers a size)."""
 
     MIN_BYTES = 1 << 20  # below this, allocation is cheap and pooling not worth it
 
-    def __init__(self, max_idle_bytes: int = 256 << 20):
+    def __init__(self, max_idle_bytes: int = MAX_IDLE_BYTES):
         self._idle: dict[int, list[mmap.mmap]] = {}
         self._idle_bytes = 0
         self.max_idle_bytes = max_idle_bytes
@@ -54,6 +67,6 @@ class ReceiveBufferPool:
     def _give_back(self, backing: mmap.mmap) -> None:
         n = len(backing)
         with self._lock:
-            if self._idle_bytes + n <= self.max_idle_bytes and len(self._idle.get(n, ())) < 2:
+            if self._idle_bytes + n <= self.max_idle_bytes and len(self._idle.get(n, ())) < IDLE_PER_SIZE:
                 self._idle.setdefault(n, []).append(backing)
                 self._idle_bytes += n

@@ -142,7 +142,8 @@ class IncomingStreams(Mapping[int, StreamSlot]):
     slots hold against this session's in-flight budget (and the daemon's `budget`).
     """
 
-    def __init__(self, limits: WireLimits, stats: Any, peer: str, budget: TensorBudget | None = None):
+    def __init__(self, limits: WireLimits, stats: Any, peer: str, budget: TensorBudget | None = None,
+                 pool: ReceiveBufferPool | None = None):
         self.limits = limits
         self.inflight_bytes = 0
         self.budget = budget if budget is not None else TensorBudget.for_limits(limits)
@@ -150,7 +151,7 @@ class IncomingStreams(Mapping[int, StreamSlot]):
         self._peer = peer  # for log lines
         self._slots: dict[int, StreamSlot] = {}
         self._parked = 0
-        self._pool = ReceiveBufferPool()
+        self._pool = pool if pool is not None else ReceiveBufferPool()  # the daemon's (buffers.py says why)
 
     def __getitem__(self, stream: int) -> StreamSlot:
         return self._slots[stream]

@@ -26,6 +26,7 @@ from typing import Any
 import trio
 
 from peer.session.inbox import Inbox
+from peer.session.buffers import ReceiveBufferPool
 from peer.session.streams import IncomingStreams, Pending, TensorBudget
 from protocol.cipher import CIPHERS, NullCipher
 from protocol.errors import ProtocolError
@@ -77,10 +78,14 @@ class TransportConfig:
     insecure_plaintext_for_benchmark: bool = False
     # Tensor bytes in flight across every session made with this config (one per daemon); from `limits`.
     tensor_budget: TensorBudget | None = None
+    # Idle receive buffers, shared by every session made with this config (one pool per daemon: buffers.py).
+    receive_pool: ReceiveBufferPool | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_budget is None:
             object.__setattr__(self, "tensor_budget", TensorBudget.for_limits(self.limits))
+        if self.receive_pool is None:
+            object.__setattr__(self, "receive_pool", ReceiveBufferPool())
 
 
 @dataclass
@@ -144,7 +149,8 @@ class Session:
         self._rids = itertools.count(1)
         self._streams_out = itertools.count(1)
         self._requests: dict[int, Pending] = {}
-        self._streams = IncomingStreams(limits, self.stats, self.short, cfg.tensor_budget)  # by stream id
+        self._streams = IncomingStreams(limits, self.stats, self.short, cfg.tensor_budget,
+                                        cfg.receive_pool)  # by stream id
         self.incoming = Inbox(limits)  # messages for the application, bounded by count and bytes
         self.closed = trio.Event()
         self.close_reason: str = ""

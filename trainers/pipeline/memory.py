@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 # The daemon's (peer/pipeline/memory_budget.py), re-exported: a GPU's budget keeps the host's margin, figures their unit.
 from peer.pipeline.kept import MAX_KEPT
 from peer.pipeline.memory_budget import AUTO_MARGIN as AUTO_MARGIN, fits as fits, mib as mib
+from peer.session.buffers import MAX_IDLE_BYTES as RECEIVE_POOL_IDLE
 from protocol.limits import MiB as MiB
 OPTIMIZER_SLOTS = {"adam": 2, "sgd": 1}  # per-parameter state tensors each optimizer keeps (trainers/baseline.py)
 ACTIVATION_FACTOR = 8
@@ -46,6 +47,14 @@ PROCESS_GROWTH = 64 * MiB
 measured 50 MiB for 4 daemons training a 151 M-parameter model (tests/test_pipeline_big.py)."""
 
 
+AVERAGING_COPIES = 2
+"""Parameter bytes' worth an averaging exchange of the stage holds: our snapshot, and the partner's decoded values
+(peer/averaging/engine.py). Counted for one exchange at a time: a stage's peers average with one partner per
+round (`average_in_background`, mode "one"); exchanges other partners offer meanwhile take the daemon's serving
+slots ([gossip] max_concurrent_exchanges), each with another two copies, which this does not hold. Left out before
+2026-11-30: two peers of a 134 MB stage then held 256 MiB beyond their plan and one was OOM-killed in CI."""
+
+
 def state_bytes(param_bytes: int, optimizer: str) -> int:
     """A block's parameters, gradient and optimizer state."""
     return param_bytes * (2 + OPTIMIZER_SLOTS.get(optimizer, 2))
@@ -61,6 +70,12 @@ def stage_bytes(param_bytes: Sequence[int], out_bytes: Sequence[int], lo: int, h
     return (state_bytes(params, optimizer) + MAX_KEPT * call_inputs + ACTIVATION_FACTOR * sum(out_bytes[lo:hi])
             + STEP_TEMPORARIES * max(param_bytes[lo:hi], default=0) + int(ALLOCATOR_SLACK * params)
             + PROCESS_GROWTH)
+
+
+def sharing_bytes(params: int) -> int:
+    """What averaging a stage of `params` parameter bytes with its peers holds on top of computing it: one
+    exchange's copies and the daemon's idle receive buffers (module docstring)."""
+    return AVERAGING_COPIES * params + RECEIVE_POOL_IDLE
 
 
 def cap_for_stages(budgets_bytes: Sequence[int], stages: int) -> int | None:

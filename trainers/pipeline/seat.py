@@ -87,6 +87,7 @@ class Memory:
     room: int
     need: Callable[[int, int], int]
     max_held: Callable[[int, int], int | None] = lambda lo, hi: None  # gradient copies a stage may keep (stage.py)
+    sharing: Callable[[int, int], int] = lambda lo, hi: 0  # kept for averaging the stage, where the room holds it
 
     def holds(self, nbytes: int) -> bool:
         """Whether `nbytes` fit the room (an unknown room holds anything)."""
@@ -135,6 +136,10 @@ class StageSeat:
         """Bytes serving `stage` of `key` takes (memory.py's estimate)."""
         return self.mem.need(*self.bounds(key, stage))
 
+    def held(self, key: PipelineKey, stage: int) -> int:
+        """`need`, and what averaging the stage with its peers holds where the room holds it too (memory.py)."""
+        return self.need(key, stage) + self.mem.sharing(*self.bounds(key, stage))
+
     def seat_figures(self, key: PipelineKey, *, settling: bool) -> SeatFigures:
         """What the daemon decides our stage from (peertrain/pipeline.py): our figures for `key`'s stages."""
         o = self.o
@@ -158,7 +163,7 @@ class StageSeat:
 
     def _copy_in_memory(self, copy_bytes: int, stage: int) -> bool:
         """Whether a copy of `copy_bytes` (of `stage`'s state) may stay in memory: only where the room is known
-        and holds, beside the stage we serve, the copies already in memory (but an older one of `stage`, which it
+        and holds, beside the stage we serve and its averaging, the copies already in memory (but an older one of `stage`, which it
         replaces) and as many gradient copies as the kept book ever keeps (peer/pipeline/kept.py; the stage keeps
         copies while a step waits, as many as the room beside its plan holds: `max_held`) — so a copy never takes
         memory the stage may need. Otherwise it goes to disk.
@@ -168,7 +173,7 @@ class StageSeat:
         lo, hi = self.bounds(self.key, self.stage)
         held = min(MAX_KEPT * sum(self.model_shapes.param_bytes[lo:hi]), MAX_KEPT_BYTES)
         others = sum(c.nbytes for c in self._copies_in_memory() if c.stage != stage)
-        return self.mem.holds(self.need(self.key, self.stage) + held + others + copy_bytes)
+        return self.mem.holds(self.held(self.key, self.stage) + held + others + copy_bytes)
 
     def _copies_to_disk(self) -> None:
         """Before a move: the copies held in memory go to disk (kept still, to hand out), so the move's checks
@@ -185,6 +190,11 @@ class StageSeat:
             max_batch=o.microbatch, sample_x=self.sample_x, sample_y=self.sample_y, grad_clip=o.grad_clip,
             device=device if device is not None else self.device)
         worker.max_held = self.mem.max_held(*self.bounds(key, stage))
+        lo, hi = self.bounds(key, stage)
+        if self.mem.room and not self.mem.sharing(lo, hi) and worker.device.type != "meta":
+            self.swarm.log("stage %d: the memory room holds the stage but not an averaging exchange beside it (%d MiB "
+                           "more): should another peer serve it too, their exchanges may take this peer past its "
+                           "budget", stage, memory.mib(memory.sharing_bytes(sum(self.model_shapes.param_bytes[lo:hi]))))
         if worker.max_held is not None and worker.device.type != "meta":
             self.swarm.log("stage %d: the memory room holds %d gradient copies beside the stage; calls past them "
                            "while a step waits for acks keep their inputs and compute the gradient when "
@@ -237,7 +247,7 @@ class StageSeat:
         but calls are refused until `join_stage` loaded it (peers slow to start served untrained blocks to peers
         training for seconds, and drivers' checks struck them). A peer that cannot hold both frees the stage it
         served first."""
-        if self.worker is not None and not self.mem.holds(self.need(self.key, self.stage) + self.need(key, stage)):
+        if self.worker is not None and not self.mem.holds(self.held(self.key, self.stage) + self.held(key, stage)):
             self._free()
         self.worker, self.key, self.stage = self._worker(key, stage), key, stage
         self._serve(ready=False)
@@ -352,7 +362,7 @@ class StageSeat:
             return
         lo, hi = self.bounds(self.key, target)
         state = memory.state_bytes(sum(self.model_shapes.param_bytes[lo:hi]), self.o.optimizer)
-        if not self.mem.holds(self.need(self.key, self.stage) + state):
+        if not self.mem.holds(self.held(self.key, self.stage) + state):
             why = (f"no backup of stage {target}: its state ({memory.mib(state)} MiB) does not fit beside ours in "
                    f"this peer's budget (a stage may use {memory.mib(self.mem.room)} MiB)")
             if why != self.backups_skipped:
@@ -381,7 +391,7 @@ class StageSeat:
             self.swarm.log("move to stage %d not made: it needs %d MiB, this peer's budget leaves a stage %d MiB",
                            to, memory.mib(self.need(key, to)), memory.mib(self.mem.room))
             return None
-        if not self.mem.holds(self.need(key, old_stage) + self.need(key, to)):
+        if not self.mem.holds(self.held(key, old_stage) + self.held(key, to)):
             return self._move_freeing_first(to, reason, settle_s=settle_s)
         self.swarm.log("moving from stage %d to stage %d: %s", old_stage, to, reason)
         self.swarm.announce_move(moving_to=to)
