@@ -20,16 +20,17 @@ class CheckpointRefused(ValueError):
     """A checkpoint file that cannot be read as data alone (tensors, numbers, strings, lists and dicts)."""
 
 
-def read_checkpoint(path: Path, map_location: Any = "cpu") -> Any:
+def read_checkpoint(path: Path, map_location: Any = "cpu", *, mapped: bool = False) -> Any:
     """torch.load with weights_only=True: a checkpoint is data, and a pickle that would have to build other
     objects (run code) to load is refused, so a file planted in a home cannot run code in the daemon or in
-    `peer export`. Raises CheckpointRefused saying why."""
+    `peer export`. `mapped`: the tensors are the file's pages, mapped (read as they are used, and the kernel's
+    to drop again), not read into memory. Raises CheckpointRefused saying why."""
     import pickle
 
     import torch
 
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mapped)
     except pickle.UnpicklingError as exc:
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]
         reason = next((ln for ln in lines if "GLOBAL" in ln), lines[-1])  # torch names the global it refused

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from protocol.refusal import Refusal
 from protocol.schema.pipeline import StageAnnouncement
 
-Named = list[tuple[str, Any]]  # (name, tensor), as a stage's export_state gives them
+Named = list[tuple[str, Any]]  # (name, tensor), as a stage's write_state gives them
 Spec = tuple[str, str, tuple[int, ...]]  # (name, dtype without "torch.", shape)
 ReplyShapes = Callable[[int, str, int], list[tuple[str, list[int]]]]
 """(stage, kind, batch) -> the (dtype, shape) of each tensor the reply must carry (from the model's cut)."""
@@ -261,4 +261,7 @@ class StageHandler(Protocol):
     def compute(self, kind: str, tensors: list[Any], seed: int) -> tuple[float | None, list[Any], HeldGradient | None]:
         """(loss, output tensors, the call's parameter gradient: kept until acknowledged; None for no gradient)."""
     def samples_per_s(self) -> float: ...
-    def export_state(self) -> tuple[list[tuple[str, Any]], int, int]: ...  # (named tensors, steps, samples)
+    def write_state(self, write: Callable[[list[tuple[str, Any]], int, int], None]) -> None:
+        """Call `write(named tensors, steps, samples)` under the stage's lock with the tensors themselves, not
+        copies: the daemon streams them to a file before it sends them (peer/pipeline/state_transfer.py), so
+        the state a joiner asks for never takes memory beside the stage that its budget does not hold."""

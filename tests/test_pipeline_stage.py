@@ -454,6 +454,28 @@ def test_state_round_trip_is_exact(name: str) -> None:
         assert wb.steps == 3 and all(torch.equal(v, wb.params()[k]) for k, v in wa.params().items())
 
 
+def test_write_state_hands_over_what_export_state_copies_under_the_lock_without_copying_it() -> None:
+    """What the daemon writes to a file before sending it (peer/pipeline/state_transfer.py): the same state as
+    export_state's, the tensors themselves (no second copy in memory), with the lock held while it writes."""
+    w = workers(tiny(0.1), optimizer=adam)[1]
+    train_stage(w, 1)
+    got = []
+
+    def write(tensors, steps, samples):
+        assert w.lock.locked()  # no step lands while the file is written
+        got.append((tensors, steps, samples))
+
+    w.write_state(write)
+    [(tensors, steps, samples)] = got
+    copied, steps_c, samples_c = w.export_state()
+    assert_same_state(tensors, copied) and (steps, samples) == (steps_c, samples_c) == (1, 4)
+    own = {p.data_ptr() for p in w.params().values()} | {v.data_ptr() for st in w._optimizer.state.values()
+                                                        for v in st.values() if torch.is_tensor(v) and v.dim()}
+    assert {t.data_ptr() for _, t in tensors if t.dim()} <= own  # the stage's own storage, not copies
+    assert not {t.data_ptr() for _, t in copied if t.dim()} & own  # (export_state's are copies)
+    assert not w.lock.locked()
+
+
 def test_fresh_state_has_only_module_entries() -> None:
     a = workers(tiny(0.0), optimizer=adam)[1]
     b = workers(tiny(0.0, seed=5), optimizer=adam)[1]

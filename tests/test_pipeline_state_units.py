@@ -18,7 +18,7 @@ from peer.home import Home
 from peer.membership.view_mode import FullView
 from peer.pipeline.server import ServedStage, StageServer
 from peer.pipeline.service import PipelineService
-from peer.pipeline.copies import COPY_SUFFIX, KeptCopy, copy_file
+from peer.pipeline.copies import COPY_SUFFIX, KeptCopy, copy_file, snapshot_file
 from peer.pipeline.state_transfer import StageStates
 from peertrain.pipeline import CopyUnreadable, PipelineKey
 from protocol.schema.pipeline import BlockProfile
@@ -464,6 +464,48 @@ def test_a_copy_on_disk_is_served_from_its_file(states):
         [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in named(6)]
     assert_bit_exact(session.sent, named(6))
     assert states.stats.served == 1
+
+
+class LiveHandler(Handler):
+    """The stage we serve: hands its tensors themselves to `write_state`'s writer, as StageWorker does."""
+
+    def __init__(self, tensors, step):
+        self.tensors, self.step, self.writes = tensors, step, 0
+
+    def write_state(self, write):
+        self.writes += 1
+        write(self.tensors, self.step, self.step * 8)
+
+
+def test_the_served_stage_is_sent_from_a_snapshot_file_that_goes_when_the_transfer_ends(states, copies_dir):
+    """No copy of a live stage's state in memory beside it (copies.py): it is written to a file under the stage's
+    lock and sent from the file's pages; the file is removed once sent."""
+    live = LiveHandler(named(9), 9)
+    states.service.server.stage = ServedStage(KEY, 1, 16, live)
+    seen_files: list[list[str]] = []
+
+    class Watching(ServeSession):
+        async def send_tensor(self, name, array, *, codec, stream):
+            seen_files.append(files(copies_dir))
+            await super().send_tensor(name, array, codec=codec, stream=stream)
+
+    session = Watching()
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await states.on_request(session, SimpleNamespace(message=state_request(1)), n)
+
+    trio.run(main)
+    [reply] = session.replies
+    assert isinstance(reply, StageStateReply) and (reply.step, reply.samples, reply.live) == (9, 72, True)
+    assert live.writes == 1 and states.stats.served == 1 and states.uploads == 0
+    assert_bit_exact(session.sent, named(9))
+    mine = {t.data_ptr() for _, t in live.tensors}
+    assert not any(t.data_ptr() in mine for _, t in session.sent)  # what went out is the file's, not the stage's
+    assert all(f == [snapshot_file(copies_dir, 0).name] for f in seen_files) and seen_files  # sent from the file
+    assert files(copies_dir) == []  # and the file is gone
+    serve(states, 1)
+    assert live.writes == 2 and files(copies_dir) == []  # each transfer its own snapshot
 
 
 def test_a_copy_whose_file_is_bad_is_refused_with_a_reason_not_a_crash(states, caplog):

@@ -172,7 +172,7 @@ class PipelineSection:
                                 "and banned from this daemon's calls and stage after 3 strikes (0: no checks).",
                                 lo=0.0, hi=1.0)
     max_state_uploads: int = _f(2, "Stage states (weights and optimizer state) this daemon sends at once to peers "
-                                "taking a stage over; each holds a snapshot of the stage in memory while it streams.",
+                                "taking a stage over; each writes a snapshot of the stage to a file in the home and streams it from there.",
                                 lo=1, hi=64)
     state_timeout: float = _f(120.0, "Longest one stage-state transfer may take (a stage of 100 MB at ~10 MB/s, "
                               "with room); a slower one is abandoned and the mover asks another holder.",

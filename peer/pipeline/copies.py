@@ -6,6 +6,13 @@ than one host, so a copy goes to a file in HOME/stage-copies/ (peer/home.py, `Ho
 keeps only what it announces and checks: key, stage, step, samples, each tensor's name, dtype and shape, and
 its bytes. `in_memory` copies are for a caller that knows memory allows it.
 
+A live stage's state that a peer asks for is written the same way, to a file of its own for that one transfer
+(`write_snapshot`: no fsync, no atomic replace; removed when the transfer ends, and at start by `remove_stale`),
+and read back mapped, as a copy on disk is when it is served (`load(mapped=True)`): what is sent is file pages the
+kernel can drop, never a second copy of a stage in the daemon's memory. Before 2026-11-30 each transfer held a
+copy of weights and optimizer state in memory, outside the stage's budget; `[pipeline] max_state_uploads` (2)
+peers announcing the stage could make a stage peer hold two of them at once.
+
 One file per (pipeline, cut, stage): a newer copy of that stage replaces it atomically (peer.home.atomic_write,
 the mechanism checkpoints use), so a reader sees the old copy or the new one, never a torn file. The file says
 which copy it holds; `load` checks that and every tensor's spec against what was kept, and raises
@@ -34,6 +41,7 @@ log = logging.getLogger("peertrain.pipeline")
 
 COPY_FORMAT = 1  # the file layout's version: a file of another layout is refused, never misread
 COPY_SUFFIX = ".copy.pt"
+SNAPSHOT_SUFFIX = ".sending.pt"  # a live state being sent (`write_snapshot`)
 NAME_CHARS = 32  # of the pipeline's name kept in a file name, for a person listing the folder; a hash tells them apart
 
 def spec_of(name: str, tensor: Any) -> Spec:
@@ -79,26 +87,39 @@ class KeptCopy:
 
         tensors = list(tensors)
         path = copy_file(directory, key, stage)
-        content = {"format": COPY_FORMAT, "pipeline": key.name, "cuts": list(key.cuts), "stage": stage,
-                   "step": step, "samples": samples, "names": [n for n, _ in tensors], "tensors": [t for _, t in tensors]}
+        content = _content(key, stage, tensors, step, samples)
         atomic_write(path, lambda f: torch.save(content, f), mode=0o600)  # streamed: no second copy in memory
         return cls(key, stage, step, samples, [spec_of(n, t) for n, t in tensors], _nbytes(tensors), path=path)
 
-    def load(self) -> tuple[Named, int, int]:
+    @classmethod
+    def write_snapshot(cls, path: Path, key: PipelineKey, stage: int, tensors: Named, step: int,
+                       samples: int) -> KeptCopy:
+        """Write a live stage's state to `path` for one transfer (module docstring): streamed, as `write`, but
+        neither fsynced nor replaced atomically (nobody reads it but the transfer that wrote it)."""
+        import torch
+
+        tensors = list(tensors)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            torch.save(_content(key, stage, tensors, step, samples), f)
+        return cls(key, stage, step, samples, [spec_of(n, t) for n, t in tensors], _nbytes(tensors), path=Path(path))
+
+    def load(self, *, mapped: bool = False) -> tuple[Named, int, int]:
         """(tensors, step, samples), as a stage's export_state gives them: the held tensors (shared: import
-        them into one worker only), or fresh ones read from the file. Step and samples are the file's: a newer
-        copy of the stage may have replaced it since this one was kept. Reading blocks on the disk: call it off
-        the trio thread. Raises CopyUnreadable (and notes why in `unreadable`)."""
+        them into one worker only), or fresh ones read from the file (`mapped`: the file's pages, for sending
+        them). Step and samples are the file's: a newer copy of the stage may have replaced it since this one
+        was kept. Reading blocks on the disk: call it off the trio thread. Raises CopyUnreadable (and notes why
+        in `unreadable`)."""
         if self.path is None:
             assert self.held is not None
             return self.held, self.step, self.samples
         try:
-            return self._read(self.path)
+            return self._read(self.path, mapped)
         except CopyUnreadable as exc:
             self.unreadable = str(exc)
             raise
 
-    def _read(self, path: Path) -> tuple[Named, int, int]:
+    def _read(self, path: Path, mapped: bool) -> tuple[Named, int, int]:
         import torch
 
         where = f"copy of stage {self.stage} of pipeline {self.key.name[:64]!r} ({path})"
@@ -106,7 +127,7 @@ class KeptCopy:
             with open(path, "rb") as f:  # a zip is what torch.save writes; torch.load would try else as a bare pickle
                 if not zipfile.is_zipfile(f):
                     raise CopyUnreadable(f"{where}: not a file torch.save wrote (torn, or overwritten by something else)")
-            data = read_checkpoint(path)
+            data = read_checkpoint(path, mapped=mapped)
         except (CheckpointRefused, FileNotFoundError) as exc:
             if not path.exists():
                 raise CopyUnreadable(f"{where}: its file is gone (dropped, or removed by someone)") from None
@@ -132,6 +153,17 @@ class KeptCopy:
                        f"{len(specs)} tensors instead of {len(self.specs)}")
             raise CopyUnreadable(f"{where}: the file does not hold the tensors kept: {bad}"[:500])
         return tensors, step, samples
+
+
+def _content(key: PipelineKey, stage: int, tensors: Named, step: int, samples: int) -> dict:
+    """What a copy's file holds (COPY_FORMAT)."""
+    return {"format": COPY_FORMAT, "pipeline": key.name, "cuts": list(key.cuts), "stage": stage, "step": step,
+            "samples": samples, "names": [n for n, _ in tensors], "tensors": [t for _, t in tensors]}
+
+
+def snapshot_file(directory: Path, n: int) -> Path:
+    """The file of the `n`-th live state this daemon sends (one per transfer at a time)."""
+    return Path(directory) / f"state-{n}{SNAPSHOT_SUFFIX}"
 
 
 def _nbytes(tensors: Named) -> int:

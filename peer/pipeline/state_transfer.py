@@ -7,8 +7,10 @@ copy of it (`copies`: the stage it left, or one it backs up), whichever its reco
 
 Serving is bounded like every other transfer: only a connected peer that announces a stage of the same
 pipeline (same name, same cut) may ask (the model is for the pipeline's peers, not for anyone who dials); at
-most `[pipeline] max_state_uploads` transfers at once per daemon (each holds a snapshot of a stage in memory
-while it streams) and one per asking peer; each ends within `[pipeline] state_timeout`.
+most `[pipeline] max_state_uploads` transfers at once per daemon and one per asking peer; each ends within
+`[pipeline] state_timeout`. What a transfer sends is a file, read mapped: a copy's own, or, for the stage we
+serve, a snapshot of it written under the stage's lock to a file of its own (copies.py says why), removed
+when the transfer ends. So a transfer holds disk (a stage's state each), not memory beside the stage.
 
 Fetching checks before it allocates: the holder names every tensor (name, dtype, shape) in its reply, and the
 trainer's `check` (trainers/pipeline/stage.py, check_state_specs) refuses any list that is not exactly a state
@@ -28,6 +30,8 @@ on its own thread (`KeptCopy.load`). Files from an earlier run are removed when 
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import time
 from collections import Counter
@@ -38,7 +42,7 @@ from typing import Any, Callable
 import trio
 
 from peer.membership.reach import Unreachable
-from peer.pipeline.copies import KeptCopy, remove_files, remove_stale
+from peer.pipeline.copies import KeptCopy, remove_files, remove_stale, snapshot_file
 from peertrain.pipeline import CopyUnreadable, FetchedState, PipelineKey, StateUnavailable
 from peer.session.groups import IncomingGroup, OutgoingGroup
 from peer.session.transport import SessionClosed
@@ -74,6 +78,7 @@ class StageStates:
         self.stats = StateStats()
         self._files = trio.Lock()  # held while a copy is filed and while files go (module docstring)
         self._orphans: list[Path] = []  # files of copies no longer kept, removed under `_files`
+        self._snapshots = itertools.count()  # numbers the files of live states being sent
         remove_stale(self.directory)  # at start, before anything is kept: nobody can ask for those
 
     # ---- the copies we keep ---------------------------------------------------------------------
@@ -161,11 +166,14 @@ class StageStates:
     async def _serve(self, session, env) -> None:
         req: StageStateRequest = env.message
         key = PipelineKey(req.pipeline, tuple(req.cuts))
+        snapshot: Path | None = None
         try:
             with trio.fail_after(self.cfg.state_timeout):
                 st = self.service.server.stage
                 if st is not None and st.key == key and st.stage == req.stage:
-                    tensors, step, samples = await trio.to_thread.run_sync(st.handler.export_state)
+                    snapshot = snapshot_file(self.directory, next(self._snapshots))
+                    written = await trio.to_thread.run_sync(_write_snapshot, st.handler, snapshot, key, req.stage)
+                    tensors, step, samples = await trio.to_thread.run_sync(functools.partial(written.load, mapped=True))
                     live = True
                 else:
                     kept = self.get(key, req.stage)
@@ -173,7 +181,7 @@ class StageStates:
                         await session.reply(env, ErrorReply.of(Refusal(Code.NO_STATE, "the copy is gone")))
                         return
                     try:
-                        tensors, step, samples = await trio.to_thread.run_sync(kept.load)
+                        tensors, step, samples = await trio.to_thread.run_sync(functools.partial(kept.load, mapped=True))
                     except CopyUnreadable as exc:
                         log.warning("stage %d's state for %s not sent: %s", req.stage, session.short, exc)
                         self.get(key, req.stage)  # forgets it, if it is still the copy we keep
@@ -198,6 +206,9 @@ class StageStates:
             self.per_peer[session.peer_id] -= 1
             if self.per_peer[session.peer_id] <= 0:
                 del self.per_peer[session.peer_id]
+            if snapshot is not None:  # its pages stay readable while mapped; the name goes now
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(remove_files, [snapshot])
 
     # ---- fetching --------------------------------------------------------------------------------
     async def fetch(self, key: PipelineKey, stage: int, peer_id: str, check: SpecCheck) -> FetchedState:
@@ -260,6 +271,16 @@ class StageStates:
                            for c in self.copies.values()],
                 "served": s.served, "refused": dict(s.refused), "fetched": s.fetched, "fetch_failed": s.fetch_failed,
                 "uploads": self.uploads, "last_error": s.last_error, "copies_unreadable": s.copies_unreadable}
+
+
+def _write_snapshot(handler, path: Path, key: PipelineKey, stage: int) -> KeptCopy:
+    """The served stage's state, written to `path` under the stage's lock (`StageHandler.write_state`)."""
+    made: list[KeptCopy] = []
+    handler.write_state(lambda tensors, step, samples: made.append(
+        KeptCopy.write_snapshot(path, key, stage, tensors, step, samples)))
+    if not made:
+        raise RuntimeError(f"stage {stage}'s handler wrote no state")
+    return made[0]
 
 
 def _first_not_finite(specs: list[TensorSpec], values: list[Any]) -> str | None:

@@ -114,5 +114,5 @@ class Lying:
     def steps(self) -> int:
         return self.handler.steps
 
-    def export_state(self):
-        return self.handler.export_state()
+    def write_state(self, write):
+        return self.handler.write_state(write)

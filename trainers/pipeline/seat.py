@@ -444,9 +444,9 @@ class StageSeat:
                 return None
             old = self.worker
             dropped = old.pending_samples
-            tensors, step, samples = old.export_state()
-            self.swarm.keep_stage_copy(key, old_stage, tensors, step, samples)
-            del old, tensors
+            old.write_state(lambda tensors, step, samples:  # to disk under its lock: no copy of it in memory
+                            self.swarm.keep_stage_copy(key, old_stage, tensors, step, samples))
+            del old
             self._free()
             worker = self._worker(key, to)
             got = self._adopt(worker, to)

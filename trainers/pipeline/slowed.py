@@ -36,5 +36,5 @@ class Slowed:
     def steps(self) -> int:
         return self.worker.steps
 
-    def export_state(self):
-        return self.worker.export_state()
+    def write_state(self, write):
+        return self.worker.write_state(write)

@@ -599,6 +599,15 @@ class StageWorker:
             tensors = state_tensors.flatten(module, named, self._optimizer.state)
             return tensors, self.steps, self.samples
 
+    def write_state(self, write: Callable[[list[tuple[str, Tensor]], int, int], None]) -> None:
+        """`write(named tensors, steps, samples)` under `lock`, with the tensors themselves (detached, where
+        they live): what `export_state` copies, handed to a writer that puts it on disk tensor by tensor, so a
+        state sent to a peer or kept on disk costs no second copy in memory. `write` must not keep them."""
+        named = [(name, p) for name, (_, p) in self._layout.params.items()]
+        with self.lock:
+            module = [(self._global(k), v) for k, v in self.module.state_dict().items()]
+            write(state_tensors.flatten(module, named, self._optimizer.state, copy=False), self.steps, self.samples)
+
     def check_state_specs(self, specs: list[tuple[str, str, list[int]]]) -> str | None:
         """None if `specs` [(name, dtype, shape)] is a state this stage can load; else a reason naming
         the first offending entry (<= 300 chars). Pure; allocates nothing proportional to the specs

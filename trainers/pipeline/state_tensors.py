@@ -173,13 +173,15 @@ def _copy(t: Tensor) -> Tensor:
 
 
 def flatten(module_state: Iterable[tuple[str, Tensor]], named_params: Iterable[tuple[str, nn.Parameter]],
-            opt_state: Any) -> list[tuple[str, Tensor]]:
-    """Copies of the module entries (global keys) and each named parameter's optimizer state, as named tensors."""
-    out = [(f"m/{k}", _copy(v)) for k, v in module_state]
+            opt_state: Any, *, copy: bool = True) -> list[tuple[str, Tensor]]:
+    """Copies of the module entries (global keys) and each named parameter's optimizer state, as named tensors
+    (`copy=False`: the tensors themselves, detached)."""
+    take = _copy if copy else Tensor.detach
+    out = [(f"m/{k}", take(v)) for k, v in module_state]
     for name, p in named_params:
         for key, v in opt_state.get(p, {}).items():
             if isinstance(v, Tensor):
-                out.append((f"o/{name}/{key}", _copy(v)))
+                out.append((f"o/{name}/{key}", take(v)))
             elif isinstance(v, (int, float)) and not isinstance(v, bool):
                 out.append((f"o/{name}/{key}{NUM_SUFFIX}", torch.tensor(float(v), dtype=torch.float64)))
             elif v is not None:
