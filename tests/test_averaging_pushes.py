@@ -14,7 +14,8 @@ import torch
 import peertrain
 from peer.averaging import norms
 from peer.averaging.bounds import OPPOSED_COSINE
-from peer.averaging.push_gate import PUSH_BURST, PUSH_NORM_BOUND, PUSH_RATE, PUSH_STRIKE_RATIO, PushGate
+from peer.averaging.push_gate import (ANGLE_MIN_PUSHES, PUSH_BURST, PUSH_NORM_BOUND, PUSH_RATE, PUSH_STRIKE_RATIO,
+                                     PushGate)
 from peer.averaging.shared import SharedTensors
 from peer.averaging.sparse_updates import EF_DECAY, OUTER_LR, nonzero_entries
 from peer.averaging.edge_copies import sparse_roundtrip
@@ -58,28 +59,43 @@ def test_a_push_far_past_our_own_is_evidence_against_its_sender():
     assert gate.evidence(float("nan")) is not None
 
 
-def test_a_push_pointing_away_from_our_own_is_evidence_and_none_of_it_is_added():
+def test_a_push_pointing_away_from_our_own_is_not_added_and_a_sender_whose_pushes_keep_doing_so_is_struck():
     ours = np.zeros(8192, dtype=np.float32)
     ours[::64] = np.random.default_rng(0).normal(size=128)
     gate = PushGate()
     gate.pushed(float(np.linalg.norm(ours)), now=0.0, support=[nonzero_entries(ours)])
     noise = np.random.default_rng(1).normal(size=8192).astype(np.float32) * 0.01
 
-    def judged(push):
+    def judged(push, sender="p"):
         norm = float(np.linalg.norm(push))
         cosine = gate.cosine(norm, norms.dot_on_support([torch.from_numpy(push)], gate.own_support))
-        return cosine, gate.scale(norm, cosine), gate.evidence(norm, cosine)
+        return cosine, gate.scale(norm, cosine), gate.evidence(norm, cosine) or gate.turned_away(sender, cosine)
 
-    cosine, scale, why = judged(ours + noise)  # an honest partner's: along ours
+    cosine, scale, why = judged(ours + noise, "honest")  # an honest partner's: along ours
     assert cosine > 0.9 and scale == 1.0 and why is None
-    cosine, scale, why = judged(-ours + noise)  # ours negated (or the swarm's mean, which holds ours)
-    assert cosine < -0.9 and scale == 0.0 and "pointing away" in why
+    for i in range(ANGLE_MIN_PUSHES):  # ours negated (or the swarm's mean, which holds ours): none of it added,
+        cosine, scale, why = judged(-ours + noise, "liar")  # and struck once its latest say so together
+        assert cosine < -0.9 and scale == 0.0
+        assert (why is None) == (i < ANGLE_MIN_PUSHES - 1), (i, why)
+    assert "pointing away" in why and "mean cosine" in why
     cosine, scale, why = judged(noise * 100)  # orthogonal: not seen by the angle (the norm bounds it)
     assert abs(cosine) < OPPOSED_COSINE and why is None and 0.0 < scale <= 1.0
     assert gate.evidence(1.0, float("nan")) is not None
     unjudged = PushGate()
     unjudged.pushed(1.0, now=0.0)  # a pusher that gave no support: no angle, the norm alone
     assert unjudged.cosine(1.0, -1.0) is None
+
+
+def test_an_honest_sender_whose_pushes_now_and_then_point_away_is_never_struck():
+    """Label-skewed peers' honest pushes (push_gate.py's docstring): single ones down to -0.235, means of 4 above
+    -0.15; a sender alternating such pushes with ordinary ones is left out of the opposed ones, never struck."""
+    gate = PushGate()
+    gate.pushed(1.0, now=0.0, support=[(np.arange(4), np.ones(4, dtype=np.float32))])
+    skewed = [-0.235, -0.19, -0.12, 0.05, -0.18, 0.02, -0.15, 0.03, 0.01, -0.2, -0.11, 0.04]
+    assert all(gate.turned_away("skewed", c) is None for c in skewed)
+    assert [gate.scale(1.0, c) for c in skewed[:4]] == [0.0, 0.0, 0.0, 1.0]  # the three past -0.1 are left out
+    assert sum(gate.turned_away("late", c) is not None for c in (-0.25,) * 3) == 0  # too few to judge
+    assert gate.turned_away("late", -0.25) is not None  # a fourth: the mean of 4 past -0.2
 
 
 def test_a_sender_pushes_at_most_its_rate_per_round_of_ours_after_a_burst():
@@ -325,3 +341,25 @@ def test_peer_status_shows_the_sparse_pushes():
     out = console.export_text()
     assert "sparse pushes" in out and "sent 27" in out and "taken 24" in out and "clipped 2" in out
     assert "opposed 1" in out and "median 0.31" in out
+
+
+def test_the_push_angle_measurement_runs_each_split_and_reports_what_the_gate_judges(capsys):
+    """`python -m peer.testing.push_angle_sim` (docs/benchmarks.md, fourteenth session), at two rounds: every split
+    gives each peer a shard (by label for `classes`), and a run reports the figures the angle rule was set from."""
+    import json
+
+    from peer.testing.push_angle_sim import main, run, shards
+
+    labels = np.arange(100) % 10
+    rng = np.random.default_rng(0)
+    for split in ("iid", "classes", "dir:0.1"):
+        parts = shards(labels, split, 4, rng)
+        assert sorted(np.concatenate(parts).tolist()) == list(range(100)), split  # each sample once
+    assert {int(labels[i]) % 4 for i in shards(labels, "classes", 4, rng)[1]} == {1}
+    with pytest.raises(ValueError, match="unknown split"):
+        shards(labels, "zipf", 4, rng)
+    got = run("classes", peers=3, rounds=2, inner=2, seed=0)
+    assert got["parameters"] == 19210 and got["opposed"].endswith("of 12") and got["negated_mean_cosine_median"] < 0
+    assert got["mean_of_4_min"] is None  # two rounds: no window of 4 yet
+    main(["--splits", "iid", "--peers", "2", "--rounds", "1", "--inner", "1", "--seeds", "1"])
+    assert json.loads(capsys.readouterr().out)["split"] == "iid"

@@ -215,7 +215,7 @@ class UpdatePushes:
             if cosine is not None:
                 self.cosines.append(cosine)
             scale = gate.scale(norm, cosine)
-            if (why := gate.evidence(norm, cosine)) is not None:
+            if (why := gate.evidence(norm, cosine) or gate.turned_away(session.peer_id, cosine)) is not None:
                 self.ledger.struck(session.peer_id, why)
             if gate.opposed(cosine):
                 self.counts["opposed"] += 1
