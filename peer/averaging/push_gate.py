@@ -23,9 +23,9 @@ What a partner may make us add is measured against what we ourselves did, never 
   one push: the mean cosine of a sender's latest ANGLE_WINDOW pushes, once ANGLE_MIN_PUSHES are known, below
   -OPPOSED_MEAN_COSINE. Where peers hold different labels (non-IID data) honest sparse pushes point away
   now and then: in a simulation of 4 and 8 peers on the digits with label-skewed shards
-  (`python -m peer.testing.push_angle_sim`; docs/benchmarks.md, 2026-11-30), single honest pushes read down to -0.235, 4 of one sender's 40 were past
-  -0.1 (three in a row: a ban, when each was a strike), while the mean of 4 never went below -0.143 nor
-  the mean of 8 below -0.097; the swarm's mean update negated read -0.40 (8 peers) to -0.51 (4) in the
+  (`python -m peer.testing.push_angle_sim`; docs/benchmarks.md, 2026-11-30), single honest pushes read down
+  to -0.235, 4 of one sender's 40 were past -0.1 (three in a row: a ban, when each was a strike), while the
+  mean of 4 never went below -0.143 nor the mean of 8 below -0.097; the swarm's mean update negated read -0.40 (8 peers) to -0.51 (4) in the
   median. So such an honest push is left out (1-3% of them under that skew), and its sender is not struck.
   As for exchanges, a group under OPPOSED_MIN_ELEMENTS values is not judged so (pushes.py gives no support
   then).
