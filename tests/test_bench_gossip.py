@@ -23,16 +23,6 @@ def test_bench_gossip_small_swarm_reports_every_topology(tmp_path):
     argv = [sys.executable, "-m", "peer", "bench", "gossip", "--n", "4", "--size", "256KiB", "--target", "1e-2",
             "--topologies", "rewired,ring", "--settle", "2", "--timeout", f"{scaled(30):g}", "--logs", str(tmp_path), "--json"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=scaled(85))
-    if proc.returncode == 1 and proc.stdout.strip():
-        ring = json.loads(proc.stdout)["topologies"].get("ring") or {}
-        if (ring.get("seconds_to_target") is None and ring.get("exchanges_per_peer", 0) > 100
-                and all(ring.get("checks", {}).get(k) for k in ("doubly_stochastic", "sum_preserved"))):
-            # A known defect, cause not confirmed (issue 40): 1 run in 4 here the ring stalls at 0.036-0.054 of
-            # its start error, the sum kept, one peer's offers no longer taken (24 exchanges in 30 s against its
-            # neighbours' 488-1,481). Suspected: the per-partner share bound (peer/averaging/shares.py) at degree
-            # 2 refuses a peer far from two converged neighbours, whose own moves shrink to ~0. Not this test's
-            # subject (the bench end to end and its invariant checks), so it is reported, not failed.
-            pytest.xfail(f"issue 40: the ring stalled at {ring.get('error_reached')} (the share bound, suspected)")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["n"] == 4 and out["payload_bytes"] == 256 * 1024

@@ -23,6 +23,17 @@ peers, rewired, seeds 0-2; docs/benchmarks.md, 2026-11-29) the honest peers' mea
 3.41 points without the bound, 1.27 at 1.5 and 0.39 at 1; but at 1 the byzantine test's slowest honest peer
 reached its target after 1,500 and 520 steps in two of four runs (ipm_10; at 1.5, 3 of 3 within 220), the
 rest of the swarm done and frozen by then.
+
+A partner closing in has a floor under its reference: SHARE_FLOOR_MOVES times its own largest move of the
+window. Once our other partners have converged with us their moves shrink to nothing, and a partner still far
+(an honest laggard) was past any multiple of them after one exchange, refused for the whole window, and again
+after its next: `peer bench gossip`'s ring of 4 stalled at 0.045 of its start error in 1 run in 4
+(docs/benchmarks.md, 2026-11-30), its laggard's offers refused by both its neighbours. An honest laggard closes
+in, each exchange taking 2w of its distance (2/3 at w = 1/3), so its moves form a geometric series, at most 1.5x
+its first: never past the floor. Closing in means its latest move is at most CLOSING of its largest in the
+window, or it has made one move only. A partner that keeps its distance (the dissensus liar) gets its second
+move of a window past the others' median, and is held after; one that alternates large and small moves to look
+as if it closed in gets at most SHARE_MARGIN x SHARE_FLOOR_MOVES = 3 of its largest a window.
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ from collections import OrderedDict, deque
 SHARE_WINDOW_S = 30.0  # the window of moves summed: tens of exchanges per partner at the pace of the training tests
 SHARE_BUCKET_S = 1.0  # moves are summed per bucket this long: at most 30 numbers a partner, not every exchange
 SHARE_MARGIN = 1.5  # times the upper median of the others' sums (docstring: measured against 1 and none)
+SHARE_FLOOR_MOVES = 2.0  # ... or, closing in, of its own largest move in the window, twice: a laggard's series <= 1.5x
+CLOSING = 0.5  # its latest move at most this share of its largest in the window: closing in (a laggard's: 1/3 a move)
 MAX_PARTNERS = 64  # per group, as radius.py's: above max_degree with room for churn
 
 
@@ -40,7 +53,8 @@ class MoveShares:
     """Per group, per partner: our moves of the last SHARE_WINDOW_S, in buckets."""
 
     def __init__(self) -> None:
-        self._moves: dict[str, OrderedDict[str, deque[list[float]]]] = {}  # group -> peer -> [[bucket start, sum]]
+        # group -> peer -> [[bucket start, sum, largest move, latest move]]
+        self._moves: dict[str, OrderedDict[str, deque[list[float]]]] = {}
 
     def record(self, group: str, peer: str, moved: float, now: float) -> None:
         """A committed exchange of `group` with `peer` moved our model by `moved` (a norm)."""
@@ -50,8 +64,10 @@ class MoveShares:
         buckets = peers.pop(peer, None) or deque()
         if buckets and now - buckets[-1][0] < SHARE_BUCKET_S:
             buckets[-1][1] += moved
+            buckets[-1][2] = max(buckets[-1][2], moved)
+            buckets[-1][3] = moved
         else:
-            buckets.append([now, moved])
+            buckets.append([now, moved, moved, moved])
         _drain(buckets, now)
         peers[peer] = buckets  # most recently touched last
         while len(peers) > MAX_PARTNERS:
@@ -59,12 +75,26 @@ class MoveShares:
 
     def share(self, group: str, peer: str, now: float) -> float:
         """How far `peer` moved us in the window."""
+        return sum(b[1] for b in self._window(group, peer, now))
+
+    def floor(self, group: str, peer: str, now: float) -> float:
+        """SHARE_FLOOR_MOVES x `peer`'s largest move of us in the window if it is closing in (its only move, or
+        its latest at most CLOSING of its largest), else 0 (module docstring)."""
+        buckets = self._window(group, peer, now)
+        if not buckets:
+            return 0.0
+        largest = max(b[2] for b in buckets)
+        one_move = len(buckets) == 1 and buckets[0][1] == buckets[0][2]
+        latest = buckets[-1][3]
+        return SHARE_FLOOR_MOVES * largest if one_move or latest <= CLOSING * largest else 0.0
+
+    def _window(self, group: str, peer: str, now: float) -> deque[list[float]]:
         peers = self._moves.get(group)
         buckets = peers.get(peer) if peers is not None else None
         if not buckets:
-            return 0.0
+            return deque()
         _drain(buckets, now)
-        return sum(s for _, s in buckets)
+        return buckets
 
     def over(self, group: str, peer: str, now: float) -> str | None:
         """Why `peer` may not average `group` with us now (it moved us past its share), or None."""
@@ -75,10 +105,11 @@ class MoveShares:
         others = sorted(s for p in partners if p != peer and (s := self.share(group, p, now)) > 0.0)
         if not others:
             return None
-        ref = others[len(others) // 2]
+        median = others[len(others) // 2]
+        ref = max(median, self.floor(group, peer, now))
         if mine <= SHARE_MARGIN * ref:
             return None
-        return (f"moved our {group!r} {mine / ref:.3g}x as far as our other partners' median in the last "
+        return (f"moved our {group!r} {mine / median:.3g}x as far as our other partners' median in the last "
                 f"{SHARE_WINDOW_S:g} s (at most {SHARE_MARGIN:g}x)")
 
     def forget(self, group: str) -> None:
