@@ -502,12 +502,14 @@ def test_a_partner_past_its_share_of_our_moves_is_refused_as_busy_both_ways():
     async def body(a, b):
         now = trio.current_time()
         b.radii.shares.record("params", "someone-else", 1.0, now)
-        b.radii.shares.record("params", a.me, 10.0, now)
+        for _ in range(3):  # moves that do not close in (one alone, or shrinking ones, have a floor: shares.py)
+            b.radii.shares.record("params", a.me, 10.0, now)
         result = await a.exchange(b.me, "params")
         assert not result.ok and result.code is Code.BUSY and "moved our 'params'" in result.reason, result
         assert b.ledger.banned(a.me) is None  # no strike for it
         a.radii.shares.record("params", "someone-else", 1.0, now)
-        a.radii.shares.record("params", b.me, 10.0, now)
+        for _ in range(3):
+            a.radii.shares.record("params", b.me, 10.0, now)
         rejected = b.stats.rejected
         result = await a.exchange(b.me, "params")
         assert result.code is Code.BUSY and "moved our" in result.reason and b.stats.rejected == rejected  # ours

@@ -25,10 +25,10 @@ What a partner may make us add is measured against what we ourselves did, never 
   now and then: in a simulation of 4 and 8 peers on the digits with label-skewed shards
   (`python -m peer.testing.push_angle_sim`; docs/benchmarks.md, 2026-11-30), single honest pushes read down
   to -0.235, 4 of one sender's 40 were past -0.1 (three in a row: a ban, when each was a strike), while the
-  mean of 4 never went below -0.143 nor the mean of 8 below -0.097; the swarm's mean update negated read -0.40 (8 peers) to -0.51 (4) in the
-  median. So such an honest push is left out (1-3% of them under that skew), and its sender is not struck.
-  As for exchanges, a group under OPPOSED_MIN_ELEMENTS values is not judged so (pushes.py gives no support
-  then).
+  mean of 4 never went below -0.143 nor the mean of 8 below -0.097; the swarm's mean update negated read
+  -0.40 (8 peers) to -0.51 (4) in the median. So such an honest push is left out (1-3% of them under that
+  skew), and its sender is not struck. As for exchanges, a group under OPPOSED_MIN_ELEMENTS values is not
+  judged so (pushes.py gives no support then).
 
 The cheapest attack is a key that pushes just inside the bound as often as the bucket lets it: 4.5 of our
 round's move per round, per key, and never struck; the angle does not see a push orthogonal to ours (noise,
@@ -57,7 +57,7 @@ PUSH_RATE = 1.5  # pushes a sender may make per our own round: a peer half again
 PUSH_BURST = 3.0  # ... and a few at once: rounds jitter (an evaluation, a checkpoint), and pushes wait out a busy link
 ANGLE_WINDOW = 8  # a sender's latest cosines whose mean is judged: honest label-skewed means of 8 stayed above -0.1
 ANGLE_MIN_PUSHES = 4  # ... once this many are known: a single honest push read down to -0.235, a mean of 4 -0.143
-OPPOSED_MEAN_COSINE = 0.2  # the mean below -this is a strike: the negated mean of the swarm's pushes reads ~-0.4 to -0.5
+OPPOSED_MEAN_COSINE = 0.2  # the mean below -this is a strike: the swarm's negated mean push reads ~-0.4 to -0.5
 
 
 @dataclass

@@ -181,7 +181,8 @@ class StageStates:
                         await session.reply(env, ErrorReply.of(Refusal(Code.NO_STATE, "the copy is gone")))
                         return
                     try:
-                        tensors, step, samples = await trio.to_thread.run_sync(functools.partial(kept.load, mapped=True))
+                        tensors, step, samples = await trio.to_thread.run_sync(
+                            functools.partial(kept.load, mapped=True))
                     except CopyUnreadable as exc:
                         log.warning("stage %d's state for %s not sent: %s", req.stage, session.short, exc)
                         self.get(key, req.stage)  # forgets it, if it is still the copy we keep

@@ -68,7 +68,8 @@ def run(split: str, *, peers: int, rounds: int, inner: int, seed: int) -> dict:
     parts = shards(y.numpy(), split, peers, rng)
 
     def mlp() -> torch.nn.Module:
-        return torch.nn.Sequential(torch.nn.Linear(x.shape[1], HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, LABELS))
+        return torch.nn.Sequential(torch.nn.Linear(x.shape[1], HIDDEN), torch.nn.ReLU(),
+                                   torch.nn.Linear(HIDDEN, LABELS))
 
     reference = parameters_to_vector(mlp().parameters()).detach().numpy().copy()
     models = [mlp() for _ in range(peers)]
@@ -101,14 +102,15 @@ def run(split: str, *, peers: int, rounds: int, inner: int, seed: int) -> dict:
     cosines = np.array([c for series in pairs.values() for c in series])
     runs = [max((len(s) for s in "".join("x" if c < -OPPOSED_COSINE else " " for c in series).split()), default=0)
             for series in pairs.values()]
-    means = {n: [m for s in pairs.values() if (m := _windowed_min(s, n)) is not None] for n in (ANGLE_MIN_PUSHES, ANGLE_WINDOW)}
+    means = {n: [m for s in pairs.values() if (m := _windowed_min(s, n)) is not None]
+             for n in (ANGLE_MIN_PUSHES, ANGLE_WINDOW)}
     return {"split": split, "peers": peers, "seed": seed, "parameters": int(reference.size),
             "cosine_min": round(float(cosines.min()), 3), "cosine_median": round(float(np.median(cosines)), 3),
             "opposed": f"{int((cosines < -OPPOSED_COSINE).sum())} of {cosines.size}",
             "opposed_most_by_one_sender": max(int((np.array(s) < -OPPOSED_COSINE).sum()) for s in pairs.values()),
             "opposed_longest_run": max(runs),
-            f"mean_of_{ANGLE_MIN_PUSHES}_min": round(min(means[ANGLE_MIN_PUSHES]), 3) if means[ANGLE_MIN_PUSHES] else None,
-            f"mean_of_{ANGLE_WINDOW}_min": round(min(means[ANGLE_WINDOW]), 3) if means[ANGLE_WINDOW] else None,
+            **{f"mean_of_{n}_min": round(min(means[n]), 3) if means[n] else None
+               for n in (ANGLE_MIN_PUSHES, ANGLE_WINDOW)},
             "negated_mean_cosine_median": round(float(np.median(negated)), 3),
             "negated_mean_cosine_max": round(float(np.max(negated)), 3), "accuracy": round(accuracy, 3)}
 

@@ -163,10 +163,10 @@ class StageSeat:
 
     def _copy_in_memory(self, copy_bytes: int, stage: int) -> bool:
         """Whether a copy of `copy_bytes` (of `stage`'s state) may stay in memory: only where the room is known
-        and holds, beside the stage we serve and its averaging, the copies already in memory (but an older one of `stage`, which it
-        replaces) and as many gradient copies as the kept book ever keeps (peer/pipeline/kept.py; the stage keeps
-        copies while a step waits, as many as the room beside its plan holds: `max_held`) — so a copy never takes
-        memory the stage may need. Otherwise it goes to disk.
+        and holds, beside the stage we serve and its averaging, the copies already in memory (but an older one of
+        `stage`, which it replaces) and as many gradient copies as the kept book ever keeps (peer/pipeline/kept.py;
+        the stage keeps copies while a step waits, as many as the room beside its plan holds: `max_held`) — so a
+        copy never takes memory the stage may need. Otherwise it goes to disk.
         (docs/design.md, "Memory is a budget")"""
         if self.mem.room <= 0 or self.key is None:
             return False
