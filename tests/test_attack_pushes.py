@@ -18,12 +18,13 @@ from tests.test_local_steps import STEPS, TINY, _swarm_options, farthest_apart, 
 pytestmark = pytest.mark.slow
 
 
-def _liar_among_four(tmp_path, **attack) -> tuple[list[dict], list, str]:
-    """Four honest sparse peers and the liar (push_liar's options `attack`), run until the honest peers finish:
-    their statuses, their outer weights, and the liar's id."""
+def _liar_among_four(tmp_path, steps: int = STEPS, **attack) -> tuple[list[dict], list, str]:
+    """Four honest sparse peers training `steps` each and the liar (push_liar's options `attack`), run until the
+    honest peers finish: their statuses, their outer weights, and the liar's id."""
     name = unique_swarm("psl")
     topology = {"kind": "full", "target_degree": 4, "min_degree": 4}
-    honest_cfg = swarm_config(swarm=name, trainer="trainers.gossip_sgd", options=_swarm_options(outer_codec="sparse"),
+    honest_cfg = swarm_config(swarm=name, trainer="trainers.gossip_sgd",
+                              options=_swarm_options(outer_codec="sparse", max_steps=steps, eval_every=steps),
                               topology=topology)
     liar_cfg = swarm_config(swarm=name, trainer=LIAR, topology=topology,
                             options={"model": TINY["model"], "model_options": TINY["model_options"], "seed": 0,
@@ -59,7 +60,9 @@ def test_a_liar_flooding_huge_pushes_is_clipped_rate_limited_and_banned_and_the_
 
 
 def test_a_liar_pushing_the_swarm_s_mean_update_negated_is_seen_pointing_away_and_banned(tmp_path):
-    sts, weights, liar_id = _liar_among_four(tmp_path, attack="negate", interval=0.5, magnitude=0.05)
+    # 16 rounds, not 10: a strike takes the mean of 4 or more of the liar's pushes (push_gate.py, `turned_away`), a
+    # ban 3 strikes, and a receiver takes at most 1.5 of its pushes a round (after a burst of 3)
+    sts, weights, liar_id = _liar_among_four(tmp_path, steps=320, attack="negate", interval=0.5, magnitude=0.05)
     for s in sts:
         pushes = s["gossip"]["pushes"]
         assert pushes["opposed"] >= 1, pushes  # the liar's, none of them added
