@@ -12,8 +12,8 @@ bytes arrive.
 One pool serves every session of a daemon (`TransportConfig.receive_pool`), so what it keeps idle is
 bounded per daemon, not per session: a pool per session kept up to 256 MiB idle in each, and a pipeline
 stage's peer, holding two sessions with its stage partner, sat on 256 MiB of 64 MiB matrices its memory
-budget never counted (its cgroup killed it in CI, 2026-11-29). The pipeline's memory model counts
-MAX_IDLE_BYTES in every stage's need (trainers/pipeline/memory.py).
+budget never counted (its cgroup killed it in CI, 2026-11-29). The pipeline's memory model keeps
+MAX_IDLE_BYTES beside a stage with its averaging's copies (trainers/pipeline/memory.py, `sharing_bytes`).
 """
 
 from __future__ import annotations

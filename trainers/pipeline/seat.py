@@ -171,9 +171,9 @@ class StageSeat:
         if self.mem.room <= 0 or self.key is None:
             return False
         lo, hi = self.bounds(self.key, self.stage)
-        held = min(MAX_KEPT * sum(self.model_shapes.param_bytes[lo:hi]), MAX_KEPT_BYTES)
+        gradients = min(MAX_KEPT * sum(self.model_shapes.param_bytes[lo:hi]), MAX_KEPT_BYTES)
         others = sum(c.nbytes for c in self._copies_in_memory() if c.stage != stage)
-        return self.mem.holds(self.held(self.key, self.stage) + held + others + copy_bytes)
+        return self.mem.holds(self.held(self.key, self.stage) + gradients + others + copy_bytes)
 
     def _copies_to_disk(self) -> None:
         """Before a move: the copies held in memory go to disk (kept still, to hand out), so the move's checks
@@ -189,8 +189,8 @@ class StageSeat:
             optimizer=lambda ps: make_optimizer(ps, o.optimizer, lr=o.lr, weight_decay=o.weight_decay),
             max_batch=o.microbatch, sample_x=self.sample_x, sample_y=self.sample_y, grad_clip=o.grad_clip,
             device=device if device is not None else self.device)
-        worker.max_held = self.mem.max_held(*self.bounds(key, stage))
         lo, hi = self.bounds(key, stage)
+        worker.max_held = self.mem.max_held(lo, hi)
         if self.mem.room and not self.mem.sharing(lo, hi) and worker.device.type != "meta":
             self.swarm.log("stage %d: the memory room holds the stage but not an averaging exchange beside it (%d MiB "
                            "more): should another peer serve it too, their exchanges may take this peer past its "

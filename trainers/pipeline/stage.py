@@ -593,11 +593,10 @@ class StageWorker:
         every module state_dict entry ("m/<global key>", state_dict order) and every per-parameter
         optimizer state value ("o/<global param name>/<state key>", the optimizer's parameter order).
         Pending gradients do not travel. ValueError if the optimizer keeps a state no tensor can carry."""
-        named = [(name, p) for name, (_, p) in self._layout.params.items()]
-        with self.lock:
-            module = [(self._global(k), v) for k, v in self.module.state_dict().items()]
-            tensors = state_tensors.flatten(module, named, self._optimizer.state)
-            return tensors, self.steps, self.samples
+        got: list[tuple[list[tuple[str, Tensor]], int, int]] = []
+        self.write_state(lambda tensors, steps, samples: got.append(
+            ([(n, state_tensors.cpu_copy(t)) for n, t in tensors], steps, samples)))  # copied under the lock
+        return got[0]
 
     def write_state(self, write: Callable[[list[tuple[str, Tensor]], int, int], None]) -> None:
         """`write(named tensors, steps, samples)` under `lock`, with the tensors themselves (detached, where
@@ -606,7 +605,7 @@ class StageWorker:
         named = [(name, p) for name, (_, p) in self._layout.params.items()]
         with self.lock:
             module = [(self._global(k), v) for k, v in self.module.state_dict().items()]
-            write(state_tensors.flatten(module, named, self._optimizer.state, copy=False), self.steps, self.samples)
+            write(state_tensors.flatten(module, named, self._optimizer.state), self.steps, self.samples)
 
     def check_state_specs(self, specs: list[tuple[str, str, list[int]]]) -> str | None:
         """None if `specs` [(name, dtype, shape)] is a state this stage can load; else a reason naming

@@ -168,20 +168,20 @@ def _check_opt(layout: StateLayout, rest: str, dtype: str, shape: list[int], see
     return None
 
 
-def _copy(t: Tensor) -> Tensor:
+def cpu_copy(t: Tensor) -> Tensor:
+    """A detached, contiguous copy of `t` on the CPU."""
     return t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
 
 
 def flatten(module_state: Iterable[tuple[str, Tensor]], named_params: Iterable[tuple[str, nn.Parameter]],
-            opt_state: Any, *, copy: bool = True) -> list[tuple[str, Tensor]]:
-    """Copies of the module entries (global keys) and each named parameter's optimizer state, as named tensors
-    (`copy=False`: the tensors themselves, detached)."""
-    take = _copy if copy else Tensor.detach
-    out = [(f"m/{k}", take(v)) for k, v in module_state]
+            opt_state: Any) -> list[tuple[str, Tensor]]:
+    """The module entries (global keys) and each named parameter's optimizer state, as named tensors: the
+    tensors themselves, detached (`cpu_copy` them to keep them past the caller's lock)."""
+    out = [(f"m/{k}", v.detach()) for k, v in module_state]
     for name, p in named_params:
         for key, v in opt_state.get(p, {}).items():
             if isinstance(v, Tensor):
-                out.append((f"o/{name}/{key}", take(v)))
+                out.append((f"o/{name}/{key}", v.detach()))
             elif isinstance(v, (int, float)) and not isinstance(v, bool):
                 out.append((f"o/{name}/{key}{NUM_SUFFIX}", torch.tensor(float(v), dtype=torch.float64)))
             elif v is not None:
